@@ -1,0 +1,117 @@
+"""`RunConfig`: the validated settings of one run of `engine.main`.
+
+Every user mistake in the flags is caught here, before TensorFlow starts
+and before anything is written, as a `UserError` naming the bad value.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from engine.environment import PRECISION_POLICIES
+from engine.errors import UserError
+from engine.strategy import STRATEGY_NAMES
+
+OPTIMIZER_NAMES = ("sgd", "momentum", "adam", "adamw")
+DEFAULT_EPOCHS = 10.0
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    strategy: str = "default"
+    cpu_devices: int = 1
+    num_gpus: int | None = None
+    model: str = "cnn"
+    dataset: str = "digits"
+    data_dir: str | None = None
+    input_pipeline: str = "per_replica"
+    global_batch_size: int = 64
+    train_steps: int | None = None
+    epochs: float | None = None
+    steps_per_loop: int = 50
+    eval_every: int = 100
+    optimizer: str = "adam"
+    learning_rate: float = 1e-3
+    clip_norm: float | None = None
+    grad_accum_steps: int = 1
+    model_dir: str | None = None
+    checkpoint_every: int = 500
+    max_checkpoints: int = 3
+    seed: int = 42
+    deterministic: bool = False
+    mixed_precision: str = "float32"
+    jit_compile: bool = False
+
+    @classmethod
+    def from_flags(cls, flag_values) -> "RunConfig":
+        names = [field.name for field in dataclasses.fields(cls)]
+        config = cls(**{name: flag_values[name].value for name in names})
+        config.validate()
+        return config
+
+    def validate(self) -> None:
+        """Raises UserError for the first bad setting; touches nothing on disk."""
+        from input import dataset_names  # Heavy imports stay out of flag parsing.
+        from models import model_names
+
+        _choose("strategy", self.strategy, STRATEGY_NAMES)
+        _choose("model", self.model, model_names())
+        _choose("dataset", self.dataset, dataset_names())
+        _choose("optimizer", self.optimizer, OPTIMIZER_NAMES)
+        _choose("mixed_precision", self.mixed_precision, tuple(PRECISION_POLICIES))
+        for name in ("cpu_devices", "global_batch_size", "steps_per_loop",
+                     "grad_accum_steps", "max_checkpoints"):
+            _at_least(name, getattr(self, name), 1)
+        for name in ("eval_every", "checkpoint_every"):
+            _at_least(name, getattr(self, name), 0)
+        if self.num_gpus is not None:
+            _at_least("num_gpus", self.num_gpus, 0)
+        if self.train_steps is not None and self.epochs is not None:
+            raise UserError(
+                f"--train_steps={self.train_steps} and --epochs={self.epochs} are "
+                "alternatives; pass only one"
+            )
+        if self.train_steps is not None:
+            _at_least("train_steps", self.train_steps, 1)
+        if self.epochs is not None and self.epochs <= 0:
+            raise UserError(f"--epochs={self.epochs} must be positive")
+        if self.learning_rate <= 0:
+            raise UserError(f"--learning_rate={self.learning_rate} must be positive")
+        if self.clip_norm is not None and self.clip_norm <= 0:
+            raise UserError(f"--clip_norm={self.clip_norm} must be positive")
+        if self.model_dir:
+            check_model_dir(self.model_dir)
+
+    def total_steps(self, num_train_examples: int | None) -> int:
+        """--train_steps, or --epochs (default 10) worth of full global batches."""
+        if self.train_steps is not None:
+            return self.train_steps
+        if num_train_examples is None:
+            raise UserError(
+                f"--dataset={self.dataset} does not know its size; pass --train_steps"
+            )
+        epochs = self.epochs if self.epochs is not None else DEFAULT_EPOCHS
+        return max(1, int(epochs * num_train_examples) // self.global_batch_size)
+
+
+def check_model_dir(model_dir: str) -> None:
+    """A model_dir must be a writable directory, or creatable as one."""
+    path = os.path.abspath(model_dir)
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise UserError(f"--model_dir={model_dir} is a file; pass a directory")
+    existing = path
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing) or not os.access(existing, os.W_OK | os.X_OK):
+        raise UserError(f"--model_dir={model_dir} is not writable ({existing}); pass a writable directory")
+
+
+def _choose(name: str, value: str, choices) -> None:
+    if value not in choices:
+        raise UserError(f"unknown --{name}={value!r}; choose one of: {', '.join(choices)}")
+
+
+def _at_least(name: str, value: int, minimum: int) -> None:
+    if value < minimum:
+        raise UserError(f"--{name}={value} must be at least {minimum}")

@@ -1,0 +1,54 @@
+"""Every command-line flag of `python -m engine.main`, and nothing else.
+
+Names, models and datasets are plain strings checked by `RunConfig`, so
+that every bad value gets the same kind of one-line message.
+"""
+
+from absl import flags
+
+# Strategy and cluster.
+flags.DEFINE_string("strategy", "default",
+                    "default, one_device, mirrored, multi_worker_mirrored, parameter_server or tpu.")
+flags.DEFINE_integer("cpu_devices", 1,
+                     "Logical CPU devices to split the host CPU into; `mirrored` uses them "
+                     "as replicas when there is no GPU.")
+flags.DEFINE_integer("num_gpus", None, "GPUs for mirrored/one_device (default: all visible).")
+
+# Model and data.
+flags.DEFINE_string("model", "cnn", "Model name (models/registry.py).")
+flags.DEFINE_string("dataset", "digits",
+                    "digits (offline default), mnist, synthetic or tfrecord.")
+flags.DEFINE_string("data_dir", None, "Where mnist.npz or the TFRecord files are.")
+flags.DEFINE_enum("input_pipeline", "per_replica", ["per_replica", "global"],
+                  "per_replica: distribute_datasets_from_function (sharded, per-replica "
+                  "batches); global: experimental_distribute_dataset over global batches.")
+
+# How long and how.
+flags.DEFINE_integer("global_batch_size", 64, "Examples per step over all replicas.")
+flags.DEFINE_integer("train_steps", None, "Global steps to train to (alternative to --epochs).")
+flags.DEFINE_float("epochs", None,
+                   "Epochs to train (alternative to --train_steps; default 10 when neither is set).")
+flags.DEFINE_integer("steps_per_loop", 50, "Steps per compiled call.")
+flags.DEFINE_integer("eval_every", 100, "Evaluate every N steps; 0 evaluates only at the end.")
+flags.DEFINE_string("optimizer", "adam", "sgd, momentum, adam or adamw.")
+flags.DEFINE_float("learning_rate", 1e-3, "Learning rate.")
+flags.DEFINE_float("clip_norm", None, "Clip the global gradient norm to this value.")
+flags.DEFINE_integer("grad_accum_steps", 1,
+                     "Split each replica's batch into this many micro-batches and "
+                     "accumulate their gradients.")
+
+# State on disk.
+flags.DEFINE_string("model_dir", None,
+                    "Checkpoints, TensorBoard logs and metrics.json; restored from when "
+                    "it holds a checkpoint (default: a new temporary directory).")
+flags.DEFINE_integer("checkpoint_every", 500, "Save every N steps (and always at the end).")
+flags.DEFINE_integer("max_checkpoints", 3, "Checkpoints to keep.")
+
+# Numerics and speed.
+flags.DEFINE_integer("seed", 42, "Seed for weights, shuffling and dropout.")
+flags.DEFINE_boolean("deterministic", False,
+                     "Deterministic ops: bitwise-reproducible runs, somewhat slower.")
+flags.DEFINE_string("mixed_precision", "float32", "float32, float16 (loss scaling) or bfloat16.")
+flags.DEFINE_boolean("jit_compile", False, "Compile the per-replica step with XLA.")
+
+FLAGS = flags.FLAGS

@@ -1,0 +1,124 @@
+"""A whole training job from a `RunConfig`: what `engine.main` runs.
+
+Separate from `main.py` so tests and benchmarks can run a job in-process
+without absl flag parsing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from typing import Any
+
+import keras
+import tensorflow as tf
+from absl import logging
+
+from engine.config import RunConfig
+from engine.environment import seed_everything, set_precision
+from engine.errors import UserError
+from engine.strategy import build_strategy, configure_cpu_devices
+from engine.trainer import Trainer
+
+METRICS_FILE = "metrics.json"
+
+
+def build_optimizer(name: str, learning_rate: float, mixed_precision: str) -> keras.optimizers.Optimizer:
+    optimizers = {
+        "sgd": lambda: keras.optimizers.SGD(learning_rate),
+        "momentum": lambda: keras.optimizers.SGD(learning_rate, momentum=0.9),
+        "adam": lambda: keras.optimizers.Adam(learning_rate),
+        "adamw": lambda: keras.optimizers.AdamW(learning_rate),
+    }
+    optimizer = optimizers[name]()
+    if mixed_precision == "float16":
+        # float16 gradients underflow without a (dynamic) loss scale.
+        optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
+    return optimizer
+
+
+def run(config: RunConfig) -> dict[str, Any]:
+    """Trains and evaluates as `config` says; returns what metrics.json holds."""
+    from input import DataError, get_data_source
+    from models import get_model_spec
+
+    if config.cpu_devices > 1:
+        configure_cpu_devices(config.cpu_devices)
+    set_precision(config.mixed_precision)
+    seed_everything(config.seed, deterministic=config.deterministic)
+    strategy = build_strategy(config.strategy, cpu_devices=config.cpu_devices, num_gpus=config.num_gpus)
+    model_spec = get_model_spec(config.model)
+    image_shape = model_spec.default_input_shape
+    try:
+        source = get_data_source(config.dataset, image_shape=image_shape, data_dir=config.data_dir)
+    except DataError as error:
+        raise UserError(str(error)) from None
+    model_dir = config.model_dir or tempfile.mkdtemp(prefix="engine-")
+    total_steps = config.total_steps(source.num_train_examples)
+
+    with strategy.scope():
+        model = model_spec.build(image_shape, source.num_classes)
+        optimizer = build_optimizer(config.optimizer, config.learning_rate, config.mixed_precision)
+
+    batch, seed = config.global_batch_size, config.seed
+    if config.input_pipeline == "global":
+        def train_data(start_step):
+            return source.train_dataset(global_batch_size=batch, seed=seed, start_step=start_step)
+        eval_data = source.eval_dataset(global_batch_size=batch)
+    else:
+        def train_data(input_context, start_step):
+            return source.train_dataset(global_batch_size=batch, seed=seed,
+                                        start_step=start_step, input_context=input_context)
+        eval_data = None
+        if source.num_eval_examples is not None:
+            def eval_data(input_context):
+                return source.eval_dataset(global_batch_size=batch, input_context=input_context)
+
+    trainer = Trainer(
+        strategy=strategy, model=model, optimizer=optimizer,
+        train_data=train_data, eval_data=eval_data, global_batch_size=batch,
+        loss_fn=keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None),
+        metrics=[keras.metrics.SparseCategoricalAccuracy(name="accuracy")],
+        model_dir=model_dir, steps_per_loop=config.steps_per_loop,
+        eval_every=config.eval_every, checkpoint_every=config.checkpoint_every,
+        max_checkpoints=config.max_checkpoints, clip_norm=config.clip_norm,
+        grad_accum_steps=config.grad_accum_steps, jit_compile=config.jit_compile,
+    )
+    _log_banner(config, strategy, model, source, model_dir, total_steps, trainer.step)
+    train_logs = trainer.train(total_steps)
+    eval_logs = trainer.evaluate() if eval_data is not None else {}
+    trainer.close()
+    speed = trainer.steady_examples_per_second or train_logs.get("examples_per_second")
+    result = {
+        "global_step": trainer.step,
+        "train": train_logs,
+        "eval": eval_logs,
+        "examples_per_second": speed,
+        "model_dir": model_dir,
+    }
+    _write_json(os.path.join(model_dir, METRICS_FILE), result)
+    logging.info("done: step %d, eval %s, %.0f examples/s; wrote %s",
+                 trainer.step, eval_logs, speed or 0.0, os.path.join(model_dir, METRICS_FILE))
+    return result
+
+
+def _log_banner(config, strategy, model, source, model_dir, total_steps, start_step) -> None:
+    replicas = strategy.num_replicas_in_sync
+    devices = getattr(strategy.extended, "worker_devices", ("default",))
+    logging.info(
+        "strategy=%s replicas=%d devices=%s global_batch=%d per_replica_batch=%d "
+        "model=%s params=%d dataset=%s (%s train / %s eval) steps=%d->%d model_dir=%s",
+        config.strategy, replicas, ",".join(devices), config.global_batch_size,
+        config.global_batch_size // replicas, config.model, model.count_params(),
+        config.dataset, source.num_train_examples, source.num_eval_examples,
+        start_step, total_steps, model_dir,
+    )
+
+
+def _write_json(path: str, payload: dict) -> None:
+    """Writes atomically, so a reader never sees half a file."""
+    temporary = path + ".tmp"
+    with open(temporary, "w") as handle:
+        json.dump(payload, handle, indent=2, sort_keys=True)
+    os.replace(temporary, path)

@@ -1,0 +1,166 @@
+"""What one replica does for one batch: the per-replica train and eval steps.
+
+A replica step maps a batch to a dict of scalar tensors (what the loop
+averages over replicas and steps and then logs). `loop.py` runs these with
+`strategy.run`; nothing here knows about loops, iterators or devices.
+
+The loss arithmetic is the part custom loops most often get wrong:
+per-example losses are summed on each replica and divided by the GLOBAL
+batch size (`tf.nn.compute_average_loss`), so that summing gradients across
+replicas (what the optimizer's all-reduce does) yields the gradient of the
+global-batch mean; regularization losses are divided by the number of
+replicas for the same reason.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable, Mapping, Sequence
+
+import keras
+import tensorflow as tf
+
+Batch = Any
+ReplicaStep = Callable[[Batch], Mapping[str, tf.Tensor]]
+# Maps (labels, logits) to one loss value per example, unreduced.
+PerExampleLoss = Callable[[tf.Tensor, tf.Tensor], tf.Tensor]
+
+
+def call_model(model: Any, inputs: tf.Tensor, *, training: bool) -> tf.Tensor:
+    """Calls a Keras model or a plain `tf.Module`, passing `training` only
+    where the call accepts it (a research model's `__call__` may not)."""
+    if isinstance(model, keras.Model) or _accepts_training(model):
+        return model(inputs, training=training)
+    return model(inputs)
+
+
+def _accepts_training(model: Any) -> bool:
+    try:
+        parameters = inspect.signature(model.__call__).parameters
+    except (TypeError, ValueError):
+        return False
+    return "training" in parameters or any(
+        p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()
+    )
+
+
+def regularization_loss(model: Any) -> tf.Tensor:
+    """The sum of the model's regularization losses (0 for a tf.Module)."""
+    losses = list(getattr(model, "losses", []) or [])
+    if not losses:
+        return tf.constant(0.0)
+    return tf.add_n([tf.cast(loss, tf.float32) for loss in losses])
+
+
+def make_train_step(
+    *,
+    model: Any,
+    optimizer: keras.optimizers.Optimizer,
+    loss_fn: PerExampleLoss,
+    global_batch_size: int,
+    metrics: Sequence[keras.metrics.Metric] = (),
+    clip_norm: float | None = None,
+    grad_accum_steps: int = 1,
+    jit_compile: bool = False,
+) -> ReplicaStep:
+    """The standard supervised replica step for `(features, labels)` batches.
+
+    - `grad_accum_steps` splits the replica's batch into that many
+      micro-batches and sums their gradients before one update: less memory,
+      the same update as the whole batch.
+    - `clip_norm` clips the GLOBAL gradient (after the cross-replica sum),
+      so every replica applies the same clipped update.
+    - `jit_compile` compiles the forward and backward pass with XLA; the
+      cross-replica reduction and the optimizer update stay outside it.
+    - A `keras.optimizers.LossScaleOptimizer` (float16) gets its loss scaled
+      and its gradients unscaled by the optimizer itself.
+    """
+    uses_loss_scale = isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
+
+    def compute_gradients(features: tf.Tensor, labels: tf.Tensor):
+        variables = model.trainable_variables
+        feature_parts = tf.split(features, grad_accum_steps) if grad_accum_steps > 1 else [features]
+        label_parts = tf.split(labels, grad_accum_steps) if grad_accum_steps > 1 else [labels]
+        gradients = None
+        data_loss_sum = tf.constant(0.0)
+        reg_loss = tf.constant(0.0)
+        all_logits = []
+        for part_features, part_labels in zip(feature_parts, label_parts):
+            with tf.GradientTape() as tape:
+                logits = call_model(model, part_features, training=True)
+                per_example = tf.cast(loss_fn(part_labels, logits), tf.float32)
+                reg_loss = regularization_loss(model)
+                loss = tf.nn.compute_average_loss(
+                    per_example, global_batch_size=global_batch_size
+                ) + tf.nn.scale_regularization_loss(reg_loss) / grad_accum_steps
+                if uses_loss_scale:
+                    loss = optimizer.scale_loss(loss)
+            part_gradients = tape.gradient(loss, variables)
+            gradients = (
+                part_gradients
+                if gradients is None
+                else [g + p for g, p in zip(gradients, part_gradients)]
+            )
+            data_loss_sum += tf.reduce_sum(per_example)
+            all_logits.append(logits)
+        logits = all_logits[0] if len(all_logits) == 1 else tf.concat(all_logits, 0)
+        local_mean_loss = data_loss_sum / tf.cast(tf.shape(labels)[0], tf.float32)
+        return gradients, local_mean_loss + reg_loss, logits
+
+    if jit_compile:
+        compute_gradients = tf.function(compute_gradients, jit_compile=True)
+
+    def train_step(batch: Batch) -> dict[str, tf.Tensor]:
+        features, labels = batch
+        gradients, loss, logits = compute_gradients(features, labels)
+        if clip_norm is not None:
+            gradients = _clip_global_norm(gradients, clip_norm, optimizer, uses_loss_scale)
+        optimizer.apply(gradients, model.trainable_variables)
+        for metric in metrics:
+            metric.update_state(labels, logits)
+        return {"loss": loss}
+
+    return train_step
+
+
+def _clip_global_norm(gradients, clip_norm, optimizer, uses_loss_scale):
+    """Clips by the norm of the all-reduced gradient.
+
+    Each replica holds only its share of the gradient, so the norm must be
+    taken after the sum. The optimizer sums across replicas again, which is
+    why each replica hands it 1/num_replicas of the clipped total.
+    """
+    context = tf.distribute.get_replica_context()
+    num_replicas = context.num_replicas_in_sync
+    total = context.all_reduce(tf.distribute.ReduceOp.SUM, gradients)
+    threshold = clip_norm
+    if uses_loss_scale:  # The gradients are still multiplied by the loss scale.
+        threshold = clip_norm * tf.cast(optimizer.dynamic_scale, tf.float32)
+    clipped, _ = tf.clip_by_global_norm(total, threshold)
+    return [g / num_replicas for g in clipped]
+
+
+def make_eval_step(
+    *,
+    model: Any,
+    loss_fn: PerExampleLoss,
+    loss_metric: keras.metrics.Mean,
+    count_metric: keras.metrics.Sum,
+    metrics: Sequence[keras.metrics.Metric] = (),
+) -> Callable[[Batch], None]:
+    """The eval replica step: updates metrics only.
+
+    Metrics accumulate sums and counts per replica that are added up when
+    read, so a partial last batch, or a replica that gets an empty batch,
+    counts exactly as many examples as it holds.
+    """
+
+    def eval_step(batch: Batch) -> None:
+        features, labels = batch
+        logits = call_model(model, features, training=False)
+        loss_metric.update_state(tf.cast(loss_fn(labels, logits), tf.float32))
+        count_metric.update_state(tf.cast(tf.shape(labels)[0], tf.float32))
+        for metric in metrics:
+            metric.update_state(labels, logits)
+
+    return eval_step

@@ -1,0 +1,76 @@
+"""Builds the `tf.distribute.Strategy` a run asks for.
+
+Several replicas on a machine without GPUs come from splitting the host CPU
+into logical devices, which TensorFlow allows only before its runtime starts:
+`configure_cpu_devices` must run before anything touches a device.
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+from engine.errors import UserError
+
+SINGLE_HOST_STRATEGIES = ("default", "one_device", "mirrored")
+MULTI_HOST_STRATEGIES = ("multi_worker_mirrored", "parameter_server", "tpu")
+STRATEGY_NAMES = SINGLE_HOST_STRATEGIES + MULTI_HOST_STRATEGIES
+
+
+def configure_cpu_devices(count: int) -> None:
+    """Splits the first physical CPU into `count` logical devices (idempotent)."""
+    if count < 1:
+        raise UserError(f"--cpu_devices={count} must be at least 1")
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    existing = tf.config.get_logical_device_configuration(cpu)
+    if existing is not None and len(existing) == count:
+        return
+    try:
+        tf.config.set_logical_device_configuration(
+            cpu, [tf.config.LogicalDeviceConfiguration()] * count
+        )
+    except RuntimeError:
+        have = len(tf.config.list_logical_devices("CPU"))
+        if have >= count:
+            return  # Already split into enough devices; use the first `count`.
+        raise UserError(
+            f"--cpu_devices={count} cannot be applied: TensorFlow already started "
+            f"with {have} CPU device(s); set it before any TensorFlow work"
+        ) from None
+
+
+def build_strategy(
+    name: str = "default", *, cpu_devices: int = 1, num_gpus: int | None = None
+) -> tf.distribute.Strategy:
+    """Returns the strategy called `name`.
+
+    `mirrored` uses `num_gpus` GPUs (all visible ones when None) and, when
+    there are none, `cpu_devices` logical CPU devices, so several replicas
+    can be used and tested on a laptop.
+    """
+    if name not in STRATEGY_NAMES:
+        raise UserError(
+            f"unknown strategy {name!r}; choose one of: {', '.join(STRATEGY_NAMES)}"
+        )
+    if name in MULTI_HOST_STRATEGIES:
+        raise UserError(
+            f"--strategy={name} is not yet supported by this engine; "
+            f"use one of: {', '.join(SINGLE_HOST_STRATEGIES)}"
+        )
+    if name == "default":
+        return tf.distribute.get_strategy()
+    if cpu_devices > 1:
+        configure_cpu_devices(cpu_devices)
+    gpus = tf.config.list_logical_devices("GPU")
+    if num_gpus is not None:
+        if num_gpus > len(gpus):
+            raise UserError(
+                f"--num_gpus={num_gpus} but only {len(gpus)} GPU(s) are visible; "
+                "lower --num_gpus or use --cpu_devices on a CPU-only machine"
+            )
+        gpus = gpus[:num_gpus]
+    if name == "one_device":
+        return tf.distribute.OneDeviceStrategy(gpus[0].name if gpus else "/cpu:0")
+    if gpus:
+        return tf.distribute.MirroredStrategy([gpu.name for gpu in gpus])
+    devices = [f"/cpu:{index}" for index in range(cpu_devices)]
+    return tf.distribute.MirroredStrategy(devices)

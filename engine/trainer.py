@@ -1,0 +1,289 @@
+"""The outer loop: when to train, evaluate, save, log and stop.
+
+The compiled work lives in `loop.py`; this module only decides how many
+steps the next compiled call runs (never past the next evaluation,
+checkpoint or the target step) and what happens between calls. Everything
+here runs once per loop, not once per step.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Mapping, Sequence
+
+import keras
+import tensorflow as tf
+from absl import logging
+
+from engine import checkpoint as checkpoint_lib
+from engine.distribute import Data, distribute_eval_data, distribute_train_data
+from engine.errors import UserError
+from engine.loop import make_eval_loop, make_train_loop
+from engine.steps import PerExampleLoss, ReplicaStep, make_eval_step, make_train_step
+from engine.summaries import SummaryWriters
+
+
+class Trainer:
+    """Distributed, compiled custom training loop with eval, summaries and checkpoints.
+
+    Create the model and optimizer inside `strategy.scope()`. Pass
+    `loss_fn` (per-example losses from `(labels, logits)`; the engine does
+    the cross-replica averaging) and/or `step_fn` (your own per-replica step
+    returning a dict of scalars; then the loss scaling is yours). Evaluation
+    uses `loss_fn` and `metrics`.
+
+    The latest checkpoint in `model_dir` is restored on construction, so
+    `trainer.global_step` says where training continues from.
+    """
+
+    def __init__(
+        self,
+        *,
+        strategy: tf.distribute.Strategy,
+        model: Any,
+        optimizer: keras.optimizers.Optimizer,
+        train_data: Data,
+        global_batch_size: int,
+        loss_fn: PerExampleLoss | None = None,
+        step_fn: ReplicaStep | None = None,
+        metrics: Sequence[keras.metrics.Metric] = (),
+        eval_data: Data | None = None,
+        model_dir: str | None = None,
+        steps_per_loop: int = 100,
+        eval_every: int | None = None,
+        checkpoint_every: int | None = None,
+        max_checkpoints: int = 3,
+        clip_norm: float | None = None,
+        grad_accum_steps: int = 1,
+        jit_compile: bool = False,
+    ):
+        if loss_fn is None and step_fn is None:
+            raise UserError("pass loss_fn, step_fn or both to Trainer")
+        if eval_data is not None and loss_fn is None:
+            raise UserError("evaluation needs loss_fn (per-example losses) besides step_fn")
+        if steps_per_loop < 1:
+            raise UserError(f"steps_per_loop={steps_per_loop} must be at least 1")
+        _check_batch(global_batch_size, strategy.num_replicas_in_sync, grad_accum_steps)
+        self.strategy = strategy
+        self.model = model
+        self.optimizer = optimizer
+        self.global_batch_size = global_batch_size
+        self.steps_per_loop = steps_per_loop
+        self.eval_every = eval_every or None
+        self.checkpoint_every = checkpoint_every or None
+        self._train_data = train_data
+        self._eval_data = eval_data
+        self._summaries = SummaryWriters(model_dir)
+        self._iterator = None
+        self._iterator_step = -1
+        self._steady_seconds = 0.0
+        self._steady_steps = 0
+        self._compiled_once = False
+
+        with strategy.scope():
+            _check_created_in_scope(strategy, model)
+            if not optimizer.built:
+                # Keras 3 optimizers must create their slots eagerly in the
+                # scope before the first traced step (and before a restore).
+                optimizer.build(model.trainable_variables)
+            self.global_step = tf.Variable(
+                0, dtype=tf.int64, trainable=False, name="global_step",
+                aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
+            )
+            self.train_metrics = [_fresh_copy(m) for m in metrics]
+            self.eval_metrics = [_fresh_copy(m) for m in metrics]
+            self._eval_loss = keras.metrics.Mean(name="loss")
+            self._eval_count = keras.metrics.Sum(name="num_examples")
+
+        if step_fn is None:
+            step_fn = make_train_step(
+                model=model, optimizer=optimizer, loss_fn=loss_fn,
+                global_batch_size=global_batch_size, metrics=self.train_metrics,
+                clip_norm=clip_norm, grad_accum_steps=grad_accum_steps,
+                jit_compile=jit_compile,
+            )
+        self.train_loop = make_train_loop(strategy, step_fn, self.global_step)
+        self.eval_loop = None
+        if self._eval_data is not None:
+            self.eval_loop = make_eval_loop(strategy, make_eval_step(
+                model=model, loss_fn=loss_fn, loss_metric=self._eval_loss,
+                count_metric=self._eval_count, metrics=self.eval_metrics,
+            ))
+
+        self.checkpoint_manager = None
+        if model_dir is not None:
+            checkpoint = tf.train.Checkpoint(
+                model=model, optimizer=optimizer, global_step=self.global_step
+            )
+            self.checkpoint_manager = checkpoint_lib.make_manager(
+                model_dir, checkpoint, max_to_keep=max_checkpoints,
+                step_counter=self.global_step,
+            )
+            self._restore()
+
+    # ------------------------------------------------------------------ state
+
+    @property
+    def step(self) -> int:
+        return int(self.global_step.numpy())
+
+    def _restore(self) -> None:
+        learning_rate = _constant_learning_rate(self.optimizer)
+        path = checkpoint_lib.restore_latest(self.checkpoint_manager)
+        if path is None:
+            return
+        if learning_rate is not None:
+            # The checkpoint holds the old run's learning rate; the optimizer
+            # the user passed now (e.g. a new --learning_rate) wins.
+            self.optimizer.learning_rate = learning_rate
+        logging.info("Restored %s at step %d", path, self.step)
+
+    def save(self) -> str | None:
+        """Writes a checkpoint at the current step (no-op without model_dir)."""
+        if self.checkpoint_manager is None:
+            return None
+        path = self.checkpoint_manager.save(checkpoint_number=self.step)
+        logging.info("Saved checkpoint %s", path)
+        return path
+
+    # ---------------------------------------------------------------- training
+
+    def train(self, steps: int) -> dict[str, float]:
+        """Trains until the global step reaches `steps`; returns the last loop's logs.
+
+        `steps` is an absolute target, so a restarted job with the same
+        arguments does only the remaining work.
+        """
+        if steps < 0:
+            raise UserError(f"train steps={steps} must not be negative")
+        logs: dict[str, float] = {}
+        last_saved = self.step
+        while self.step < steps:
+            start = self.step
+            num_steps = self._next_loop_length(start, steps)
+            iterator = self._train_iterator(start)
+            for metric in self.train_metrics:
+                metric.reset_state()
+            began = time.perf_counter()
+            outputs = self.train_loop(iterator, tf.constant(num_steps, tf.int32))
+            logs = {name: float(value) for name, value in outputs.items()}
+            seconds = time.perf_counter() - began
+            self._iterator_step = start + num_steps
+            logs.update({m.name: float(m.result()) for m in self.train_metrics})
+            logs.update(self._speed(num_steps, seconds))
+            logs["learning_rate"] = _current_learning_rate(self.optimizer)
+            self._summaries.write("train", self.step, logs)
+            logging.info("step %d/%d  %s", self.step, steps, _format(logs))
+            if self._due(self.eval_every) and self.eval_loop is not None:
+                self.evaluate()
+            if self._due(self.checkpoint_every):
+                self.save()
+                last_saved = self.step
+        if self.step != last_saved or (self.checkpoint_manager is not None
+                                       and self.checkpoint_manager.latest_checkpoint is None):
+            self.save()
+        return logs
+
+    def _next_loop_length(self, start: int, target: int) -> int:
+        length = min(self.steps_per_loop, target - start)
+        for every in (self.eval_every, self.checkpoint_every):
+            if every:
+                length = min(length, every - start % every)
+        return length
+
+    def _due(self, every: int | None) -> bool:
+        return bool(every) and self.step % every == 0
+
+    def _train_iterator(self, start_step: int):
+        if self._iterator is None or self._iterator_step != start_step:
+            dataset = distribute_train_data(self.strategy, self._train_data, start_step=start_step)
+            self._iterator = iter(dataset)
+            self._iterator_step = start_step
+        return self._iterator
+
+    def _speed(self, num_steps: int, seconds: float) -> dict[str, float]:
+        """Throughput of this loop; the first loop (tracing, compiling) is left
+        out of the steady rate that `examples_per_second` reports."""
+        if self._compiled_once:
+            self._steady_seconds += seconds
+            self._steady_steps += num_steps
+        self._compiled_once = True
+        return {
+            "steps_per_second": num_steps / seconds,
+            "examples_per_second": num_steps * self.global_batch_size / seconds,
+        }
+
+    @property
+    def steady_examples_per_second(self) -> float | None:
+        """Examples/s over every loop but the first; None until there are two."""
+        if not self._steady_steps:
+            return None
+        return self._steady_steps * self.global_batch_size / self._steady_seconds
+
+    # -------------------------------------------------------------- evaluation
+
+    def evaluate(self) -> dict[str, float]:
+        """Runs over the whole eval set once; metrics cover every example."""
+        if self.eval_loop is None:
+            raise UserError("evaluate() needs eval_data and a loss_fn")
+        for metric in (self._eval_loss, self._eval_count, *self.eval_metrics):
+            metric.reset_state()
+        self.eval_loop(distribute_eval_data(self.strategy, self._eval_data))
+        logs = {"loss": float(self._eval_loss.result())}
+        logs.update({m.name: float(m.result()) for m in self.eval_metrics})
+        logs["num_examples"] = int(round(float(self._eval_count.result())))
+        self._summaries.write("eval", self.step, logs)
+        logging.info("eval at step %d  %s", self.step, _format(logs))
+        return logs
+
+    def close(self) -> None:
+        self._summaries.close()
+
+
+def _check_batch(global_batch_size: int, num_replicas: int, grad_accum_steps: int) -> None:
+    if global_batch_size < 1:
+        raise UserError(f"global batch size {global_batch_size} must be positive")
+    if grad_accum_steps < 1:
+        raise UserError(f"grad_accum_steps={grad_accum_steps} must be at least 1")
+    if global_batch_size % (num_replicas * grad_accum_steps):
+        raise UserError(
+            f"global batch size {global_batch_size} is not divisible by "
+            f"{num_replicas} replica(s) x {grad_accum_steps} accumulation step(s); "
+            f"use a multiple of {num_replicas * grad_accum_steps}"
+        )
+
+
+def _check_created_in_scope(strategy: tf.distribute.Strategy, model: Any) -> None:
+    for variable in model.trainable_variables[:1]:
+        if not strategy.extended.variable_created_in_scope(
+            getattr(variable, "value", variable)
+        ):
+            raise UserError(
+                "the model's variables were created outside strategy.scope(); "
+                "build the model and optimizer inside `with strategy.scope():`"
+            )
+
+
+def _fresh_copy(metric: keras.metrics.Metric) -> keras.metrics.Metric:
+    """A new, empty metric of the same config, created in the current scope."""
+    return type(metric).from_config(metric.get_config())
+
+
+def _constant_learning_rate(optimizer: keras.optimizers.Optimizer) -> float | None:
+    schedule = getattr(optimizer, "_learning_rate", None)
+    if isinstance(schedule, keras.optimizers.schedules.LearningRateSchedule) or callable(schedule):
+        return None
+    return _current_learning_rate(optimizer)
+
+
+def _current_learning_rate(optimizer: keras.optimizers.Optimizer) -> float:
+    # A distributed Keras variable does not convert with float(); read it as a tensor.
+    return float(tf.convert_to_tensor(optimizer.learning_rate).numpy())
+
+
+def _format(logs: Mapping[str, float]) -> str:
+    return "  ".join(
+        f"{name}={value:.4g}" if isinstance(value, float) else f"{name}={value}"
+        for name, value in logs.items()
+    )

@@ -1,0 +1,16 @@
+"""Test session set-up: two logical CPU devices, so that mirrored tests have
+two replicas on a machine without GPUs. This must run before any test
+touches a TensorFlow device, which is why it lives here."""
+
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import tensorflow as tf  # noqa: E402
+
+TEST_CPU_DEVICES = 2
+
+_cpu = tf.config.list_physical_devices("CPU")[0]
+tf.config.set_logical_device_configuration(
+    _cpu, [tf.config.LogicalDeviceConfiguration()] * TEST_CPU_DEVICES
+)

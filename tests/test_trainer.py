@@ -1,0 +1,212 @@
+"""The numerical promises of the Trainer: equal weights across strategies,
+loss arithmetic, exact evaluation, one trace, resume at the saved step."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+import keras
+
+import engine
+
+NUM_FEATURES = 6
+NUM_CLASSES = 3
+
+
+def make_arrays(n: int, seed: int = 0):
+    rng = np.random.RandomState(seed)
+    x = rng.rand(n, NUM_FEATURES).astype("float32")
+    y = (x[:, 0] * NUM_CLASSES).astype("int32") % NUM_CLASSES
+    return x, y
+
+
+def make_model(strategy, seed: int = 3, l2: float = 0.0):
+    with strategy.scope():
+        regularizer = keras.regularizers.L2(l2) if l2 else None
+        model = keras.Sequential([
+            keras.Input((NUM_FEATURES,)),
+            keras.layers.Dense(16, activation="relu", kernel_regularizer=regularizer),
+            keras.layers.Dense(NUM_CLASSES),
+        ])
+        optimizer = keras.optimizers.SGD(0.5)
+    rng = np.random.RandomState(seed)  # Same start for every strategy.
+    model.set_weights([rng.normal(0, 0.5, w.shape).astype("float32") for w in model.get_weights()])
+    return model, optimizer
+
+
+def loss_fn():
+    return keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
+
+
+def global_batches(x, y, batch):
+    return tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(batch, drop_remainder=True)
+
+
+def per_replica_batches(x, y, batch):
+    """fn(input_context) whose replica r at step k gets the same examples as
+    replica r of the split global batch (one input pipeline)."""
+    def dataset_fn(input_context):
+        per_replica = input_context.get_per_replica_batch_size(batch)
+        return tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(per_replica, drop_remainder=True)
+    return dataset_fn
+
+
+def train_weights(strategy, data, *, batch=16, steps=12, **trainer_kwargs):
+    model, optimizer = make_model(strategy)
+    trainer = engine.Trainer(
+        strategy=strategy, model=model, optimizer=optimizer, train_data=data,
+        global_batch_size=batch, loss_fn=loss_fn(), steps_per_loop=5, **trainer_kwargs,
+    )
+    trainer.train(steps)
+    assert trainer.step == steps
+    return model.get_weights()
+
+
+@pytest.fixture(scope="module")
+def mirrored():
+    return engine.build_strategy("mirrored", cpu_devices=2)
+
+
+@pytest.fixture(scope="module")
+def default():
+    return engine.build_strategy("default")
+
+
+@pytest.mark.parametrize("input_form", ["global_dataset", "per_replica_fn"])
+def test_two_replicas_train_to_the_same_weights_as_one_device(default, mirrored, input_form):
+    x, y = make_arrays(64)
+    data = global_batches(x, y, 16) if input_form == "global_dataset" else per_replica_batches(x, y, 16)
+    single = train_weights(default, global_batches(x, y, 16))
+    assert mirrored.num_replicas_in_sync == 2
+    two = train_weights(mirrored, data)
+    for a, b in zip(single, two):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert not np.allclose(single[0], make_model(default)[0].get_weights()[0])  # It did train.
+
+
+def test_clipping_and_accumulation_keep_replicas_equal(default, mirrored):
+    x, y = make_arrays(64)
+    options = dict(clip_norm=0.05, grad_accum_steps=2)
+    single = train_weights(default, global_batches(x, y, 16), **options)
+    two = train_weights(mirrored, global_batches(x, y, 16), **options)
+    for a, b in zip(single, two):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_gradient_accumulation_equals_the_whole_batch(mirrored):
+    x, y = make_arrays(64)
+    whole = train_weights(mirrored, global_batches(x, y, 16))
+    accumulated = train_weights(mirrored, global_batches(x, y, 16), grad_accum_steps=4)
+    for a, b in zip(whole, accumulated):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_clip_norm_bounds_the_global_update(mirrored):
+    x, y = make_arrays(16)
+    model, optimizer = make_model(mirrored)
+    before = [w.copy() for w in model.get_weights()]
+    trainer = engine.Trainer(strategy=mirrored, model=model, optimizer=optimizer,
+                             train_data=global_batches(x, y, 16), global_batch_size=16,
+                             loss_fn=loss_fn(), clip_norm=0.01)
+    trainer.train(1)
+    update = np.sqrt(sum(((a - b) ** 2).sum() for a, b in zip(model.get_weights(), before)))
+    np.testing.assert_allclose(update, 0.5 * 0.01, rtol=1e-4)  # learning rate x clip norm
+
+
+def softmax_cross_entropy(logits, labels):
+    shifted = logits - logits.max(axis=1, keepdims=True)
+    log_probs = shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
+    return -log_probs[np.arange(len(labels)), labels]
+
+
+@pytest.mark.parametrize("strategy_name", ["default", "mirrored"])
+def test_reported_loss_equals_a_hand_computation(strategy_name):
+    strategy = engine.build_strategy(strategy_name, cpu_devices=2)
+    x, y = make_arrays(16)
+    model, optimizer = make_model(strategy, l2=0.01)
+    w1, b1, w2, b2 = model.get_weights()
+    logits = np.maximum(x @ w1 + b1, 0) @ w2 + b2
+    expected = softmax_cross_entropy(logits, y).mean() + 0.01 * (w1 ** 2).sum()
+    trainer = engine.Trainer(strategy=strategy, model=model, optimizer=optimizer,
+                             train_data=global_batches(x, y, 16), global_batch_size=16,
+                             loss_fn=loss_fn())
+    logs = trainer.train(1)  # The loss is computed before the one update.
+    np.testing.assert_allclose(logs["loss"], expected, rtol=1e-5)
+
+
+@pytest.mark.parametrize("num_examples", [37, 33])  # 33: one replica's last batch is empty
+@pytest.mark.parametrize("input_form", ["global_dataset", "per_replica_fn"])
+def test_eval_counts_every_example_once_and_metrics_are_exact(mirrored, num_examples, input_form):
+    x, y = make_arrays(num_examples, seed=1)
+    model, optimizer = make_model(mirrored)
+    if input_form == "global_dataset":
+        eval_data = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
+    else:
+        def eval_data(input_context):
+            batch = input_context.get_per_replica_batch_size(16)
+            return tf.data.Dataset.from_tensor_slices((x, y)).batch(batch)
+    trainer = engine.Trainer(
+        strategy=mirrored, model=model, optimizer=optimizer, train_data=global_batches(x, y, 16),
+        global_batch_size=16, loss_fn=loss_fn(), eval_data=eval_data,
+        metrics=[keras.metrics.SparseCategoricalAccuracy(name="accuracy")],
+    )
+    logs = trainer.evaluate()
+    logits = model.predict(x, verbose=0)
+    assert logs["num_examples"] == num_examples
+    np.testing.assert_allclose(logs["loss"], softmax_cross_entropy(logits, y).mean(), rtol=1e-5)
+    np.testing.assert_allclose(logs["accuracy"], (logits.argmax(1) == y).mean(), rtol=1e-6)
+    assert trainer.evaluate() == logs  # Metrics are reset between evaluations.
+
+
+def test_train_and_eval_loops_are_traced_once(mirrored):
+    x, y = make_arrays(64)
+    model, optimizer = make_model(mirrored)
+    trainer = engine.Trainer(
+        strategy=mirrored, model=model, optimizer=optimizer, train_data=global_batches(x, y, 16),
+        global_batch_size=16, loss_fn=loss_fn(), steps_per_loop=4,
+        eval_data=tf.data.Dataset.from_tensor_slices((x, y)).batch(16), eval_every=6,
+    )
+    trainer.train(7)   # loops of 4, 2 (cut by eval), 1
+    trainer.train(20)  # loops of 4 and 1 .. of various lengths
+    trainer.evaluate()
+    assert trainer.step == 20
+    assert trainer.train_loop.experimental_get_tracing_count() == 1
+    assert trainer.eval_loop.experimental_get_tracing_count() == 1
+
+
+def test_restart_restores_the_latest_checkpoint_and_continues(mirrored, tmp_path):
+    x, y = make_arrays(64)
+    data = global_batches(x, y, 16)
+
+    def new_trainer():
+        model, optimizer = make_model(mirrored, seed=99)  # Different start: the checkpoint must win.
+        return engine.Trainer(strategy=mirrored, model=model, optimizer=optimizer, train_data=data,
+                              global_batch_size=16, loss_fn=loss_fn(), model_dir=str(tmp_path),
+                              checkpoint_every=4, max_checkpoints=2)
+
+    first = new_trainer()
+    first.train(6)
+    saved = first.model.get_weights()
+    second = new_trainer()
+    assert second.step == 6
+    for a, b in zip(saved, second.model.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    second.train(10)
+    assert second.step == 10
+    kept = tf.train.get_checkpoint_state(str(tmp_path / "checkpoints")).all_model_checkpoint_paths
+    assert [p.rsplit("-", 1)[1] for p in kept] == ["8", "10"]
+
+
+def test_variables_created_outside_the_scope_are_refused(mirrored):
+    x, y = make_arrays(16)
+    model, optimizer = make_model(engine.build_strategy("default"))
+    with pytest.raises(engine.UserError, match="strategy.scope"):
+        engine.Trainer(strategy=mirrored, model=model, optimizer=optimizer,
+                       train_data=global_batches(x, y, 16), global_batch_size=16, loss_fn=loss_fn())
+
+
+def test_batch_not_divisible_by_replicas_is_refused(mirrored):
+    x, y = make_arrays(16)
+    model, optimizer = make_model(mirrored)
+    with pytest.raises(engine.UserError, match="not divisible by 2 replica"):
+        engine.Trainer(strategy=mirrored, model=model, optimizer=optimizer,
+                       train_data=global_batches(x, y, 15), global_batch_size=15, loss_fn=loss_fn())
