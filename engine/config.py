@@ -14,7 +14,7 @@ from engine.errors import UserError
 from engine.strategy import STRATEGY_NAMES
 
 OPTIMIZER_NAMES = ("sgd", "momentum", "adam", "adamw")
-DEFAULT_EPOCHS = 10.0
+DEFAULT_EPOCHS = 20.0
 
 
 @dataclasses.dataclass(frozen=True)

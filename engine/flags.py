@@ -27,7 +27,7 @@ flags.DEFINE_enum("input_pipeline", "per_replica", ["per_replica", "global"],
 flags.DEFINE_integer("global_batch_size", 64, "Examples per step over all replicas.")
 flags.DEFINE_integer("train_steps", None, "Global steps to train to (alternative to --epochs).")
 flags.DEFINE_float("epochs", None,
-                   "Epochs to train (alternative to --train_steps; default 10 when neither is set).")
+                   "Epochs to train (alternative to --train_steps; default 20 when neither is set).")
 flags.DEFINE_integer("steps_per_loop", 50, "Steps per compiled call.")
 flags.DEFINE_integer("eval_every", 100, "Evaluate every N steps; 0 evaluates only at the end.")
 flags.DEFINE_string("optimizer", "adam", "sgd, momentum, adam or adamw.")

@@ -43,6 +43,8 @@ def run(config: RunConfig) -> dict[str, Any]:
     from input import DataError, get_data_source
     from models import get_model_spec
 
+    # tf.distribute logs every cross-device reduction at INFO; keep the engine's lines readable.
+    tf.get_logger().setLevel("WARNING")
     if config.cpu_devices > 1:
         configure_cpu_devices(config.cpu_devices)
     set_precision(config.mixed_precision)
@@ -105,7 +107,10 @@ def run(config: RunConfig) -> dict[str, Any]:
 
 def _log_banner(config, strategy, model, source, model_dir, total_steps, start_step) -> None:
     replicas = strategy.num_replicas_in_sync
-    devices = getattr(strategy.extended, "worker_devices", ("default",))
+    try:
+        devices = strategy.extended.worker_devices
+    except RuntimeError:  # The default strategy has no device list.
+        devices = ("default device",)
     logging.info(
         "strategy=%s replicas=%d devices=%s global_batch=%d per_replica_batch=%d "
         "model=%s params=%d dataset=%s (%s train / %s eval) steps=%d->%d model_dir=%s",

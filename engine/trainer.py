@@ -256,9 +256,9 @@ def _check_batch(global_batch_size: int, num_replicas: int, grad_accum_steps: in
 
 def _check_created_in_scope(strategy: tf.distribute.Strategy, model: Any) -> None:
     for variable in model.trainable_variables[:1]:
-        if not strategy.extended.variable_created_in_scope(
-            getattr(variable, "value", variable)
-        ):
+        if isinstance(variable, keras.Variable):
+            variable = variable.value  # The tf.Variable inside a Keras variable.
+        if not strategy.extended.variable_created_in_scope(variable):
             raise UserError(
                 "the model's variables were created outside strategy.scope(); "
                 "build the model and optimizer inside `with strategy.scope():`"

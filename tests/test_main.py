@@ -1,0 +1,101 @@
+"""The command line as a user runs it: real subprocesses, real exit codes."""
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_main(*flags: str, cwd: Path | None = None, timeout: int = 240) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(REPO), TF_CPP_MIN_LOG_LEVEL="2")
+    return subprocess.run([sys.executable, "-m", "engine.main", *flags], cwd=cwd or REPO,
+                          env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def snapshot(directory: Path) -> dict[str, str]:
+    return {str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def test_default_job_reaches_the_accuracy_bar_offline(tmp_path):
+    """README's quick start: mirrored, the real digits set, >= 0.95 eval accuracy."""
+    result = run_main("--strategy=mirrored", f"--model_dir={tmp_path}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    assert metrics["global_step"] == 20 * 1500 // 64
+    assert metrics["eval"]["num_examples"] == 297
+    assert metrics["eval"]["accuracy"] >= 0.95
+    assert metrics["examples_per_second"] > 0
+    assert {"loss", "accuracy"} <= set(metrics["train"])
+    assert (tmp_path / "checkpoints" / f"ckpt-{metrics['global_step']}.index").exists()
+    for split in ("train", "eval"):
+        assert list((tmp_path / split).glob("events.out.tfevents.*")), split
+    assert "replicas=1" in result.stderr and "examples_per_second=" in result.stderr
+
+
+def test_two_replicas_global_pipeline_and_restart_continues(tmp_path):
+    common = ["--strategy=mirrored", "--cpu_devices=2", "--input_pipeline=global",
+              "--model=mlp", f"--model_dir={tmp_path}", "--steps_per_loop=7"]
+    first = run_main(*common, "--train_steps=20")
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "replicas=2" in first.stderr
+    second = run_main(*common, "--train_steps=30", "--learning_rate=0.01")
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "Restored" in second.stderr and "steps=20->30" in second.stderr
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    assert metrics["global_step"] == 30
+    assert metrics["train"]["learning_rate"] == pytest.approx(0.01)  # the flag wins over the checkpoint
+
+
+def test_flagfile_is_read(tmp_path):
+    flagfile = tmp_path / "flags.txt"
+    flagfile.write_text(f"--model=mlp\n--train_steps=5\n--model_dir={tmp_path / 'run'}\n")
+    result = run_main(f"--flagfile={flagfile}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads((tmp_path / "run" / "metrics.json").read_text())["global_step"] == 5
+
+
+BAD_FLAGS = [
+    (["--strategy=mirrorred"], "unknown --strategy='mirrorred'; choose one of: default"),
+    (["--strategy=parameter_server"], "--strategy=parameter_server is not yet supported"),
+    (["--model=vgg"], "unknown --model='vgg'; choose one of: cnn"),
+    (["--dataset=imagenet"], "unknown --dataset='imagenet'; choose one of:"),
+    (["--optimizer=lamb"], "unknown --optimizer='lamb'"),
+    (["--train_steps=-5"], "--train_steps=-5 must be at least 1"),
+    (["--global_batch_size=0"], "--global_batch_size=0 must be at least 1"),
+    (["--train_steps=10", "--epochs=2"], "alternatives; pass only one"),
+    (["--strategy=mirrored", "--cpu_devices=2", "--global_batch_size=63"],
+     "global batch size 63 is not divisible by 2 replica(s)"),
+    (["--dataset=mnist", "--data_dir=/nonexistent"], "--dataset=digits"),
+    (["extra_argument"], "unexpected arguments"),
+]
+
+
+@pytest.mark.parametrize("flags,message", BAD_FLAGS, ids=[" ".join(f) for f, _ in BAD_FLAGS])
+def test_bad_flags_fail_with_one_line_and_leave_model_dir_alone(tmp_path, flags, message):
+    model_dir = tmp_path / "run"
+    model_dir.mkdir()
+    (model_dir / "notes.txt").write_text("an earlier run's files")
+    before = snapshot(model_dir)
+    result = run_main(*flags, f"--model_dir={model_dir}", "--train_steps=3" if "--epochs=2" not in flags
+                      and not any(f.startswith("--train_steps") for f in flags) else "--seed=1")
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+    error_lines = [line for line in result.stderr.splitlines() if line.startswith("engine.main: error:")]
+    assert len(error_lines) == 1 and message in error_lines[0], result.stderr[-2000:]
+    assert snapshot(model_dir) == before
+
+
+def test_model_dir_that_is_a_file_is_refused(tmp_path):
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("keep me")
+    result = run_main(f"--model_dir={not_a_dir}", "--train_steps=3")
+    assert result.returncode == 2
+    assert f"--model_dir={not_a_dir} is a file" in result.stderr
+    assert not_a_dir.read_text() == "keep me"
