@@ -89,7 +89,7 @@ def run(config: RunConfig) -> dict[str, Any]:
     )
     _log_banner(config, strategy, model, source, model_dir, total_steps, trainer.step)
     train_logs = trainer.train(total_steps)
-    eval_logs = trainer.evaluate() if eval_data is not None else {}
+    eval_logs = trainer.evaluate_current() if eval_data is not None else {}
     trainer.close()
     speed = trainer.steady_examples_per_second or train_logs.get("examples_per_second")
     result = {

@@ -80,6 +80,7 @@ class Trainer:
         self._steady_seconds = 0.0
         self._steady_steps = 0
         self._compiled_once = False
+        self.last_eval: tuple[int, dict[str, float]] | None = None  # (step, logs)
 
         with strategy.scope():
             _check_created_in_scope(strategy, model)
@@ -235,7 +236,14 @@ class Trainer:
         logs["num_examples"] = int(round(float(self._eval_count.result())))
         self._summaries.write("eval", self.step, logs)
         logging.info("eval at step %d  %s", self.step, _format(logs))
+        self.last_eval = (self.step, logs)
         return logs
+
+    def evaluate_current(self) -> dict[str, float]:
+        """The evaluation at the current step, reusing one the loop already ran."""
+        if self.last_eval is not None and self.last_eval[0] == self.step:
+            return self.last_eval[1]
+        return self.evaluate()
 
     def close(self) -> None:
         self._summaries.close()

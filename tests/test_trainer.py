@@ -210,3 +210,33 @@ def test_batch_not_divisible_by_replicas_is_refused(mirrored):
     with pytest.raises(engine.UserError, match="not divisible by 2 replica"):
         engine.Trainer(strategy=mirrored, model=model, optimizer=optimizer,
                        train_data=global_batches(x, y, 15), global_batch_size=15, loss_fn=loss_fn())
+
+
+def test_xla_step_trains_to_the_same_weights(mirrored):
+    x, y = make_arrays(64)
+    plain = train_weights(mirrored, global_batches(x, y, 16))
+    compiled = train_weights(mirrored, global_batches(x, y, 16), jit_compile=True)
+    for a, b in zip(plain, compiled):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
+def test_mixed_precision_trains_with_two_replicas(mirrored, policy):
+    x, y = make_arrays(256)
+    keras.mixed_precision.set_global_policy(policy)
+    try:
+        with mirrored.scope():
+            model = keras.Sequential([keras.Input((NUM_FEATURES,)), keras.layers.Dense(32, activation="relu"),
+                                      keras.layers.Dense(NUM_CLASSES, dtype="float32")])
+            optimizer = keras.optimizers.SGD(0.5)
+            if policy == "mixed_float16":
+                optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
+        trainer = engine.Trainer(strategy=mirrored, model=model, optimizer=optimizer,
+                                 train_data=global_batches(x, y, 32), global_batch_size=32,
+                                 loss_fn=loss_fn(), steps_per_loop=20, clip_norm=10.0)
+        first = trainer.train(20)["loss"]
+        last = trainer.train(200)["loss"]
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    assert model.layers[0].kernel.dtype == "float32"  # float32 master weights
+    assert np.isfinite(last) and last < 0.7 * first

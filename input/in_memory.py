@@ -1,0 +1,178 @@
+"""Sources whose examples fit in memory (digits, mnist, synthetic): batches are
+gathered by index, so the stream position can be computed, not replayed.
+
+Stream position i (0, 1, 2, ...) is example perm(seed, e)[i mod n] with
+e = i div n: epochs concatenated, each in its own stateless permutation. A
+batch is computed from its step number alone, so `start_step` costs O(1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+import tensorflow as tf
+
+from input.source import (
+    DataSource,
+    batch_layout,
+    check_stream_args,
+    deterministic_options,
+)
+
+# Third word of the [seed, epoch, tag] key of each epoch's permutation.
+_SEED_TAG = 0
+
+
+def _shuffled_positions(
+    positions: tf.Tensor, num_examples: int, seed: int
+) -> tf.Tensor:
+    """Example index at each stream position (int64 vector).
+
+    One batch may span several epochs, so each position gets its own seed row.
+    The raw op is used because tf.random.experimental.index_shuffle pads a
+    batched [n, 2] seed along the wrong axis in TF 2.21 and the op rejects it.
+    """
+    epochs = positions // num_examples
+    offsets = positions % num_examples
+    seeds = tf.stack(
+        [
+            tf.fill(tf.shape(positions), tf.constant(seed, tf.int64)),
+            epochs,
+            tf.fill(tf.shape(positions), tf.constant(_SEED_TAG, tf.int64)),
+        ],
+        axis=1,
+    )
+    return tf.raw_ops.RandomIndexShuffle(
+        index=offsets,
+        seed=seeds,
+        max_index=tf.constant(num_examples - 1, tf.int64),
+        rounds=4,
+    )
+
+
+def _to_host_tensor(array: np.ndarray) -> tf.Tensor:
+    """Keep the data set in host memory even when a GPU is the default device:
+    tf.data runs on the host and would otherwise copy it back for every batch."""
+    with tf.device("/cpu:0"):
+        return tf.constant(array)
+
+
+@dataclass(frozen=True)
+class InMemorySource(DataSource):
+    """Images stored as uint8 (scaled by 1/255 when gathered) or float32 in
+    [0, 1], already at `image_shape`; labels int32."""
+
+    _train_images: tf.Tensor = field(repr=False, compare=False)
+    _train_labels: tf.Tensor = field(repr=False, compare=False)
+    _eval_images: tf.Tensor | None = field(repr=False, compare=False)
+    _eval_labels: tf.Tensor | None = field(repr=False, compare=False)
+
+    @classmethod
+    def from_arrays(
+        cls,
+        name: str,
+        num_classes: int,
+        train: tuple[np.ndarray, np.ndarray],
+        eval_split: tuple[np.ndarray, np.ndarray] | None,
+    ) -> InMemorySource:
+        """Build from (images (N, H, W, C), labels (N,)) pairs."""
+        splits = [train] if eval_split is None else [train, eval_split]
+        for images, labels in splits:
+            if images.ndim != 4 or images.dtype not in (np.uint8, np.float32):
+                raise ValueError(
+                    f"{name}: images must be uint8 or float32 of shape "
+                    f"(N, H, W, C), got {images.dtype} {images.shape}"
+                )
+            if len(images) != len(labels) or len(images) == 0:
+                raise ValueError(
+                    f"{name}: got {len(images)} images and {len(labels)} labels; "
+                    "need the same non-zero number"
+                )
+        image_shape = tuple(int(d) for d in train[0].shape[1:])
+        eval_images, eval_labels = (None, None) if eval_split is None else (
+            _to_host_tensor(eval_split[0]),
+            _to_host_tensor(eval_split[1].astype(np.int32)),
+        )
+        return cls(
+            name=name,
+            num_classes=num_classes,
+            image_shape=image_shape,
+            num_train_examples=len(train[0]),
+            num_eval_examples=None if eval_split is None else len(eval_split[0]),
+            _train_images=_to_host_tensor(train[0]),
+            _train_labels=_to_host_tensor(train[1].astype(np.int32)),
+            _eval_images=eval_images,
+            _eval_labels=eval_labels,
+        )
+
+    @staticmethod
+    def _gather_fn(
+        images: tf.Tensor, labels: tf.Tensor
+    ) -> Callable[[tf.Tensor], tuple[tf.Tensor, tf.Tensor]]:
+        """A tf.data map function turning index batches into example batches."""
+
+        def gather(indices: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+            batch = tf.gather(images, indices)
+            if batch.dtype == tf.uint8:
+                batch = tf.cast(batch, tf.float32) / 255.0
+            return batch, tf.gather(labels, indices)
+
+        return gather
+
+    def train_dataset(
+        self,
+        *,
+        global_batch_size: int,
+        seed: int,
+        start_step: int = 0,
+        input_context: tf.distribute.InputContext | None = None,
+    ) -> tf.data.Dataset:
+        check_stream_args(seed, start_step)
+        layout = batch_layout(global_batch_size, input_context)
+        num_examples = self.num_train_examples
+
+        def step_indices(step: tf.Tensor) -> tf.Tensor:
+            first = step * global_batch_size + layout.offset
+            positions = first + tf.range(layout.examples_per_step, dtype=tf.int64)
+            indices = _shuffled_positions(positions, num_examples, seed)
+            return tf.reshape(
+                indices, [layout.replicas_per_pipeline, layout.per_replica]
+            )
+
+        return (
+            tf.data.Dataset.counter(start_step, dtype=tf.int64)
+            .map(step_indices)
+            .unbatch()  # one element per replica, in replica order
+            .map(
+                self._gather_fn(self._train_images, self._train_labels),
+                num_parallel_calls=tf.data.AUTOTUNE,
+            )
+            .prefetch(tf.data.AUTOTUNE)
+            .with_options(deterministic_options())
+        )
+
+    def eval_dataset(
+        self,
+        *,
+        global_batch_size: int,
+        input_context: tf.distribute.InputContext | None = None,
+    ) -> tf.data.Dataset | None:
+        if self._eval_images is None:
+            return None
+        layout = batch_layout(global_batch_size, input_context)
+        indices = tf.data.Dataset.range(self.num_eval_examples)
+        if input_context is not None:
+            indices = indices.shard(
+                input_context.num_input_pipelines, input_context.input_pipeline_id
+            )
+        return (
+            indices.batch(layout.per_replica, drop_remainder=False)
+            .map(
+                self._gather_fn(self._eval_images, self._eval_labels),
+                num_parallel_calls=tf.data.AUTOTUNE,
+            )
+            .prefetch(tf.data.AUTOTUNE)
+            .with_options(deterministic_options())
+        )

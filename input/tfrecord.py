@@ -1,0 +1,288 @@
+"""Files of tf.train.Example records ('image': PNG bytes, 'label': int64): the
+way to train on a user's own data set, streamed from disk.
+
+Resuming at step k skips k global batches of raw records (O(k) reads, no
+decoding): unlike the in-memory sources, a record's position is not known
+without reading the files before it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+import tensorflow as tf
+
+from input.errors import DataError
+from input.images import fit_images
+from input.source import (
+    BatchLayout,
+    DataSource,
+    batch_layout,
+    check_stream_args,
+    deterministic_options,
+)
+
+_FEATURES = {
+    "image": tf.io.FixedLenFeature([], tf.string),
+    "label": tf.io.FixedLenFeature([], tf.int64),
+}
+_LAYOUT_HELP = (
+    "--data_dir must be a directory holding train* (and optionally eval*) files, "
+    "or a glob pattern of train files, of tf.train.Example records with 'image' "
+    "(PNG bytes) and 'label' (int64); input.write_tfrecords writes such files"
+)
+SHUFFLE_BLOCK = 4096  # records shuffled together; raw records held in memory
+_PARALLEL_READS = 4
+
+
+def write_tfrecords(path: str, images: np.ndarray, labels: np.ndarray) -> None:
+    """Write uint8 images (N, H, W, C) and integer labels (N,) as one file of
+    PNG-encoded examples that the `tfrecord` source reads."""
+    if images.dtype != np.uint8 or images.ndim != 4 or images.shape[-1] not in (1, 3, 4):
+        raise ValueError(
+            f"images must be uint8 of shape (N, H, W, C) with C in 1, 3, 4, got "
+            f"{images.dtype} {images.shape}; convert with np.uint8(x * 255)"
+        )
+    labels = np.asarray(labels)
+    if labels.shape != (len(images),) or not np.issubdtype(labels.dtype, np.integer):
+        raise ValueError(
+            f"labels must be integers of shape ({len(images)},), got "
+            f"{labels.dtype} {labels.shape}"
+        )
+    parent = os.path.dirname(path)
+    if parent:
+        tf.io.gfile.makedirs(parent)
+    with tf.io.TFRecordWriter(path) as writer:
+        for image, label in zip(images, labels):
+            png = tf.io.encode_png(image).numpy()
+            feature = {
+                "image": tf.train.Feature(bytes_list=tf.train.BytesList(value=[png])),
+                "label": tf.train.Feature(int64_list=tf.train.Int64List(value=[int(label)])),
+            }
+            example = tf.train.Example(features=tf.train.Features(feature=feature))
+            writer.write(example.SerializeToString())
+
+
+def _find_files(data_dir: str | None) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(train files, eval files), each sorted so that file order is fixed."""
+    if not data_dir:
+        raise DataError(f"--dataset=tfrecord needs --data_dir; {_LAYOUT_HELP}")
+    if tf.io.gfile.isdir(data_dir):
+        train_pattern = os.path.join(data_dir, "train*")
+        eval_files = tuple(sorted(tf.io.gfile.glob(os.path.join(data_dir, "eval*"))))
+    else:
+        train_pattern, eval_files = data_dir, ()
+    train_files = tuple(sorted(tf.io.gfile.glob(train_pattern)))
+    if not train_files:
+        raise DataError(f"no TFRecord files match {train_pattern!r}; {_LAYOUT_HELP}")
+    return train_files, eval_files
+
+
+class _Parser:
+    """Serialized tf.train.Example -> (float32 image at image_shape, int32 label)."""
+
+    def __init__(self, image_shape: tuple[int, int, int], num_classes: int) -> None:
+        if image_shape[-1] not in (1, 3, 4):
+            raise DataError(
+                f"PNG images decode to 1, 3 or 4 channels, not {image_shape[-1]}; "
+                "use an image shape with 1 or 3 channels"
+            )
+        self._image_shape = image_shape
+        self._num_classes = num_classes
+
+    def __call__(self, record: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+        example = tf.io.parse_single_example(record, _FEATURES)
+        image = tf.io.decode_png(example["image"], channels=self._image_shape[-1])
+        image = tf.image.convert_image_dtype(image, tf.float32)  # uint8 -> [0, 1]
+        image = fit_images(image, self._image_shape)
+        label = example["label"]
+        # An out-of-range label would silently give a NaN or wrong loss later.
+        tf.debugging.assert_less(
+            label,
+            tf.constant(self._num_classes, tf.int64),
+            message=f"tfrecord label >= num_classes={self._num_classes}",
+        )
+        tf.debugging.assert_non_negative(label, message="tfrecord label < 0")
+        return image, tf.cast(label, tf.int32)
+
+
+def _op_error_text(err: tf.errors.OpError) -> str:
+    """The human part of a TF error: no '{{function_node ...}}' or '[Op:...]'."""
+    text = (err.message or type(err).__name__).splitlines()[0]
+    text = re.sub(r"\{\{[^}]*\}\}\s*", "", text)
+    return re.sub(r"\s*\[Op:.*$", "", text).strip()
+
+
+def _check_files(files: tuple[str, ...], parser: _Parser) -> None:
+    """Parse the first record of every file now, so a wrong --data_dir fails
+    at start-up with the file's name, not mid-training inside tf.data."""
+    for path in files:
+        try:
+            first = list(tf.data.TFRecordDataset(path).take(1))
+            if not first:
+                raise DataError(f"TFRecord file {path} is empty; {_LAYOUT_HELP}")
+            parser(first[0])
+        except tf.errors.OpError as err:
+            message = _op_error_text(err)
+            raise DataError(
+                f"cannot read TFRecord file {path}: {message}; {_LAYOUT_HELP}"
+            ) from None
+
+
+def _count_records(files: tuple[str, ...]) -> int:
+    """Read every record: the engine needs the eval size to report exact
+    metrics, and eval splits are small enough to count at start-up."""
+    records = tf.data.TFRecordDataset(list(files))
+    try:
+        return int(records.reduce(tf.constant(0, tf.int64), lambda count, _: count + 1))
+    except tf.errors.OpError as err:
+        raise DataError(
+            f"cannot read eval TFRecord files {', '.join(files)}: "
+            f"{_op_error_text(err)}; {_LAYOUT_HELP}"
+        ) from None
+
+
+@dataclass(frozen=True)
+class TFRecordSource(DataSource):
+    """TFRecord files; see `load_tfrecord` for the layout on disk."""
+
+    _train_files: tuple[str, ...]
+    _eval_files: tuple[str, ...]
+    _parser: _Parser = field(repr=False, compare=False)
+
+    def _epoch_records(
+        self, seed: int, files: tuple[str, ...], shard: tuple[int, int]
+    ) -> Callable[[tf.Tensor], tf.data.Dataset]:
+        """flat_map function: raw records of one epoch in seeded order.
+
+        Files are permuted per epoch, then records are shuffled in blocks of
+        SHUFFLE_BLOCK with a seed derived from (seed, epoch, block): all
+        stateless, unlike Dataset.shuffle, whose order also depends on the
+        global TF seed.
+        """
+        num_shards, shard_index = shard
+        file_names = tf.constant(files)
+
+        def records(epoch: tf.Tensor) -> tf.data.Dataset:
+            epoch_seed = tf.stack([tf.constant(seed, tf.int64), epoch])
+            order = tf.random.experimental.stateless_shuffle(
+                tf.range(len(files)), seed=epoch_seed
+            )
+            epoch_files = tf.gather(file_names, order)[shard_index::num_shards]
+
+            def shuffle_block(block_index: tf.Tensor, block: tf.Tensor) -> tf.Tensor:
+                block_seed = tf.random.experimental.stateless_fold_in(
+                    epoch_seed, block_index
+                )
+                positions = tf.random.experimental.stateless_shuffle(
+                    tf.range(tf.shape(block)[0]), seed=block_seed
+                )
+                return tf.gather(block, positions)
+
+            return (
+                tf.data.TFRecordDataset(epoch_files, num_parallel_reads=_PARALLEL_READS)
+                .batch(SHUFFLE_BLOCK)
+                .enumerate()
+                .map(shuffle_block)
+                .unbatch()
+            )
+
+        return records
+
+    def train_dataset(
+        self,
+        *,
+        global_batch_size: int,
+        seed: int,
+        start_step: int = 0,
+        input_context: tf.distribute.InputContext | None = None,
+    ) -> tf.data.Dataset:
+        """See DataSource. With several input pipelines and at least as many
+        files, each pipeline reads its own files (per epoch, file i of the
+        shuffled list goes to pipeline i mod P) and batches them itself, so the
+        global batch is not the one a single pipeline would make; with fewer
+        files, every pipeline reads all records and keeps its slice of each
+        global batch (the exact per-replica contract, at P times the reads)."""
+        check_stream_args(seed, start_step)
+        layout = batch_layout(global_batch_size, input_context)
+        pipelines = 1 if input_context is None else input_context.num_input_pipelines
+        shard_files = pipelines > 1 and len(self._train_files) >= pipelines
+        shard = (pipelines, input_context.input_pipeline_id) if shard_files else (1, 0)
+        records = tf.data.Dataset.counter(dtype=tf.int64).flat_map(
+            self._epoch_records(seed, self._train_files, shard)
+        )
+        if shard_files:
+            dataset = (
+                records.skip(start_step * layout.examples_per_step)
+                .map(self._parser, num_parallel_calls=tf.data.AUTOTUNE)
+                .batch(layout.per_replica, drop_remainder=True)
+            )
+        else:
+            dataset = (
+                records.skip(start_step * global_batch_size)
+                .map(self._parser, num_parallel_calls=tf.data.AUTOTUNE)
+                .batch(global_batch_size, drop_remainder=True)
+            )
+            if input_context is not None:
+                dataset = dataset.map(self._own_replicas(layout)).unbatch()
+        return dataset.prefetch(tf.data.AUTOTUNE).with_options(deterministic_options())
+
+    def _own_replicas(
+        self, layout: BatchLayout
+    ) -> Callable[[tf.Tensor, tf.Tensor], tuple[tf.Tensor, tf.Tensor]]:
+        """Global batch -> this pipeline's per-replica batches, stacked."""
+        stacked = [layout.replicas_per_pipeline, layout.per_replica]
+        start, end = layout.offset, layout.offset + layout.examples_per_step
+
+        def slice_batch(images: tf.Tensor, labels: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+            return (
+                tf.reshape(images[start:end], stacked + list(self.image_shape)),
+                tf.reshape(labels[start:end], stacked),
+            )
+
+        return slice_batch
+
+    def eval_dataset(
+        self,
+        *,
+        global_batch_size: int,
+        input_context: tf.distribute.InputContext | None = None,
+    ) -> tf.data.Dataset | None:
+        if not self._eval_files:
+            return None
+        layout = batch_layout(global_batch_size, input_context)
+        records = tf.data.TFRecordDataset(list(self._eval_files))
+        if input_context is not None:
+            records = records.shard(
+                input_context.num_input_pipelines, input_context.input_pipeline_id
+            )
+        return (
+            records.map(self._parser, num_parallel_calls=tf.data.AUTOTUNE)
+            .batch(layout.per_replica, drop_remainder=False)
+            .prefetch(tf.data.AUTOTUNE)
+            .with_options(deterministic_options())
+        )
+
+
+def load_tfrecord(
+    image_shape: tuple[int, int, int], num_classes: int, data_dir: str | None
+) -> TFRecordSource:
+    """Check the files named by --data_dir; count the eval records (train
+    files are not counted: that would read the whole data set)."""
+    train_files, eval_files = _find_files(data_dir)
+    parser = _Parser(image_shape, num_classes)
+    _check_files(train_files + eval_files, parser)
+    return TFRecordSource(
+        name="tfrecord",
+        num_classes=num_classes,
+        image_shape=image_shape,
+        num_train_examples=None,
+        num_eval_examples=_count_records(eval_files) if eval_files else None,
+        _train_files=train_files,
+        _eval_files=eval_files,
+        _parser=parser,
+    )
