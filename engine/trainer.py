@@ -17,6 +17,7 @@ import tensorflow as tf
 from absl import logging
 
 from engine import checkpoint as checkpoint_lib
+from engine.callbacks import CallbackLike, as_callbacks
 from engine.distribute import Data, distribute_eval_data, distribute_train_data
 from engine.errors import UserError
 from engine.loop import make_eval_loop, make_train_loop
@@ -57,6 +58,7 @@ class Trainer:
         clip_norm: float | None = None,
         grad_accum_steps: int = 1,
         jit_compile: bool = False,
+        callbacks: Sequence[CallbackLike] = (),
     ):
         if loss_fn is None and step_fn is None:
             raise UserError("pass loss_fn, step_fn or both to Trainer")
@@ -81,6 +83,8 @@ class Trainer:
         self._steady_steps = 0
         self._compiled_once = False
         self.last_eval: tuple[int, dict[str, float]] | None = None  # (step, logs)
+        self.callbacks = as_callbacks(callbacks)
+        self.stop_training = False  # Set by a callback (or a signal) to stop after this loop.
 
         with strategy.scope():
             _check_created_in_scope(strategy, model)
@@ -160,7 +164,10 @@ class Trainer:
             raise UserError(f"train steps={steps} must not be negative")
         logs: dict[str, float] = {}
         last_saved = self.step
-        while self.step < steps:
+        self.stop_training = False
+        for callback in self.callbacks:
+            callback.on_train_begin(self)
+        while self.step < steps and not self.stop_training:
             start = self.step
             num_steps = self._next_loop_length(start, steps)
             iterator = self._train_iterator(start)
@@ -176,6 +183,8 @@ class Trainer:
             logs["learning_rate"] = _current_learning_rate(self.optimizer)
             self._summaries.write("train", self.step, logs)
             logging.info("step %d/%d  %s", self.step, steps, _format(logs))
+            for callback in self.callbacks:
+                callback.on_loop_end(self, self.step, logs)
             if self._due(self.eval_every) and self.eval_loop is not None:
                 self.evaluate()
             if self._due(self.checkpoint_every):
@@ -184,6 +193,8 @@ class Trainer:
         if self.step != last_saved or (self.checkpoint_manager is not None
                                        and self.checkpoint_manager.latest_checkpoint is None):
             self.save()
+        for callback in self.callbacks:
+            callback.on_train_end(self, logs)
         return logs
 
     def _next_loop_length(self, start: int, target: int) -> int:
@@ -237,6 +248,8 @@ class Trainer:
         self._summaries.write("eval", self.step, logs)
         logging.info("eval at step %d  %s", self.step, _format(logs))
         self.last_eval = (self.step, logs)
+        for callback in self.callbacks:
+            callback.on_eval_end(self, self.step, logs)
         return logs
 
     def evaluate_current(self) -> dict[str, float]:

@@ -1,0 +1,60 @@
+"""User hooks around the compiled loop.
+
+Hooks run on the host between compiled calls, never inside the step: adding
+them costs no retrace and no per-step work. A hook is either a `Callback`
+(override any of its methods) or a plain callable, which is called after
+every loop as `fn(trainer, step, logs)`.
+
+To stop training, a hook sets `trainer.stop_training = True`; the trainer
+finishes the current loop, saves a checkpoint and returns.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence, Union
+
+if TYPE_CHECKING:
+    from engine.trainer import Trainer
+
+Logs = Mapping[str, Any]
+
+
+class Callback:
+    """Base class with no-op hooks; override the ones you need."""
+
+    def on_train_begin(self, trainer: "Trainer") -> None:
+        pass
+
+    def on_loop_end(self, trainer: "Trainer", step: int, logs: Logs) -> None:
+        """After each compiled loop, with that loop's train logs."""
+
+    def on_eval_end(self, trainer: "Trainer", step: int, logs: Logs) -> None:
+        """After each evaluation, with its logs."""
+
+    def on_train_end(self, trainer: "Trainer", logs: Logs) -> None:
+        pass
+
+
+LoopFn = Callable[["Trainer", int, Logs], None]
+CallbackLike = Union[Callback, LoopFn]
+
+
+class _LoopFunction(Callback):
+    def __init__(self, fn: LoopFn):
+        self._fn = fn
+
+    def on_loop_end(self, trainer: "Trainer", step: int, logs: Logs) -> None:
+        self._fn(trainer, step, logs)
+
+
+def as_callbacks(hooks: Sequence[CallbackLike]) -> list[Callback]:
+    """Wraps plain callables so the trainer calls every hook the same way."""
+    callbacks = []
+    for hook in hooks:
+        if isinstance(hook, Callback):
+            callbacks.append(hook)
+        elif callable(hook):
+            callbacks.append(_LoopFunction(hook))
+        else:
+            raise TypeError(f"callback {hook!r} is neither a Callback nor callable")
+    return callbacks

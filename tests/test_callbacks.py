@@ -1,0 +1,45 @@
+"""User hooks: called between compiled loops, able to stop training, free inside the step."""
+
+import engine
+from engine.callbacks import Callback
+from test_trainer import global_batches, loss_fn, make_arrays, make_model
+
+
+class Recorder(Callback):
+    def __init__(self):
+        self.events = []
+
+    def on_train_begin(self, trainer):
+        self.events.append(("begin", trainer.step))
+
+    def on_loop_end(self, trainer, step, logs):
+        self.events.append(("loop", step))
+
+    def on_eval_end(self, trainer, step, logs):
+        self.events.append(("eval", step, logs["num_examples"]))
+
+    def on_train_end(self, trainer, logs):
+        self.events.append(("end", trainer.step))
+
+
+def test_hooks_run_in_order_and_a_plain_callable_can_stop_training(tmp_path):
+    strategy = engine.build_strategy("mirrored", cpu_devices=2)
+    x, y = make_arrays(40)
+    recorder = Recorder()
+
+    def stop_at_eight(trainer, step, logs):
+        if step >= 8:
+            trainer.stop_training = True
+
+    model, optimizer = make_model(strategy)
+    eval_data = global_batches(x, y, 16).take(2)
+    trainer = engine.Trainer(strategy=strategy, model=model, optimizer=optimizer,
+                             train_data=global_batches(x, y, 16), global_batch_size=16,
+                             loss_fn=loss_fn(), eval_data=eval_data, eval_every=4, steps_per_loop=4,
+                             callbacks=[recorder, stop_at_eight], model_dir=str(tmp_path))
+    trainer.train(100)
+    assert trainer.step == 8
+    assert recorder.events == [("begin", 0), ("loop", 4), ("eval", 4, 32), ("loop", 8),
+                               ("eval", 8, 32), ("end", 8)]
+    assert trainer.checkpoint_manager.latest_checkpoint.endswith("ckpt-8")
+    assert trainer.train_loop.experimental_get_tracing_count() == 1
