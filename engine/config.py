@@ -35,9 +35,11 @@ class RunConfig:
     learning_rate: float = 1e-3
     clip_norm: float | None = None
     grad_accum_steps: int = 1
+    on_nonfinite: str = "stop"
     model_dir: str | None = None
     checkpoint_every: int = 500
     max_checkpoints: int = 3
+    restore_fallback: bool = False
     seed: int = 42
     deterministic: bool = False
     mixed_precision: str = "float32"
@@ -59,6 +61,8 @@ class RunConfig:
         _choose("model", self.model, model_names())
         _choose("dataset", self.dataset, dataset_names())
         _choose("optimizer", self.optimizer, OPTIMIZER_NAMES)
+        _choose("input_pipeline", self.input_pipeline, ("per_replica", "global"))
+        _choose("on_nonfinite", self.on_nonfinite, ("stop", "skip"))
         _choose("mixed_precision", self.mixed_precision, tuple(PRECISION_POLICIES))
         for name in ("cpu_devices", "global_batch_size", "steps_per_loop",
                      "grad_accum_steps", "max_checkpoints"):

@@ -19,7 +19,7 @@ flags.DEFINE_string("model", "cnn", "Model name (models/registry.py).")
 flags.DEFINE_string("dataset", "digits",
                     "digits (offline default), mnist, synthetic or tfrecord.")
 flags.DEFINE_string("data_dir", None, "Where mnist.npz or the TFRecord files are.")
-flags.DEFINE_enum("input_pipeline", "per_replica", ["per_replica", "global"],
+flags.DEFINE_string("input_pipeline", "per_replica",
                   "per_replica: distribute_datasets_from_function (sharded, per-replica "
                   "batches); global: experimental_distribute_dataset over global batches.")
 
@@ -37,12 +37,19 @@ flags.DEFINE_integer("grad_accum_steps", 1,
                      "Split each replica's batch into this many micro-batches and "
                      "accumulate their gradients.")
 
+flags.DEFINE_string("on_nonfinite", "stop",
+                  "On a NaN/Inf loss: stop with an error (nothing saved), or skip the "
+                  "update and count it in summaries.")
+
 # State on disk.
 flags.DEFINE_string("model_dir", None,
                     "Checkpoints, TensorBoard logs and metrics.json; restored from when "
                     "it holds a checkpoint (default: a new temporary directory).")
 flags.DEFINE_integer("checkpoint_every", 500, "Save every N steps (and always at the end).")
 flags.DEFINE_integer("max_checkpoints", 3, "Checkpoints to keep.")
+flags.DEFINE_boolean("restore_fallback", False,
+                     "If the latest checkpoint cannot be read, restore the newest older one "
+                     "that can (the unreadable one is left in place, untouched).")
 
 # Numerics and speed.
 flags.DEFINE_integer("seed", 42, "Seed for weights, shuffling and dropout.")

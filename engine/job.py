@@ -17,6 +17,7 @@ from absl import logging
 
 from engine.config import RunConfig
 from engine.environment import seed_everything, set_precision
+from engine.preemption import stop_on_signals
 from engine.errors import UserError
 from engine.strategy import build_strategy, configure_cpu_devices
 from engine.trainer import Trainer
@@ -39,7 +40,11 @@ def build_optimizer(name: str, learning_rate: float, mixed_precision: str) -> ke
 
 
 def run(config: RunConfig) -> dict[str, Any]:
-    """Trains and evaluates as `config` says; returns what metrics.json holds."""
+    """Trains and evaluates as `config` says; returns what metrics.json holds.
+
+    A run stopped by SIGTERM/SIGINT saves a checkpoint, skips the final
+    evaluation and metrics.json, and returns its `exit_status` (128+signal).
+    """
     from input import DataError, get_data_source
     from models import get_model_spec
 
@@ -86,9 +91,16 @@ def run(config: RunConfig) -> dict[str, Any]:
         eval_every=config.eval_every, checkpoint_every=config.checkpoint_every,
         max_checkpoints=config.max_checkpoints, clip_norm=config.clip_norm,
         grad_accum_steps=config.grad_accum_steps, jit_compile=config.jit_compile,
+        on_nonfinite=config.on_nonfinite, restore_fallback=config.restore_fallback,
     )
     _log_banner(config, strategy, model, source, model_dir, total_steps, trainer.step)
-    train_logs = trainer.train(total_steps)
+    with stop_on_signals(trainer) as signal_record:
+        train_logs = trainer.train(total_steps)
+    if signal_record.signum is not None:
+        trainer.close()
+        logging.warning("stopped at step %d by signal %d; checkpoint saved in %s; rerun the same "
+                        "command to continue", trainer.step, signal_record.signum, model_dir)
+        return {"global_step": trainer.step, "exit_status": signal_record.exit_status}
     eval_logs = trainer.evaluate_current() if eval_data is not None else {}
     trainer.close()
     speed = trainer.steady_examples_per_second or train_logs.get("examples_per_second")

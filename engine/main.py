@@ -25,8 +25,7 @@ def main(argv: list[str]) -> int:
     from engine.job import run
 
     config = RunConfig.from_flags(engine_flags.FLAGS)
-    run(config)
-    return 0
+    return run(config).get("exit_status", 0)
 
 
 def _main_with_clean_errors(argv: list[str]) -> int:

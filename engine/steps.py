@@ -62,6 +62,7 @@ def make_train_step(
     clip_norm: float | None = None,
     grad_accum_steps: int = 1,
     jit_compile: bool = False,
+    skip_nonfinite: bool = False,
 ) -> ReplicaStep:
     """The standard supervised replica step for `(features, labels)` batches.
 
@@ -74,6 +75,11 @@ def make_train_step(
       cross-replica reduction and the optimizer update stay outside it.
     - A `keras.optimizers.LossScaleOptimizer` (float16) gets its loss scaled
       and its gradients unscaled by the optimizer itself.
+    - `skip_nonfinite` leaves the variables untouched on a step whose loss
+      or gradients are not finite on any replica (one extra scalar
+      all-reduce a step); the step's loss is still returned, so the loop
+      counts it. Under loss scaling only the loss is checked: overflowing
+      gradients are the loss scale's business.
     """
     uses_loss_scale = isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
 
@@ -115,7 +121,11 @@ def make_train_step(
         gradients, loss, logits = compute_gradients(features, labels)
         if clip_norm is not None:
             gradients = _clip_global_norm(gradients, clip_norm, optimizer, uses_loss_scale)
-        optimizer.apply(gradients, model.trainable_variables)
+        if skip_nonfinite:
+            finite = _finite_on_all_replicas(loss, [] if uses_loss_scale else gradients)
+            _apply_if_finite(finite, optimizer, gradients, model.trainable_variables)
+        else:
+            optimizer.apply(gradients, model.trainable_variables)
         for metric in metrics:
             metric.update_state(labels, logits)
         return {"loss": loss}
@@ -138,6 +148,35 @@ def _clip_global_norm(gradients, clip_norm, optimizer, uses_loss_scale):
         threshold = clip_norm * tf.cast(optimizer.dynamic_scale, tf.float32)
     clipped, _ = tf.clip_by_global_norm(total, threshold)
     return [g / num_replicas for g in clipped]
+
+
+def _finite_on_all_replicas(loss: tf.Tensor, gradients) -> tf.Tensor:
+    local = tf.reduce_all([tf.reduce_all(tf.math.is_finite(t)) for t in [loss, *gradients]])
+    context = tf.distribute.get_replica_context()
+    bad = context.all_reduce(tf.distribute.ReduceOp.SUM, 1.0 - tf.cast(local, tf.float32))
+    return tf.equal(bad, 0.0)
+
+
+def _apply_if_finite(finite, optimizer, gradients, variables) -> None:
+    """Applies the update only when `finite` (equal on every replica).
+
+    The condition is taken in cross-replica context, as Keras's
+    LossScaleOptimizer does: tf.distribute cannot run a `cond` in replica
+    context whose branch calls `merge_call`, which `optimizer.apply` does.
+    """
+
+    def in_cross_replica(distribution, finite, gradients):
+        agreed = distribution.experimental_local_results(finite)[0]
+
+        def apply():
+            distribution.extended.call_for_each_replica(
+                lambda grads: optimizer.apply(grads, variables), args=(gradients,)
+            )
+            return tf.constant(True)
+
+        tf.cond(agreed, apply, lambda: tf.constant(False))
+
+    tf.distribute.get_replica_context().merge_call(in_cross_replica, args=(finite, gradients))
 
 
 def make_eval_step(

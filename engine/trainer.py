@@ -25,6 +25,13 @@ from engine.steps import PerExampleLoss, ReplicaStep, make_eval_step, make_train
 from engine.summaries import SummaryWriters
 
 
+NONFINITE_POLICIES = ("stop", "skip")
+
+
+class NonFiniteLossError(UserError):
+    """Training produced a NaN or Inf loss and was stopped (on_nonfinite="stop")."""
+
+
 class Trainer:
     """Distributed, compiled custom training loop with eval, summaries and checkpoints.
 
@@ -59,6 +66,8 @@ class Trainer:
         grad_accum_steps: int = 1,
         jit_compile: bool = False,
         callbacks: Sequence[CallbackLike] = (),
+        on_nonfinite: str = "stop",
+        restore_fallback: bool = False,
     ):
         if loss_fn is None and step_fn is None:
             raise UserError("pass loss_fn, step_fn or both to Trainer")
@@ -67,6 +76,9 @@ class Trainer:
         if steps_per_loop < 1:
             raise UserError(f"steps_per_loop={steps_per_loop} must be at least 1")
         _check_batch(global_batch_size, strategy.num_replicas_in_sync, grad_accum_steps)
+        if on_nonfinite not in NONFINITE_POLICIES:
+            raise UserError(f"on_nonfinite={on_nonfinite!r} must be one of: {', '.join(NONFINITE_POLICIES)}")
+        self.on_nonfinite = on_nonfinite
         self.strategy = strategy
         self.model = model
         self.optimizer = optimizer
@@ -84,7 +96,8 @@ class Trainer:
         self._compiled_once = False
         self.last_eval: tuple[int, dict[str, float]] | None = None  # (step, logs)
         self.callbacks = as_callbacks(callbacks)
-        self.stop_training = False  # Set by a callback (or a signal) to stop after this loop.
+        self.stop_training = False  # Set by a callback to stop after this loop.
+        self._stop_requested = False  # Set by request_stop(); survives train() calls.
 
         with strategy.scope():
             _check_created_in_scope(strategy, model)
@@ -106,7 +119,7 @@ class Trainer:
                 model=model, optimizer=optimizer, loss_fn=loss_fn,
                 global_batch_size=global_batch_size, metrics=self.train_metrics,
                 clip_norm=clip_norm, grad_accum_steps=grad_accum_steps,
-                jit_compile=jit_compile,
+                jit_compile=jit_compile, skip_nonfinite=on_nonfinite == "skip",
             )
         self.train_loop = make_train_loop(strategy, step_fn, self.global_step)
         self.eval_loop = None
@@ -118,6 +131,7 @@ class Trainer:
 
         self.checkpoint_manager = None
         if model_dir is not None:
+            checkpoint_lib.set_aside_unreadable(model_dir, fallback=restore_fallback)
             checkpoint = tf.train.Checkpoint(
                 model=model, optimizer=optimizer, global_step=self.global_step
             )
@@ -154,6 +168,15 @@ class Trainer:
 
     # ---------------------------------------------------------------- training
 
+    def request_stop(self) -> None:
+        """Stops training after the current loop (with a checkpoint); safe to
+        call from a signal handler, and it stays in force for later train() calls."""
+        self._stop_requested = True
+
+    @property
+    def stop_requested(self) -> bool:
+        return self._stop_requested
+
     def train(self, steps: int) -> dict[str, float]:
         """Trains until the global step reaches `steps`; returns the last loop's logs.
 
@@ -167,7 +190,7 @@ class Trainer:
         self.stop_training = False
         for callback in self.callbacks:
             callback.on_train_begin(self)
-        while self.step < steps and not self.stop_training:
+        while self.step < steps and not (self.stop_training or self._stop_requested):
             start = self.step
             num_steps = self._next_loop_length(start, steps)
             iterator = self._train_iterator(start)
@@ -175,9 +198,12 @@ class Trainer:
                 metric.reset_state()
             began = time.perf_counter()
             outputs = self.train_loop(iterator, tf.constant(num_steps, tf.int32))
+            first_nonfinite = int(outputs.pop("first_nonfinite_step"))
             logs = {name: float(value) for name, value in outputs.items()}
             seconds = time.perf_counter() - began
             self._iterator_step = start + num_steps
+            if first_nonfinite >= 0 and self.on_nonfinite == "stop":
+                self._stop_on_nonfinite(first_nonfinite)
             logs.update({m.name: float(m.result()) for m in self.train_metrics})
             logs.update(self._speed(num_steps, seconds))
             logs["learning_rate"] = _current_learning_rate(self.optimizer)
@@ -196,6 +222,16 @@ class Trainer:
         for callback in self.callbacks:
             callback.on_train_end(self, logs)
         return logs
+
+    def _stop_on_nonfinite(self, step: int) -> None:
+        """Ends the run without saving: the weights may already hold NaNs."""
+        latest = self.checkpoint_manager.latest_checkpoint if self.checkpoint_manager else None
+        self._summaries.close()
+        raise NonFiniteLossError(
+            f"non-finite loss at step {step}; stopped without saving, the latest checkpoint "
+            f"({latest or 'none'}) is kept; lower --learning_rate, set --clip_norm, or pass "
+            "--on_nonfinite=skip to skip such steps"
+        )
 
     def _next_loop_length(self, start: int, target: int) -> int:
         length = min(self.steps_per_loop, target - start)

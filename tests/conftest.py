@@ -14,3 +14,27 @@ _cpu = tf.config.list_physical_devices("CPU")[0]
 tf.config.set_logical_device_configuration(
     _cpu, [tf.config.LogicalDeviceConfiguration()] * TEST_CPU_DEVICES
 )
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def mirrored():
+    """ONE two-replica MirroredStrategy for the whole session.
+
+    Each MirroredStrategy numbers its collective ops from the same start, so
+    two of them in one process can pair an all-reduce of one program with a
+    different one of another ("Shape mismatch in the collective instance").
+    Real jobs create one strategy per process; tests share one likewise.
+    """
+    import engine
+
+    return engine.build_strategy("mirrored", cpu_devices=TEST_CPU_DEVICES)
+
+
+@pytest.fixture(scope="session")
+def default():
+    import engine
+
+    return engine.build_strategy("default")

@@ -22,8 +22,8 @@ class Recorder(Callback):
         self.events.append(("end", trainer.step))
 
 
-def test_hooks_run_in_order_and_a_plain_callable_can_stop_training(tmp_path):
-    strategy = engine.build_strategy("mirrored", cpu_devices=2)
+def test_hooks_run_in_order_and_a_plain_callable_can_stop_training(tmp_path, mirrored):
+    strategy = mirrored
     x, y = make_arrays(40)
     recorder = Recorder()
 

@@ -61,16 +61,6 @@ def train_weights(strategy, data, *, batch=16, steps=12, **trainer_kwargs):
     return model.get_weights()
 
 
-@pytest.fixture(scope="module")
-def mirrored():
-    return engine.build_strategy("mirrored", cpu_devices=2)
-
-
-@pytest.fixture(scope="module")
-def default():
-    return engine.build_strategy("default")
-
-
 @pytest.mark.parametrize("input_form", ["global_dataset", "per_replica_fn"])
 def test_two_replicas_train_to_the_same_weights_as_one_device(default, mirrored, input_form):
     x, y = make_arrays(64)
@@ -119,8 +109,8 @@ def softmax_cross_entropy(logits, labels):
 
 
 @pytest.mark.parametrize("strategy_name", ["default", "mirrored"])
-def test_reported_loss_equals_a_hand_computation(strategy_name):
-    strategy = engine.build_strategy(strategy_name, cpu_devices=2)
+def test_reported_loss_equals_a_hand_computation(strategy_name, request):
+    strategy = request.getfixturevalue(strategy_name)
     x, y = make_arrays(16)
     model, optimizer = make_model(strategy, l2=0.01)
     w1, b1, w2, b2 = model.get_weights()
@@ -198,7 +188,7 @@ def test_restart_restores_the_latest_checkpoint_and_continues(mirrored, tmp_path
 
 def test_variables_created_outside_the_scope_are_refused(mirrored):
     x, y = make_arrays(16)
-    model, optimizer = make_model(engine.build_strategy("default"))
+    model, optimizer = make_model(tf.distribute.get_strategy())
     with pytest.raises(engine.UserError, match="strategy.scope"):
         engine.Trainer(strategy=mirrored, model=model, optimizer=optimizer,
                        train_data=global_batches(x, y, 16), global_batch_size=16, loss_fn=loss_fn())
