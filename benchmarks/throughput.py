@@ -1,0 +1,644 @@
+r"""Training throughput: the engine's loop against Keras `fit` and a bare loop.
+
+    python -m benchmarks.throughput --model=cnn --strategy=default \
+        --runners=engine,fit,raw --json=out.json
+
+Every runner trains the same model (a fresh copy, same seed), on the same
+synthetic data, batch, optimizer (Adam, lr 1e-3) and strategy, in ONE process;
+timed windows are interleaved (engine, fit, raw, engine, fit, raw, ...) so
+that drift of a shared machine hits every runner alike.
+
+Runners:
+
+- `engine`: `engine.Trainer` as users run it: the `input` package's
+  synthetic source through the normal per-replica input path, per-example
+  sparse cross-entropy, an accuracy metric, no model_dir, no eval. A window
+  is the wall time of `trainer.train(target)`.
+- `fit`: `model.fit` under the same strategy, with `steps_per_execution`
+  = `--fit_steps_per_execution` (default: `--steps_per_loop`); when that
+  fails (Keras 3 + MirroredStrategy, see NOTES.md) it falls back to 1 and
+  records the error. A window is one epoch of `--steps` steps, timed by a
+  callback from epoch begin to end (the per-`fit`-call set-up, which a real
+  run pays once, is left out). If fit cannot run at all, its row carries the
+  error.
+- `raw`: the smallest compiled loop: one `tf.function` with a `tf.range`
+  loop over `strategy.run(step)` on one in-memory batch (reused every step),
+  no metric: the ceiling the engine's overhead is measured against.
+
+A runner name may carry suffixes that override the global flags for that
+runner alone: `_bf16`, `_fp16`, `_fp32` (mixed precision) and `_jit`,
+`_nojit` (XLA), e.g. `--runners=engine,fit,raw,engine_bf16_jit`, so the
+fastest engine setting and the float32 peers are measured in the same run.
+
+Also reported: model FLOPs per example (3x forward for a training step),
+achieved TFLOP/s, and the peak of a large `tf.matmul` (float32, and bfloat16
+when any runner uses it) on the same devices, measured in the same run.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+from absl import app, flags  # noqa: E402
+
+RUNNER_KINDS = ("engine", "fit", "raw")
+PRECISIONS = ("float32", "bfloat16", "float16")
+_PRECISION_SUFFIXES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+LEARNING_RATE = 1e-3
+
+FLAGS = flags.FLAGS
+
+
+def define_flags() -> None:
+    """The CLI flags; defined only when run as a script, so importing this
+    module (the sweep does) defines none."""
+    flags.DEFINE_string("model", "cnn", "Model name from the models registry (cnn, resnet50, wide_mlp, ...).")
+    flags.DEFINE_string("strategy", "default", "default, one_device or mirrored.")
+    flags.DEFINE_list("runners", list(RUNNER_KINDS),
+                      "Runners, in interleaving order: engine, fit, raw, each optionally with "
+                      "suffixes _bf16/_fp16/_fp32 and _jit/_nojit.")
+    flags.DEFINE_string("json", None, "Write the results as JSON to this path.")
+    flags.DEFINE_integer("global_batch_size", 64, "Global batch size (all replicas).")
+    flags.DEFINE_integer("steps_per_loop", 50, "Engine steps per compiled call (also the raw loop's).")
+    flags.DEFINE_integer("fit_steps_per_execution", None,
+                         "Keras fit steps_per_execution to try first (default: --steps_per_loop).")
+    flags.DEFINE_integer("cpu_devices", 1, "Logical CPU devices (replicas of --strategy=mirrored).")
+    flags.DEFINE_boolean("jit_compile", False, "XLA-compile the forward/backward pass.")
+    flags.DEFINE_enum("mixed_precision", "float32", list(PRECISIONS), "Compute precision.")
+    flags.DEFINE_integer("warmup_steps", 100, "Untimed steps per runner (tracing, compiling, warm caches).")
+    flags.DEFINE_integer("steps", 200, "Steps per timed window.")
+    flags.DEFINE_integer("repeats", 5, "Timed windows per runner (interleaved across runners).")
+    flags.DEFINE_integer("num_classes", 10, "Classes of the synthetic data.")
+    flags.DEFINE_integer("seed", 42, "Seed of every model and of the data stream.")
+    flags.DEFINE_integer("peak_matmul_size", 2048, "Side of the square matmul that measures peak FLOP/s (0: skip).")
+
+
+
+# --------------------------------------------------------------------- config
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    model: str = "cnn"
+    strategy: str = "default"
+    runners: tuple[str, ...] = RUNNER_KINDS
+    global_batch_size: int = 64
+    steps_per_loop: int = 50
+    fit_steps_per_execution: int | None = None
+    cpu_devices: int = 1
+    jit_compile: bool = False
+    mixed_precision: str = "float32"
+    warmup_steps: int = 100
+    steps: int = 200
+    repeats: int = 5
+    num_classes: int = 10
+    seed: int = 42
+    peak_matmul_size: int = 2048
+
+
+@dataclass(frozen=True)
+class RunnerSpec:
+    name: str  # as given on the command line, e.g. "engine_bf16_jit"
+    kind: str  # engine | fit | raw
+    mixed_precision: str
+    jit_compile: bool
+
+
+def parse_runner(token: str, config: BenchConfig) -> RunnerSpec:
+    """`engine_bf16_jit` -> RunnerSpec(kind=engine, bfloat16, jit)."""
+    parts = token.strip().split("_")
+    kind, suffixes = parts[0], parts[1:]
+    if kind not in RUNNER_KINDS:
+        raise ValueError(f"unknown runner {token!r}; the name must start with one of {RUNNER_KINDS}")
+    precision, jit = config.mixed_precision, config.jit_compile
+    for suffix in suffixes:
+        if suffix in _PRECISION_SUFFIXES:
+            precision = _PRECISION_SUFFIXES[suffix]
+        elif suffix == "jit":
+            jit = True
+        elif suffix == "nojit":
+            jit = False
+        else:
+            raise ValueError(f"unknown suffix {suffix!r} in runner {token!r}; "
+                             "use _bf16, _fp16, _fp32, _jit or _nojit")
+    return RunnerSpec(token.strip(), kind, precision, jit)
+
+
+# -------------------------------------------------------------------- runners
+
+
+@dataclass
+class Runner:
+    """Builds its own fresh model in `setup`, then times windows of steps."""
+
+    spec: RunnerSpec
+    config: BenchConfig
+    strategy: Any
+    source: Any
+    model_spec: Any
+    model: Any = None
+    error: str | None = None
+    extra: dict = field(default_factory=dict)
+
+    def _build(self):
+        """A fresh model and Adam, same seed, under this runner's precision."""
+        import keras
+
+        from engine.environment import seed_everything, set_precision
+
+        set_precision(self.spec.mixed_precision)
+        seed_everything(self.config.seed)
+        with self.strategy.scope():
+            model = self.model_spec.build(self.model_spec.default_input_shape, self.config.num_classes)
+            optimizer = keras.optimizers.Adam(LEARNING_RATE)
+            if self.spec.mixed_precision == "float16":
+                optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
+        self.model = model
+        return model, optimizer
+
+    def setup(self) -> None:
+        raise NotImplementedError
+
+    def window(self, steps: int) -> float:
+        """Trains `steps` steps; returns the seconds they took."""
+        raise NotImplementedError
+
+
+def _loss_fn():
+    import keras
+
+    return keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
+
+
+class EngineRunner(Runner):
+    def setup(self) -> None:
+        import keras
+
+        from engine import Trainer
+
+        model, optimizer = self._build()
+        config, source = self.config, self.source
+
+        # The CLI's default per-replica input path (engine/job.py).
+        def train_data(input_context, start_step):
+            return source.train_dataset(global_batch_size=config.global_batch_size, seed=config.seed,
+                                        start_step=start_step, input_context=input_context)
+
+        self.trainer = Trainer(
+            strategy=self.strategy, model=model, optimizer=optimizer, train_data=train_data,
+            global_batch_size=config.global_batch_size, loss_fn=_loss_fn(),
+            metrics=[keras.metrics.SparseCategoricalAccuracy(name="accuracy")],
+            steps_per_loop=config.steps_per_loop, jit_compile=self.spec.jit_compile,
+        )
+        self.trainer.train(max(1, self.config.warmup_steps))
+        self.extra["steps_per_loop"] = config.steps_per_loop
+
+    def window(self, steps: int) -> float:
+        target = self.trainer.step + steps
+        began = time.perf_counter()
+        self.trainer.train(target)
+        return time.perf_counter() - began
+
+
+class FitRunner(Runner):
+    def setup(self) -> None:
+        import keras
+
+        preferred = self.config.fit_steps_per_execution or self.config.steps_per_loop
+        attempts = [(preferred, self.spec.jit_compile)]
+        if preferred > 1:
+            attempts.append((1, self.spec.jit_compile))
+        if self.spec.jit_compile:
+            attempts.append((1, False))
+        errors = []
+        for steps_per_execution, jit in attempts:
+            try:
+                model, optimizer = self._build()
+                model.compile(
+                    optimizer=optimizer,
+                    loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                    metrics=[keras.metrics.SparseCategoricalAccuracy(name="accuracy")],
+                    steps_per_execution=steps_per_execution,
+                    jit_compile=jit,
+                )
+                self.dataset = self.source.train_dataset(
+                    global_batch_size=self.config.global_batch_size, seed=self.config.seed)
+                warmup = max(steps_per_execution, self.config.warmup_steps)
+                model.fit(self.dataset, epochs=1, steps_per_epoch=warmup, verbose=0)
+            except Exception as error:  # noqa: BLE001 -- recorded, not hidden
+                errors.append(f"steps_per_execution={steps_per_execution} jit_compile={jit}: "
+                              f"{type(error).__name__}: {_first_line(error)}")
+                continue
+            self.extra.update(steps_per_execution=steps_per_execution, fit_jit_compile=jit,
+                              fallback_error=" | ".join(errors) or None)
+            self.used_jit = jit
+            return
+        self.error = " | ".join(errors)
+
+    def window(self, steps: int) -> float:
+        import keras
+
+        class EpochTimer(keras.callbacks.Callback):
+            def on_epoch_begin(self, epoch, logs=None):
+                self.began = time.perf_counter()
+
+            def on_epoch_end(self, epoch, logs=None):
+                self.seconds = time.perf_counter() - self.began
+
+        timer = EpochTimer()
+        self.model.fit(self.dataset, epochs=1, steps_per_epoch=steps, verbose=0, callbacks=[timer])
+        return timer.seconds
+
+
+class RawRunner(Runner):
+    def setup(self) -> None:
+        import tensorflow as tf
+
+        model, optimizer = self._build()
+        strategy, config = self.strategy, self.config
+        with strategy.scope():
+            optimizer.build(model.trainable_variables)
+        features, labels = next(iter(self.source.train_dataset(
+            global_batch_size=config.global_batch_size, seed=config.seed)))
+        per_replica = config.global_batch_size // strategy.num_replicas_in_sync
+
+        def shard(tensor):
+            def value_fn(context):
+                first = context.replica_id_in_sync_group * per_replica
+                return tf.identity(tensor[first:first + per_replica])
+            return strategy.experimental_distribute_values_from_function(value_fn)
+
+        x, y = shard(features), shard(labels)
+        loss_fn = _loss_fn()
+        variables = model.trainable_variables
+        uses_loss_scale = self.spec.mixed_precision == "float16"
+
+        def gradients(x, y):
+            with tf.GradientTape() as tape:
+                logits = model(x, training=True)
+                loss = tf.nn.compute_average_loss(
+                    tf.cast(loss_fn(y, logits), tf.float32), global_batch_size=config.global_batch_size)
+                if uses_loss_scale:
+                    loss = optimizer.scale_loss(loss)
+            return tape.gradient(loss, variables)
+
+        if self.spec.jit_compile:  # Same split as the engine: XLA for forward/backward only.
+            gradients = tf.function(gradients, jit_compile=True)
+
+        def step(x, y):
+            optimizer.apply(gradients(x, y), variables)
+
+        @tf.function
+        def loop(num_steps):
+            for _ in tf.range(num_steps):
+                strategy.run(step, args=(x, y))
+
+        self.loop, self.optimizer = loop, optimizer
+        self.window(max(1, config.warmup_steps))
+        self.extra["steps_per_loop"] = config.steps_per_loop
+
+    def window(self, steps: int) -> float:
+        import tensorflow as tf
+
+        chunk = self.config.steps_per_loop
+        began = time.perf_counter()
+        done = 0
+        while done < steps:
+            length = min(chunk, steps - done)
+            self.loop(tf.constant(length, tf.int32))
+            done += length
+        int(self.optimizer.iterations.numpy())  # Wait for the last update.
+        return time.perf_counter() - began
+
+
+RUNNER_CLASSES = {"engine": EngineRunner, "fit": FitRunner, "raw": RawRunner}
+
+
+# ------------------------------------------------------------------ peak flops
+
+
+def measure_peak_tflops(strategy, dtype: str, size: int, matmuls: int = 4, repeats: int = 3) -> float:
+    """Best TFLOP/s of a chain of `size`^2 matmuls, run on every replica at once."""
+    import tensorflow as tf
+
+    tf_dtype = tf.as_dtype(dtype)
+
+    def make(context):
+        generator = tf.random.Generator.from_seed(context.replica_id_in_sync_group)
+        return tf.cast(generator.normal([size, size], stddev=1.0 / math.sqrt(size)), tf_dtype)
+
+    a = strategy.experimental_distribute_values_from_function(make)
+    b = strategy.experimental_distribute_values_from_function(make)
+
+    def chain(a, x):
+        for _ in range(matmuls):  # Each depends on the last: nothing to fold.
+            x = tf.matmul(a, x)
+        return tf.reduce_sum(tf.cast(x[:1, :1], tf.float32))
+
+    @tf.function
+    def run(a, b):
+        return strategy.run(chain, args=(a, b))
+
+    def once() -> float:
+        began = time.perf_counter()
+        result = run(a, b)
+        for value in strategy.experimental_local_results(result):
+            value.numpy()
+        return time.perf_counter() - began
+
+    once()
+    best = min(once() for _ in range(repeats))
+    flops = 2.0 * size ** 3 * matmuls * strategy.num_replicas_in_sync
+    return flops / best / 1e12
+
+
+# ------------------------------------------------------------------- machine
+
+
+def machine_info() -> dict[str, Any]:
+    import keras
+    import tensorflow as tf
+
+    info: dict[str, Any] = {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "tensorflow": tf.__version__,
+        "keras": keras.__version__,
+        "cpu_count": os.cpu_count(),
+        "logical_cpu_devices": len(tf.config.list_logical_devices("CPU")),
+        "gpus": len(tf.config.list_physical_devices("GPU")),
+    }
+    try:
+        info["usable_cpus"] = len(os.sched_getaffinity(0))
+    except AttributeError:
+        pass
+    try:
+        with open("/proc/cpuinfo") as handle:
+            text = handle.read()
+        for line in text.splitlines():
+            if line.startswith("model name"):
+                info["cpu_model"] = line.split(":", 1)[1].strip()
+                break
+        cpu_flags = next((line.split(":", 1)[1].split() for line in text.splitlines()
+                          if line.startswith("flags")), [])
+        info["cpu_flags"] = sorted(f for f in cpu_flags if f.startswith(("avx512f", "avx512_bf16", "amx", "avx2", "fma")))
+    except OSError:
+        pass
+    return info
+
+
+# ---------------------------------------------------------------------- main
+
+
+def _first_line(error: BaseException) -> str:
+    """The informative part of an error, on one short line.
+
+    TF graph errors start with "Graph execution error:" and a traceback;
+    the cause ("You must feed a value for placeholder tensor ...") comes
+    after it, so such errors keep their first line and the cause."""
+    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
+    if not lines:
+        return ""
+    text = lines[0]
+    if text.endswith(":") and len(lines) > 1:
+        causes = [line for line in lines[1:] if not line.startswith(("File ", "Detected at node", "[["))
+                  and "Traceback" not in line and not line.startswith(("return ", "self.", "raise "))]
+        if causes:
+            text += " " + max(causes, key=len)
+    return text[:500]
+
+
+def run_benchmark(config: BenchConfig) -> dict[str, Any]:
+    """Runs every runner of `config`; returns the JSON payload.
+
+    `configure_cpu_devices` must already have run when `config.cpu_devices`
+    > 1 (before anything touched a TF device): `main` does it first.
+    """
+    import keras
+    import tensorflow as tf  # noqa: F401
+
+    from engine import build_strategy
+    from engine.environment import set_precision
+    from input import get_data_source
+    from models import flops_per_example, get_model_spec
+
+    specs = [parse_runner(token, config) for token in config.runners]
+    strategy = build_strategy(config.strategy, cpu_devices=config.cpu_devices)
+    replicas = strategy.num_replicas_in_sync
+    model_spec = get_model_spec(config.model)
+    source = get_data_source("synthetic", image_shape=model_spec.default_input_shape,
+                             num_classes=config.num_classes)
+
+    runners: list[Runner] = []
+    for spec in specs:
+        runner = RUNNER_CLASSES[spec.kind](spec=spec, config=config, strategy=strategy,
+                                           source=source, model_spec=model_spec)
+        began = time.perf_counter()
+        try:
+            runner.setup()
+        except Exception as error:  # noqa: BLE001 -- a row with the error, not a crash
+            runner.error = f"{type(error).__name__}: {_first_line(error)}"
+        runner.extra["setup_seconds"] = round(time.perf_counter() - began, 2)
+        _log(f"set up {spec.name}: {runner.extra['setup_seconds']} s"
+             + (f"  ERROR {runner.error}" if runner.error else ""))
+        runners.append(runner)
+
+    windows: dict[str, list[float]] = {runner.spec.name: [] for runner in runners}
+    for repeat in range(config.repeats):
+        for runner in runners:
+            if runner.error:
+                continue
+            try:
+                seconds = runner.window(config.steps)
+            except Exception as error:  # noqa: BLE001
+                runner.error = f"{type(error).__name__}: {_first_line(error)}"
+                continue
+            rate = config.steps * config.global_batch_size / seconds
+            windows[runner.spec.name].append(rate)
+            _log(f"repeat {repeat + 1}/{config.repeats} {runner.spec.name}: {rate:,.1f} examples/s")
+
+    peaks: dict[str, float] = {}
+    if config.peak_matmul_size > 0:
+        set_precision("float32")
+        dtypes = ["float32"] + (["bfloat16"] if any(s.mixed_precision == "bfloat16" for s in specs) else [])
+        single = tf.distribute.OneDeviceStrategy("/cpu:0")
+        for dtype in dtypes:
+            try:
+                # All replicas at once, and one device alone (logical CPUs share
+                # the cores, so either can be the higher): the peak is the best.
+                on_replicas = measure_peak_tflops(strategy, dtype, config.peak_matmul_size)
+                peaks[dtype] = on_replicas
+                if replicas > 1:
+                    alone = measure_peak_tflops(single, dtype, config.peak_matmul_size)
+                    peaks[dtype] = max(on_replicas, alone)
+                    _log(f"peak {dtype}: {on_replicas:.3f} on {replicas} replicas, {alone:.3f} on one device")
+            except Exception as error:  # noqa: BLE001
+                _log(f"peak {dtype} failed: {error}")
+        _log("peak TFLOP/s: " + ", ".join(f"{k}={v:.3f}" for k, v in peaks.items()))
+
+    rows = []
+    for runner in runners:
+        rates = windows[runner.spec.name]
+        flops = 0
+        if runner.model is not None:
+            try:
+                flops = int(flops_per_example(runner.model))
+            except Exception as error:  # noqa: BLE001
+                runner.extra["flops_error"] = str(error)
+        median = statistics.median(rates) if rates else 0.0
+        achieved = 3 * flops * median / 1e12
+        compute_dtype = "bfloat16" if runner.spec.mixed_precision == "bfloat16" else "float32"
+        peak = peaks.get(compute_dtype)
+        jit = runner.spec.jit_compile
+        if runner.spec.kind == "fit" and hasattr(runner, "used_jit"):
+            jit = runner.used_jit
+        error = runner.error
+        if not rates and error is None:
+            error = "no timed window completed"
+        rows.append({
+            "runner": runner.spec.name,
+            "kind": runner.spec.kind,
+            "model": config.model,
+            "strategy": config.strategy,
+            "examples_per_second": median,
+            "min": min(rates) if rates else 0.0,
+            "max": max(rates) if rates else 0.0,
+            "windows": rates,
+            "global_batch_size": config.global_batch_size,
+            "replicas": replicas,
+            "mixed_precision": runner.spec.mixed_precision,
+            "jit_compile": bool(jit),
+            "flops_per_example": flops,
+            "train_flops_per_example": 3 * flops,
+            "achieved_tflops": achieved,
+            "peak_tflops": peak,
+            "fraction_of_peak": (achieved / peak) if peak else None,
+            "error": error,
+            **runner.extra,
+        })
+
+    return {
+        "results": rows,
+        "ratios": compute_ratios(rows),
+        "peak_tflops": peaks.get("float32", 0.0),
+        "peak_tflops_by_dtype": peaks,
+        "config": {**config.__dict__, "runners": list(config.runners)},
+        "machine": machine_info(),
+    }
+
+
+def _rate(rows, name) -> float | None:
+    for row in rows:
+        if row["runner"] == name and not row["error"] and row["examples_per_second"] > 0:
+            return row["examples_per_second"]
+    return None
+
+
+def compute_ratios(rows: list[dict]) -> dict[str, float | None]:
+    """engine/fit and engine/raw between the plain runners, and the best engine
+    variant against the best float32 peer (fit or raw) when variants ran."""
+    engine, fit, raw = (_rate(rows, name) for name in RUNNER_KINDS)
+    ratios: dict[str, float | None] = {
+        "engine/fit": engine / fit if engine and fit else None,
+        "engine/raw": engine / raw if engine and raw else None,
+    }
+    good = [r for r in rows if not r["error"] and r["examples_per_second"] > 0]
+    engines = [r for r in good if r["kind"] == "engine"]
+    peers = [r for r in good if r["kind"] != "engine" and r["mixed_precision"] == "float32"]
+    if len(engines) > 1 or any(r["mixed_precision"] != "float32" or r["jit_compile"] for r in engines):
+        if engines and peers:
+            best = max(engines, key=lambda r: r["examples_per_second"])
+            peer = max(peers, key=lambda r: r["examples_per_second"])
+            ratios["best_engine/best_float32_peer"] = best["examples_per_second"] / peer["examples_per_second"]
+            ratios["best_engine"] = best["runner"]
+            ratios["best_float32_peer"] = peer["runner"]
+    return ratios
+
+
+def format_table(payload: dict) -> str:
+    rows = payload["results"]
+    header = ("runner", "mp", "jit", "ex/s median", "min", "max", "TFLOP/s", "% peak", "notes")
+    lines = []
+    for row in rows:
+        notes = []
+        if "steps_per_execution" in row:
+            notes.append(f"spe={row['steps_per_execution']}")
+        if row.get("fallback_error"):
+            notes.append("fallback: " + row["fallback_error"][:90])
+        if row["error"]:
+            notes.append("ERROR: " + row["error"][:140])
+        fraction = row.get("fraction_of_peak")
+        lines.append((
+            row["runner"], row["mixed_precision"], "y" if row["jit_compile"] else "n",
+            f"{row['examples_per_second']:,.1f}", f"{row['min']:,.1f}", f"{row['max']:,.1f}",
+            f"{row['achieved_tflops']:.4f}", f"{100 * fraction:.1f}" if fraction is not None else "-",
+            "; ".join(notes),
+        ))
+    widths = [max(len(h), *(len(line[i]) for line in lines)) if lines else len(h)
+              for i, h in enumerate(header)]
+    first = rows[0] if rows else {}
+    out = [
+        f"model={first.get('model')} strategy={first.get('strategy')} replicas={first.get('replicas')} "
+        f"global_batch={first.get('global_batch_size')} flops/example(fwd)={first.get('flops_per_example', 0):,} "
+        f"peak TFLOP/s=" + ", ".join(f"{k} {v:.3f}" for k, v in payload.get("peak_tflops_by_dtype", {}).items()),
+        "  ".join(h.ljust(w) for h, w in zip(header, widths)),
+        "  ".join("-" * w for w in widths),
+    ]
+    out += ["  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip() for line in lines]
+    ratio_text = []
+    for key, value in payload["ratios"].items():
+        if isinstance(value, float):
+            ratio_text.append(f"{key}={value:.3f}")
+        else:
+            ratio_text.append(f"{key}={value}")
+    out.append("ratios: " + "  ".join(ratio_text))
+    return "\n".join(out)
+
+
+def _log(message: str) -> None:
+    print(f"[throughput] {message}", file=sys.stderr, flush=True)
+
+
+def config_from_flags() -> BenchConfig:
+    return BenchConfig(
+        model=FLAGS.model, strategy=FLAGS.strategy, runners=tuple(FLAGS.runners),
+        global_batch_size=FLAGS.global_batch_size, steps_per_loop=FLAGS.steps_per_loop,
+        fit_steps_per_execution=FLAGS.fit_steps_per_execution, cpu_devices=FLAGS.cpu_devices,
+        jit_compile=FLAGS.jit_compile, mixed_precision=FLAGS.mixed_precision,
+        warmup_steps=FLAGS.warmup_steps, steps=FLAGS.steps, repeats=FLAGS.repeats,
+        num_classes=FLAGS.num_classes, seed=FLAGS.seed, peak_matmul_size=FLAGS.peak_matmul_size,
+    )
+
+
+def main(argv) -> None:
+    del argv
+    config = config_from_flags()
+    for token in config.runners:  # Fail on a typo before minutes of set-up.
+        parse_runner(token, config)
+    if config.cpu_devices > 1:
+        # Before anything touches a TF device: logical CPUs cannot be added later.
+        from engine import configure_cpu_devices
+
+        configure_cpu_devices(config.cpu_devices)
+    payload = run_benchmark(config)
+    print(format_table(payload), flush=True)
+    if FLAGS.json:
+        directory = os.path.dirname(os.path.abspath(FLAGS.json))
+        os.makedirs(directory, exist_ok=True)
+        with open(FLAGS.json, "w") as handle:
+            json.dump(payload, handle, indent=2, sort_keys=False)
+
+
+if __name__ == "__main__":
+    define_flags()
+    app.run(main)
