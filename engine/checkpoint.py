@@ -21,7 +21,8 @@ from engine.errors import UserError
 CHECKPOINT_SUBDIR = "checkpoints"
 UNREADABLE_SUBDIR = "unreadable"
 _READ_ERRORS = (tf.errors.DataLossError, tf.errors.NotFoundError, tf.errors.OutOfRangeError,
-                tf.errors.InvalidArgumentError, tf.errors.UnknownError)
+                tf.errors.InvalidArgumentError, tf.errors.UnknownError,
+                IndexError)  # the reader's "Read less bytes than requested" on a truncated file
 
 
 def checkpoint_dir(model_dir: str) -> str:

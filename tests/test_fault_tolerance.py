@@ -1,0 +1,189 @@
+"""Nothing lost: bitwise resume, kill -9, SIGTERM/SIGINT, bad checkpoints and data.
+
+Every test runs the real command line in subprocesses with timeouts.
+"""
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from test_main import REPO, run_main, snapshot
+
+RESUME_FLAGS = ["--model=mlp", "--deterministic", "--optimizer=adam", "--eval_every=0",
+                "--steps_per_loop=7", "--checkpoint_every=10", "--seed=7"]
+
+
+def final_state(model_dir: Path) -> dict[str, np.ndarray]:
+    """Every tensor of the latest checkpoint: weights, optimizer slots, step."""
+    path = tf.train.latest_checkpoint(str(model_dir / "checkpoints"))
+    reader = tf.train.load_checkpoint(path)
+    return {name: reader.get_tensor(name) for name in reader.get_variable_to_shape_map()
+            if not name.startswith("save_counter")}  # bookkeeping of how many saves ran
+
+
+def assert_bitwise_equal(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    assert any("optimizer" in name for name in a)  # slots are compared too
+    for name in a:
+        np.testing.assert_array_equal(a[name], b[name], err_msg=name)
+
+
+def popen_main(*flags: str) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=str(REPO), TF_CPP_MIN_LOG_LEVEL="2")
+    return subprocess.Popen([sys.executable, "-m", "engine.main", *flags], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+
+
+def stop(process: subprocess.Popen) -> None:
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGKILL)
+    process.communicate(timeout=30)
+
+
+def wait_for_checkpoint(model_dir: Path, process: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not (model_dir / "checkpoints" / "checkpoint").exists():
+        assert process.poll() is None, process.communicate()[1][-3000:]
+        assert time.monotonic() < deadline, "no checkpoint appeared"
+        time.sleep(0.1)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("strategy", [["--strategy=default"],
+                                      ["--strategy=mirrored", "--cpu_devices=2"]],
+                         ids=["default", "mirrored"])
+def test_interrupted_run_resumes_bitwise_equal(tmp_path, strategy):
+    whole, halves = tmp_path / "whole", tmp_path / "halves"
+    assert run_main(*strategy, *RESUME_FLAGS, "--train_steps=40", f"--model_dir={whole}").returncode == 0
+    assert run_main(*strategy, *RESUME_FLAGS, "--train_steps=20", f"--model_dir={halves}").returncode == 0
+    resumed = run_main(*strategy, *RESUME_FLAGS, "--train_steps=40", f"--model_dir={halves}")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "steps=20->40" in resumed.stderr
+    assert_bitwise_equal(final_state(whole), final_state(halves))
+
+
+@pytest.mark.timeout(300)
+def test_kill_9_at_random_moments_then_resume_bitwise_equal(tmp_path):
+    flags = [*RESUME_FLAGS, "--train_steps=300", "--checkpoint_every=20", "--steps_per_loop=5"]
+    whole, killed = tmp_path / "whole", tmp_path / "killed"
+    assert run_main(*flags, f"--model_dir={whole}").returncode == 0
+    rng = random.Random(1234)
+    for _ in range(2):
+        process = popen_main(*flags, f"--model_dir={killed}")
+        try:
+            wait_for_checkpoint(killed, process)
+            time.sleep(rng.uniform(0.0, 1.5))  # anywhere, checkpoint writes included
+        finally:
+            stop(process)  # SIGKILL: no handler runs
+    finished = run_main(*flags, f"--model_dir={killed}")
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    assert_bitwise_equal(final_state(whole), final_state(killed))
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_signal_saves_and_exits_then_restart_continues(tmp_path, signum):
+    flags = ["--model=mlp", "--train_steps=1000000", "--steps_per_loop=20", "--eval_every=0",
+             "--checkpoint_every=1000000", f"--model_dir={tmp_path}"]
+    process = popen_main(*flags)
+    try:
+        deadline = time.monotonic() + 120
+        for line in process.stderr:  # wait until training is under way
+            if "step 20/" in line or time.monotonic() > deadline:
+                break
+        sent = time.monotonic()
+        process.send_signal(signum)
+        _, stderr = process.communicate(timeout=60)
+        assert time.monotonic() - sent < 30
+    finally:
+        stop(process)
+    assert process.returncode == 128 + signum, stderr[-3000:]
+    saved = tf.train.latest_checkpoint(str(tmp_path / "checkpoints"))
+    assert saved is not None
+    step = int(saved.rsplit("-", 1)[1])
+    assert step > 0 and step % 20 == 0 and f"stopped at step {step}" in stderr
+    restarted = run_main("--model=mlp", f"--train_steps={step + 20}", "--eval_every=0",
+                         f"--model_dir={tmp_path}")
+    assert restarted.returncode == 0, restarted.stderr[-3000:]
+    assert f"steps={step}->{step + 20}" in restarted.stderr
+
+
+def one_error_line(result: subprocess.CompletedProcess) -> str:
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.startswith("engine.main: error:")]
+    assert len(lines) == 1, result.stderr[-3000:]
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def trained_mlp_dir(tmp_path_factory) -> Path:
+    """A model_dir with mlp checkpoints at steps 10 and 20."""
+    model_dir = tmp_path_factory.mktemp("trained") / "run"
+    result = run_main("--model=mlp", "--train_steps=20", "--checkpoint_every=10", "--eval_every=0",
+                      f"--model_dir={model_dir}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    return model_dir
+
+
+def copy_of(source: Path, destination: Path) -> Path:
+    subprocess.run(["cp", "-r", str(source), str(destination)], check=True)
+    return destination
+
+
+def test_checkpoint_of_another_model_is_refused_and_left_alone(trained_mlp_dir, tmp_path):
+    model_dir = copy_of(trained_mlp_dir, tmp_path / "run")
+    before = snapshot(model_dir)
+    line = one_error_line(run_main("--model=cnn", "--train_steps=30", f"--model_dir={model_dir}"))
+    assert "ckpt-20 does not match this model" in line
+    assert snapshot(model_dir) == before
+
+
+def test_truncated_checkpoint_is_named_and_fallback_restores_the_previous(trained_mlp_dir, tmp_path):
+    model_dir = copy_of(trained_mlp_dir, tmp_path / "run")
+    data_file = next((model_dir / "checkpoints").glob("ckpt-20.data-*"))
+    truncated = data_file.read_bytes()[:50]
+    data_file.write_bytes(truncated)
+    before = snapshot(model_dir)
+    common = ["--model=mlp", "--train_steps=30", "--checkpoint_every=10", "--eval_every=0",
+              f"--model_dir={model_dir}"]
+    line = one_error_line(run_main(*common))
+    assert "ckpt-20 cannot be read" in line and "--restore_fallback" in line
+    assert snapshot(model_dir) == before
+
+    recovered = run_main(*common, "--restore_fallback")
+    assert recovered.returncode == 0, recovered.stderr[-3000:]
+    assert "steps=10->30" in recovered.stderr
+    kept = model_dir / "checkpoints" / "unreadable" / data_file.name
+    assert kept.read_bytes() == truncated  # moved aside, not deleted
+    assert tf.train.latest_checkpoint(str(model_dir / "checkpoints")).endswith("ckpt-30")
+
+
+def test_bad_data_is_named_and_model_dir_left_alone(trained_mlp_dir, tmp_path):
+    from input import write_tfrecords
+
+    model_dir = copy_of(trained_mlp_dir, tmp_path / "run")
+    before = snapshot(model_dir)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    line = one_error_line(run_main("--model=mlp", "--dataset=tfrecord", f"--data_dir={empty}",
+                                   f"--model_dir={model_dir}"))
+    assert str(empty) in line
+    records = tmp_path / "records"
+    records.mkdir()
+    images = np.zeros((4, 28, 28, 1), np.uint8)
+    write_tfrecords(str(records / "train-0.tfrecord"), images, np.arange(4))
+    (records / "train-1.tfrecord").write_bytes(os.urandom(300))
+    line = one_error_line(run_main("--model=mlp", "--dataset=tfrecord", f"--data_dir={records}",
+                                   f"--model_dir={model_dir}"))
+    assert "train-1.tfrecord" in line
+    assert snapshot(model_dir) == before
