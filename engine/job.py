@@ -55,6 +55,9 @@ def run(config: RunConfig) -> dict[str, Any]:
     set_precision(config.mixed_precision)
     seed_everything(config.seed, deterministic=config.deterministic)
     strategy = build_strategy(config.strategy, cpu_devices=config.cpu_devices, num_gpus=config.num_gpus)
+    if config.jit_compile and not tf.config.list_logical_devices("GPU"):
+        logging.warning("--jit_compile on a host without GPUs: XLA's CPU kernels ran the cnn "
+                        "5-7x slower than TensorFlow's oneDNN kernels here (benchmarks/RESULTS.md)")
     model_spec = get_model_spec(config.model)
     image_shape = model_spec.default_input_shape
     try:
