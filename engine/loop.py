@@ -21,18 +21,23 @@ EvalLoop = Callable[[tf.distribute.DistributedDataset], None]
 def make_train_loop(
     strategy: tf.distribute.Strategy,
     replica_step: ReplicaStep,
-    global_step: tf.Variable,
+    global_step: tf.Variable | None,
 ) -> TrainLoop:
     """Returns `loop(iterator, num_steps) -> {name: mean over the loop}`.
 
     Each step's outputs are averaged over replicas, then over the steps of
     the loop. The first step is peeled off the `tf.range` loop so that the
     accumulators take the structure the step function returns.
+
+    With `global_step=None` the loop does not count steps: the
+    parameter-server coordinator counts the steps it scheduled, because a
+    closure retried after a worker failure may have run some steps twice.
     """
 
     def one_step(iterator) -> dict[str, tf.Tensor]:
         outputs = strategy.run(replica_step, args=(next(iterator),))
-        global_step.assign_add(1)
+        if global_step is not None:
+            global_step.assign_add(1)
         return {
             name: tf.cast(strategy.reduce(tf.distribute.ReduceOp.MEAN, value, axis=None), tf.float32)
             for name, value in (outputs or {}).items()
