@@ -12,6 +12,7 @@ import socket
 import urllib.parse
 
 import tensorflow as tf
+from absl import logging
 
 from engine.cluster import Cluster, check_strategy_cluster
 from engine.errors import UserError
@@ -87,9 +88,14 @@ def _parameter_server(options: MultiHostOptions) -> tf.distribute.Strategy:
         partitioner = tf.distribute.experimental.partitioners.MinSizePartitioner(
             min_shard_bytes=MIN_SHARD_BYTES, max_shards=options.ps_shards
         )
-    return tf.distribute.experimental.ParameterServerStrategy(
-        options.cluster.resolver(), variable_partitioner=partitioner
-    )
+    verbosity = logging.get_verbosity()
+    logging.set_verbosity(logging.WARNING)  # It logs its whole session config at INFO.
+    try:
+        return tf.distribute.experimental.ParameterServerStrategy(
+            options.cluster.resolver(), variable_partitioner=partitioner
+        )
+    finally:
+        logging.set_verbosity(verbosity)
 
 
 def _tpu(address: str) -> tf.distribute.Strategy:
