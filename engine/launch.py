@@ -119,7 +119,8 @@ class Launcher:
 
     def start(self, task: Task) -> None:
         env = dict(os.environ, TF_CONFIG=task.cluster.tf_config(), PYTHONUNBUFFERED="1")
-        env.setdefault("GRPC_FAIL_FAST", "use_caller")
+        if self.parameter_server:  # Workers' RPCs fail fast, so the coordinator reschedules.
+            env.setdefault("GRPC_FAIL_FAST", "use_caller")
         env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
         task.process = subprocess.Popen(
             task.argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,

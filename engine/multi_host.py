@@ -8,6 +8,7 @@ cluster itself is resolved (and checked) by `engine.cluster`.
 from __future__ import annotations
 
 import dataclasses
+import os
 import socket
 import urllib.parse
 
@@ -88,6 +89,8 @@ def _parameter_server(options: MultiHostOptions) -> tf.distribute.Strategy:
         partitioner = tf.distribute.experimental.partitioners.MinSizePartitioner(
             min_shard_bytes=MIN_SHARD_BYTES, max_shards=options.ps_shards
         )
+    # Fail RPCs to a dead worker at once so the coordinator reschedules its closures.
+    os.environ.setdefault("GRPC_FAIL_FAST", "use_caller")
     verbosity = logging.get_verbosity()
     logging.set_verbosity(logging.WARNING)  # It logs its whole session config at INFO.
     try:

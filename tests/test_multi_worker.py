@@ -194,3 +194,12 @@ def test_ctrl_c_ends_every_task(tmp_path, launch):
     run.process.send_signal(signal.SIGINT)  # The launcher alone, unlike a terminal's Ctrl-C.
     assert run.wait(timeout=30) == 130, run.output[-3000:]
     run.assert_nothing_left()
+
+
+@pytest.mark.timeout(60)
+def test_server_without_a_cluster_is_a_one_line_error():
+    result = subprocess.run([sys.executable, "-m", "engine.server", "--task_type=chief"], cwd=REPO,
+                            env=dict(os.environ, PYTHONPATH=str(REPO)), capture_output=True, text=True,
+                            timeout=50)
+    assert result.returncode == 2
+    assert "engine.server: error: --task_type=chief / --task_index=None given without a cluster" in result.stderr
