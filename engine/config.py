@@ -52,7 +52,6 @@ class RunConfig:
     slurm_port_base: int = 8888
     communication: str = "auto"
     collective_timeout: float = 300.0
-    ps_shards: int = 0
     tpu: str | None = None
 
     @classmethod
@@ -112,7 +111,7 @@ class RunConfig:
             )
         return MultiHostOptions(
             cluster=cluster, communication=self.communication,
-            collective_timeout=self.collective_timeout, ps_shards=self.ps_shards, tpu=self.tpu,
+            collective_timeout=self.collective_timeout, tpu=self.tpu,
         )
 
     def total_steps(self, num_train_examples: int | None) -> int:

@@ -20,9 +20,6 @@ flags.DEFINE_string("communication", "auto",
 flags.DEFINE_float("collective_timeout", 300.0,
                    "Seconds a multi-worker collective waits for its peers before the run fails "
                    "(a dead worker becomes an error, not a hang); 0 waits forever.")
-flags.DEFINE_integer("ps_shards", 0,
-                     "parameter_server: split variables over up to N ps tasks (shards of at "
-                     "least 256 KiB); 0 keeps each variable whole on one ps.")
 flags.DEFINE_string("tpu", None, "--strategy=tpu: `local` (TPU VM) or grpc://HOST:PORT.")
 
 # Model and data.

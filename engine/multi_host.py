@@ -20,7 +20,6 @@ from engine.errors import UserError
 
 COMMUNICATIONS = ("auto", "ring", "nccl")
 DEFAULT_COLLECTIVE_TIMEOUT = 300.0
-MIN_SHARD_BYTES = 256 << 10
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,7 +31,6 @@ class MultiHostOptions:
     # Seconds a collective may wait for its peers: a dead worker then ends
     # the run with an error instead of hanging it. 0 waits forever.
     collective_timeout: float = DEFAULT_COLLECTIVE_TIMEOUT
-    ps_shards: int = 0  # Split big variables over up to this many ps tasks; 0: no split.
     tpu: str | None = None
 
     def check(self, strategy: str) -> None:
@@ -42,15 +40,6 @@ class MultiHostOptions:
             )
         if self.collective_timeout < 0:
             raise UserError(f"--collective_timeout={self.collective_timeout} must be >= 0 (0: no timeout)")
-        if self.ps_shards < 0:
-            raise UserError(f"--ps_shards={self.ps_shards} must be >= 0 (0: no sharding)")
-        if self.ps_shards and strategy != "parameter_server":
-            raise UserError(f"--ps_shards={self.ps_shards} applies to --strategy=parameter_server only")
-        if self.ps_shards and self.cluster is not None and self.ps_shards > len(self.cluster.spec.get("ps", ())):
-            raise UserError(
-                f"--ps_shards={self.ps_shards} exceeds the {len(self.cluster.spec.get('ps', ()))} ps task(s); "
-                "use at most that many"
-            )
         if strategy == "tpu" and not self.tpu:
             raise UserError("--strategy=tpu needs --tpu=local (a TPU VM) or --tpu=grpc://HOST:PORT")
         if self.tpu and strategy != "tpu":
@@ -84,18 +73,15 @@ def _multi_worker_mirrored(options: MultiHostOptions) -> tf.distribute.Strategy:
 
 
 def _parameter_server(options: MultiHostOptions) -> tf.distribute.Strategy:
-    partitioner = None
-    if options.ps_shards > 1:
-        partitioner = tf.distribute.experimental.partitioners.MinSizePartitioner(
-            min_shard_bytes=MIN_SHARD_BYTES, max_shards=options.ps_shards
-        )
+    # No variable_partitioner: Keras 3 variables cannot wrap the ShardedVariable
+    # it creates (GradientTape fails: 'ShardedVariable' object has no attribute 'handle').
     # Fail RPCs to a dead worker at once so the coordinator reschedules its closures.
     os.environ.setdefault("GRPC_FAIL_FAST", "use_caller")
     verbosity = logging.get_verbosity()
     logging.set_verbosity(logging.WARNING)  # It logs its whole session config at INFO.
     try:
         return tf.distribute.experimental.ParameterServerStrategy(
-            options.cluster.resolver(), variable_partitioner=partitioner
+            options.cluster.resolver()
         )
     finally:
         logging.set_verbosity(verbosity)
