@@ -47,10 +47,16 @@ def serve() -> None:
     port = int(cluster.address.rpartition(":")[2])
     print(security_warning("engine.server", [port]), file=sys.stderr, flush=True)
     resolver = cluster.resolver()
-    server = tf.distribute.Server(
-        resolver.cluster_spec(), job_name=cluster.task_type, task_index=cluster.task_index,
-        protocol="grpc", start=True,
-    )
+    try:
+        server = tf.distribute.Server(
+            resolver.cluster_spec(), job_name=cluster.task_type, task_index=cluster.task_index,
+            protocol="grpc", start=True,
+        )
+    except tf.errors.OpError as error:
+        raise UserError(
+            f"cannot start the gRPC server of {cluster.task_type}:{cluster.task_index} at "
+            f"{cluster.address} ({error.message.strip()}); is the port in use by another process?"
+        ) from None
     print(f"engine.server: {cluster.task_type}:{cluster.task_index} serving at {server.target}",
           file=sys.stderr, flush=True)
     server.join()
