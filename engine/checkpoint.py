@@ -97,14 +97,20 @@ def _read_problem(path: str) -> str | None:
     return None
 
 
-def restore_latest(manager: tf.train.CheckpointManager) -> str | None:
+def restore_latest(manager: tf.train.CheckpointManager, *, directory: str | None = None) -> str | None:
     """Restores the newest checkpoint, if any, and returns its path.
+
+    `directory` is a model_dir to read from instead of the manager's own
+    (a non-chief worker writes elsewhere but resumes from the chief's).
 
     Every variable of the program must be in the checkpoint with the same
     shape: a checkpoint of another model is refused, not half-loaded, and
     nothing is written over it.
     """
-    path = manager.latest_checkpoint
+    if directory is None:
+        path = manager.latest_checkpoint
+    else:
+        path = tf.train.latest_checkpoint(os.path.join(directory, CHECKPOINT_SUBDIR))
     if path is None:
         return None
     try:

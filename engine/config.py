@@ -44,6 +44,17 @@ class RunConfig:
     deterministic: bool = False
     mixed_precision: str = "float32"
     jit_compile: bool = False
+    # Several machines (engine.cluster, engine.multi_host).
+    worker_hosts: list[str] | None = None
+    ps_hosts: list[str] | None = None
+    chief_host: str | None = None
+    task_type: str | None = None
+    task_index: int | None = None
+    cluster_resolver: str = "tf_config"
+    slurm_port_base: int = 8888
+    communication: str = "auto"
+    collective_timeout: float = 300.0
+    tpu: str | None = None
 
     @classmethod
     def from_flags(cls, flag_values) -> "RunConfig":
@@ -84,8 +95,28 @@ class RunConfig:
             raise UserError(f"--learning_rate={self.learning_rate} must be positive")
         if self.clip_norm is not None and self.clip_norm <= 0:
             raise UserError(f"--clip_norm={self.clip_norm} must be positive")
+        self.multi_host_options().check(self.strategy)
         if self.model_dir:
             check_model_dir(self.model_dir)
+
+    def multi_host_options(self):
+        """The cluster (from the flags, TF_CONFIG or Slurm) and multi-host settings;
+        no cluster for the single-host strategies unless flags name one."""
+        from engine.cluster import resolve_cluster
+        from engine.multi_host import MultiHostOptions
+
+        cluster = None
+        if self.strategy in ("multi_worker_mirrored", "parameter_server") or self.worker_hosts \
+                or self.ps_hosts or self.chief_host:
+            cluster = resolve_cluster(
+                worker_hosts=self.worker_hosts, ps_hosts=self.ps_hosts, chief_host=self.chief_host,
+                task_type=self.task_type, task_index=self.task_index,
+                cluster_resolver=self.cluster_resolver, slurm_port_base=self.slurm_port_base,
+            )
+        return MultiHostOptions(
+            cluster=cluster, communication=self.communication,
+            collective_timeout=self.collective_timeout, tpu=self.tpu,
+        )
 
     def total_steps(self, num_train_examples: int | None) -> int:
         """--train_steps, or --epochs (default 10) worth of full global batches."""

@@ -6,6 +6,8 @@ that every bad value gets the same kind of one-line message.
 
 from absl import flags
 
+from engine import cluster_flags  # noqa: F401  (--worker_hosts, --ps_hosts, --task_type, ...)
+
 # Strategy and cluster.
 flags.DEFINE_string("strategy", "default",
                     "default, one_device, mirrored, multi_worker_mirrored, parameter_server or tpu.")
@@ -13,6 +15,12 @@ flags.DEFINE_integer("cpu_devices", 1,
                      "Logical CPU devices to split the host CPU into; `mirrored` uses them "
                      "as replicas when there is no GPU.")
 flags.DEFINE_integer("num_gpus", None, "GPUs for mirrored/one_device (default: all visible).")
+flags.DEFINE_string("communication", "auto",
+                    "multi_worker_mirrored collectives: auto, ring (gRPC) or nccl (GPUs).")
+flags.DEFINE_float("collective_timeout", 300.0,
+                   "Seconds a multi-worker collective waits for its peers before the run fails "
+                   "(a dead worker becomes an error, not a hang); 0 waits forever.")
+flags.DEFINE_string("tpu", None, "--strategy=tpu: `local` (TPU VM) or grpc://HOST:PORT.")
 
 # Model and data.
 flags.DEFINE_string("model", "cnn", "Model name (models/registry.py).")

@@ -6,8 +6,11 @@ without absl flag parsing.
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
 import os
+import shutil
 import tempfile
 from typing import Any
 
@@ -15,10 +18,11 @@ import keras
 import tensorflow as tf
 from absl import logging
 
+from engine.cluster import task_model_dir
 from engine.config import RunConfig
 from engine.environment import seed_everything, set_precision
-from engine.preemption import stop_on_signals
 from engine.errors import UserError
+from engine.preemption import stop_on_signals
 from engine.strategy import build_strategy, configure_cpu_devices
 from engine.trainer import Trainer
 
@@ -54,7 +58,10 @@ def run(config: RunConfig) -> dict[str, Any]:
         configure_cpu_devices(config.cpu_devices)
     set_precision(config.mixed_precision)
     seed_everything(config.seed, deterministic=config.deterministic)
-    strategy = build_strategy(config.strategy, cpu_devices=config.cpu_devices, num_gpus=config.num_gpus)
+    multi_host = config.multi_host_options()
+    strategy = build_strategy(config.strategy, cpu_devices=config.cpu_devices,
+                              num_gpus=config.num_gpus, multi_host=multi_host)
+    cluster = multi_host.cluster
     if config.jit_compile and not tf.config.list_logical_devices("GPU"):
         logging.warning("--jit_compile on a host without GPUs: XLA's CPU kernels ran the cnn "
                         "5-7x slower than TensorFlow's oneDNN kernels here (benchmarks/RESULTS.md)")
@@ -65,6 +72,8 @@ def run(config: RunConfig) -> dict[str, Any]:
     except DataError as error:
         raise UserError(str(error)) from None
     model_dir = config.model_dir or tempfile.mkdtemp(prefix="engine-")
+    # Only the chief writes model_dir; other workers write a private copy they remove.
+    write_dir = task_model_dir(model_dir, cluster)
     total_steps = config.total_steps(source.num_train_examples)
 
     with strategy.scope():
@@ -85,27 +94,37 @@ def run(config: RunConfig) -> dict[str, Any]:
             def eval_data(input_context):
                 return source.eval_dataset(global_batch_size=batch, input_context=input_context)
 
-    trainer = Trainer(
+    trainer_class = Trainer
+    if config.strategy == "parameter_server":
+        from engine.coordinator import CoordinatedTrainer as trainer_class
+    trainer = trainer_class(
         strategy=strategy, model=model, optimizer=optimizer,
         train_data=train_data, eval_data=eval_data, global_batch_size=batch,
         loss_fn=keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None),
         metrics=[keras.metrics.SparseCategoricalAccuracy(name="accuracy")],
-        model_dir=model_dir, steps_per_loop=config.steps_per_loop,
+        model_dir=write_dir, restore_dir=model_dir if write_dir != model_dir else None,
+        steps_per_loop=config.steps_per_loop,
         eval_every=config.eval_every, checkpoint_every=config.checkpoint_every,
         max_checkpoints=config.max_checkpoints, clip_norm=config.clip_norm,
         grad_accum_steps=config.grad_accum_steps, jit_compile=config.jit_compile,
         on_nonfinite=config.on_nonfinite, restore_fallback=config.restore_fallback,
     )
     _log_banner(config, strategy, model, source, model_dir, total_steps, trainer.step)
-    with stop_on_signals(trainer) as signal_record:
-        train_logs = trainer.train(total_steps)
-    if signal_record.signum is not None:
+    try:
+        with stop_on_signals(trainer) as signal_record:
+            train_logs = trainer.train(total_steps)
+        if signal_record.signum is not None:
+            trainer.close()
+            logging.warning("stopped at step %d by signal %d; checkpoint saved in %s; rerun the "
+                            "same command to continue", trainer.step, signal_record.signum, model_dir)
+            return {"global_step": trainer.step, "exit_status": signal_record.exit_status}
+        eval_logs = trainer.evaluate_current() if eval_data is not None else {}
         trainer.close()
-        logging.warning("stopped at step %d by signal %d; checkpoint saved in %s; rerun the same "
-                        "command to continue", trainer.step, signal_record.signum, model_dir)
-        return {"global_step": trainer.step, "exit_status": signal_record.exit_status}
-    eval_logs = trainer.evaluate_current() if eval_data is not None else {}
-    trainer.close()
+    finally:
+        if write_dir != model_dir:
+            shutil.rmtree(write_dir, ignore_errors=True)
+            with contextlib.suppress(OSError):  # The shared parent, once the last worker is done.
+                os.rmdir(os.path.dirname(write_dir))
     speed = trainer.steady_examples_per_second or train_logs.get("examples_per_second")
     result = {
         "global_step": trainer.step,
@@ -114,10 +133,21 @@ def run(config: RunConfig) -> dict[str, Any]:
         "examples_per_second": speed,
         "model_dir": model_dir,
     }
-    _write_json(os.path.join(model_dir, METRICS_FILE), result)
-    logging.info("done: step %d, eval %s, %.0f examples/s; wrote %s",
-                 trainer.step, eval_logs, speed or 0.0, os.path.join(model_dir, METRICS_FILE))
+    if write_dir == model_dir:
+        _write_json(os.path.join(model_dir, METRICS_FILE), result)
+    logging.info("done: step %d, eval %s, %.0f examples/s; wrote %s%s",
+                 trainer.step, eval_logs, speed or 0.0,
+                 os.path.join(model_dir, METRICS_FILE) if write_dir == model_dir else "nothing (not the chief)",
+                 "" if cluster is None else f"; weights_digest={_weights_digest(model)}")
     return result
+
+
+def _weights_digest(model) -> str:
+    """A fingerprint of the weights: equal on every worker of a synchronous run."""
+    digest = hashlib.sha256()
+    for weight in model.get_weights():
+        digest.update(weight.tobytes())
+    return digest.hexdigest()[:16]
 
 
 def _log_banner(config, strategy, model, source, model_dir, total_steps, start_step) -> None:

@@ -21,21 +21,27 @@ EvalLoop = Callable[[tf.distribute.DistributedDataset], None]
 def make_train_loop(
     strategy: tf.distribute.Strategy,
     replica_step: ReplicaStep,
-    global_step: tf.Variable,
+    global_step: tf.Variable | None,
 ) -> TrainLoop:
     """Returns `loop(iterator, num_steps) -> {name: mean over the loop}`.
 
     Each step's outputs are averaged over replicas, then over the steps of
     the loop whose outputs are all finite. Two more entries say whether any
-    were not: `nonfinite_steps` (how many) and `first_nonfinite_step` (the
-    global step number of the first, or -1), so the host can stop or count
-    without a per-step sync. The first step is peeled off the `tf.range`
-    loop so that the accumulators take the structure the step returns.
+    were not: `nonfinite_steps` (how many) and `first_nonfinite_index` (the
+    0-based index in this loop of the first, or -1), so the host can stop
+    or count without a per-step sync. The first step is peeled off the
+    `tf.range` loop so that the accumulators take the structure the step
+    returns.
+
+    With `global_step=None` the loop does not count steps: the
+    parameter-server coordinator counts the steps it scheduled, because a
+    closure retried after a worker failure may have run some steps twice.
     """
 
     def one_step(iterator) -> tuple[dict[str, tf.Tensor], tf.Tensor]:
         outputs = strategy.run(replica_step, args=(next(iterator),))
-        global_step.assign_add(1)
+        if global_step is not None:
+            global_step.assign_add(1)
         reduced = {
             name: tf.cast(strategy.reduce(tf.distribute.ReduceOp.MEAN, value, axis=None), tf.float32)
             for name, value in (outputs or {}).items()
@@ -43,25 +49,24 @@ def make_train_loop(
         finite = tf.reduce_all([tf.math.is_finite(v) for v in reduced.values()] or [True])
         return reduced, finite
 
-    def accumulate(totals, count, bad, first_bad, outputs, finite):
-        weight = tf.cast(finite, tf.float32)
+    def accumulate(totals, count, bad, first_bad, index, outputs, finite):
         totals = {n: totals[n] + tf.where(finite, outputs[n], 0.0) for n in totals}
-        this_step = tf.cast(global_step.read_value(), tf.int32)
-        first_bad = tf.where(tf.logical_or(finite, first_bad >= 0), first_bad, this_step)
-        return totals, count + weight, bad + (1 - tf.cast(finite, tf.int32)), first_bad
+        first_bad = tf.where(tf.logical_or(finite, first_bad >= 0), first_bad, index)
+        return totals, count + tf.cast(finite, tf.float32), bad + 1 - tf.cast(finite, tf.int32), first_bad
 
     @tf.function
     def train_loop(iterator, num_steps: tf.Tensor) -> dict[str, tf.Tensor]:
         outputs, finite = one_step(iterator)
         zeros = {name: tf.zeros_like(value) for name, value in outputs.items()}
-        totals, count, bad, first_bad = accumulate(
-            zeros, tf.constant(0.0), tf.constant(0), tf.constant(-1), outputs, finite)
-        for _ in tf.range(num_steps - 1):
+        state = accumulate(zeros, tf.constant(0.0), tf.constant(0), tf.constant(-1),
+                           tf.constant(0), outputs, finite)
+        for index in tf.range(1, num_steps):
             outputs, finite = one_step(iterator)
-            totals, count, bad, first_bad = accumulate(totals, count, bad, first_bad, outputs, finite)
+            state = accumulate(*state, index, outputs, finite)
+        totals, count, bad, first_bad = state
         means = {name: total / tf.maximum(count, 1.0) for name, total in totals.items()}
         means["nonfinite_steps"] = bad
-        means["first_nonfinite_step"] = first_bad
+        means["first_nonfinite_index"] = first_bad
         return means
 
     return train_loop

@@ -7,9 +7,14 @@ into logical devices, which TensorFlow allows only before its runtime starts:
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import tensorflow as tf
 
 from engine.errors import UserError
+
+if TYPE_CHECKING:
+    from engine.multi_host import MultiHostOptions
 
 SINGLE_HOST_STRATEGIES = ("default", "one_device", "mirrored")
 MULTI_HOST_STRATEGIES = ("multi_worker_mirrored", "parameter_server", "tpu")
@@ -39,23 +44,28 @@ def configure_cpu_devices(count: int) -> None:
 
 
 def build_strategy(
-    name: str = "default", *, cpu_devices: int = 1, num_gpus: int | None = None
+    name: str = "default",
+    *,
+    cpu_devices: int = 1,
+    num_gpus: int | None = None,
+    multi_host: MultiHostOptions | None = None,
 ) -> tf.distribute.Strategy:
     """Returns the strategy called `name`.
 
     `mirrored` uses `num_gpus` GPUs (all visible ones when None) and, when
     there are none, `cpu_devices` logical CPU devices, so several replicas
-    can be used and tested on a laptop.
+    can be used and tested on a laptop. The multi-host strategies take their
+    cluster, communication and TPU settings from `multi_host`
+    (`engine.multi_host.MultiHostOptions`).
     """
     if name not in STRATEGY_NAMES:
         raise UserError(
             f"unknown strategy {name!r}; choose one of: {', '.join(STRATEGY_NAMES)}"
         )
     if name in MULTI_HOST_STRATEGIES:
-        raise UserError(
-            f"--strategy={name} is not yet supported by this engine; "
-            f"use one of: {', '.join(SINGLE_HOST_STRATEGIES)}"
-        )
+        from engine.multi_host import MultiHostOptions, build_multi_host_strategy
+
+        return build_multi_host_strategy(name, multi_host or MultiHostOptions())
     if name == "default":
         return tf.distribute.get_strategy()
     if cpu_devices > 1:

@@ -68,6 +68,7 @@ class Trainer:
         callbacks: Sequence[CallbackLike] = (),
         on_nonfinite: str = "stop",
         restore_fallback: bool = False,
+        restore_dir: str | None = None,
     ):
         if loss_fn is None and step_fn is None:
             raise UserError("pass loss_fn, step_fn or both to Trainer")
@@ -87,6 +88,8 @@ class Trainer:
         self.eval_every = eval_every or None
         self.checkpoint_every = checkpoint_every or None
         self._train_data = train_data
+        # A non-chief worker writes to a private model_dir but resumes from the chief's.
+        self._restore_dir = restore_dir
         self._eval_data = eval_data
         self._summaries = SummaryWriters(model_dir)
         self._iterator = None
@@ -121,6 +124,7 @@ class Trainer:
                 clip_norm=clip_norm, grad_accum_steps=grad_accum_steps,
                 jit_compile=jit_compile, skip_nonfinite=on_nonfinite == "skip",
             )
+        self.replica_step = step_fn
         self.train_loop = make_train_loop(strategy, step_fn, self.global_step)
         self.eval_loop = None
         if self._eval_data is not None:
@@ -149,7 +153,7 @@ class Trainer:
 
     def _restore(self) -> None:
         learning_rate = _constant_learning_rate(self.optimizer)
-        path = checkpoint_lib.restore_latest(self.checkpoint_manager)
+        path = checkpoint_lib.restore_latest(self.checkpoint_manager, directory=self._restore_dir)
         if path is None:
             return
         if learning_rate is not None:
@@ -197,13 +201,12 @@ class Trainer:
             for metric in self.train_metrics:
                 metric.reset_state()
             began = time.perf_counter()
-            outputs = self.train_loop(iterator, tf.constant(num_steps, tf.int32))
-            first_nonfinite = int(outputs.pop("first_nonfinite_step"))
-            logs = {name: float(value) for name, value in outputs.items()}
+            logs = self._run_train_loop(iterator, num_steps)
+            first_nonfinite = int(logs.pop("first_nonfinite_index"))
             seconds = time.perf_counter() - began
             self._iterator_step = start + num_steps
             if first_nonfinite >= 0 and self.on_nonfinite == "stop":
-                self._stop_on_nonfinite(first_nonfinite)
+                self._stop_on_nonfinite(start + first_nonfinite + 1)
             logs.update({m.name: float(m.result()) for m in self.train_metrics})
             logs.update(self._speed(num_steps, seconds))
             logs["learning_rate"] = _current_learning_rate(self.optimizer)
@@ -232,6 +235,12 @@ class Trainer:
             f"({latest or 'none'}) is kept; lower --learning_rate, set --clip_norm, or pass "
             "--on_nonfinite=skip to skip such steps"
         )
+
+    def _run_train_loop(self, iterator, num_steps: int) -> dict[str, float]:
+        """One compiled call of `num_steps` steps (the parameter-server trainer
+        schedules it on workers instead)."""
+        outputs = self.train_loop(iterator, tf.constant(num_steps, tf.int32))
+        return {name: float(value) for name, value in outputs.items()}
 
     def _next_loop_length(self, start: int, target: int) -> int:
         length = min(self.steps_per_loop, target - start)
@@ -277,7 +286,7 @@ class Trainer:
             raise UserError("evaluate() needs eval_data and a loss_fn")
         for metric in (self._eval_loss, self._eval_count, *self.eval_metrics):
             metric.reset_state()
-        self.eval_loop(distribute_eval_data(self.strategy, self._eval_data))
+        self._run_eval_loop()
         logs = {"loss": float(self._eval_loss.result())}
         logs.update({m.name: float(m.result()) for m in self.eval_metrics})
         logs["num_examples"] = int(round(float(self._eval_count.result())))
@@ -287,6 +296,9 @@ class Trainer:
         for callback in self.callbacks:
             callback.on_eval_end(self, self.step, logs)
         return logs
+
+    def _run_eval_loop(self) -> None:
+        self.eval_loop(distribute_eval_data(self.strategy, self._eval_data))
 
     def evaluate_current(self) -> dict[str, float]:
         """The evaluation at the current step, reusing one the loop already ran."""

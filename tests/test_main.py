@@ -12,8 +12,9 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
-def run_main(*flags: str, cwd: Path | None = None, timeout: int = 240) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(REPO), TF_CPP_MIN_LOG_LEVEL="2")
+def run_main(*flags: str, cwd: Path | None = None, timeout: int = 240,
+             env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(REPO), TF_CPP_MIN_LOG_LEVEL="2", **(env or {}))
     return subprocess.run([sys.executable, "-m", "engine.main", *flags], cwd=cwd or REPO,
                           env=env, capture_output=True, text=True, timeout=timeout)
 
@@ -73,7 +74,19 @@ def test_flagfile_is_read(tmp_path):
 
 BAD_FLAGS = [
     (["--strategy=mirrorred"], "unknown --strategy='mirrorred'; choose one of: default"),
-    (["--strategy=parameter_server"], "--strategy=parameter_server is not yet supported"),
+    (["--strategy=parameter_server"], "--strategy=parameter_server needs a cluster with chief, worker and ps"),
+    (["--strategy=multi_worker_mirrored", "--worker_hosts=localhost,localhost:2223", "--task_type=worker"],
+     "worker address 'localhost' has no port; write host:port"),
+    (["--strategy=multi_worker_mirrored", "--worker_hosts=localhost:2222,localhost:2223",
+      "--task_type=worker", "--task_index=2"],
+     "task index 2 from the cluster flags is out of range: job 'worker' has 2 task(s)"),
+    (["--strategy=multi_worker_mirrored", "--worker_hosts=localhost:2222", "--task_type=boss"],
+     "unknown task type 'boss' in the cluster flags"),
+    (["--strategy=parameter_server", "--worker_hosts=localhost:2222", "--ps_hosts=localhost:2223",
+      "--task_type=worker"], "needs chief task(s) in the cluster"),
+    (["--strategy=tpu", "--tpu=local"], "--tpu=local but this machine has no TPU devices"),
+    (["--strategy=tpu", "--tpu=grpc://localhost:1"], "--tpu=grpc://localhost:1: nothing answers at localhost:1"),
+    (["--strategy=tpu"], "--strategy=tpu needs --tpu=local"),
     (["--model=vgg"], "unknown --model='vgg'; choose one of: cnn"),
     (["--dataset=imagenet"], "unknown --dataset='imagenet'; choose one of:"),
     (["--optimizer=lamb"], "unknown --optimizer='lamb'"),
@@ -109,3 +122,11 @@ def test_model_dir_that_is_a_file_is_refused(tmp_path):
     assert result.returncode == 2
     assert f"--model_dir={not_a_dir} is a file" in result.stderr
     assert not_a_dir.read_text() == "keep me"
+
+
+def test_bad_tf_config_is_one_line(tmp_path):
+    result = run_main("--strategy=multi_worker_mirrored", f"--model_dir={tmp_path}", "--train_steps=3",
+                      env={"TF_CONFIG": '{"cluster": {"worker": ["localhost:2222"]}, "task": '})
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+    assert "engine.main: error: TF_CONFIG is not valid JSON" in result.stderr

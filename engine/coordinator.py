@@ -1,0 +1,130 @@
+"""Parameter-server training: the Trainer's outer loop, run by the coordinator.
+
+The chief process is the coordinator. Variables live on the ps tasks (made
+in `strategy.scope()` as usual); each worker gets its own input pipeline
+through `ClusterCoordinator.create_per_worker_dataset`; every compiled loop
+is the SAME `loop.make_train_loop` function as on one host, scheduled on
+whichever worker is free. A worker that dies takes its closure with it and
+the coordinator reschedules it on another worker, so training goes on.
+
+What differs from one host, and why:
+- Each loop of N steps is cut into one closure per worker, run in parallel
+  (asynchronous updates: that is what parameter-server training is).
+- The coordinator counts the steps it scheduled: a retried closure may have
+  applied some of its steps already, so counting inside the closure would
+  overshoot the requested step.
+- Data: worker i of W reads global batches start+i, start+i+W, ... of the
+  same seeded stream, so workers do not train on the same examples, and a
+  restart resumes at the checkpointed step. Which worker takes which
+  closure is up to the scheduler, so the order is not reproducible.
+- Evaluation runs on the coordinator over the whole eval set, in global
+  batches: every example counts once, as on one host.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import tensorflow as tf
+
+from engine.distribute import Data, takes_start_step, yields_global_batches
+from engine.errors import UserError
+from engine.loop import make_train_loop
+from engine.trainer import Trainer
+
+
+class CoordinatedTrainer(Trainer):
+    """A `Trainer` for `ParameterServerStrategy`, to be run on the chief."""
+
+    def __init__(self, *, strategy: tf.distribute.Strategy, train_data: Data, **kwargs: Any):
+        if not isinstance(strategy, tf.distribute.experimental.ParameterServerStrategy):
+            raise UserError(f"CoordinatedTrainer needs a ParameterServerStrategy, got {type(strategy).__name__}")
+        if isinstance(train_data, tf.data.Dataset):
+            raise UserError(
+                "parameter-server training builds its input on each worker: pass train_data as "
+                "fn(input_context, start_step) or fn(start_step), not a tf.data.Dataset"
+            )
+        self.coordinator = tf.distribute.experimental.coordinator.ClusterCoordinator(strategy)
+        super().__init__(strategy=strategy, train_data=train_data, **kwargs)
+        self.num_workers = strategy.extended._num_workers  # noqa: SLF001 (no public count)
+        # The same replica step and loop as on one host, minus the in-loop step count.
+        self.train_loop = make_train_loop(strategy, self.replica_step, global_step=None)
+
+    def _train_iterator(self, start_step: int):
+        """Per-worker iterators, built once: the workers' streams run on by themselves."""
+        if self._iterator is None:
+            dataset_fn = per_worker_dataset_fn(self.strategy, self._train_data, start_step, self.num_workers)
+            self._iterator = iter(self.coordinator.create_per_worker_dataset(dataset_fn))
+        return self._iterator
+
+    def _run_train_loop(self, iterator, num_steps: int) -> dict[str, float]:
+        """Schedules the loop as one closure per worker; waits for all of them."""
+        chunks = split_steps(num_steps, self.num_workers)
+        results = [
+            (steps, self.coordinator.schedule(self.train_loop, args=(iterator, tf.constant(steps, tf.int32))))
+            for steps in chunks
+        ]
+        self.coordinator.join()
+        self.global_step.assign_add(num_steps)
+        totals: dict[str, float] = {}
+        nonfinite_steps, first_nonfinite, offset = 0, -1, 0
+        for steps, remote in results:
+            outputs = {name: float(value) for name, value in remote.fetch().items()}
+            nonfinite_steps += int(outputs.pop("nonfinite_steps"))
+            index = int(outputs.pop("first_nonfinite_index"))
+            if index >= 0 and first_nonfinite < 0:
+                first_nonfinite = offset + index  # In scheduling order; closures run in parallel.
+            offset += steps
+            for name, value in outputs.items():
+                totals[name] = totals.get(name, 0.0) + steps * value
+        logs = {name: total / num_steps for name, total in totals.items()}
+        logs.update(nonfinite_steps=float(nonfinite_steps), first_nonfinite_index=float(first_nonfinite))
+        return logs
+
+    def _run_eval_loop(self) -> None:
+        """Exact evaluation on the coordinator: reads the weights from the ps tasks."""
+        data = self._eval_data
+        if not isinstance(data, tf.data.Dataset):
+            data = data(tf.distribute.InputContext())  # One pipeline, one replica: global batches.
+        with _quiet_tf_warnings():  # "invoked without ClusterCoordinator.schedule": intended here.
+            self.eval_loop(data)
+
+
+@contextlib.contextmanager
+def _quiet_tf_warnings():
+    logger = tf.get_logger()
+    level = logger.level
+    logger.setLevel("ERROR")
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def per_worker_dataset_fn(strategy: tf.distribute.Strategy, data: Data, start_step: int, num_workers: int):
+    """What `create_per_worker_dataset` runs on each worker: this worker's
+    share of the global-batch stream from `start_step` on."""
+
+    def worker_dataset(input_context: tf.distribute.InputContext) -> tf.data.Dataset:
+        # The strategy gives each worker one pipeline of one replica: global batches.
+        if yields_global_batches(data):
+            dataset = data(start_step=start_step)
+        elif takes_start_step(data):
+            dataset = data(input_context, start_step=start_step)
+        else:
+            dataset = data(input_context).skip(start_step)
+        worker = tf.distribute.coordinator.experimental_get_current_worker_index()
+        return dataset.shard(num_workers, worker)
+
+    def dataset_fn():
+        return strategy.distribute_datasets_from_function(worker_dataset)
+
+    return dataset_fn
+
+
+def split_steps(num_steps: int, parts: int) -> list[int]:
+    """`num_steps` as at most `parts` near-equal positive chunks."""
+    parts = max(1, min(parts, num_steps))
+    base, extra = divmod(num_steps, parts)
+    return [base + (1 if index < extra else 0) for index in range(parts)]

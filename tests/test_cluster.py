@@ -1,0 +1,79 @@
+"""Cluster resolution from flags, TF_CONFIG and Slurm: pure Python, no processes."""
+
+import json
+
+import pytest
+
+from engine.cluster import Cluster, check_strategy_cluster, resolve_cluster, task_model_dir
+from engine.errors import UserError
+
+WORKERS = ["a:2222", "b:2222"]
+
+
+def test_flags_build_the_same_tf_config_tensorflow_reads():
+    cluster = resolve_cluster(worker_hosts=WORKERS, ps_hosts=["p:2222"], chief_host="c:2222",
+                              task_type="worker", task_index=1, environ={})
+    assert cluster.address == "b:2222" and not cluster.is_chief and cluster.num_workers == 2
+    config = json.loads(cluster.tf_config())
+    assert config == {"cluster": {"worker": WORKERS, "ps": ["p:2222"], "chief": ["c:2222"]},
+                      "task": {"type": "worker", "index": 1}}
+    resolver = cluster.resolver()
+    assert resolver.cluster_spec().as_dict()["worker"] == WORKERS
+    assert (resolver.task_type, resolver.task_id) == ("worker", 1)
+
+
+def test_tf_config_is_used_as_is_and_worker_0_is_chief_without_a_chief():
+    text = json.dumps({"cluster": {"worker": WORKERS}, "task": {"type": "worker", "index": 0}})
+    cluster = resolve_cluster(environ={"TF_CONFIG": text})
+    assert cluster == Cluster({"worker": tuple(WORKERS)}, "worker", 0) and cluster.is_chief
+    assert task_model_dir("/m", cluster) == "/m"
+    assert task_model_dir("/m", Cluster({"worker": tuple(WORKERS)}, "worker", 1)) == "/m/.workertemp/worker_1"
+
+
+def test_no_cluster_means_one_host():
+    assert resolve_cluster(environ={}) is None
+
+
+BAD = [
+    (dict(environ={"TF_CONFIG": "{not json"}), "TF_CONFIG is not valid JSON"),
+    (dict(environ={"TF_CONFIG": '{"cluster": {"boss": ["a:1"]}, "task": {"type": "boss"}}'}),
+     "unknown task type 'boss' in TF_CONFIG"),
+    (dict(environ={"TF_CONFIG": '{"cluster": {"worker": ["a:1"]}, "task": {"type": "worker", "index": 3}}'}),
+     "task index 3 from TF_CONFIG is out of range: job 'worker' has 1 task(s), so use 0..0"),
+    (dict(environ={"TF_CONFIG": '{"cluster": {"worker": ["a:1"]}}'}), "TF_CONFIG needs a \"task\""),
+    (dict(worker_hosts=["a"], task_type="worker", environ={}), "worker address 'a' has no port"),
+    (dict(worker_hosts=["a:http"], task_type="worker", environ={}), "bad port 'http'"),
+    (dict(worker_hosts=["a:1", "a:1"], task_type="worker", environ={}), "a:1 used by more than one task"),
+    (dict(worker_hosts=["a:1"], environ={}), "need --task_type"),
+    (dict(worker_hosts=["a:1"], task_type="ps", environ={}), "task type 'ps' from the cluster flags is not in"),
+    (dict(worker_hosts=["a:1"], task_type="worker", environ={"TF_CONFIG": "{}"}), "both cluster flags"),
+    (dict(task_type="worker", environ={}), "given without a cluster"),
+    (dict(cluster_resolver="k8s", environ={}), "unknown --cluster_resolver='k8s'"),
+    (dict(cluster_resolver="slurm", environ={}), "SLURM_PROCID is not set"),
+]
+
+
+@pytest.mark.parametrize("kwargs,message", BAD, ids=[m for _, m in BAD])
+def test_bad_clusters_are_one_line_user_errors(kwargs, message):
+    with pytest.raises(UserError) as error:
+        resolve_cluster(**kwargs)
+    assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_slurm_variables_follow_tensorflows_rules():
+    environ = {"SLURM_PROCID": "3", "SLURM_STEP_NODELIST": "node[1-2]", "SLURM_STEP_TASKS_PER_NODE": "2(x2)"}
+    cluster = resolve_cluster(cluster_resolver="slurm", slurm_port_base=9000, environ=environ)
+    assert cluster.spec == {"worker": ("node1:9000", "node1:9001", "node2:9000", "node2:9001")}
+    assert (cluster.task_type, cluster.task_index, cluster.address) == ("worker", 3, "node2:9001")
+
+
+def test_strategies_refuse_clusters_they_cannot_use():
+    mwm = Cluster({"worker": ("a:1",), "ps": ("p:1",)}, "worker", 0)
+    with pytest.raises(UserError, match="does not use ps tasks"):
+        check_strategy_cluster("multi_worker_mirrored", mwm)
+    ps = Cluster({"chief": ("c:1",), "worker": ("a:1",), "ps": ("p:1",)}, "worker", 0)
+    with pytest.raises(UserError, match="run `python -m engine.server` there"):
+        check_strategy_cluster("parameter_server", ps)
+    with pytest.raises(UserError, match="runs on one host"):
+        check_strategy_cluster("mirrored", ps)
+    check_strategy_cluster("parameter_server", Cluster(ps.spec, "chief", 0))
