@@ -14,6 +14,7 @@ from engine.errors import UserError
 from engine.strategy import STRATEGY_NAMES
 
 OPTIMIZER_NAMES = ("sgd", "momentum", "adam", "adamw")
+EVAL_METRIC_NAMES = ("loss", "accuracy")  # What job.py evaluates.
 DEFAULT_EPOCHS = 20.0
 
 
@@ -33,11 +34,21 @@ class RunConfig:
     eval_every: int = 100
     optimizer: str = "adam"
     learning_rate: float = 1e-3
+    lr_schedule: str = "constant"
+    warmup_steps: int = 0
     clip_norm: float | None = None
     grad_accum_steps: int = 1
     model_dir: str | None = None
     checkpoint_every: int = 500
     max_checkpoints: int = 3
+    early_stop_metric: str | None = None
+    early_stop_patience: int = 3
+    early_stop_mode: str = "auto"
+    best_checkpoint_metric: str | None = None
+    reduce_lr_metric: str | None = None
+    reduce_lr_patience: int = 2
+    reduce_lr_factor: float = 0.5
+    min_learning_rate: float = 0.0
     seed: int = 42
     deterministic: bool = False
     mixed_precision: str = "float32"
@@ -82,6 +93,34 @@ class RunConfig:
             raise UserError(f"--clip_norm={self.clip_norm} must be positive")
         if self.model_dir:
             check_model_dir(self.model_dir)
+        self._validate_schedule_and_hooks()
+
+    def _validate_schedule_and_hooks(self) -> None:
+        from engine.hooks.metric_watch import MODES  # Imports TensorFlow: not at flag parsing.
+        from engine.schedules import SCHEDULE_NAMES
+
+        _choose("lr_schedule", self.lr_schedule, SCHEDULE_NAMES)
+        _choose("early_stop_mode", self.early_stop_mode, MODES)
+        _at_least("warmup_steps", self.warmup_steps, 0)
+        for name in ("early_stop_patience", "reduce_lr_patience"):
+            _at_least(name, getattr(self, name), 1)
+        for name in ("early_stop_metric", "best_checkpoint_metric", "reduce_lr_metric"):
+            metric = getattr(self, name)
+            if metric is None:
+                continue
+            _choose(name, metric, EVAL_METRIC_NAMES)
+            if self.eval_every == 0 and name != "best_checkpoint_metric":
+                raise UserError(f"--{name}={metric} needs evaluations during training; "
+                                "set --eval_every to a positive number of steps")
+        if not 0.0 < self.reduce_lr_factor < 1.0:
+            raise UserError(f"--reduce_lr_factor={self.reduce_lr_factor} must be between 0 and 1")
+        if self.min_learning_rate < 0:
+            raise UserError(f"--min_learning_rate={self.min_learning_rate} must not be negative")
+        if self.reduce_lr_metric is not None and self.lr_schedule != "constant":
+            raise UserError(
+                f"--reduce_lr_metric={self.reduce_lr_metric} changes the learning rate itself and "
+                f"cannot be combined with --lr_schedule={self.lr_schedule}; use one of them"
+            )
 
     def total_steps(self, num_train_examples: int | None) -> int:
         """--train_steps, or --epochs (default 10) worth of full global batches."""

@@ -18,13 +18,15 @@ from absl import logging
 from engine.config import RunConfig
 from engine.environment import seed_everything, set_precision
 from engine.errors import UserError
+from engine.hooks.from_config import hooks_from_config
+from engine.schedules import LearningRate, learning_rate_schedule
 from engine.strategy import build_strategy, configure_cpu_devices
 from engine.trainer import Trainer
 
 METRICS_FILE = "metrics.json"
 
 
-def build_optimizer(name: str, learning_rate: float, mixed_precision: str) -> keras.optimizers.Optimizer:
+def build_optimizer(name: str, learning_rate: LearningRate, mixed_precision: str) -> keras.optimizers.Optimizer:
     optimizers = {
         "sgd": lambda: keras.optimizers.SGD(learning_rate),
         "momentum": lambda: keras.optimizers.SGD(learning_rate, momentum=0.9),
@@ -61,7 +63,9 @@ def run(config: RunConfig) -> dict[str, Any]:
 
     with strategy.scope():
         model = model_spec.build(image_shape, source.num_classes)
-        optimizer = build_optimizer(config.optimizer, config.learning_rate, config.mixed_precision)
+        learning_rate = learning_rate_schedule(config.lr_schedule, config.learning_rate,
+                                               total_steps, config.warmup_steps)
+        optimizer = build_optimizer(config.optimizer, learning_rate, config.mixed_precision)
 
     batch, seed = config.global_batch_size, config.seed
     if config.input_pipeline == "global":
@@ -86,6 +90,7 @@ def run(config: RunConfig) -> dict[str, Any]:
         eval_every=config.eval_every, checkpoint_every=config.checkpoint_every,
         max_checkpoints=config.max_checkpoints, clip_norm=config.clip_norm,
         grad_accum_steps=config.grad_accum_steps, jit_compile=config.jit_compile,
+        callbacks=hooks_from_config(config),
     )
     _log_banner(config, strategy, model, source, model_dir, total_steps, trainer.step)
     train_logs = trainer.train(total_steps)

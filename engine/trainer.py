@@ -76,6 +76,8 @@ class Trainer:
         self.checkpoint_every = checkpoint_every or None
         self._train_data = train_data
         self._eval_data = eval_data
+        self.model_dir = model_dir
+        self.target_step: int | None = None  # The `steps` of the running train() call.
         self._summaries = SummaryWriters(model_dir)
         self._iterator = None
         self._iterator_step = -1
@@ -138,9 +140,10 @@ class Trainer:
         path = checkpoint_lib.restore_latest(self.checkpoint_manager)
         if path is None:
             return
-        if learning_rate is not None:
+        if learning_rate is not None and not any(c.owns_learning_rate for c in self.callbacks):
             # The checkpoint holds the old run's learning rate; the optimizer
-            # the user passed now (e.g. a new --learning_rate) wins.
+            # the user passed now (e.g. a new --learning_rate) wins, unless a
+            # hook (reduce on plateau) set the rate and must find it again.
             self.optimizer.learning_rate = learning_rate
         logging.info("Restored %s at step %d", path, self.step)
 
@@ -164,6 +167,7 @@ class Trainer:
             raise UserError(f"train steps={steps} must not be negative")
         logs: dict[str, float] = {}
         last_saved = self.step
+        self.target_step = steps
         self.stop_training = False
         for callback in self.callbacks:
             callback.on_train_begin(self)
@@ -202,6 +206,10 @@ class Trainer:
         for every in (self.eval_every, self.checkpoint_every):
             if every:
                 length = min(length, every - start % every)
+        for callback in self.callbacks:
+            limit = callback.loop_limit(self, start)
+            if limit:
+                length = min(length, limit)
         return length
 
     def _due(self, every: int | None) -> bool:
@@ -225,6 +233,11 @@ class Trainer:
             "steps_per_second": num_steps / seconds,
             "examples_per_second": num_steps * self.global_batch_size / seconds,
         }
+
+    @property
+    def summaries(self) -> SummaryWriters:
+        """The TensorBoard writers (one a split), for hooks that write more than scalars."""
+        return self._summaries
 
     @property
     def steady_examples_per_second(self) -> float | None:
