@@ -21,6 +21,7 @@ from engine.callbacks import CallbackLike, as_callbacks
 from engine.distribute import Data, distribute_eval_data, distribute_train_data
 from engine.errors import UserError
 from engine.loop import make_eval_loop, make_train_loop
+from engine.progress import Progress
 from engine.steps import PerExampleLoss, ReplicaStep, make_eval_step, make_train_step
 from engine.summaries import SummaryWriters
 
@@ -59,6 +60,7 @@ class Trainer:
         grad_accum_steps: int = 1,
         jit_compile: bool = False,
         callbacks: Sequence[CallbackLike] = (),
+        log_every: int | None = None,
     ):
         if loss_fn is None and step_fn is None:
             raise UserError("pass loss_fn, step_fn or both to Trainer")
@@ -85,7 +87,8 @@ class Trainer:
         self._steady_steps = 0
         self._compiled_once = False
         self.last_eval: tuple[int, dict[str, float]] | None = None  # (step, logs)
-        self.callbacks = as_callbacks(callbacks)
+        # Progress lines every `log_every` steps (every loop when None) come first.
+        self.callbacks = [Progress(log_every), *as_callbacks(callbacks)]
         self.stop_training = False  # Set by a callback (or a signal) to stop after this loop.
 
         with strategy.scope():
@@ -186,7 +189,6 @@ class Trainer:
             logs.update(self._speed(num_steps, seconds))
             logs["learning_rate"] = _current_learning_rate(self.optimizer)
             self._summaries.write("train", self.step, logs)
-            logging.info("step %d/%d  %s", self.step, steps, _format(logs))
             for callback in self.callbacks:
                 callback.on_loop_end(self, self.step, logs)
             if self._due(self.eval_every) and self.eval_loop is not None:
