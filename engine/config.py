@@ -31,6 +31,7 @@ class RunConfig:
     train_steps: int | None = None
     epochs: float | None = None
     steps_per_loop: int = 50
+    log_every: int = 0
     eval_every: int = 100
     optimizer: str = "adam"
     learning_rate: float = 1e-3
@@ -41,6 +42,7 @@ class RunConfig:
     model_dir: str | None = None
     checkpoint_every: int = 500
     max_checkpoints: int = 3
+    export_dir: str | None = None
     early_stop_metric: str | None = None
     early_stop_patience: int = 3
     early_stop_mode: str = "auto"
@@ -53,6 +55,7 @@ class RunConfig:
     deterministic: bool = False
     mixed_precision: str = "float32"
     jit_compile: bool = False
+    check_numerics: bool = False
 
     @classmethod
     def from_flags(cls, flag_values) -> "RunConfig":
@@ -74,7 +77,7 @@ class RunConfig:
         for name in ("cpu_devices", "global_batch_size", "steps_per_loop",
                      "grad_accum_steps", "max_checkpoints"):
             _at_least(name, getattr(self, name), 1)
-        for name in ("eval_every", "checkpoint_every"):
+        for name in ("eval_every", "checkpoint_every", "log_every"):
             _at_least(name, getattr(self, name), 0)
         if self.num_gpus is not None:
             _at_least("num_gpus", self.num_gpus, 0)
@@ -93,6 +96,8 @@ class RunConfig:
             raise UserError(f"--clip_norm={self.clip_norm} must be positive")
         if self.model_dir:
             check_model_dir(self.model_dir)
+        if self.export_dir:
+            check_model_dir(self.export_dir, flag="export_dir")
         self._validate_schedule_and_hooks()
 
     def _validate_schedule_and_hooks(self) -> None:
@@ -134,16 +139,16 @@ class RunConfig:
         return max(1, int(epochs * num_train_examples) // self.global_batch_size)
 
 
-def check_model_dir(model_dir: str) -> None:
-    """A model_dir must be a writable directory, or creatable as one."""
+def check_model_dir(model_dir: str, flag: str = "model_dir") -> None:
+    """A model_dir (or export_dir) must be a writable directory, or creatable as one."""
     path = os.path.abspath(model_dir)
     if os.path.exists(path) and not os.path.isdir(path):
-        raise UserError(f"--model_dir={model_dir} is a file; pass a directory")
+        raise UserError(f"--{flag}={model_dir} is a file; pass a directory")
     existing = path
     while not os.path.exists(existing):
         existing = os.path.dirname(existing)
     if not os.path.isdir(existing) or not os.access(existing, os.W_OK | os.X_OK):
-        raise UserError(f"--model_dir={model_dir} is not writable ({existing}); pass a writable directory")
+        raise UserError(f"--{flag}={model_dir} is not writable ({existing}); pass a writable directory")
 
 
 def _choose(name: str, value: str, choices) -> None:

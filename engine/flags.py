@@ -29,6 +29,9 @@ flags.DEFINE_integer("train_steps", None, "Global steps to train to (alternative
 flags.DEFINE_float("epochs", None,
                    "Epochs to train (alternative to --train_steps; default 20 when neither is set).")
 flags.DEFINE_integer("steps_per_loop", 50, "Steps per compiled call.")
+flags.DEFINE_integer("log_every", 0,
+                     "Progress line every N steps (loops are cut to match; steps_per_loop "
+                     "stays the longest); 0: one line per compiled loop.")
 flags.DEFINE_integer("eval_every", 100, "Evaluate every N steps; 0 evaluates only at the end.")
 flags.DEFINE_string("optimizer", "adam", "sgd, momentum, adam or adamw.")
 flags.DEFINE_float("learning_rate", 1e-3, "Learning rate (the peak rate of a schedule).")
@@ -47,6 +50,9 @@ flags.DEFINE_string("model_dir", None,
                     "it holds a checkpoint (default: a new temporary directory).")
 flags.DEFINE_integer("checkpoint_every", 500, "Save every N steps (and always at the end).")
 flags.DEFINE_integer("max_checkpoints", 3, "Checkpoints to keep.")
+flags.DEFINE_string("export_dir", None,
+                    "After training, write the model here as a SavedModel with a "
+                    "serving_default signature.")
 
 # Decisions from eval metrics (loss or accuracy), made after each evaluation.
 flags.DEFINE_string("early_stop_metric", None, "Stop when this eval metric stops improving.")
@@ -66,5 +72,8 @@ flags.DEFINE_boolean("deterministic", False,
                      "Deterministic ops: bitwise-reproducible runs, somewhat slower.")
 flags.DEFINE_string("mixed_precision", "float32", "float32, float16 (loss scaling) or bfloat16.")
 flags.DEFINE_boolean("jit_compile", False, "Compile the per-replica step with XLA.")
+flags.DEFINE_boolean("check_numerics", False,
+                     "tf.debugging.enable_check_numerics: fail at the first op that makes a "
+                     "NaN or Inf, naming it (slow; for debugging).")
 
 FLAGS = flags.FLAGS

@@ -18,6 +18,7 @@ from absl import logging
 from engine.config import RunConfig
 from engine.environment import seed_everything, set_precision
 from engine.errors import UserError
+from engine.export import export_saved_model
 from engine.hooks.from_config import hooks_from_config
 from engine.schedules import LearningRate, learning_rate_schedule
 from engine.strategy import build_strategy, configure_cpu_devices
@@ -50,6 +51,8 @@ def run(config: RunConfig) -> dict[str, Any]:
     if config.cpu_devices > 1:
         configure_cpu_devices(config.cpu_devices)
     set_precision(config.mixed_precision)
+    if config.check_numerics:
+        tf.debugging.enable_check_numerics()  # Names the first op that makes a NaN or Inf.
     seed_everything(config.seed, deterministic=config.deterministic)
     strategy = build_strategy(config.strategy, cpu_devices=config.cpu_devices, num_gpus=config.num_gpus)
     model_spec = get_model_spec(config.model)
@@ -90,12 +93,14 @@ def run(config: RunConfig) -> dict[str, Any]:
         eval_every=config.eval_every, checkpoint_every=config.checkpoint_every,
         max_checkpoints=config.max_checkpoints, clip_norm=config.clip_norm,
         grad_accum_steps=config.grad_accum_steps, jit_compile=config.jit_compile,
-        callbacks=hooks_from_config(config),
+        callbacks=hooks_from_config(config), log_every=config.log_every,
     )
     _log_banner(config, strategy, model, source, model_dir, total_steps, trainer.step)
     train_logs = trainer.train(total_steps)
     eval_logs = trainer.evaluate_current() if eval_data is not None else {}
     trainer.close()
+    if config.export_dir and strategy.extended.should_checkpoint:  # Only the chief exports.
+        export_saved_model(model, config.export_dir, [tf.TensorSpec([None, *image_shape], tf.float32)])
     speed = trainer.steady_examples_per_second or train_logs.get("examples_per_second")
     result = {
         "global_step": trainer.step,
