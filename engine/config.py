@@ -51,6 +51,7 @@ class RunConfig:
     reduce_lr_patience: int = 2
     reduce_lr_factor: float = 0.5
     min_learning_rate: float = 0.0
+    profile_steps: str | None = None
     seed: int = 42
     deterministic: bool = False
     mixed_precision: str = "float32"
@@ -121,11 +122,26 @@ class RunConfig:
             raise UserError(f"--reduce_lr_factor={self.reduce_lr_factor} must be between 0 and 1")
         if self.min_learning_rate < 0:
             raise UserError(f"--min_learning_rate={self.min_learning_rate} must not be negative")
+        self.profile_window()
         if self.reduce_lr_metric is not None and self.lr_schedule != "constant":
             raise UserError(
                 f"--reduce_lr_metric={self.reduce_lr_metric} changes the learning rate itself and "
                 f"cannot be combined with --lr_schedule={self.lr_schedule}; use one of them"
             )
+
+    def profile_window(self) -> tuple[int, int] | None:
+        """--profile_steps as (START, END), or None when not profiling."""
+        if not self.profile_steps:
+            return None
+        parts = self.profile_steps.split(",")
+        try:
+            start, end = (int(part) for part in parts)
+        except ValueError:
+            start = end = -1
+        if len(parts) != 2 or not 0 <= start < end:
+            raise UserError(f"--profile_steps={self.profile_steps} must be START,END with "
+                            "0 <= START < END, e.g. --profile_steps=100,110")
+        return start, end
 
     def total_steps(self, num_train_examples: int | None) -> int:
         """--train_steps, or --epochs (default 10) worth of full global batches."""

@@ -66,6 +66,11 @@ flags.DEFINE_integer("reduce_lr_patience", 2, "Evaluations without improvement b
 flags.DEFINE_float("reduce_lr_factor", 0.5, "Factor for reduce-on-plateau, between 0 and 1.")
 flags.DEFINE_float("min_learning_rate", 0.0, "Reduce-on-plateau never goes below this rate.")
 
+# TensorBoard.
+flags.DEFINE_string("profile_steps", None,
+                    "START,END: profile the steps from global step START to END "
+                    "(TensorBoard's Profile tab).")
+
 # Numerics and speed.
 flags.DEFINE_integer("seed", 42, "Seed for weights, shuffling and dropout.")
 flags.DEFINE_boolean("deterministic", False,

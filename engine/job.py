@@ -6,6 +6,7 @@ without absl flag parsing.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import tempfile
@@ -20,6 +21,7 @@ from engine.environment import seed_everything, set_precision
 from engine.errors import UserError
 from engine.export import export_saved_model
 from engine.hooks.from_config import hooks_from_config
+from engine.hparams import write_hparams
 from engine.schedules import LearningRate, learning_rate_schedule
 from engine.strategy import build_strategy, configure_cpu_devices
 from engine.trainer import Trainer
@@ -96,6 +98,8 @@ def run(config: RunConfig) -> dict[str, Any]:
         callbacks=hooks_from_config(config), log_every=config.log_every,
     )
     _log_banner(config, strategy, model, source, model_dir, total_steps, trainer.step)
+    if strategy.extended.should_checkpoint:
+        write_hparams(model_dir, dataclasses.asdict(config))
     train_logs = trainer.train(total_steps)
     eval_logs = trainer.evaluate_current() if eval_data is not None else {}
     trainer.close()

@@ -189,8 +189,9 @@ def test_flags_build_the_hooks_and_refuse_bad_combinations():
                        reduce_lr_metric="loss", reduce_lr_factor=0.2)
     config.validate()
     hooks = hooks_from_config(config)
-    assert [type(h).__name__ for h in hooks] == ["BestCheckpoint", "ReduceLROnPlateau", "EarlyStopping"]
-    assert hooks[-1].watch.mode == "max" and hooks[0].watch.mode == "min"
+    assert [type(h).__name__ for h in hooks] == [
+        "TrainGraph", "BestCheckpoint", "ReduceLROnPlateau", "EarlyStopping"]
+    assert hooks[-1].watch.mode == "max" and hooks[1].watch.mode == "min"
     bad = [
         (dict(early_stop_metric="acc"), "unknown --early_stop_metric='acc'; choose one of: loss, accuracy"),
         (dict(reduce_lr_metric="loss", lr_schedule="cosine"), "cannot be combined with --lr_schedule=cosine"),

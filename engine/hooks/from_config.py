@@ -7,14 +7,19 @@ from typing import TYPE_CHECKING
 from engine.callbacks import Callback
 from engine.hooks.best_checkpoint import BestCheckpoint
 from engine.hooks.early_stopping import EarlyStopping
+from engine.hooks.graph import TrainGraph
 from engine.hooks.plateau import ReduceLROnPlateau
+from engine.hooks.profiler import ProfileWindow
 
 if TYPE_CHECKING:
     from engine.config import RunConfig
 
 
 def hooks_from_config(config: "RunConfig") -> list[Callback]:
-    hooks: list[Callback] = []
+    hooks: list[Callback] = [TrainGraph()]
+    window = config.profile_window()
+    if window is not None:
+        hooks.append(ProfileWindow(*window))
     if config.best_checkpoint_metric:
         hooks.append(BestCheckpoint(config.best_checkpoint_metric))
     if config.reduce_lr_metric:
