@@ -3,7 +3,6 @@ with the rate the optimizer uses written to the train summaries."""
 
 import keras
 import pytest
-import tensorflow as tf
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.util import tensor_util
 
