@@ -7,6 +7,10 @@ every loop as `fn(trainer, step, logs)`.
 
 To stop training, a hook sets `trainer.stop_training = True`; the trainer
 finishes the current loop, saves a checkpoint and returns.
+
+A hook that needs to see a particular step (a profiler window, a log line
+every N steps) returns from `loop_limit` the most steps the next compiled
+loop may run; the loop is cut there, its trace is reused.
 """
 
 from __future__ import annotations
@@ -21,6 +25,14 @@ Logs = Mapping[str, Any]
 
 class Callback:
     """Base class with no-op hooks; override the ones you need."""
+
+    # True for a hook that sets the learning rate itself (reduce on plateau):
+    # the trainer then keeps a restored checkpoint's rate instead of resetting it.
+    owns_learning_rate: bool = False
+
+    def loop_limit(self, trainer: "Trainer", step: int) -> int | None:
+        """The most steps the compiled loop starting at `step` may run (None: any)."""
+        return None
 
     def on_train_begin(self, trainer: "Trainer") -> None:
         pass

@@ -14,6 +14,7 @@ from engine.errors import UserError
 from engine.strategy import STRATEGY_NAMES
 
 OPTIMIZER_NAMES = ("sgd", "momentum", "adam", "adamw")
+EVAL_METRIC_NAMES = ("loss", "accuracy")  # What job.py evaluates.
 DEFAULT_EPOCHS = 20.0
 
 
@@ -30,9 +31,12 @@ class RunConfig:
     train_steps: int | None = None
     epochs: float | None = None
     steps_per_loop: int = 50
+    log_every: int = 0
     eval_every: int = 100
     optimizer: str = "adam"
     learning_rate: float = 1e-3
+    lr_schedule: str = "constant"
+    warmup_steps: int = 0
     clip_norm: float | None = None
     grad_accum_steps: int = 1
     on_nonfinite: str = "stop"
@@ -40,6 +44,16 @@ class RunConfig:
     checkpoint_every: int = 500
     max_checkpoints: int = 3
     restore_fallback: bool = False
+    export_dir: str | None = None
+    early_stop_metric: str | None = None
+    early_stop_patience: int = 3
+    early_stop_mode: str = "auto"
+    best_checkpoint_metric: str | None = None
+    reduce_lr_metric: str | None = None
+    reduce_lr_patience: int = 2
+    reduce_lr_factor: float = 0.5
+    min_learning_rate: float = 0.0
+    profile_steps: str | None = None
     seed: int = 42
     deterministic: bool = False
     mixed_precision: str = "float32"
@@ -55,6 +69,7 @@ class RunConfig:
     communication: str = "auto"
     collective_timeout: float = 300.0
     tpu: str | None = None
+    check_numerics: bool = False
 
     @classmethod
     def from_flags(cls, flag_values) -> "RunConfig":
@@ -78,7 +93,7 @@ class RunConfig:
         for name in ("cpu_devices", "global_batch_size", "steps_per_loop",
                      "grad_accum_steps", "max_checkpoints"):
             _at_least(name, getattr(self, name), 1)
-        for name in ("eval_every", "checkpoint_every"):
+        for name in ("eval_every", "checkpoint_every", "log_every"):
             _at_least(name, getattr(self, name), 0)
         if self.num_gpus is not None:
             _at_least("num_gpus", self.num_gpus, 0)
@@ -98,6 +113,51 @@ class RunConfig:
         self.multi_host_options().check(self.strategy)
         if self.model_dir:
             check_model_dir(self.model_dir)
+        if self.export_dir:
+            check_model_dir(self.export_dir, flag="export_dir")
+        self._validate_schedule_and_hooks()
+
+    def _validate_schedule_and_hooks(self) -> None:
+        from engine.hooks.metric_watch import MODES  # Imports TensorFlow: not at flag parsing.
+        from engine.schedules import SCHEDULE_NAMES
+
+        _choose("lr_schedule", self.lr_schedule, SCHEDULE_NAMES)
+        _choose("early_stop_mode", self.early_stop_mode, MODES)
+        _at_least("warmup_steps", self.warmup_steps, 0)
+        for name in ("early_stop_patience", "reduce_lr_patience"):
+            _at_least(name, getattr(self, name), 1)
+        for name in ("early_stop_metric", "best_checkpoint_metric", "reduce_lr_metric"):
+            metric = getattr(self, name)
+            if metric is None:
+                continue
+            _choose(name, metric, EVAL_METRIC_NAMES)
+            if self.eval_every == 0 and name != "best_checkpoint_metric":
+                raise UserError(f"--{name}={metric} needs evaluations during training; "
+                                "set --eval_every to a positive number of steps")
+        if not 0.0 < self.reduce_lr_factor < 1.0:
+            raise UserError(f"--reduce_lr_factor={self.reduce_lr_factor} must be between 0 and 1")
+        if self.min_learning_rate < 0:
+            raise UserError(f"--min_learning_rate={self.min_learning_rate} must not be negative")
+        self.profile_window()
+        if self.reduce_lr_metric is not None and self.lr_schedule != "constant":
+            raise UserError(
+                f"--reduce_lr_metric={self.reduce_lr_metric} changes the learning rate itself and "
+                f"cannot be combined with --lr_schedule={self.lr_schedule}; use one of them"
+            )
+
+    def profile_window(self) -> tuple[int, int] | None:
+        """--profile_steps as (START, END), or None when not profiling."""
+        if not self.profile_steps:
+            return None
+        parts = self.profile_steps.split(",")
+        try:
+            start, end = (int(part) for part in parts)
+        except ValueError:
+            start = end = -1
+        if len(parts) != 2 or not 0 <= start < end:
+            raise UserError(f"--profile_steps={self.profile_steps} must be START,END with "
+                            "0 <= START < END, e.g. --profile_steps=100,110")
+        return start, end
 
     def multi_host_options(self):
         """The cluster (from the flags, TF_CONFIG or Slurm) and multi-host settings;
@@ -130,16 +190,16 @@ class RunConfig:
         return max(1, int(epochs * num_train_examples) // self.global_batch_size)
 
 
-def check_model_dir(model_dir: str) -> None:
-    """A model_dir must be a writable directory, or creatable as one."""
+def check_model_dir(model_dir: str, flag: str = "model_dir") -> None:
+    """A model_dir (or export_dir) must be a writable directory, or creatable as one."""
     path = os.path.abspath(model_dir)
     if os.path.exists(path) and not os.path.isdir(path):
-        raise UserError(f"--model_dir={model_dir} is a file; pass a directory")
+        raise UserError(f"--{flag}={model_dir} is a file; pass a directory")
     existing = path
     while not os.path.exists(existing):
         existing = os.path.dirname(existing)
     if not os.path.isdir(existing) or not os.access(existing, os.W_OK | os.X_OK):
-        raise UserError(f"--model_dir={model_dir} is not writable ({existing}); pass a writable directory")
+        raise UserError(f"--{flag}={model_dir} is not writable ({existing}); pass a writable directory")
 
 
 def _choose(name: str, value: str, choices) -> None:

@@ -37,9 +37,16 @@ flags.DEFINE_integer("train_steps", None, "Global steps to train to (alternative
 flags.DEFINE_float("epochs", None,
                    "Epochs to train (alternative to --train_steps; default 20 when neither is set).")
 flags.DEFINE_integer("steps_per_loop", 50, "Steps per compiled call.")
+flags.DEFINE_integer("log_every", 0,
+                     "Progress line every N steps (loops are cut to match; steps_per_loop "
+                     "stays the longest); 0: one line per compiled loop.")
 flags.DEFINE_integer("eval_every", 100, "Evaluate every N steps; 0 evaluates only at the end.")
 flags.DEFINE_string("optimizer", "adam", "sgd, momentum, adam or adamw.")
-flags.DEFINE_float("learning_rate", 1e-3, "Learning rate.")
+flags.DEFINE_float("learning_rate", 1e-3, "Learning rate (the peak rate of a schedule).")
+flags.DEFINE_string("lr_schedule", "constant",
+                    "constant, cosine (to 0 at the last step), step (x0.1 after each third) or "
+                    "warmup_cosine (linear warmup, then cosine).")
+flags.DEFINE_integer("warmup_steps", 0, "Warmup steps of warmup_cosine (0: a tenth of the run).")
 flags.DEFINE_float("clip_norm", None, "Clip the global gradient norm to this value.")
 flags.DEFINE_integer("grad_accum_steps", 1,
                      "Split each replica's batch into this many micro-batches and "
@@ -58,6 +65,26 @@ flags.DEFINE_integer("max_checkpoints", 3, "Checkpoints to keep.")
 flags.DEFINE_boolean("restore_fallback", False,
                      "If the latest checkpoint cannot be read, restore the newest older one "
                      "that can (the unreadable one is left in place, untouched).")
+flags.DEFINE_string("export_dir", None,
+                    "After training, write the model here as a SavedModel with a "
+                    "serving_default signature.")
+
+# Decisions from eval metrics (loss or accuracy), made after each evaluation.
+flags.DEFINE_string("early_stop_metric", None, "Stop when this eval metric stops improving.")
+flags.DEFINE_integer("early_stop_patience", 3, "Evaluations without improvement before stopping.")
+flags.DEFINE_string("early_stop_mode", "auto", "min, max or auto (max for accuracy, min otherwise).")
+flags.DEFINE_string("best_checkpoint_metric", None,
+                    "Also keep the checkpoint with the best value of this eval metric in <model_dir>/best.")
+flags.DEFINE_string("reduce_lr_metric", None,
+                    "Multiply the learning rate by --reduce_lr_factor when this eval metric plateaus.")
+flags.DEFINE_integer("reduce_lr_patience", 2, "Evaluations without improvement before reducing.")
+flags.DEFINE_float("reduce_lr_factor", 0.5, "Factor for reduce-on-plateau, between 0 and 1.")
+flags.DEFINE_float("min_learning_rate", 0.0, "Reduce-on-plateau never goes below this rate.")
+
+# TensorBoard.
+flags.DEFINE_string("profile_steps", None,
+                    "START,END: profile the steps from global step START to END "
+                    "(TensorBoard's Profile tab).")
 
 # Numerics and speed.
 flags.DEFINE_integer("seed", 42, "Seed for weights, shuffling and dropout.")
@@ -65,5 +92,8 @@ flags.DEFINE_boolean("deterministic", False,
                      "Deterministic ops: bitwise-reproducible runs, somewhat slower.")
 flags.DEFINE_string("mixed_precision", "float32", "float32, float16 (loss scaling) or bfloat16.")
 flags.DEFINE_boolean("jit_compile", False, "Compile the per-replica step with XLA.")
+flags.DEFINE_boolean("check_numerics", False,
+                     "tf.debugging.enable_check_numerics: fail at the first op that makes a "
+                     "NaN or Inf, naming it (slow; for debugging).")
 
 FLAGS = flags.FLAGS

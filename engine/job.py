@@ -7,6 +7,7 @@ without absl flag parsing.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import os
@@ -22,14 +23,18 @@ from engine.cluster import task_model_dir
 from engine.config import RunConfig
 from engine.environment import seed_everything, set_precision
 from engine.errors import UserError
+from engine.export import export_saved_model
+from engine.hooks.from_config import hooks_from_config
+from engine.hparams import write_hparams
 from engine.preemption import stop_on_signals
+from engine.schedules import LearningRate, learning_rate_schedule
 from engine.strategy import build_strategy, configure_cpu_devices
 from engine.trainer import Trainer
 
 METRICS_FILE = "metrics.json"
 
 
-def build_optimizer(name: str, learning_rate: float, mixed_precision: str) -> keras.optimizers.Optimizer:
+def build_optimizer(name: str, learning_rate: LearningRate, mixed_precision: str) -> keras.optimizers.Optimizer:
     optimizers = {
         "sgd": lambda: keras.optimizers.SGD(learning_rate),
         "momentum": lambda: keras.optimizers.SGD(learning_rate, momentum=0.9),
@@ -57,6 +62,8 @@ def run(config: RunConfig) -> dict[str, Any]:
     if config.cpu_devices > 1:
         configure_cpu_devices(config.cpu_devices)
     set_precision(config.mixed_precision)
+    if config.check_numerics:
+        tf.debugging.enable_check_numerics()  # Names the first op that makes a NaN or Inf.
     seed_everything(config.seed, deterministic=config.deterministic)
     multi_host = config.multi_host_options()
     strategy = build_strategy(config.strategy, cpu_devices=config.cpu_devices,
@@ -78,7 +85,9 @@ def run(config: RunConfig) -> dict[str, Any]:
 
     with strategy.scope():
         model = model_spec.build(image_shape, source.num_classes)
-        optimizer = build_optimizer(config.optimizer, config.learning_rate, config.mixed_precision)
+        learning_rate = learning_rate_schedule(config.lr_schedule, config.learning_rate,
+                                               total_steps, config.warmup_steps)
+        optimizer = build_optimizer(config.optimizer, learning_rate, config.mixed_precision)
 
     batch, seed = config.global_batch_size, config.seed
     if config.input_pipeline == "global":
@@ -108,8 +117,11 @@ def run(config: RunConfig) -> dict[str, Any]:
         max_checkpoints=config.max_checkpoints, clip_norm=config.clip_norm,
         grad_accum_steps=config.grad_accum_steps, jit_compile=config.jit_compile,
         on_nonfinite=config.on_nonfinite, restore_fallback=config.restore_fallback,
+        callbacks=hooks_from_config(config), log_every=config.log_every,
     )
     _log_banner(config, strategy, model, source, model_dir, total_steps, trainer.step)
+    if strategy.extended.should_checkpoint:
+        write_hparams(model_dir, dataclasses.asdict(config))
     try:
         with stop_on_signals(trainer) as signal_record:
             train_logs = trainer.train(total_steps)
@@ -125,6 +137,8 @@ def run(config: RunConfig) -> dict[str, Any]:
             shutil.rmtree(write_dir, ignore_errors=True)
             with contextlib.suppress(OSError):  # The shared parent, once the last worker is done.
                 os.rmdir(os.path.dirname(write_dir))
+    if config.export_dir and strategy.extended.should_checkpoint:  # Only the chief exports.
+        export_saved_model(model, config.export_dir, [tf.TensorSpec([None, *image_shape], tf.float32)])
     speed = trainer.steady_examples_per_second or train_logs.get("examples_per_second")
     result = {
         "global_step": trainer.step,

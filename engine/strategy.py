@@ -81,6 +81,24 @@ def build_strategy(
     if name == "one_device":
         return tf.distribute.OneDeviceStrategy(gpus[0].name if gpus else "/cpu:0")
     if gpus:
-        return tf.distribute.MirroredStrategy([gpu.name for gpu in gpus])
+        return _mirrored([gpu.name for gpu in gpus])
     devices = [f"/cpu:{index}" for index in range(cpu_devices)]
-    return tf.distribute.MirroredStrategy(devices)
+    return _mirrored(devices)
+
+
+_MIRRORED: dict[tuple[str, ...], tf.distribute.MirroredStrategy] = {}
+
+
+def _mirrored(devices: list[str]) -> tf.distribute.MirroredStrategy:
+    """One MirroredStrategy per device list and process.
+
+    Every MirroredStrategy numbers its collective ops from the same start,
+    so a second one over the same devices can pair its all-reduces with
+    those of the first one's programs ("Shape mismatch in the collective
+    instance ...") and abort every later collective in the process. A
+    notebook or test that asks twice gets the same strategy back.
+    """
+    key = tuple(devices)
+    if key not in _MIRRORED:
+        _MIRRORED[key] = tf.distribute.MirroredStrategy(devices)
+    return _MIRRORED[key]

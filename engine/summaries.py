@@ -16,13 +16,20 @@ class SummaryWriters:
         self._model_dir = model_dir
         self._writers: dict[str, tf.summary.SummaryWriter] = {}
 
-    def write(self, split: str, step: int, scalars: Mapping[str, float]) -> None:
+    def writer(self, split: str) -> tf.summary.SummaryWriter | None:
+        """The writer of `split` (None without a model_dir), for summaries beyond scalars."""
         if self._model_dir is None:
-            return
+            return None
         writer = self._writers.get(split)
         if writer is None:
             writer = tf.summary.create_file_writer(os.path.join(self._model_dir, split))
             self._writers[split] = writer
+        return writer
+
+    def write(self, split: str, step: int, scalars: Mapping[str, float]) -> None:
+        writer = self.writer(split)
+        if writer is None:
+            return
         with writer.as_default(step=step):
             for name, value in scalars.items():
                 tf.summary.scalar(name, value)

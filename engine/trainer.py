@@ -21,6 +21,7 @@ from engine.callbacks import CallbackLike, as_callbacks
 from engine.distribute import Data, distribute_eval_data, distribute_train_data
 from engine.errors import UserError
 from engine.loop import make_eval_loop, make_train_loop
+from engine.progress import Progress
 from engine.steps import PerExampleLoss, ReplicaStep, make_eval_step, make_train_step
 from engine.summaries import SummaryWriters
 
@@ -66,6 +67,7 @@ class Trainer:
         grad_accum_steps: int = 1,
         jit_compile: bool = False,
         callbacks: Sequence[CallbackLike] = (),
+        log_every: int | None = None,
         on_nonfinite: str = "stop",
         restore_fallback: bool = False,
         restore_dir: str | None = None,
@@ -91,6 +93,8 @@ class Trainer:
         # A non-chief worker writes to a private model_dir but resumes from the chief's.
         self._restore_dir = restore_dir
         self._eval_data = eval_data
+        self.model_dir = model_dir
+        self.target_step: int | None = None  # The `steps` of the running train() call.
         self._summaries = SummaryWriters(model_dir)
         self._iterator = None
         self._iterator_step = -1
@@ -98,7 +102,8 @@ class Trainer:
         self._steady_steps = 0
         self._compiled_once = False
         self.last_eval: tuple[int, dict[str, float]] | None = None  # (step, logs)
-        self.callbacks = as_callbacks(callbacks)
+        # Progress lines every `log_every` steps (every loop when None) come first.
+        self.callbacks = [Progress(log_every), *as_callbacks(callbacks)]
         self.stop_training = False  # Set by a callback to stop after this loop.
         self._stop_requested = False  # Set by request_stop(); survives train() calls.
 
@@ -156,9 +161,10 @@ class Trainer:
         path = checkpoint_lib.restore_latest(self.checkpoint_manager, directory=self._restore_dir)
         if path is None:
             return
-        if learning_rate is not None:
+        if learning_rate is not None and not any(c.owns_learning_rate for c in self.callbacks):
             # The checkpoint holds the old run's learning rate; the optimizer
-            # the user passed now (e.g. a new --learning_rate) wins.
+            # the user passed now (e.g. a new --learning_rate) wins, unless a
+            # hook (reduce on plateau) set the rate and must find it again.
             self.optimizer.learning_rate = learning_rate
         logging.info("Restored %s at step %d", path, self.step)
 
@@ -191,6 +197,7 @@ class Trainer:
             raise UserError(f"train steps={steps} must not be negative")
         logs: dict[str, float] = {}
         last_saved = self.step
+        self.target_step = steps
         self.stop_training = False
         for callback in self.callbacks:
             callback.on_train_begin(self)
@@ -203,6 +210,9 @@ class Trainer:
             began = time.perf_counter()
             logs = self._run_train_loop(iterator, num_steps)
             first_nonfinite = int(logs.pop("first_nonfinite_index"))
+            nonfinite_steps = logs.pop("nonfinite_steps")
+            if self.on_nonfinite == "skip":  # Under "stop" it is 0, or the run ends below.
+                logs["nonfinite_steps"] = nonfinite_steps
             seconds = time.perf_counter() - began
             self._iterator_step = start + num_steps
             if first_nonfinite >= 0 and self.on_nonfinite == "stop":
@@ -211,7 +221,6 @@ class Trainer:
             logs.update(self._speed(num_steps, seconds))
             logs["learning_rate"] = _current_learning_rate(self.optimizer)
             self._summaries.write("train", self.step, logs)
-            logging.info("step %d/%d  %s", self.step, steps, _format(logs))
             for callback in self.callbacks:
                 callback.on_loop_end(self, self.step, logs)
             if self._due(self.eval_every) and self.eval_loop is not None:
@@ -247,6 +256,10 @@ class Trainer:
         for every in (self.eval_every, self.checkpoint_every):
             if every:
                 length = min(length, every - start % every)
+        for callback in self.callbacks:
+            limit = callback.loop_limit(self, start)
+            if limit:
+                length = min(length, limit)
         return length
 
     def _due(self, every: int | None) -> bool:
@@ -270,6 +283,11 @@ class Trainer:
             "steps_per_second": num_steps / seconds,
             "examples_per_second": num_steps * self.global_batch_size / seconds,
         }
+
+    @property
+    def summaries(self) -> SummaryWriters:
+        """The TensorBoard writers (one a split), for hooks that write more than scalars."""
+        return self._summaries
 
     @property
     def steady_examples_per_second(self) -> float | None:

@@ -21,13 +21,8 @@ import pytest  # noqa: E402
 
 @pytest.fixture(scope="session")
 def mirrored():
-    """ONE two-replica MirroredStrategy for the whole session.
-
-    Each MirroredStrategy numbers its collective ops from the same start, so
-    two of them in one process can pair an all-reduce of one program with a
-    different one of another ("Shape mismatch in the collective instance").
-    Real jobs create one strategy per process; tests share one likewise.
-    """
+    """The two-replica MirroredStrategy (build_strategy keeps one per device
+    list and process: see engine/strategy.py)."""
     import engine
 
     return engine.build_strategy("mirrored", cpu_devices=TEST_CPU_DEVICES)

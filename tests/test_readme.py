@@ -17,7 +17,7 @@ def readme_example(name: str) -> str:
 
 
 def test_readme_research_example_runs(tmp_path):
-    script = readme_example("research") + "\n" + readme_example("step_fn")
+    script = "\n".join(readme_example(name) for name in ("research", "step_fn", "callbacks"))
     (tmp_path / "example.py").write_text(script)
     env = dict(os.environ, PYTHONPATH=str(REPO), TF_CPP_MIN_LOG_LEVEL="2")
     result = subprocess.run([sys.executable, "example.py"], cwd=tmp_path, env=env,
@@ -26,6 +26,9 @@ def test_readme_research_example_runs(tmp_path):
     assert "'num_examples': 200" in result.stdout
     assert (tmp_path / "runs" / "research" / "checkpoints" / "checkpoint").exists()
     assert list((tmp_path / "runs" / "research" / "train").glob("events.out.tfevents.*"))
+    epochs = [line.split(":")[0] for line in result.stdout.splitlines() if line.startswith("epoch ")]
+    assert epochs == ["epoch 1", "epoch 2", "epoch 3"]
+    assert (tmp_path / "runs" / "research-callbacks" / "best" / "best.json").exists()
     # A rerun restores step 300, has nothing left to train, and evaluates
     # the restored weights to the very same figures.
     rerun = subprocess.run([sys.executable, "example.py"], cwd=tmp_path, env=env,

@@ -230,3 +230,9 @@ def test_mixed_precision_trains_with_two_replicas(mirrored, policy):
         keras.mixed_precision.set_global_policy("float32")
     assert model.layers[0].kernel.dtype == "float32"  # float32 master weights
     assert np.isfinite(last) and last < 0.7 * first
+
+
+def test_build_strategy_reuses_one_mirrored_strategy_per_device_list(mirrored):
+    # A second MirroredStrategy over the same devices would number its
+    # collectives like the first and could abort them; asking again is safe.
+    assert engine.build_strategy("mirrored", cpu_devices=2) is mirrored

@@ -1,0 +1,148 @@
+"""Watching one eval metric: which direction is better, the best value so
+far, and how many evaluations have passed without improvement.
+
+Shared by early stopping, best-checkpoint and plateau hooks so that they
+agree on what "better" means. Decisions depend only on the sequence of eval
+values, which the engine all-reduces over every replica and worker: every
+worker sees the same values and so takes the same decisions, with no extra
+communication.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import TYPE_CHECKING, Any, Mapping
+
+from absl import logging
+
+from engine.callbacks import Callback
+from engine.errors import UserError
+
+if TYPE_CHECKING:
+    from engine.trainer import Trainer
+
+MODES = ("auto", "min", "max")
+# Metrics where larger is better; anything else (losses, errors) is minimized under "auto".
+_MAX_HINTS = ("acc", "auc", "precision", "recall", "f1", "iou", "top")
+STATE_SUBDIR = "hooks"
+
+
+def resolve_mode(metric: str, mode: str) -> str:
+    """'min' or 'max' for `metric`; 'auto' picks max for accuracy-like names."""
+    if mode not in MODES:
+        raise UserError(f"unknown mode {mode!r} for metric {metric!r}; choose one of: {', '.join(MODES)}")
+    if mode != "auto":
+        return mode
+    return "max" if any(hint in metric.lower() for hint in _MAX_HINTS) else "min"
+
+
+def metric_value(logs: Mapping[str, Any], metric: str) -> float:
+    if metric not in logs:
+        raise UserError(
+            f"eval metric {metric!r} is not reported; choose one of: {', '.join(sorted(logs))}"
+        )
+    return float(logs[metric])
+
+
+class MetricWatch:
+    """Best value and evaluations since the last improvement of one metric."""
+
+    def __init__(self, metric: str, mode: str = "auto", min_delta: float = 0.0):
+        if min_delta < 0:
+            raise UserError(f"min_delta={min_delta} must not be negative")
+        self.metric = metric
+        self.mode = resolve_mode(metric, mode)
+        self.min_delta = min_delta
+        self.best: float | None = None
+        self.wait = 0
+
+    def improves(self, value: float, reference: float | None) -> bool:
+        if reference is None:
+            return True
+        if self.mode == "min":
+            return value < reference - self.min_delta
+        return value > reference + self.min_delta
+
+    def update(self, value: float) -> bool:
+        """Records one evaluation; True when it improved on the best."""
+        if self.improves(value, self.best):
+            self.best, self.wait = value, 0
+            return True
+        self.wait += 1
+        return False
+
+
+class PatienceHook(Callback):
+    """A hook that acts when `patience` evaluations pass without improvement.
+
+    Its state is a pure function of the metric's history, which is kept in
+    `<model_dir>/hooks/<name>.json`. On a restart the history is cut back to
+    the restored step and replayed, so the hook continues exactly as if the
+    run had not stopped (evaluations after the restored checkpoint are
+    redone, not double counted).
+    """
+
+    name = "patience"
+
+    def __init__(self, metric: str, *, patience: int, mode: str = "auto", min_delta: float = 0.0):
+        if patience < 1:
+            raise UserError(f"patience={patience} for metric {metric!r} must be at least 1")
+        self.metric = metric
+        self.patience = patience
+        self._mode, self._min_delta = mode, min_delta
+        self.watch = MetricWatch(metric, mode, min_delta)
+        self.history: list[tuple[int, float]] = []
+        self._path: str | None = None
+        self._writes = True
+
+    # Subclasses act here; `replaying` is True while rebuilding state after a restart.
+    def on_patience_exhausted(self, trainer: "Trainer", step: int, replaying: bool) -> None:
+        raise NotImplementedError
+
+    def on_train_begin(self, trainer: "Trainer") -> None:
+        model_dir = getattr(trainer, "model_dir", None)
+        if model_dir and self._path is None:
+            self._path = os.path.join(model_dir, STATE_SUBDIR, f"{self.name}.json")
+            self.history = self._load()
+        self._writes = trainer.strategy.extended.should_checkpoint  # The chief writes; all replay.
+        self.history = [(s, v) for s, v in self.history if s <= trainer.step]
+        self.watch = MetricWatch(self.metric, self._mode, self._min_delta)
+        for step, value in self.history:
+            self._observe(trainer, step, value, replaying=True)
+
+    def on_eval_end(self, trainer: "Trainer", step: int, logs: Mapping[str, Any]) -> None:
+        value = metric_value(logs, self.metric)
+        self.history = [(s, v) for s, v in self.history if s < step] + [(step, value)]
+        self._save()
+        self._observe(trainer, step, value, replaying=False)
+
+    def _observe(self, trainer: "Trainer", step: int, value: float, *, replaying: bool) -> None:
+        self.watch.update(value)
+        if self.watch.wait >= self.patience:
+            self.on_patience_exhausted(trainer, step, replaying)
+
+    def _load(self) -> list[tuple[int, float]]:
+        if not self._path or not os.path.exists(self._path):
+            return []
+        with open(self._path) as handle:
+            state = json.load(handle)
+        if state.get("metric") != self.metric:
+            logging.info("%s: ignoring %s, it watched %r, not %r",
+                         self.name, self._path, state.get("metric"), self.metric)
+            return []
+        return [(int(s), float(v)) for s, v in state["history"]]
+
+    def _save(self) -> None:
+        if not self._path or not self._writes:
+            return
+        write_json(self._path, {"metric": self.metric, "history": self.history})
+
+
+def write_json(path: str, payload: Mapping[str, Any]) -> None:
+    """Writes atomically, so a restart never reads half a file."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    temporary = path + ".tmp"
+    with open(temporary, "w") as handle:
+        json.dump(payload, handle, indent=2)
+    os.replace(temporary, path)

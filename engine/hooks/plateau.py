@@ -1,0 +1,58 @@
+"""Lower the learning rate when an eval metric plateaus (`--reduce_lr_metric`).
+
+The reduced rate lives in the optimizer's learning-rate variable, which is
+in every checkpoint. While this hook is on, the trainer does not reset the
+rate after a restore (`owns_learning_rate`), so a reduced rate survives a
+restart; the patience counter is rebuilt from the metric history.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import tensorflow as tf
+from absl import logging
+
+from engine.errors import UserError
+from engine.hooks.metric_watch import PatienceHook
+from engine.schedules import is_scheduled
+
+if TYPE_CHECKING:
+    from engine.trainer import Trainer
+
+
+class ReduceLROnPlateau(PatienceHook):
+    """Multiplies the learning rate by `factor` (not below `min_rate`) after
+    `patience` evaluations without improvement, then waits `patience` again."""
+
+    name = "reduce_lr_on_plateau"
+    owns_learning_rate = True
+
+    def __init__(self, metric: str, *, patience: int = 2, factor: float = 0.5, min_rate: float = 0.0,
+                 mode: str = "auto", min_delta: float = 0.0):
+        super().__init__(metric, patience=patience, mode=mode, min_delta=min_delta)
+        if not 0.0 < factor < 1.0:
+            raise UserError(f"reduce-on-plateau factor={factor} must be between 0 and 1 (exclusive)")
+        if min_rate < 0:
+            raise UserError(f"min learning rate {min_rate} must not be negative")
+        self.factor = factor
+        self.min_rate = min_rate
+
+    def on_train_begin(self, trainer: "Trainer") -> None:
+        if is_scheduled(trainer.optimizer):
+            raise UserError(
+                "reducing the learning rate on a plateau needs a constant learning rate, but the "
+                "optimizer follows a schedule; use --lr_schedule=constant or drop --reduce_lr_metric"
+            )
+        super().on_train_begin(trainer)
+
+    def on_patience_exhausted(self, trainer: "Trainer", step: int, replaying: bool) -> None:
+        self.watch.wait = 0
+        if replaying:
+            return  # The checkpoint already holds the rate this reduction produced.
+        old = float(tf.convert_to_tensor(trainer.optimizer.learning_rate))
+        new = max(old * self.factor, self.min_rate)
+        if new < old:
+            trainer.optimizer.learning_rate = new
+            logging.info("reduce lr on plateau at step %d: eval %s stuck at best %.6g; "
+                         "learning rate %.4g -> %.4g", step, self.metric, self.watch.best, old, new)

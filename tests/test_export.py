@@ -1,0 +1,91 @@
+"""--export_dir and --check_numerics: a SavedModel that reproduces the
+model's predictions, and the op that made a NaN named in the error."""
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import engine
+from engine.export import export_saved_model
+from test_main import REPO, run_main
+from test_trainer import NUM_FEATURES, global_batches, loss_fn, make_arrays, make_model
+
+
+class Linear(tf.Module):
+    def __init__(self):
+        self.w = tf.Variable(tf.random.stateless_normal([NUM_FEATURES, 3], seed=[1, 2]))
+
+    def __call__(self, x):
+        return x @ self.w
+
+
+@pytest.mark.parametrize("kind", ["keras", "tf_module"])
+def test_exported_saved_model_reproduces_predictions(tmp_path, kind):
+    # The tf.Module runs under the default strategy: two MirroredStrategy
+    # objects in one process (each test module builds one) number their
+    # collectives alike, and differently shaped variables under the same
+    # collective key abort every later collective in the process.
+    strategy = engine.build_strategy("mirrored" if kind == "keras" else "default", cpu_devices=2)
+    x, y = make_arrays(40)
+    if kind == "keras":
+        model, optimizer = make_model(strategy)
+    else:
+        with strategy.scope():
+            model, optimizer = Linear(), tf.keras.optimizers.SGD(0.1)
+    trainer = engine.Trainer(strategy=strategy, model=model, optimizer=optimizer,
+                             train_data=global_batches(x, y, 16), global_batch_size=16, loss_fn=loss_fn())
+    trainer.train(5)
+    export_dir = str(tmp_path / "export")
+    export_saved_model(model, export_dir, [tf.TensorSpec([None, NUM_FEATURES], tf.float32)])
+    loaded = tf.saved_model.load(export_dir)
+    serving = loaded.signatures["serving_default"]
+    (output,) = serving(tf.constant(x)).values()
+    np.testing.assert_allclose(output.numpy(), np.asarray(model(x)), rtol=1e-6, atol=1e-6)
+
+
+def test_cli_exports_a_servable_model(tmp_path):
+    export_dir = tmp_path / "export"
+    result = run_main("--model=mlp", "--train_steps=5", f"--model_dir={tmp_path / 'run'}",
+                      f"--export_dir={export_dir}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    loaded = tf.saved_model.load(str(export_dir))
+    serving = loaded.signatures["serving_default"]
+    (spec,) = serving.structured_input_signature[1].values()
+    assert spec.shape[1:] == (28, 28, 1)  # mlp's input shape, images of any batch size
+    images = np.random.RandomState(0).rand(3, *spec.shape[1:]).astype("float32")
+    (output,) = serving(tf.constant(images)).values()
+    assert output.shape == (3, 10)
+
+
+NAN_SCRIPT = """
+import numpy as np, tensorflow as tf, keras, engine
+tf.debugging.enable_check_numerics()
+strategy = engine.build_strategy("default")
+with strategy.scope():
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(2)])
+    optimizer = keras.optimizers.SGD(0.1)
+def bad_loss(labels, logits):
+    return tf.math.log(logits[:, 0] - 1e9)  # log of a negative number: NaN
+data = tf.data.Dataset.from_tensor_slices((np.ones((8, 2), "float32"), np.zeros(8, "int32"))).repeat().batch(4)
+engine.Trainer(strategy=strategy, model=model, optimizer=optimizer, train_data=data,
+               global_batch_size=4, loss_fn=bad_loss).train(2)
+"""
+
+
+def test_check_numerics_names_the_op_that_made_a_nan(tmp_path):
+    result = subprocess.run([sys.executable, "-c", NAN_SCRIPT], cwd=tmp_path, capture_output=True, text=True,
+                            env={"PYTHONPATH": str(REPO), "TF_CPP_MIN_LOG_LEVEL": "2", "PATH": "/usr/bin:/bin"},
+                            timeout=240)
+    assert result.returncode != 0
+    assert "Tensor had NaN values" in result.stderr, result.stderr[-3000:]
+    assert "Log/CheckNumerics" in result.stderr and "bad_loss" in result.stderr  # the op and its line
+
+
+def test_cli_check_numerics_fails_at_the_first_op_with_inf(tmp_path):
+    result = run_main("--model=mlp", "--optimizer=sgd", "--learning_rate=1e30", "--train_steps=5",
+                      "--check_numerics", f"--model_dir={tmp_path}")
+    assert result.returncode != 0
+    assert "CheckNumericsV2" in result.stderr and "MatMul" in result.stderr, result.stderr[-3000:]

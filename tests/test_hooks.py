@@ -1,0 +1,204 @@
+"""Built-in hooks on scripted eval metrics: early stopping, best checkpoint,
+reduce-on-plateau, and how each picks up again after a restart."""
+
+import json
+import types
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import engine
+from engine.callbacks import Callback
+from engine.hooks import BestCheckpoint, EarlyStopping, ReduceLROnPlateau
+from test_trainer import global_batches, loss_fn, make_arrays, make_model
+
+
+class Scripted(keras.metrics.Metric):
+    """An eval metric whose n-th evaluation reports values[n] (the last one after that)."""
+
+    def __init__(self, values=(1.0,), name="score", **kwargs):
+        super().__init__(name=name, **kwargs)
+        self.values = list(values)
+        self.evaluations = -1
+
+    def update_state(self, y_true, y_pred, sample_weight=None):
+        pass
+
+    def reset_state(self):  # The trainer resets eval metrics once per evaluation.
+        self.evaluations += 1
+
+    def result(self):
+        return self.values[min(max(self.evaluations, 0), len(self.values) - 1)]
+
+    def get_config(self):
+        return {"name": self.name, "values": self.values}
+
+
+@pytest.fixture(scope="module")
+def mirrored():
+    return engine.build_strategy("mirrored", cpu_devices=2)
+
+
+def scripted_trainer(strategy, model_dir, values, hooks, learning_rate=0.5):
+    x, y = make_arrays(32)
+    model, optimizer = make_model(strategy)
+    optimizer.learning_rate = learning_rate
+    return engine.Trainer(
+        strategy=strategy, model=model, optimizer=optimizer, train_data=global_batches(x, y, 16),
+        global_batch_size=16, loss_fn=loss_fn(), eval_data=global_batches(x, y, 16).take(1),
+        metrics=[Scripted(values)], eval_every=2, steps_per_loop=2, model_dir=str(model_dir),
+        callbacks=hooks,
+    )
+
+
+def test_early_stopping_stops_at_the_expected_step_and_stays_stopped(mirrored, tmp_path):
+    # Evaluations at steps 2, 4, 6, 8, 10: best 0.8 at step 4, then three without improvement.
+    values = [1.0, 0.8, 0.9, 0.85, 0.95, 0.1]
+    trainer = scripted_trainer(mirrored, tmp_path, values, [EarlyStopping("score", patience=3, mode="min")])
+    trainer.train(100)
+    assert trainer.step == 10
+    assert trainer.checkpoint_manager.latest_checkpoint.endswith("ckpt-10")
+    history = json.loads((tmp_path / "hooks" / "early_stopping.json").read_text())["history"]
+    assert history == [[2, 1.0], [4, 0.8], [6, 0.9], [8, 0.85], [10, 0.95]]
+
+    again = scripted_trainer(mirrored, tmp_path, [0.1], [EarlyStopping("score", patience=3, mode="min")])
+    again.train(100)  # The restored run had already stopped.
+    assert again.step == 10
+
+    patient = scripted_trainer(mirrored, tmp_path, [0.1], [EarlyStopping("score", patience=5, mode="min")])
+    patient.train(14)  # A larger patience continues, and the new best resets the count.
+    assert patient.step == 14
+
+
+def test_early_stopping_ignores_evaluations_after_the_restored_checkpoint(mirrored, tmp_path):
+    hook = EarlyStopping("score", patience=2, mode="max")
+    trainer = scripted_trainer(mirrored, tmp_path, [0.5, 0.4], [hook])
+    trainer.checkpoint_every = 2
+    trainer.train(4)  # evaluations: 0.5 at 2 (best), 0.4 at 4 (wait 1)
+    state = tmp_path / "hooks" / "early_stopping.json"
+    history = json.loads(state.read_text())
+    history["history"].append([6, 0.3])  # An evaluation after the last checkpoint (a crash).
+    state.write_text(json.dumps(history))
+    resumed = scripted_trainer(mirrored, tmp_path, [0.45], [EarlyStopping("score", patience=2, mode="max")])
+    resumed.train(6)  # Step 6 is evaluated again: wait 2, stop; the stale 0.3 is not counted twice.
+    assert resumed.step == 6 and resumed.stop_training
+    assert json.loads(state.read_text())["history"] == [[2, 0.5], [4, 0.4], [6, 0.45]]
+
+
+class WeightsAt(Callback):
+    def __init__(self):
+        self.weights = {}
+
+    def on_eval_end(self, trainer, step, logs):
+        self.weights[step] = [w.copy() for w in trainer.model.get_weights()]
+
+
+def test_best_checkpoint_keeps_the_best_step_across_a_restart(mirrored, tmp_path):
+    recorder = WeightsAt()
+    trainer = scripted_trainer(mirrored, tmp_path, [0.5, 0.7, 0.6, 0.9, 0.8],
+                               [BestCheckpoint("score", mode="max"), recorder])
+    trainer.train(10)
+    best = tmp_path / "best"
+    assert json.loads((best / "best.json").read_text()) == {
+        "metric": "score", "mode": "max", "value": 0.9, "step": 8, "checkpoint": "ckpt-8"}
+    assert sorted(p.name for p in best.glob("ckpt-*.index")) == ["ckpt-8.index"]
+
+    model, optimizer = make_model(mirrored, seed=7)
+    with mirrored.scope():
+        optimizer.build(model.trainable_variables)
+    tf.train.Checkpoint(model=model, optimizer=optimizer).restore(str(best / "ckpt-8")).expect_partial()
+    for a, b in zip(recorder.weights[8], model.get_weights()):
+        np.testing.assert_array_equal(a, b)
+
+    hook = BestCheckpoint("score", mode="max")
+    resumed = scripted_trainer(mirrored, tmp_path, [0.85, 0.88, 0.95], [hook])
+    resumed.train(14)  # 0.85 at 12 is not better than the restored best 0.9 at step 8.
+    assert (hook.best, hook.best_step) == (0.9, 8)
+    assert json.loads((best / "best.json").read_text())["step"] == 8
+    resumed.train(16)  # 0.95 at 16 is.
+    assert (hook.best, hook.best_step) == (0.95, 16)
+    assert sorted(p.name for p in best.glob("ckpt-*.index")) == ["ckpt-16.index"]
+
+
+def learning_rate(trainer):
+    return float(tf.convert_to_tensor(trainer.optimizer.learning_rate))
+
+
+def test_plateau_reduces_the_rate_and_a_restart_keeps_rate_and_patience(mirrored, tmp_path):
+    plateau = dict(patience=2, factor=0.5, mode="min")
+    trainer = scripted_trainer(mirrored, tmp_path, [1.0], [ReduceLROnPlateau("score", **plateau)])
+    trainer.train(10)  # evaluations 2 (best), 4, 6 -> 0.25, 8, 10 -> 0.125
+    assert learning_rate(trainer) == pytest.approx(0.125)
+    reader = tf.train.load_checkpoint(str(tmp_path / "checkpoints"))
+    assert reader.get_tensor("optimizer/_learning_rate/.ATTRIBUTES/VARIABLE_VALUE") == pytest.approx(0.125)
+
+    resumed = scripted_trainer(mirrored, tmp_path, [1.0], [ReduceLROnPlateau("score", **plateau)])
+    assert learning_rate(resumed) == pytest.approx(0.125)  # Not the 0.5 it was created with.
+    resumed.train(14)  # The patience count continues: 12 waits 1, 14 waits 2 -> 0.0625.
+    assert learning_rate(resumed) == pytest.approx(0.0625)
+
+    without = scripted_trainer(mirrored, tmp_path, [1.0], [], learning_rate=0.3)
+    assert learning_rate(without) == pytest.approx(0.3)  # Without the hook, the new rate wins.
+
+
+def test_plateau_refuses_a_scheduled_learning_rate(mirrored, tmp_path):
+    trainer = scripted_trainer(mirrored, tmp_path, [1.0], [ReduceLROnPlateau("score")])
+    trainer.optimizer._learning_rate = keras.optimizers.schedules.CosineDecay(0.1, 10)
+    with pytest.raises(engine.UserError, match="--lr_schedule=constant"):
+        trainer.train(2)
+
+
+def test_a_missing_metric_names_the_reported_ones(mirrored, tmp_path):
+    trainer = scripted_trainer(mirrored, tmp_path, [1.0], [EarlyStopping("acuracy", patience=1)])
+    with pytest.raises(engine.UserError, match="'acuracy' is not reported; choose one of: loss, num_examples, score"):
+        trainer.train(2)
+
+
+def run_decisions(values, hook):
+    """The steps at which `hook` stops training, fed `values` as one worker would be."""
+    trainer = types.SimpleNamespace(step=0, stop_training=False, model_dir=None,
+                                    strategy=tf.distribute.get_strategy(), callbacks=[hook])
+    hook.on_train_begin(trainer)
+    stops = []
+    for step, value in enumerate(values, start=1):
+        trainer.step = step
+        hook.on_eval_end(trainer, step, {"loss": value})
+        stops.append(trainer.stop_training)
+    return stops
+
+
+def test_decisions_depend_only_on_the_all_reduced_metrics():
+    """Every worker sees the same all-reduced eval values, so each takes the same decisions."""
+    values = list(np.random.RandomState(0).rand(30))
+    workers = [run_decisions(values, EarlyStopping("loss", patience=3)) for _ in range(3)]
+    assert workers[0] == workers[1] == workers[2]
+    assert True in workers[0]
+    with pytest.raises(engine.UserError, match="mode 'best'"):
+        EarlyStopping("loss", patience=3, mode="best")
+    assert EarlyStopping("val_accuracy", patience=1).watch.mode == "max"
+    assert EarlyStopping("loss", patience=1).watch.mode == "min"
+
+
+def test_flags_build_the_hooks_and_refuse_bad_combinations():
+    from engine.config import RunConfig
+    from engine.hooks.from_config import hooks_from_config
+
+    config = RunConfig(early_stop_metric="accuracy", best_checkpoint_metric="loss",
+                       reduce_lr_metric="loss", reduce_lr_factor=0.2)
+    config.validate()
+    hooks = hooks_from_config(config)
+    assert [type(h).__name__ for h in hooks] == [
+        "TrainGraph", "BestCheckpoint", "ReduceLROnPlateau", "EarlyStopping"]
+    assert hooks[-1].watch.mode == "max" and hooks[1].watch.mode == "min"
+    bad = [
+        (dict(early_stop_metric="acc"), "unknown --early_stop_metric='acc'; choose one of: loss, accuracy"),
+        (dict(reduce_lr_metric="loss", lr_schedule="cosine"), "cannot be combined with --lr_schedule=cosine"),
+        (dict(early_stop_metric="loss", eval_every=0), "set --eval_every to a positive"),
+        (dict(reduce_lr_factor=1.5), "--reduce_lr_factor=1.5 must be between 0 and 1"),
+        (dict(lr_schedule="linear"), "unknown --lr_schedule='linear'"),
+    ]
+    for settings, message in bad:
+        with pytest.raises(engine.UserError, match=message.replace("(", r"\(")):
+            RunConfig(**settings).validate()

@@ -1,0 +1,51 @@
+"""Progress lines every --log_every steps, loops cut to match, ETA, and the
+progress bar a terminal gets."""
+
+import re
+
+import pytest
+from absl import logging as absl_logging
+
+import engine
+from engine.progress import Progress
+from test_trainer import global_batches, loss_fn, make_arrays, make_model
+
+
+@pytest.fixture
+def log_lines(monkeypatch):
+    lines = []
+    monkeypatch.setattr(absl_logging, "info", lambda message, *args: lines.append(message % args))
+    return lines
+
+
+def test_log_every_cuts_loops_and_logs_at_its_multiples(log_lines):
+    strategy = engine.build_strategy("mirrored", cpu_devices=2)
+    x, y = make_arrays(32)
+    model, optimizer = make_model(strategy)
+    loops = []
+    trainer = engine.Trainer(strategy=strategy, model=model, optimizer=optimizer,
+                             train_data=global_batches(x, y, 16), global_batch_size=16,
+                             loss_fn=loss_fn(), steps_per_loop=4, log_every=6,
+                             callbacks=[lambda trainer, step, logs: loops.append(step)])
+    trainer.train(15)
+    assert loops == [4, 6, 10, 12, 15]  # steps_per_loop is the longest loop; cut at 6 and 12
+    progress = [line for line in log_lines if line.startswith("step ")]
+    assert [line.split()[1] for line in progress] == ["6/15", "12/15", "15/15"]
+    assert re.search(r"loss=\S+  steps_per_second=\S+  examples_per_second=\S+  "
+                     r"learning_rate=0.5  eta=\d+:\d\d:\d\d$", progress[0]), progress[0]
+    assert trainer.train_loop.experimental_get_tracing_count() == 1
+
+
+def test_progress_bar_shows_on_a_terminal(capsys):
+    progress = Progress(progress_bar=True)
+    trainer = type("FakeTrainer", (), {"target_step": 10})()
+    progress.on_train_begin(trainer)
+    progress.on_loop_end(trainer, 5, {"loss": 0.5, "steps_per_second": 10.0})
+    progress.on_loop_end(trainer, 10, {"loss": 0.25, "steps_per_second": 10.0})
+    out = capsys.readouterr().out
+    assert "10/10" in out and "loss: 0.2500" in out
+
+
+def test_negative_log_every_is_refused():
+    with pytest.raises(engine.UserError, match="log_every=-1 must not be negative"):
+        Progress(-1)
