@@ -52,6 +52,22 @@ def _shuffled_positions(
     )
 
 
+def _light_pipeline_options() -> tf.data.Options:
+    """Deterministic, and one tf.data thread with single-threaded ops.
+
+    A gather-by-index pipeline needs ~0.2 ms of CPU a batch; with tf.data's
+    default thread pools its threads contend with the training step for the
+    cores. Measured with the cnn in bfloat16 on 2 cores (default strategy,
+    4 interleaved windows of 300 steps): 8,719 examples/s with the default
+    pools, 11,611 with these options, 11,933 feeding one fixed in-memory
+    batch (no pipeline at all).
+    """
+    options = deterministic_options()
+    options.threading.private_threadpool_size = 1
+    options.threading.max_intra_op_parallelism = 1
+    return options
+
+
 def _to_host_tensor(array: np.ndarray) -> tf.Tensor:
     """Keep the data set in host memory even when a GPU is the default device:
     tf.data runs on the host and would otherwise copy it back for every batch."""
@@ -150,7 +166,7 @@ class InMemorySource(DataSource):
                 num_parallel_calls=tf.data.AUTOTUNE,
             )
             .prefetch(tf.data.AUTOTUNE)
-            .with_options(deterministic_options())
+            .with_options(_light_pipeline_options())
         )
 
     def eval_dataset(
@@ -174,5 +190,5 @@ class InMemorySource(DataSource):
                 num_parallel_calls=tf.data.AUTOTUNE,
             )
             .prefetch(tf.data.AUTOTUNE)
-            .with_options(deterministic_options())
+            .with_options(_light_pipeline_options())
         )
