@@ -32,6 +32,8 @@ from engine.strategy import build_strategy, configure_cpu_devices
 from engine.trainer import Trainer
 
 METRICS_FILE = "metrics.json"
+# A worker that stopped because a peer was signalled (EX_TEMPFAIL: run again).
+STOPPED_BY_PEER_EXIT = 75
 
 
 def build_optimizer(name: str, learning_rate: LearningRate, mixed_precision: str) -> keras.optimizers.Optimizer:
@@ -52,7 +54,8 @@ def run(config: RunConfig) -> dict[str, Any]:
     """Trains and evaluates as `config` says; returns what metrics.json holds.
 
     A run stopped by SIGTERM/SIGINT saves a checkpoint, skips the final
-    evaluation and metrics.json, and returns its `exit_status` (128+signal).
+    evaluation and metrics.json, and returns its `exit_status` (128+signal;
+    75 on the other workers of a multi-worker run, which stop with it).
     """
     from input import DataError, get_data_source
     from models import get_model_spec
@@ -125,11 +128,14 @@ def run(config: RunConfig) -> dict[str, Any]:
     try:
         with stop_on_signals(trainer) as signal_record:
             train_logs = trainer.train(total_steps)
-        if signal_record.signum is not None:
+        if trainer.stop_requested:
             trainer.close()
-            logging.warning("stopped at step %d by signal %d; checkpoint saved in %s; rerun the "
-                            "same command to continue", trainer.step, signal_record.signum, model_dir)
-            return {"global_step": trainer.step, "exit_status": signal_record.exit_status}
+            cause = (f"signal {signal_record.signum}" if signal_record.signum is not None
+                     else "a stop request from another worker")
+            logging.warning("stopped at step %d by %s; checkpoint saved in %s; rerun the same "
+                            "command to continue", trainer.step, cause, model_dir)
+            return {"global_step": trainer.step,
+                    "exit_status": signal_record.exit_status or STOPPED_BY_PEER_EXIT}
         eval_logs = trainer.evaluate_current() if eval_data is not None else {}
         trainer.close()
     finally:

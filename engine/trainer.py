@@ -131,6 +131,7 @@ class Trainer:
             )
         self.replica_step = step_fn
         self.train_loop = make_train_loop(strategy, step_fn, self.global_step)
+        self._stop_agreement = _make_stop_agreement(strategy)
         self.eval_loop = None
         if self._eval_data is not None:
             self.eval_loop = make_eval_loop(strategy, make_eval_step(
@@ -187,6 +188,24 @@ class Trainer:
     def stop_requested(self) -> bool:
         return self._stop_requested
 
+    def _should_stop(self) -> bool:
+        """Whether to stop before the next loop, agreed by every worker.
+
+        A signal reaches one process, but multi-worker training only ends
+        cleanly if all workers stop at the same step (otherwise the others
+        wait in their next all-reduce). So with several workers a stop
+        request is all-reduced once per loop, and a worker that learns of a
+        peer's request takes it as its own. Callbacks decide from all-reduced
+        metrics and so agree already.
+        """
+        if self.stop_training:
+            return True
+        if self._stop_agreement is not None:
+            wanted = tf.constant(1.0 if self._stop_requested else 0.0)
+            if float(self._stop_agreement(wanted)) > 0:
+                self._stop_requested = True
+        return self._stop_requested
+
     def train(self, steps: int) -> dict[str, float]:
         """Trains until the global step reaches `steps`; returns the last loop's logs.
 
@@ -201,7 +220,7 @@ class Trainer:
         self.stop_training = False
         for callback in self.callbacks:
             callback.on_train_begin(self)
-        while self.step < steps and not (self.stop_training or self._stop_requested):
+        while self.step < steps and not self._should_stop():
             start = self.step
             num_steps = self._next_loop_length(start, steps)
             iterator = self._train_iterator(start)
@@ -326,6 +345,22 @@ class Trainer:
 
     def close(self) -> None:
         self._summaries.close()
+
+
+def _make_stop_agreement(strategy: tf.distribute.Strategy):
+    """A compiled `any(flag over all workers)` for multi-worker mirrored
+    training; None where one process decides alone."""
+    if not isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
+        return None
+    if strategy.extended._num_workers < 2:  # noqa: SLF001 (no public worker count)
+        return None
+
+    @tf.function
+    def any_worker(flag: tf.Tensor) -> tf.Tensor:
+        per_replica = strategy.run(tf.identity, args=(flag,))
+        return strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None)
+
+    return any_worker
 
 
 def _check_batch(global_batch_size: int, num_replicas: int, grad_accum_steps: int) -> None:
