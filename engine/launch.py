@@ -176,8 +176,21 @@ class Launcher:
         return None
 
     def stop(self) -> None:
-        """SIGTERM to every live task, SIGKILL after a grace period, then reap."""
-        live = [t.process for t in self.tasks if t.process is not None and t.process.poll() is None]
+        """SIGTERM to every live task, SIGKILL after a grace period, then reap.
+
+        With parameter servers the coordinator goes first: on SIGTERM it
+        finishes its loop and saves, which needs the workers (to finish the
+        loop) and the ps tasks (which hold the variables) still running.
+        """
+        first = [t for t in self.tasks if self.parameter_server and t.cluster.task_type == "chief"]
+        self._terminate(first)
+        self._terminate([t for t in self.tasks if t not in first])
+        for task in self.tasks:
+            if task.reader is not None:
+                task.reader.join(timeout=5)
+
+    def _terminate(self, tasks: list[Task]) -> None:
+        live = [t.process for t in tasks if t.process is not None and t.process.poll() is None]
         for process in live:
             with contextlib.suppress(ProcessLookupError):
                 process.terminate()
@@ -188,9 +201,6 @@ class Launcher:
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
-        for task in self.tasks:
-            if task.reader is not None:
-                task.reader.join(timeout=5)
 
 
 def _exit_status(code: int) -> int:
