@@ -424,7 +424,6 @@ def run_benchmark(config: BenchConfig) -> dict[str, Any]:
     `configure_cpu_devices` must already have run when `config.cpu_devices`
     > 1 (before anything touched a TF device): `main` does it first.
     """
-    import keras
     import tensorflow as tf  # noqa: F401
 
     from engine import build_strategy

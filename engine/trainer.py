@@ -8,7 +8,6 @@ here runs once per loop, not once per step.
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Any, Mapping, Sequence
 
@@ -24,7 +23,6 @@ from engine.loop import make_eval_loop, make_train_loop
 from engine.progress import Progress
 from engine.steps import PerExampleLoss, ReplicaStep, make_eval_step, make_train_step
 from engine.summaries import SummaryWriters
-
 
 NONFINITE_POLICIES = ("stop", "skip")
 
