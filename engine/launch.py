@@ -182,19 +182,19 @@ class Launcher:
         finishes its loop and saves, which needs the workers (to finish the
         loop) and the ps tasks (which hold the variables) still running.
         """
+        deadline = time.monotonic() + STOP_GRACE_SECONDS  # for the whole stop, not per task
         first = [t for t in self.tasks if self.parameter_server and t.cluster.task_type == "chief"]
-        self._terminate(first)
-        self._terminate([t for t in self.tasks if t not in first])
+        self._terminate(first, deadline)
+        self._terminate([t for t in self.tasks if t not in first], deadline)
         for task in self.tasks:
             if task.reader is not None:
-                task.reader.join(timeout=5)
+                task.reader.join(timeout=max(0.1, deadline + 2 - time.monotonic()))
 
-    def _terminate(self, tasks: list[Task]) -> None:
+    def _terminate(self, tasks: list[Task], deadline: float) -> None:
         live = [t.process for t in tasks if t.process is not None and t.process.poll() is None]
         for process in live:
             with contextlib.suppress(ProcessLookupError):
                 process.terminate()
-        deadline = time.monotonic() + STOP_GRACE_SECONDS
         for process in live:
             try:
                 process.wait(timeout=max(0.1, deadline - time.monotonic()))

@@ -58,7 +58,10 @@ class Launched:
         raise AssertionError(f"no line matches {pattern!r}:\n{self.output[-4000:]}")
 
     def wait(self, timeout: float) -> int:
-        code = self.process.wait(timeout=timeout)
+        try:
+            code = self.process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"still running after {timeout} s:\n{self.output[-4000:]}") from None
         self._reader.join(timeout=10)
         return code
 
