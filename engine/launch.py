@@ -225,6 +225,9 @@ def main(argv: list[str]) -> int:
     tasks = make_tasks(cluster_spec(FLAGS.num_workers, FLAGS.num_ps, FLAGS.host, ports), main_flags)
     print(security_warning(PROGRAM, ports), file=sys.stderr, flush=True)
     launcher = Launcher(tasks, max_worker_restarts=FLAGS.max_worker_restarts if FLAGS.num_ps else 0)
+    # Explicitly: a process started from a background shell job inherits
+    # SIGINT *ignored*, and Python then installs no KeyboardInterrupt handler.
+    signal.signal(signal.SIGINT, _raise_interrupt)
     signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
         status = launcher.run()
