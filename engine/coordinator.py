@@ -28,7 +28,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from engine.distribute import Data, takes_start_step, yields_global_batches
+from engine.distribute import Data, pipeline_at
 from engine.errors import UserError
 from engine.loop import make_train_loop
 from engine.trainer import Trainer
@@ -108,12 +108,7 @@ def per_worker_dataset_fn(strategy: tf.distribute.Strategy, data: Data, start_st
 
     def worker_dataset(input_context: tf.distribute.InputContext) -> tf.data.Dataset:
         # The strategy gives each worker one pipeline of one replica: global batches.
-        if yields_global_batches(data):
-            dataset = data(start_step=start_step)
-        elif takes_start_step(data):
-            dataset = data(input_context, start_step=start_step)
-        else:
-            dataset = data(input_context).skip(start_step)
+        dataset = pipeline_at(data, input_context, start_step=start_step)
         worker = tf.distribute.coordinator.experimental_get_current_worker_index()
         return dataset.shard(num_workers, worker)
 

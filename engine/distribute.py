@@ -54,12 +54,20 @@ def distribute_train_data(
     if yields_global_batches(data):
         return strategy.experimental_distribute_dataset(data(start_step=start_step))
 
-    def per_pipeline(input_context: tf.distribute.InputContext) -> tf.data.Dataset:
-        if takes_start_step(data):
-            return data(input_context, start_step=start_step)
-        return data(input_context).skip(start_step)
+    return strategy.distribute_datasets_from_function(
+        lambda input_context: pipeline_at(data, input_context, start_step=start_step)
+    )
 
-    return strategy.distribute_datasets_from_function(per_pipeline)
+
+def pipeline_at(
+    data: DatasetFn, input_context: tf.distribute.InputContext, *, start_step: int
+) -> tf.data.Dataset:
+    """One input pipeline of a data function, positioned at `start_step`."""
+    if yields_global_batches(data):
+        return data(start_step=start_step)
+    if takes_start_step(data):
+        return data(input_context, start_step=start_step)
+    return data(input_context).skip(start_step)
 
 
 def distribute_eval_data(
