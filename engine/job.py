@@ -121,6 +121,7 @@ def run(config: RunConfig) -> dict[str, Any]:
         grad_accum_steps=config.grad_accum_steps, jit_compile=config.jit_compile,
         on_nonfinite=config.on_nonfinite, restore_fallback=config.restore_fallback,
         callbacks=hooks_from_config(config), log_every=config.log_every,
+        steps_per_epoch=max(1, source.num_train_examples // batch) if source.num_train_examples else None,
     )
     _log_banner(config, strategy, model, source, model_dir, total_steps, trainer.step)
     if strategy.extended.should_checkpoint:
