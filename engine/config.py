@@ -80,12 +80,18 @@ class RunConfig:
 
     def validate(self) -> None:
         """Raises UserError for the first bad setting; touches nothing on disk."""
-        from input import dataset_names  # Heavy imports stay out of flag parsing.
-        from models import model_names
+        from engine.own_packages import own_package  # Heavy imports stay out of flag parsing.
 
+        input_lib, models = own_package("input"), own_package("models")
         _choose("strategy", self.strategy, STRATEGY_NAMES)
-        _choose("model", self.model, model_names())
-        _choose("dataset", self.dataset, dataset_names())
+        if models.is_user_model(self.model):  # package.module:function: import it now, before any write.
+            try:
+                models.get_model_spec(self.model)
+            except models.ModelError as error:
+                raise UserError(str(error)) from None
+        else:
+            _choose("model", self.model, models.model_names())
+        _choose("dataset", self.dataset, input_lib.dataset_names())
         _choose("optimizer", self.optimizer, OPTIMIZER_NAMES)
         _choose("input_pipeline", self.input_pipeline, ("per_replica", "global"))
         _choose("on_nonfinite", self.on_nonfinite, ("stop", "skip"))

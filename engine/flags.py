@@ -23,7 +23,8 @@ flags.DEFINE_float("collective_timeout", 300.0,
 flags.DEFINE_string("tpu", None, "--strategy=tpu: `local` (TPU VM) or grpc://HOST:PORT.")
 
 # Model and data.
-flags.DEFINE_string("model", "cnn", "Model name (models/registry.py).")
+flags.DEFINE_string("model", "cnn", "Model name (models/registry.py), or package.module:function: "
+                    "your function(input_shape, num_classes) returning a keras.Model of logits.")
 flags.DEFINE_string("dataset", "digits",
                     "digits (offline default), mnist, synthetic or tfrecord.")
 flags.DEFINE_string("data_dir", None, "Where mnist.npz or the TFRecord files are.")

@@ -57,8 +57,11 @@ def run(config: RunConfig) -> dict[str, Any]:
     evaluation and metrics.json, and returns its `exit_status` (128+signal;
     75 on the other workers of a multi-worker run, which stop with it).
     """
-    from input import DataError, get_data_source
-    from models import get_model_spec
+    from engine.own_packages import own_package  # The engine's, beside a user's models.py/input.py.
+
+    input_lib, models = own_package("input"), own_package("models")
+    DataError, get_data_source = input_lib.DataError, input_lib.get_data_source  # noqa: N806
+    ModelError, get_model_spec = models.ModelError, models.get_model_spec  # noqa: N806
 
     # tf.distribute logs every cross-device reduction at INFO; keep the engine's lines readable.
     tf.get_logger().setLevel("WARNING")
@@ -87,7 +90,10 @@ def run(config: RunConfig) -> dict[str, Any]:
     total_steps = config.total_steps(source.num_train_examples)
 
     with strategy.scope():
-        model = model_spec.build(image_shape, source.num_classes)
+        try:
+            model = model_spec.build(image_shape, source.num_classes)
+        except ModelError as error:  # A user's builder returned something the engine cannot train.
+            raise UserError(str(error)) from None
         learning_rate = learning_rate_schedule(config.lr_schedule, config.learning_rate,
                                                total_steps, config.warmup_steps)
         optimizer = build_optimizer(config.optimizer, learning_rate, config.mixed_precision)
