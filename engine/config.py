@@ -54,6 +54,7 @@ class RunConfig:
     reduce_lr_factor: float = 0.5
     min_learning_rate: float = 0.0
     profile_steps: str | None = None
+    histogram_every: int = 0
     seed: int = 42
     deterministic: bool = False
     mixed_precision: str = "float32"
@@ -99,7 +100,7 @@ class RunConfig:
         for name in ("cpu_devices", "global_batch_size", "steps_per_loop",
                      "grad_accum_steps", "max_checkpoints"):
             _at_least(name, getattr(self, name), 1)
-        for name in ("eval_every", "checkpoint_every", "log_every"):
+        for name in ("eval_every", "checkpoint_every", "log_every", "histogram_every"):
             _at_least(name, getattr(self, name), 0)
         if self.num_gpus is not None:
             _at_least("num_gpus", self.num_gpus, 0)

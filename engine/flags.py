@@ -86,6 +86,8 @@ flags.DEFINE_float("min_learning_rate", 0.0, "Reduce-on-plateau never goes below
 flags.DEFINE_string("profile_steps", None,
                     "START,END: profile the steps from global step START to END "
                     "(TensorBoard's Profile tab).")
+flags.DEFINE_integer("histogram_every", 0,
+                     "Histograms of every weight in TensorBoard's train run every N steps; 0: none.")
 
 # Numerics and speed.
 flags.DEFINE_integer("seed", 42, "Seed for weights, shuffling and dropout.")
