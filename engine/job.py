@@ -26,6 +26,7 @@ from engine.errors import UserError
 from engine.export import export_saved_model
 from engine.hooks.from_config import hooks_from_config
 from engine.hparams import write_hparams
+from engine.model_summary import model_summary
 from engine.preemption import stop_on_signals
 from engine.schedules import LearningRate, learning_rate_schedule
 from engine.strategy import build_strategy, configure_cpu_devices
@@ -191,6 +192,7 @@ def _log_banner(config, strategy, model, source, model_dir, total_steps, start_s
         config.dataset, source.num_train_examples, source.num_eval_examples,
         start_step, total_steps, model_dir,
     )
+    logging.info("model %s:\n%s", config.model, model_summary(model))
 
 
 def _write_json(path: str, payload: dict) -> None:

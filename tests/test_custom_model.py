@@ -58,6 +58,8 @@ def test_a_users_model_trains_from_the_cli_beside_their_models_and_input_py(tmp_
     assert metrics["global_step"] == 30
     assert metrics["eval"]["num_examples"] == 297  # The engine's digits data set, through its own `input`.
     assert metrics["eval"]["accuracy"] > 0.3  # Learned something: chance is 0.1.
+    # The start-up log shows the user's model in Keras's summary.
+    assert "user_hidden (Dense)" in result.stderr and "Total params: 19,090" in result.stderr
     # The checkpoint holds the user's model: its 28*28 -> 24 hidden layer is in no built-in model.
     import tensorflow as tf
     shapes = [shape for _, shape in tf.train.list_variables(str(project / "run" / "checkpoints"))]
