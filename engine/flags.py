@@ -65,7 +65,7 @@ flags.DEFINE_integer("checkpoint_every", 500, "Save every N steps (and always at
 flags.DEFINE_integer("max_checkpoints", 3, "Checkpoints to keep.")
 flags.DEFINE_boolean("restore_fallback", False,
                      "If the latest checkpoint cannot be read, restore the newest older one "
-                     "that can (the unreadable one is left in place, untouched).")
+                     "that can (the unreadable one is moved to checkpoints/unreadable/).")
 flags.DEFINE_string("export_dir", None,
                     "After training, write the model here as a SavedModel with a "
                     "serving_default signature.")
