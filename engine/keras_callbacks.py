@@ -7,7 +7,8 @@ the trainer's loop and evaluation events into the calls `fit` makes:
 
 - `set_model` / `set_params` and `on_train_begin` at the start of every
   `train()` call; `self.model` is a view of the model whose `optimizer` is
-  the trainer's optimizer and whose `stop_training` stops the trainer;
+  the trainer's optimizer and whose `stop_training` stops the trainer (an
+  uncompiled Keras model also gets `model.optimizer`, as `compile` sets it);
 - `on_epoch_begin(epoch)` before the first loop of an epoch and
   `on_epoch_end(epoch, logs)` at its last step: compiled loops are cut at
   epoch boundaries (`loop_limit`), so an epoch is exactly `steps_per_epoch`
@@ -70,10 +71,9 @@ class ModelView:
     """What a Keras callback sees as `self.model`: the model, plus the
     trainer's `optimizer` and a `stop_training` flag of its own.
 
-    A view rather than attributes set on the user's model: assigning an
-    optimizer to a Keras model would add it to the model's checkpoint
-    dependencies, and a `tf.Module` has no `stop_training`. Every other
-    attribute (layers, weights, get_weights, save ...) is the model's.
+    A view, so that a `tf.Module` works too and `stop_training` is read from
+    one place; every other attribute (layers, weights, get_weights, save ...)
+    is the model's.
     """
 
     def __init__(self, model: Any, optimizer: keras.optimizers.Optimizer):
@@ -122,6 +122,10 @@ class KerasCallbacks(Callback):
 
     def on_train_begin(self, trainer: "Trainer") -> None:
         self.view = ModelView(trainer.model, trainer.optimizer)
+        if isinstance(trainer.model, keras.Model) and getattr(trainer.model, "optimizer", None) is None:
+            # As compile() would have: callbacks written for fit read `model.optimizer` off the
+            # model itself. It adds no variable to the model or its checkpoint.
+            trainer.model.optimizer = trainer.optimizer
         if hasattr(trainer.model, "stop_training"):
             trainer.model.stop_training = False
         target = trainer.target_step or trainer.step

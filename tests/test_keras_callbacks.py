@@ -44,7 +44,7 @@ class EngineRecorder(Callback):
         self.evals[step] = dict(logs)
 
 
-def overfitting_run(strategy, model_dir):
+def overfitting_run(strategy):
     """Learnable train data, eval labels that are noise: val_loss rises as training goes on."""
     x, y = make_arrays(160)
     x_eval, _ = make_arrays(64, seed=1)
@@ -54,11 +54,18 @@ def overfitting_run(strategy, model_dir):
     return model, optimizer, global_batches(x, y, BATCH), eval_data
 
 
-def test_the_seeds_callbacks_run_against_the_trainer(mirrored, tmp_path):
-    model, optimizer, train_data, eval_data = overfitting_run(mirrored, tmp_path / "run")
+def test_the_seeds_callbacks_run_against_the_trainer(mirrored, tmp_path, capsys):
+    model, optimizer, train_data, eval_data = overfitting_run(mirrored)
     early = keras.callbacks.EarlyStopping(monitor="val_loss", patience=3)
     plateau = keras.callbacks.ReduceLROnPlateau(monitor="val_loss", factor=0.5, patience=1, min_lr=1e-4)
     recorder = EpochRecorder()
+
+    class PrintLR(keras.callbacks.Callback):
+        """As in the seed: reads the rate off the (global) model, not self.model."""
+
+        def on_epoch_end(self, epoch, logs=None):
+            print(f"Learning rate for epoch {epoch + 1} is {model.optimizer.learning_rate.numpy()}")
+
     csv_path = tmp_path / "log.csv"
     engine_view = EngineRecorder()
     trainer = engine.Trainer(
@@ -67,7 +74,8 @@ def test_the_seeds_callbacks_run_against_the_trainer(mirrored, tmp_path):
         metrics=[keras.metrics.SparseCategoricalAccuracy(name="accuracy")],
         model_dir=str(tmp_path / "run"), steps_per_loop=3, eval_every=STEPS_PER_EPOCH,
         steps_per_epoch=STEPS_PER_EPOCH,
-        callbacks=[early, plateau, recorder, keras.callbacks.CSVLogger(str(csv_path)), engine_view],
+        callbacks=[early, plateau, recorder, PrintLR(), keras.callbacks.CSVLogger(str(csv_path)),
+                   engine_view],
     )
     target = 40 * STEPS_PER_EPOCH
     trainer.train(target)
@@ -97,6 +105,10 @@ def test_the_seeds_callbacks_run_against_the_trainer(mirrored, tmp_path):
     final_rate = float(tf.convert_to_tensor(optimizer.learning_rate))
     assert final_rate < 0.5 and final_rate == pytest.approx(recorder.learning_rates[-1])
     assert any(b < a for a, b in zip(recorder.learning_rates, recorder.learning_rates[1:]))
+
+    printed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("Learning rate")]
+    assert printed[0] == "Learning rate for epoch 1 is 0.5" and len(printed) == len(epochs)
+    assert printed[-1] == f"Learning rate for epoch {len(epochs)} is {recorder.learning_rates[-1]}"
 
     # CSVLogger: a row per epoch with the train and val metrics.
     with open(csv_path) as handle:
