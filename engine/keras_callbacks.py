@@ -112,7 +112,8 @@ class KerasCallbacks(Callback):
             for c in callbacks
         )
         self._epoch: int | None = None  # The epoch begun and not yet ended.
-        self._loop_start: int | None = None
+        self._loop_start: int | None = None  # The step the running loop started at.
+        self._last_step = 0  # The step at the end of the last loop: loop lengths weigh epoch means.
         self._sums: dict[str, float] = {}
         self._steps = 0
         self._pending: tuple[int, dict[str, float]] | None = None  # An epoch end awaiting its evaluation.
@@ -133,6 +134,7 @@ class KerasCallbacks(Callback):
                   "steps": self.steps_per_epoch}
         self._epoch, self._loop_start, self._pending = None, None, None
         self._sums, self._steps = {}, 0
+        self._last_step = trainer.step
         for callback in self.callbacks:
             callback.set_model(self.view)
             callback.set_params(params)
@@ -154,7 +156,7 @@ class KerasCallbacks(Callback):
         return self.steps_per_epoch - step % self.steps_per_epoch
 
     def on_loop_end(self, trainer: "Trainer", step: int, logs: Mapping[str, Any]) -> None:
-        num_steps = step - (self._loop_start if self._loop_start is not None else step - 1)
+        num_steps, self._last_step = step - self._last_step, step
         self._loop_start = None
         for name, value in logs.items():
             if name not in _LOOP_ONLY_KEYS:
