@@ -1,6 +1,6 @@
 r"""Sweeps of the engine's throughput (with the raw loop as the reference).
 
-    python -m benchmarks.sweep --out_dir=sweep_out
+    python -m benchmarks.sweep            # writes under benchmarks/out/sweep (git-ignored)
 
 - steps_per_loop in `--steps_per_loop_values` (default 1, 10, 100), default
   strategy, one replica;
@@ -25,7 +25,9 @@ from dataclasses import asdict, replace
 from absl import app, flags
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("out_dir", "sweep_out", "Where sweep.md, sweep.json and sweep.png go.")
+flags.DEFINE_string("out_dir", "benchmarks/out/sweep",
+                    "Where sweep.md, sweep.json and sweep.png go (default: git-ignored, beside the "
+                    "committed benchmarks/results).")
 flags.DEFINE_string("model", "cnn", "Model to sweep.")
 flags.DEFINE_list("runners", ["engine", "raw"], "Runners in every configuration.")
 flags.DEFINE_list("steps_per_loop_values", ["1", "10", "100"], "steps_per_loop values to sweep.")

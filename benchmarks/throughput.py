@@ -1,7 +1,7 @@
 r"""Training throughput: the engine's loop against Keras `fit` and a bare loop.
 
     python -m benchmarks.throughput --model=cnn --strategy=default \
-        --runners=engine,fit,raw --json=out.json
+        --runners=engine,fit,raw --json=benchmarks/out/cnn.json
 
 Every runner trains the same model (a fresh copy, same seed), on the same
 synthetic data, batch, optimizer (Adam, lr 1e-3) and strategy, in ONE process;

@@ -54,6 +54,7 @@ class RunConfig:
     reduce_lr_factor: float = 0.5
     min_learning_rate: float = 0.0
     profile_steps: str | None = None
+    histogram_every: int = 0
     seed: int = 42
     deterministic: bool = False
     mixed_precision: str = "float32"
@@ -80,12 +81,18 @@ class RunConfig:
 
     def validate(self) -> None:
         """Raises UserError for the first bad setting; touches nothing on disk."""
-        from input import dataset_names  # Heavy imports stay out of flag parsing.
-        from models import model_names
+        from engine.own_packages import own_package  # Heavy imports stay out of flag parsing.
 
+        input_lib, models = own_package("input"), own_package("models")
         _choose("strategy", self.strategy, STRATEGY_NAMES)
-        _choose("model", self.model, model_names())
-        _choose("dataset", self.dataset, dataset_names())
+        if models.is_user_model(self.model):  # package.module:function: import it now, before any write.
+            try:
+                models.get_model_spec(self.model)
+            except models.ModelError as error:
+                raise UserError(str(error)) from None
+        else:
+            _choose("model", self.model, models.model_names())
+        _choose("dataset", self.dataset, input_lib.dataset_names())
         _choose("optimizer", self.optimizer, OPTIMIZER_NAMES)
         _choose("input_pipeline", self.input_pipeline, ("per_replica", "global"))
         _choose("on_nonfinite", self.on_nonfinite, ("stop", "skip"))
@@ -93,7 +100,7 @@ class RunConfig:
         for name in ("cpu_devices", "global_batch_size", "steps_per_loop",
                      "grad_accum_steps", "max_checkpoints"):
             _at_least(name, getattr(self, name), 1)
-        for name in ("eval_every", "checkpoint_every", "log_every"):
+        for name in ("eval_every", "checkpoint_every", "log_every", "histogram_every"):
             _at_least(name, getattr(self, name), 0)
         if self.num_gpus is not None:
             _at_least("num_gpus", self.num_gpus, 0)

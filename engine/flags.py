@@ -23,7 +23,8 @@ flags.DEFINE_float("collective_timeout", 300.0,
 flags.DEFINE_string("tpu", None, "--strategy=tpu: `local` (TPU VM) or grpc://HOST:PORT.")
 
 # Model and data.
-flags.DEFINE_string("model", "cnn", "Model name (models/registry.py).")
+flags.DEFINE_string("model", "cnn", "Model name (models/registry.py), or package.module:function: "
+                    "your function(input_shape, num_classes) returning a keras.Model of logits.")
 flags.DEFINE_string("dataset", "digits",
                     "digits (offline default), mnist, synthetic or tfrecord.")
 flags.DEFINE_string("data_dir", None, "Where mnist.npz or the TFRecord files are.")
@@ -64,7 +65,7 @@ flags.DEFINE_integer("checkpoint_every", 500, "Save every N steps (and always at
 flags.DEFINE_integer("max_checkpoints", 3, "Checkpoints to keep.")
 flags.DEFINE_boolean("restore_fallback", False,
                      "If the latest checkpoint cannot be read, restore the newest older one "
-                     "that can (the unreadable one is left in place, untouched).")
+                     "that can (the unreadable one is moved to checkpoints/unreadable/).")
 flags.DEFINE_string("export_dir", None,
                     "After training, write the model here as a SavedModel with a "
                     "serving_default signature.")
@@ -85,6 +86,8 @@ flags.DEFINE_float("min_learning_rate", 0.0, "Reduce-on-plateau never goes below
 flags.DEFINE_string("profile_steps", None,
                     "START,END: profile the steps from global step START to END "
                     "(TensorBoard's Profile tab).")
+flags.DEFINE_integer("histogram_every", 0,
+                     "Histograms of every weight in TensorBoard's train run every N steps; 0: none.")
 
 # Numerics and speed.
 flags.DEFINE_integer("seed", 42, "Seed for weights, shuffling and dropout.")

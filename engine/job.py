@@ -26,6 +26,7 @@ from engine.errors import UserError
 from engine.export import export_saved_model
 from engine.hooks.from_config import hooks_from_config
 from engine.hparams import write_hparams
+from engine.model_summary import model_summary
 from engine.preemption import stop_on_signals
 from engine.schedules import LearningRate, learning_rate_schedule
 from engine.strategy import build_strategy, configure_cpu_devices
@@ -57,8 +58,11 @@ def run(config: RunConfig) -> dict[str, Any]:
     evaluation and metrics.json, and returns its `exit_status` (128+signal;
     75 on the other workers of a multi-worker run, which stop with it).
     """
-    from input import DataError, get_data_source
-    from models import get_model_spec
+    from engine.own_packages import own_package  # The engine's, beside a user's models.py/input.py.
+
+    input_lib, models = own_package("input"), own_package("models")
+    DataError, get_data_source = input_lib.DataError, input_lib.get_data_source  # noqa: N806
+    ModelError, get_model_spec = models.ModelError, models.get_model_spec  # noqa: N806
 
     # tf.distribute logs every cross-device reduction at INFO; keep the engine's lines readable.
     tf.get_logger().setLevel("WARNING")
@@ -87,7 +91,10 @@ def run(config: RunConfig) -> dict[str, Any]:
     total_steps = config.total_steps(source.num_train_examples)
 
     with strategy.scope():
-        model = model_spec.build(image_shape, source.num_classes)
+        try:
+            model = model_spec.build(image_shape, source.num_classes)
+        except ModelError as error:  # A user's builder returned something the engine cannot train.
+            raise UserError(str(error)) from None
         learning_rate = learning_rate_schedule(config.lr_schedule, config.learning_rate,
                                                total_steps, config.warmup_steps)
         optimizer = build_optimizer(config.optimizer, learning_rate, config.mixed_precision)
@@ -121,6 +128,7 @@ def run(config: RunConfig) -> dict[str, Any]:
         grad_accum_steps=config.grad_accum_steps, jit_compile=config.jit_compile,
         on_nonfinite=config.on_nonfinite, restore_fallback=config.restore_fallback,
         callbacks=hooks_from_config(config), log_every=config.log_every,
+        steps_per_epoch=max(1, source.num_train_examples // batch) if source.num_train_examples else None,
     )
     _log_banner(config, strategy, model, source, model_dir, total_steps, trainer.step)
     if strategy.extended.should_checkpoint:
@@ -184,6 +192,7 @@ def _log_banner(config, strategy, model, source, model_dir, total_steps, start_s
         config.dataset, source.num_train_examples, source.num_eval_examples,
         start_step, total_steps, model_dir,
     )
+    logging.info("model %s:\n%s", config.model, model_summary(model))
 
 
 def _write_json(path: str, payload: dict) -> None:

@@ -65,6 +65,7 @@ class Trainer:
         grad_accum_steps: int = 1,
         jit_compile: bool = False,
         callbacks: Sequence[CallbackLike] = (),
+        steps_per_epoch: int | None = None,
         log_every: int | None = None,
         on_nonfinite: str = "stop",
         restore_fallback: bool = False,
@@ -101,7 +102,7 @@ class Trainer:
         self._compiled_once = False
         self.last_eval: tuple[int, dict[str, float]] | None = None  # (step, logs)
         # Progress lines every `log_every` steps (every loop when None) come first.
-        self.callbacks = [Progress(log_every), *as_callbacks(callbacks)]
+        self.callbacks = [Progress(log_every), *as_callbacks(callbacks, steps_per_epoch=steps_per_epoch)]
         self.stop_training = False  # Set by a callback to stop after this loop.
         self._stop_requested = False  # Set by request_stop(); survives train() calls.
 

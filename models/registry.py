@@ -1,13 +1,30 @@
-"""Name -> model builder table, so the engine picks a model by a flag value."""
+"""Name -> model builder table, so the engine picks a model by a flag value.
+
+Besides the built-in names, `--model=package.module:function` names the
+user's own builder, `function(input_shape, num_classes) -> keras.Model`
+returning float32 logits: it is imported (from the working directory or
+the Python path) and trained like the built-in models.
+"""
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 from typing import Callable
 
 import keras
 
 from models import cnn, mlp, resnet, resnet50, wide_mlp
+
+
+class ModelError(ValueError):
+    """A --model value that names no model, or a user builder that cannot be
+    used; the message is one user-facing line."""
+
+
+# The input shape a user's builder receives: the one the built-in data sets
+# (digits, mnist, synthetic) are served at for the small built-in models.
+USER_MODEL_INPUT_SHAPE = (28, 28, 1)
 
 
 @dataclass(frozen=True)
@@ -44,11 +61,64 @@ def model_names() -> list[str]:
     return list(_SPECS)
 
 
+def is_user_model(name: str) -> bool:
+    """Whether `name` is `package.module:function` rather than a built-in name."""
+    return ":" in name
+
+
 def get_model_spec(name: str) -> ModelSpec:
-    """Look up a model by its flag value."""
+    """Look up a model by its flag value; a user's builder is imported here,
+    so that a bad one is reported before anything else happens."""
+    if is_user_model(name):
+        return _user_model_spec(name)
     try:
         return _SPECS[name]
     except KeyError:
-        raise ValueError(
+        raise ModelError(
             f"unknown model {name!r}; choose one of: {', '.join(_SPECS)}"
         ) from None
+
+
+def _user_model_spec(name: str) -> ModelSpec:
+    module_name, _, function_name = name.partition(":")
+    if not module_name or not function_name.isidentifier():
+        raise ModelError(f"--model={name} must be package.module:function, e.g. --model=my_models:build")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as error:  # Any failure in the user's module (ImportError, SyntaxError, ...).
+        raise ModelError(f"--model={name}: cannot import {module_name!r}: "
+                         f"{type(error).__name__}: {_first_line(error)}") from None
+    function = getattr(module, function_name, None)
+    if not callable(function):
+        raise ModelError(f"--model={name}: {module_name!r} ({module.__file__}) has no function "
+                         f"{function_name!r}; define {function_name}(input_shape, num_classes) -> keras.Model")
+
+    def build(input_shape: tuple[int, ...], num_classes: int) -> keras.Model:
+        model = function(input_shape, num_classes)
+        _check_user_model(name, model, num_classes)
+        return model
+
+    return ModelSpec(name, build, USER_MODEL_INPUT_SHAPE, f"{function_name} from {module.__file__}")
+
+
+def _check_user_model(name: str, model, num_classes: int) -> None:
+    """Refuses what would train silently wrong: the engine's loss takes logits of num_classes."""
+    if not isinstance(model, keras.Model):
+        raise ModelError(f"--model={name} returned {type(model).__module__}.{type(model).__name__}, "
+                         "not a keras.Model; return an (uncompiled) keras.Model")
+    try:
+        outputs = model.outputs
+    except (AttributeError, ValueError):  # A subclassed model: no symbolic outputs to check.
+        return
+    if outputs and len(outputs) == 1 and outputs[0].shape[-1] not in (None, num_classes):
+        raise ModelError(f"--model={name} outputs shape {tuple(outputs[0].shape)}; the data set has "
+                         f"{num_classes} classes: end with a Dense({num_classes}) of logits")
+    last = model.layers[-1] if model.layers else None
+    if isinstance(last, keras.layers.Softmax) or getattr(last, "activation", None) is keras.activations.softmax:
+        raise ModelError(f"--model={name} ends with a softmax; the engine's loss takes logits "
+                         "(from_logits=True): drop the softmax from the last layer")
+
+
+def _first_line(error: Exception) -> str:
+    lines = str(error).strip().splitlines()
+    return lines[0] if lines else ""

@@ -8,6 +8,7 @@ from engine.callbacks import Callback
 from engine.hooks.best_checkpoint import BestCheckpoint
 from engine.hooks.early_stopping import EarlyStopping
 from engine.hooks.graph import TrainGraph
+from engine.hooks.histograms import WeightHistograms
 from engine.hooks.plateau import ReduceLROnPlateau
 from engine.hooks.profiler import ProfileWindow
 
@@ -20,6 +21,8 @@ def hooks_from_config(config: "RunConfig") -> list[Callback]:
     window = config.profile_window()
     if window is not None:
         hooks.append(ProfileWindow(*window))
+    if config.histogram_every:
+        hooks.append(WeightHistograms(config.histogram_every))
     if config.best_checkpoint_metric:
         hooks.append(BestCheckpoint(config.best_checkpoint_metric))
     if config.reduce_lr_metric:

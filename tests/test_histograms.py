@@ -1,0 +1,66 @@
+"""`--histogram_every=N` / `WeightHistograms(N)`: a histogram of every weight
+in the `train` run every N steps, read back from the event files."""
+
+import glob
+import os
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import engine
+from engine.config import RunConfig
+from engine.hooks import WeightHistograms
+from engine.hooks.from_config import hooks_from_config
+from test_main import run_main
+from test_trainer import global_batches, loss_fn, make_arrays, make_model
+
+
+def read_histograms(log_dir: str) -> dict[str, dict[int, np.ndarray]]:
+    """tag -> step -> the (left edge, right edge, count) buckets TensorBoard reads."""
+    found: dict[str, dict[int, np.ndarray]] = {}
+    for path in sorted(glob.glob(os.path.join(log_dir, "events.out.tfevents.*"))):
+        for event in tf.compat.v1.train.summary_iterator(path):
+            for value in event.summary.value:
+                if value.metadata.plugin_data.plugin_name == "histograms":
+                    found.setdefault(value.tag, {})[event.step] = tf.make_ndarray(value.tensor)
+    return found
+
+
+def test_every_weight_is_written_every_n_steps_without_a_retrace(mirrored, tmp_path):
+    x, y = make_arrays(64)
+    model, optimizer = make_model(mirrored)
+    trainer = engine.Trainer(strategy=mirrored, model=model, optimizer=optimizer,
+                             train_data=global_batches(x, y, 16), global_batch_size=16, loss_fn=loss_fn(),
+                             model_dir=str(tmp_path), steps_per_loop=3, callbacks=[WeightHistograms(4)])
+    trainer.train(12)
+    assert trainer.train_loop.experimental_get_tracing_count() == 1
+
+    histograms = read_histograms(str(tmp_path / "train"))
+    assert sorted(histograms) == sorted(weight.path for weight in model.weights)
+    for weight in model.weights:
+        by_step = histograms[weight.path]
+        assert sorted(by_step) == [4, 8, 12]
+        buckets = by_step[12]  # The final weights: every element counted, the edges their range.
+        values = weight.numpy()
+        assert buckets[:, 2].sum() == values.size
+        assert buckets[0, 0] == pytest.approx(values.min()) and buckets[-1, 1] == pytest.approx(values.max())
+    kernel = model.weights[0].path
+    assert not np.array_equal(histograms[kernel][4], histograms[kernel][12])  # Training moved them.
+
+
+def test_the_flag_builds_the_hook_and_is_validated():
+    assert any(isinstance(h, WeightHistograms) and h.every == 7
+               for h in hooks_from_config(RunConfig(histogram_every=7)))
+    assert not any(isinstance(h, WeightHistograms) for h in hooks_from_config(RunConfig()))
+    with pytest.raises(engine.UserError, match="--histogram_every=-1 must be at least 0"):
+        RunConfig(histogram_every=-1).validate()
+
+
+def test_histograms_from_the_command_line(tmp_path):
+    result = run_main("--model=mlp", "--train_steps=10", "--histogram_every=5", "--eval_every=0",
+                      f"--model_dir={tmp_path}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    histograms = read_histograms(str(tmp_path / "train"))
+    assert len(histograms) == 4  # mlp: two Dense layers' kernels and biases.
+    assert all(sorted(steps) == [5, 10] for steps in histograms.values())
