@@ -8,7 +8,6 @@ here runs once per loop, not once per step.
 
 from __future__ import annotations
 
-import re
 import time
 from typing import Any, Mapping, Sequence, Union
 
@@ -20,7 +19,7 @@ from engine.callbacks import CallbackLike, as_callbacks
 from engine.config import DEFAULT_STEPS_PER_LOOP
 from engine.distribute import Data, distribute_eval_data, distribute_train_data, yields_global_batches
 from engine.errors import DataExhaustedError, NonFiniteLossError, UserError
-from engine.loop import make_eval_loop, make_train_loop
+from engine.loop import BatchSizeMismatch, make_eval_loop, make_train_loop
 from engine.progress import Progress, logger
 from engine.schedules import is_scheduled
 from engine.steps import EvalStep, PerExampleLoss, ReplicaStep, make_eval_step, make_train_step
@@ -31,7 +30,6 @@ __all__ = ["DataExhaustedError", "NonFiniteLossError", "Trainer"]  # The errors 
 
 NONFINITE_POLICIES = ("stop", "skip")
 Optimizers = Union[keras.optimizers.Optimizer, Mapping[str, keras.optimizers.Optimizer]]
-_BATCH_CHECK = "engine batch size check"  # Marks the in-graph assertion's message.
 
 
 class Trainer:
@@ -174,8 +172,7 @@ class Trainer:
         self.replica_step = step_fn
         self.train_loop = make_train_loop(
             strategy, step_fn, self.global_step,
-            first_step=_checking_batch_size(step_fn, train_data, global_batch_size,
-                                            strategy.num_replicas_in_sync),
+            per_replica_batch_size=global_batch_size // strategy.num_replicas_in_sync,
         )
         self._stop_agreement = _make_stop_agreement(strategy)
         self.eval_loop = None
@@ -313,14 +310,14 @@ class Trainer:
             began = time.perf_counter()
             try:
                 logs = self._run_train_loop(iterator, num_steps)
-            except tf.errors.OutOfRangeError:  # Not one batch left; the loop applied nothing.
-                self._iterator_step = start
-                self._end_on_exhausted_data(steps, last_saved)
-            except tf.errors.InvalidArgumentError as error:
-                _raise_if_batch_check(error, self.global_batch_size, self.strategy.num_replicas_in_sync,
-                                      self._train_data)
-                raise
+            except BatchSizeMismatch as mismatch:  # Found while tracing: nothing ran.
+                raise UserError(self._batch_size_message(mismatch.size)) from None
+            wrong_size = int(logs.pop("first_batch_size", -1))
+            if wrong_size >= 0:  # Found by the loop, which then ran no step.
+                raise UserError(self._batch_size_message(wrong_size))
             steps_run = int(logs.pop("steps_run"))
+            if steps_run == 0:  # Not one batch was left: nothing ran, nothing to log.
+                self._end_on_exhausted_data(steps, last_saved)
             first_nonfinite = int(logs.pop("first_nonfinite_index"))
             nonfinite_steps = logs.pop("nonfinite_steps")
             if self.on_nonfinite == "skip":  # Under "stop" it is 0, or the run ends below.
@@ -374,6 +371,17 @@ class Trainer:
             "call .repeat() on the dataset (before .batch) to train longer than one pass",
             step=self.step,
         )
+
+    def _batch_size_message(self, per_replica: int) -> str:
+        replicas = self.strategy.num_replicas_in_sync
+        if yields_global_batches(self._train_data):
+            return (f"train_data's first batch holds {per_replica * replicas} examples but "
+                    f"global_batch_size={self.global_batch_size}; batch the dataset by "
+                    f"{self.global_batch_size} (global batches) or change global_batch_size; nothing was trained")
+        return (f"train_data's first batch holds {per_replica} examples per replica but "
+                f"global_batch_size={self.global_batch_size} over {replicas} replica(s) needs "
+                f"{self.global_batch_size // replicas}; batch by "
+                "input_context.get_per_replica_batch_size(global_batch_size); nothing was trained")
 
     def _learning_rates(self) -> dict[str, float]:
         if self.optimizer is not None:
@@ -569,52 +577,6 @@ def _check_dataset_batch(data: Data, global_batch_size: int) -> None:
             f"train_data yields batches of {size} examples but global_batch_size={global_batch_size}; "
             f"batch the dataset by {global_batch_size} or pass global_batch_size={size}"
         )
-
-
-def _checking_batch_size(step_fn: ReplicaStep, data: Data, global_batch_size: int,
-                         num_replicas: int) -> ReplicaStep:
-    """`step_fn` for the first step of a loop, with the replica's batch size checked.
-
-    Statically at trace time where the shape is known, else by an assertion
-    that every op of the step depends on: a wrong size stops the call before
-    any update is applied.
-    """
-    expected = global_batch_size // num_replicas
-
-    def first_step(batch):
-        leaves = tf.nest.flatten(batch, expand_composites=True)
-        if not leaves:
-            return step_fn(batch)
-        static = leaves[0].shape[0] if leaves[0].shape.rank else None
-        if static is not None:
-            if static != expected:
-                raise UserError(_batch_size_message(static, global_batch_size, num_replicas, data))
-            return step_fn(batch)
-        size = tf.shape(leaves[0], out_type=tf.int64)[0]
-        check = tf.debugging.Assert(tf.equal(size, expected), [_BATCH_CHECK, size])
-        with tf.control_dependencies([check]):
-            batch = tf.nest.map_structure(tf.identity, batch)
-        return step_fn(batch)
-
-    return first_step
-
-
-def _raise_if_batch_check(error: tf.errors.InvalidArgumentError, global_batch_size: int,
-                          num_replicas: int, data: Data) -> None:
-    match = re.search(re.escape(_BATCH_CHECK) + r"\]\s*\[(\d+)\]", error.message)
-    if match:
-        raise UserError(_batch_size_message(int(match.group(1)), global_batch_size, num_replicas, data)) from None
-
-
-def _batch_size_message(per_replica: int, global_batch_size: int, num_replicas: int, data: Data) -> str:
-    expected = global_batch_size // num_replicas
-    if yields_global_batches(data):
-        return (f"train_data's first batch holds {per_replica * num_replicas} examples but "
-                f"global_batch_size={global_batch_size}; batch the dataset by {global_batch_size} "
-                "(global batches) or change global_batch_size; nothing was trained")
-    return (f"train_data's first batch holds {per_replica} examples per replica but "
-            f"global_batch_size={global_batch_size} over {num_replicas} replica(s) needs {expected}; "
-            "batch by input_context.get_per_replica_batch_size(global_batch_size); nothing was trained")
 
 
 def _check_created_in_scope(strategy: tf.distribute.Strategy, variables: list) -> None:
