@@ -6,7 +6,8 @@ them costs no retrace and no per-step work. A hook is either a `Callback`
 every loop as `fn(trainer, step, logs)`.
 
 To stop training, a hook sets `trainer.stop_training = True`; the trainer
-finishes the current loop, saves a checkpoint and returns.
+finishes the current loop, saves a checkpoint and returns. The stop stays in
+force for later `train()` calls until `trainer.clear_stop()`.
 
 A hook that needs to see a particular step (a profiler window, a log line
 every N steps) returns from `loop_limit` the most steps the next compiled

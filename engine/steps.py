@@ -140,6 +140,12 @@ def make_train_step(
             )
             data_loss_sum += tf.reduce_sum(per_example)
             all_logits.append(logits)
+        if len(trainable_variables(model)) != len(variables):
+            raise UserError(
+                f"the model ({type(model).__name__}) created variables in its first call, after the "
+                "Trainer had collected them, so they would not train: build every layer (give it an "
+                "input shape, or call the model once) inside strategy.scope() before creating the Trainer"
+            )
         logits = all_logits[0] if len(all_logits) == 1 else tf.concat(all_logits, 0)
         local_mean_loss = data_loss_sum / tf.cast(tf.shape(labels)[0], tf.float32)
         return gradients, local_mean_loss + reg_loss, logits

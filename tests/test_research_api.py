@@ -433,3 +433,41 @@ def test_progress_reaches_an_embedded_user_without_tensorflow_info_logs(tmp_path
     silenced = run_script(tmp_path, EMBEDDED.format(silence='logging.getLogger("engine").setLevel(logging.WARNING)'))
     assert silenced.returncode == 0, silenced.stderr[-3000:]
     assert " engine] " not in silenced.stderr
+
+
+def test_float16_with_a_schedule_reruns_in_the_same_model_dir(tmp_path):
+    """A LossScaleOptimizer's own `_learning_rate` is not the rate: the restore must not reset a schedule."""
+    from test_main import run_main
+
+    common = ["--model=mlp", "--mixed_precision=float16", "--lr_schedule=cosine", "--steps_per_loop=2",
+              f"--model_dir={tmp_path}"]
+    first = run_main(*common, "--train_steps=4")
+    assert first.returncode == 0, first.stderr[-3000:]
+    rerun = run_main(*common, "--train_steps=8")
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert "done: step 8" in rerun.stderr
+
+
+def test_a_layer_built_lazily_in_the_first_step_is_refused(mirrored):
+    with mirrored.scope():
+        model = Wrapped(keras.Sequential([keras.Input((NUM_FEATURES,)), keras.layers.Dense(4),
+                                          keras.layers.Dense(NUM_CLASSES)]))
+        model.extra = keras.layers.Dense(NUM_CLASSES)  # Unbuilt: its kernel appears in the first call.
+        optimizer = keras.optimizers.SGD(0.1)
+
+    class Lazy(tf.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = model
+
+        def __call__(self, x, training=False):
+            return self.inner.extra(self.inner(x))
+
+    with mirrored.scope():
+        lazy = Lazy()
+    x, y = make_arrays(16)
+    trainer = engine.Trainer(strategy=mirrored, model=lazy, optimizer=optimizer, loss_fn=loss_fn(),
+                             train_data=global_batches(x, y, 8), global_batch_size=8)
+    with pytest.raises(engine.UserError, match=r"model \(Lazy\) created variables in its first call"):
+        trainer.train(1)
+    assert trainer.step == 0
