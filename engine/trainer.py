@@ -317,7 +317,7 @@ class Trainer:
                 raise UserError(self._batch_size_message(wrong_size))
             steps_run = int(logs.pop("steps_run"))
             if steps_run == 0:  # Not one batch was left: nothing ran, nothing to log.
-                self._end_on_exhausted_data(steps, last_saved)
+                self._end_on_exhausted_data(steps, last_saved, {})
             first_nonfinite = int(logs.pop("first_nonfinite_index"))
             nonfinite_steps = logs.pop("nonfinite_steps")
             if self.on_nonfinite == "skip":  # Under "stop" it is 0, or the run ends below.
@@ -333,7 +333,7 @@ class Trainer:
             for callback in self.callbacks:
                 callback.on_loop_end(self, self.step, logs)
             if steps_run < num_steps:
-                self._end_on_exhausted_data(steps, last_saved)
+                self._end_on_exhausted_data(steps, last_saved, logs)
             if self._due(self.eval_every) and self.eval_loop is not None:
                 self.evaluate()
             if self._due(self.checkpoint_every):
@@ -356,7 +356,7 @@ class Trainer:
             "--on_nonfinite=skip to skip such steps"
         )
 
-    def _end_on_exhausted_data(self, target: int, last_saved: int) -> None:
+    def _end_on_exhausted_data(self, target: int, last_saved: int, logs: Mapping[str, float]) -> None:
         """Saves at the last completed step, then stops the run: training on
         would need data that is not there, and returning quietly would
         leave the caller believing the target was reached."""
@@ -364,7 +364,7 @@ class Trainer:
                                        and self.checkpoint_manager.latest_checkpoint is None):
             self.save()
         for callback in self.callbacks:
-            callback.on_train_end(self, {})
+            callback.on_train_end(self, logs)
         saved = f"; checkpoint saved in {self.model_dir}" if self.checkpoint_manager is not None else ""
         raise DataExhaustedError(
             f"the training data ran out after step {self.step} of {target}{saved}; "
