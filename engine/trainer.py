@@ -575,7 +575,7 @@ def _check_dataset_batch(data: Data, global_batch_size: int) -> None:
     if size is not None and size != global_batch_size:
         raise UserError(
             f"train_data yields batches of {size} examples but global_batch_size={global_batch_size}; "
-            f"batch the dataset by {global_batch_size} or pass global_batch_size={size}"
+            f"batch the dataset (global batches) by {global_batch_size} or pass global_batch_size={size}"
         )
 
 
