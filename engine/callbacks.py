@@ -7,7 +7,8 @@ every loop as `fn(trainer, step, logs)`, or a `keras.callbacks.Callback`,
 which `engine.keras_callbacks` calls at epoch ends as `fit` would.
 
 To stop training, a hook sets `trainer.stop_training = True`; the trainer
-finishes the current loop, saves a checkpoint and returns.
+finishes the current loop, saves a checkpoint and returns. The stop stays in
+force for later `train()` calls until `trainer.clear_stop()`.
 
 A hook that needs to see a particular step (a profiler window, a log line
 every N steps) returns from `loop_limit` the most steps the next compiled
@@ -25,27 +26,52 @@ Logs = Mapping[str, Any]
 
 
 class Callback:
-    """Base class with no-op hooks; override the ones you need."""
+    """Base class with no-op hooks; override the ones you need.
+
+    Every method receives the `Trainer` (read `trainer.step`, `trainer.model`,
+    set `trainer.stop_training`) and returns nothing unless said otherwise.
+    An exception raised in a hook ends `train()` with it.
+    """
 
     # True for a hook that sets the learning rate itself (reduce on plateau):
     # the trainer then keeps a restored checkpoint's rate instead of resetting it.
     owns_learning_rate: bool = False
 
     def loop_limit(self, trainer: "Trainer", step: int) -> int | None:
-        """The most steps the compiled loop starting at `step` may run (None: any)."""
+        """Before each loop: how far it may run, so the hook sees the step it needs.
+
+        Args:
+          trainer: the trainer.
+          step: the global step the loop starts at.
+
+        Returns:
+          The most steps the compiled loop starting at `step` may run (None: any).
+        """
         return None
 
     def on_train_begin(self, trainer: "Trainer") -> None:
-        pass
+        """When `train()` starts (after a restore: `trainer.step` is the restored step)."""
 
     def on_loop_end(self, trainer: "Trainer", step: int, logs: Logs) -> None:
-        """After each compiled loop, with that loop's train logs."""
+        """After each compiled loop.
+
+        Args:
+          trainer: the trainer.
+          step: the global step reached.
+          logs: that loop's means (loss, metrics), speed and learning rate(s).
+        """
 
     def on_eval_end(self, trainer: "Trainer", step: int, logs: Logs) -> None:
-        """After each evaluation, with its logs."""
+        """After each evaluation.
+
+        Args:
+          trainer: the trainer.
+          step: the global step evaluated.
+          logs: eval loss, metrics and `num_examples` over the whole eval set.
+        """
 
     def on_train_end(self, trainer: "Trainer", logs: Logs) -> None:
-        pass
+        """When `train()` returns (or ends because the data ran out), with the last loop's logs."""
 
 
 LoopFn = Callable[["Trainer", int, Logs], None]

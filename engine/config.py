@@ -16,6 +16,8 @@ from engine.strategy import STRATEGY_NAMES
 OPTIMIZER_NAMES = ("sgd", "momentum", "adam", "adamw")
 EVAL_METRIC_NAMES = ("loss", "accuracy")  # What job.py evaluates.
 DEFAULT_EPOCHS = 20.0
+# Steps per compiled call: the Trainer's default and the CLI's (--steps_per_loop).
+DEFAULT_STEPS_PER_LOOP = 50
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,7 +32,7 @@ class RunConfig:
     global_batch_size: int = 64
     train_steps: int | None = None
     epochs: float | None = None
-    steps_per_loop: int = 50
+    steps_per_loop: int = DEFAULT_STEPS_PER_LOOP
     log_every: int = 0
     eval_every: int = 100
     optimizer: str = "adam"

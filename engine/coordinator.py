@@ -66,20 +66,22 @@ class CoordinatedTrainer(Trainer):
             for steps in chunks
         ]
         self.coordinator.join()
-        self.global_step.assign_add(num_steps)
         totals: dict[str, float] = {}
-        nonfinite_steps, first_nonfinite, offset = 0, -1, 0
+        nonfinite_steps, first_nonfinite, offset, steps_run = 0, -1, 0, 0
         for steps, remote in results:
             outputs = {name: float(value) for name, value in remote.fetch().items()}
             nonfinite_steps += int(outputs.pop("nonfinite_steps"))
+            steps_run += int(outputs.pop("steps_run"))
             index = int(outputs.pop("first_nonfinite_index"))
             if index >= 0 and first_nonfinite < 0:
                 first_nonfinite = offset + index  # In scheduling order; closures run in parallel.
             offset += steps
             for name, value in outputs.items():
                 totals[name] = totals.get(name, 0.0) + steps * value
+        self.global_step.assign_add(steps_run)  # Fewer than num_steps where a worker's data ran out.
         logs = {name: total / num_steps for name, total in totals.items()}
-        logs.update(nonfinite_steps=float(nonfinite_steps), first_nonfinite_index=float(first_nonfinite))
+        logs.update(nonfinite_steps=float(nonfinite_steps), first_nonfinite_index=float(first_nonfinite),
+                    steps_run=float(steps_run))
         return logs
 
     def _run_eval_loop(self) -> None:

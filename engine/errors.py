@@ -7,3 +7,21 @@ is a bug in the engine and keeps its traceback.
 
 class UserError(Exception):
     """A bad input: the message says what is wrong and what to do."""
+
+
+class NonFiniteLossError(UserError):
+    """Training produced a NaN or Inf loss and was stopped (on_nonfinite="stop")."""
+
+
+class DataExhaustedError(UserError):
+    """The training data ended before the target step.
+
+    Raised by `Trainer.train` after it saved a checkpoint at the last
+    completed step (`trainer.step`, which equals the updates applied); the
+    message says to `.repeat()` the dataset. Catch it to treat a finite
+    dataset as one pass.
+    """
+
+    def __init__(self, message: str, *, step: int):
+        super().__init__(message)
+        self.step = step

@@ -7,6 +7,7 @@ that every bad value gets the same kind of one-line message.
 from absl import flags
 
 from engine import cluster_flags  # noqa: F401  (--worker_hosts, --ps_hosts, --task_type, ...)
+from engine.config import DEFAULT_STEPS_PER_LOOP
 
 # Strategy and cluster.
 flags.DEFINE_string("strategy", "default",
@@ -37,7 +38,7 @@ flags.DEFINE_integer("global_batch_size", 64, "Examples per step over all replic
 flags.DEFINE_integer("train_steps", None, "Global steps to train to (alternative to --epochs).")
 flags.DEFINE_float("epochs", None,
                    "Epochs to train (alternative to --train_steps; default 20 when neither is set).")
-flags.DEFINE_integer("steps_per_loop", 50, "Steps per compiled call.")
+flags.DEFINE_integer("steps_per_loop", DEFAULT_STEPS_PER_LOOP, "Steps per compiled call.")
 flags.DEFINE_integer("log_every", 0,
                      "Progress line every N steps (loops are cut to match; steps_per_loop "
                      "stays the longest); 0: one line per compiled loop.")

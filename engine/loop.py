@@ -15,6 +15,14 @@ import tensorflow as tf
 from engine.steps import Batch, ReplicaStep
 
 TrainLoop = Callable[[tf.distribute.DistributedIterator, tf.Tensor], dict]
+
+
+class BatchSizeMismatch(Exception):
+    """Raised while tracing when a replica's batch has a static size other than expected."""
+
+    def __init__(self, size: int):
+        super().__init__(f"per-replica batch size {size}")
+        self.size = size
 EvalLoop = Callable[[tf.distribute.DistributedDataset], None]
 
 
@@ -22,24 +30,33 @@ def make_train_loop(
     strategy: tf.distribute.Strategy,
     replica_step: ReplicaStep,
     global_step: tf.Variable | None,
+    *,
+    per_replica_batch_size: int | None = None,
 ) -> TrainLoop:
     """Returns `loop(iterator, num_steps) -> {name: mean over the loop}`.
 
     Each step's outputs are averaged over replicas, then over the steps of
-    the loop whose outputs are all finite. Two more entries say whether any
+    the loop whose outputs are all finite. More entries say whether any
     were not: `nonfinite_steps` (how many) and `first_nonfinite_index` (the
     0-based index in this loop of the first, or -1), so the host can stop
-    or count without a per-step sync. The first step is peeled off the
-    `tf.range` loop so that the accumulators take the structure the step
-    returns.
+    or count without a per-step sync; and `steps_run`, fewer than
+    `num_steps` when the data ran out (0: not one batch was left). The
+    first step is peeled off the `tf.range` loop so that the accumulators
+    take the structure the step returns.
+
+    With `per_replica_batch_size`, the first batch's size is checked on
+    every replica before any step runs: where it differs, the call runs no
+    step and returns `steps_run=0` and the offending size as
+    `first_batch_size` (where the shape is static, tracing raises
+    `BatchSizeMismatch` instead).
 
     With `global_step=None` the loop does not count steps: the
     parameter-server coordinator counts the steps it scheduled, because a
     closure retried after a worker failure may have run some steps twice.
     """
 
-    def one_step(iterator) -> tuple[dict[str, tf.Tensor], tf.Tensor]:
-        outputs = strategy.run(replica_step, args=(next(iterator),))
+    def one_step(step_fn: ReplicaStep, batch) -> tuple[dict[str, tf.Tensor], tf.Tensor]:
+        outputs = strategy.run(step_fn, args=(batch,))
         if global_step is not None:
             global_step.assign_add(1)
         reduced = {
@@ -56,18 +73,61 @@ def make_train_loop(
 
     @tf.function
     def train_loop(iterator, num_steps: tf.Tensor) -> dict[str, tf.Tensor]:
-        outputs, finite = one_step(iterator)
-        zeros = {name: tf.zeros_like(value) for name, value in outputs.items()}
-        state = accumulate(zeros, tf.constant(0.0), tf.constant(0), tf.constant(-1),
-                           tf.constant(0), outputs, finite)
-        for index in tf.range(1, num_steps):
-            outputs, finite = one_step(iterator)
-            state = accumulate(*state, index, outputs, finite)
-        totals, count, bad, first_bad = state
-        means = {name: total / tf.maximum(count, 1.0) for name, total in totals.items()}
-        means["nonfinite_steps"] = bad
-        means["first_nonfinite_index"] = first_bad
-        return means
+        # Every batch is taken as an optional, so a finite dataset ends the
+        # loop early instead of failing it, and a call with no batch at all
+        # runs no step (a step whose batch is missing might still count an
+        # optimizer iteration).
+        first_batch = iterator.get_next_as_optional()
+        names: list[str] = []
+        run, first_size = first_batch.has_value(), tf.constant(-1, tf.int64)
+        if per_replica_batch_size is not None:
+            first_size = tf.cond(run, lambda: _mismatched_size(first_batch.get_value()),
+                                 lambda: tf.constant(-1, tf.int64))
+            run = tf.logical_and(run, first_size < 0)
+
+        def run_steps() -> dict[str, tf.Tensor]:
+            outputs, finite = one_step(replica_step, first_batch.get_value())
+            names.extend(outputs)
+            zeros = {name: tf.zeros_like(value) for name, value in outputs.items()}
+            state = accumulate(zeros, tf.constant(0.0), tf.constant(0), tf.constant(-1),
+                               tf.constant(0), outputs, finite)
+            steps_run = tf.constant(1)
+            for index in tf.range(1, num_steps):
+                next_batch = iterator.get_next_as_optional()
+                if not next_batch.has_value():
+                    break
+                outputs, finite = one_step(replica_step, next_batch.get_value())
+                state = accumulate(*state, index, outputs, finite)
+                steps_run += 1
+            totals, count, bad, first_bad = state
+            means = {name: total / tf.maximum(count, 1.0) for name, total in totals.items()}
+            return {**means, "nonfinite_steps": bad, "first_nonfinite_index": first_bad,
+                    "steps_run": steps_run}
+
+        def no_steps() -> dict[str, tf.Tensor]:
+            # tf.cond traces run_steps first, so the step's output names are known here.
+            return {**{name: tf.constant(0.0) for name in names}, "nonfinite_steps": tf.constant(0),
+                    "first_nonfinite_index": tf.constant(-1), "steps_run": tf.constant(0)}
+
+        outputs = tf.cond(run, run_steps, no_steps)
+        if per_replica_batch_size is not None:
+            outputs["first_batch_size"] = first_size
+        return outputs
+
+    def _mismatched_size(batch) -> tf.Tensor:
+        """The first replica batch size that is not `per_replica_batch_size`, or -1."""
+        leaves = tf.nest.flatten(batch)
+        if not leaves:
+            return tf.constant(-1, tf.int64)
+        sizes = []
+        for local in strategy.experimental_local_results(leaves[0]):
+            static = local.shape[0] if local.shape.rank else None
+            if static is not None and static != per_replica_batch_size:
+                raise BatchSizeMismatch(static)
+            sizes.append(tf.shape(local, out_type=tf.int64)[0])
+        sizes = tf.stack(sizes)
+        wrong = tf.not_equal(sizes, per_replica_batch_size)
+        return tf.where(tf.reduce_any(wrong), tf.gather(sizes, tf.argmax(tf.cast(wrong, tf.int32))), -1)
 
     return train_loop
 

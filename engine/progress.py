@@ -1,27 +1,49 @@
-"""Progress lines (absl) every `log_every` steps, and a Keras progress bar
-when stdout is a terminal.
+"""Progress lines every `log_every` steps, and a Keras progress bar when
+stdout is a terminal.
 
 A line shows the step, the last loop's loss and metrics, examples/sec,
 steps/sec and the ETA to the target step. With `log_every`, compiled loops
 are cut at multiples of it (`loop_limit`), so lines come exactly there;
 `steps_per_loop` stays the longest a loop may be.
+
+The trainer's lines go to the Python logger "engine" at INFO, which is on
+by itself: research code sees them on stderr without turning on absl's or
+TensorFlow's INFO logs. Where logging is configured (an absl app such as
+`engine.main`, or `logging.basicConfig`) they go through the root handlers
+instead. `logging.getLogger("engine").setLevel(logging.WARNING)` silences them.
 """
 
 from __future__ import annotations
 
 import datetime
+import logging
 import sys
 import time
 from typing import TYPE_CHECKING, Any, Mapping
 
 import keras
-from absl import logging
 
 from engine.callbacks import Callback
 from engine.errors import UserError
 
 if TYPE_CHECKING:
     from engine.trainer import Trainer
+
+
+def _make_logger() -> logging.Logger:
+    engine_logger = logging.getLogger("engine")
+    if engine_logger.level == logging.NOTSET:
+        engine_logger.setLevel(logging.INFO)
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(levelname).1s %(asctime)s engine] %(message)s", "%H:%M:%S"))
+    # Only while nothing handles the root logger: otherwise the record propagates there and
+    # would be printed twice.
+    handler.addFilter(lambda record: not logging.getLogger().handlers)
+    engine_logger.addHandler(handler)
+    return engine_logger
+
+
+logger = _make_logger()
 
 
 class Progress(Callback):
@@ -52,7 +74,7 @@ class Progress(Callback):
                 self._bar = keras.utils.Progbar(target, stateful_metrics=list(logs), unit_name="step")
             self._bar.update(step, values=list(logs.items()), finalize=step >= target)
         if self.log_every is None or step % self.log_every == 0 or step >= target:
-            logging.info("step %d/%d  %s  eta=%s", step, target, format_logs(logs), eta)
+            logger.info("step %d/%d  %s  eta=%s", step, target, format_logs(logs), eta)
 
     def _eta(self, step: int, target: int, logs: Mapping[str, Any]) -> str:
         """Remaining time at the rate since the first loop (which includes tracing)."""

@@ -20,10 +20,34 @@ from typing import Any, Callable, Mapping, Sequence
 import keras
 import tensorflow as tf
 
+from engine.errors import UserError
+from engine.variables import trainable_variables
+
 Batch = Any
 ReplicaStep = Callable[[Batch], Mapping[str, tf.Tensor]]
 # Maps (labels, logits) to one loss value per example, unreduced.
 PerExampleLoss = Callable[[tf.Tensor, tf.Tensor], tf.Tensor]
+# Maps an eval batch to (labels, predictions) or (labels, predictions, sample_weight).
+EvalStep = Callable[[Batch], tuple]
+
+
+def unpack_batch(batch: Batch, *, what: str = "step_fn") -> tuple[Any, tf.Tensor, tf.Tensor | None]:
+    """`(features, labels[, sample_weight])` as Keras `fit` takes it; features
+    may be a tensor, a tuple or a dict (a multi-input model).
+
+    Anything else is refused at trace time, before a step runs: a dict
+    batch would otherwise be unpacked into its two keys.
+    """
+    if isinstance(batch, (tuple, list)) and len(batch) in (2, 3):
+        features, labels, *rest = batch
+        return features, labels, (rest[0] if rest else None)
+    shape = f"a dict with keys {sorted(batch)}" if isinstance(batch, Mapping) else (
+        f"a {type(batch).__name__} of {len(batch)}" if isinstance(batch, (tuple, list))
+        else f"a {type(batch).__name__}")
+    raise UserError(
+        f"the standard step takes batches of (features, labels) or (features, labels, sample_weight), "
+        f"got {shape}; map the dataset to that structure, or pass {what}= to take this batch yourself"
+    )
 
 
 def call_model(model: Any, inputs: tf.Tensor, *, training: bool) -> tf.Tensor:
@@ -82,19 +106,26 @@ def make_train_step(
       gradients are the loss scale's business.
     """
     uses_loss_scale = isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
+    variables = trainable_variables(model)
 
-    def compute_gradients(features: tf.Tensor, labels: tf.Tensor):
-        variables = model.trainable_variables
-        feature_parts = tf.split(features, grad_accum_steps) if grad_accum_steps > 1 else [features]
-        label_parts = tf.split(labels, grad_accum_steps) if grad_accum_steps > 1 else [labels]
+    def split(structure):
+        if structure is None or grad_accum_steps == 1:
+            return [structure] * grad_accum_steps
+        leaves = [tf.split(t, grad_accum_steps) for t in tf.nest.flatten(structure)]
+        return [tf.nest.pack_sequence_as(structure, [parts[i] for parts in leaves])
+                for i in range(grad_accum_steps)]
+
+    def compute_gradients(features, labels: tf.Tensor, sample_weight: tf.Tensor | None):
         gradients = None
         data_loss_sum = tf.constant(0.0)
         reg_loss = tf.constant(0.0)
         all_logits = []
-        for part_features, part_labels in zip(feature_parts, label_parts):
+        for part_features, part_labels, part_weight in zip(split(features), split(labels), split(sample_weight)):
             with tf.GradientTape() as tape:
                 logits = call_model(model, part_features, training=True)
                 per_example = tf.cast(loss_fn(part_labels, logits), tf.float32)
+                if part_weight is not None:
+                    per_example = per_example * tf.cast(part_weight, tf.float32)
                 reg_loss = regularization_loss(model)
                 loss = tf.nn.compute_average_loss(
                     per_example, global_batch_size=global_batch_size
@@ -109,6 +140,12 @@ def make_train_step(
             )
             data_loss_sum += tf.reduce_sum(per_example)
             all_logits.append(logits)
+        if len(trainable_variables(model)) != len(variables):
+            raise UserError(
+                f"the model ({type(model).__name__}) created variables in its first call, after the "
+                "Trainer had collected them, so they would not train: build every layer (give it an "
+                "input shape, or call the model once) inside strategy.scope() before creating the Trainer"
+            )
         logits = all_logits[0] if len(all_logits) == 1 else tf.concat(all_logits, 0)
         local_mean_loss = data_loss_sum / tf.cast(tf.shape(labels)[0], tf.float32)
         return gradients, local_mean_loss + reg_loss, logits
@@ -117,17 +154,17 @@ def make_train_step(
         compute_gradients = tf.function(compute_gradients, jit_compile=True)
 
     def train_step(batch: Batch) -> dict[str, tf.Tensor]:
-        features, labels = batch
-        gradients, loss, logits = compute_gradients(features, labels)
+        features, labels, sample_weight = unpack_batch(batch)
+        gradients, loss, logits = compute_gradients(features, labels, sample_weight)
         if clip_norm is not None:
             gradients = _clip_global_norm(gradients, clip_norm, optimizer, uses_loss_scale)
         if skip_nonfinite:
             finite = _finite_on_all_replicas(loss, [] if uses_loss_scale else gradients)
-            _apply_if_finite(finite, optimizer, gradients, model.trainable_variables)
+            _apply_if_finite(finite, optimizer, gradients, variables)
         else:
-            optimizer.apply(gradients, model.trainable_variables)
+            optimizer.apply(gradients, variables)
         for metric in metrics:
-            metric.update_state(labels, logits)
+            metric.update_state(labels, logits, sample_weight=sample_weight)
         return {"loss": loss}
 
     return train_step
@@ -186,20 +223,36 @@ def make_eval_step(
     loss_metric: keras.metrics.Mean,
     count_metric: keras.metrics.Sum,
     metrics: Sequence[keras.metrics.Metric] = (),
+    eval_step_fn: EvalStep | None = None,
 ) -> Callable[[Batch], None]:
     """The eval replica step: updates metrics only.
 
     Metrics accumulate sums and counts per replica that are added up when
     read, so a partial last batch, or a replica that gets an empty batch,
-    counts exactly as many examples as it holds.
+    counts exactly as many examples as it holds. Batches are unpacked as in
+    training; `eval_step_fn(batch) -> (labels, predictions[, sample_weight])`
+    takes any other structure (it calls the model itself).
     """
 
     def eval_step(batch: Batch) -> None:
-        features, labels = batch
-        logits = call_model(model, features, training=False)
-        loss_metric.update_state(tf.cast(loss_fn(labels, logits), tf.float32))
+        if eval_step_fn is None:
+            features, labels, sample_weight = unpack_batch(batch, what="eval_step_fn")
+            logits = call_model(model, features, training=False)
+        else:
+            labels, logits, sample_weight = _eval_outputs(eval_step_fn(batch))
+        loss_metric.update_state(tf.cast(loss_fn(labels, logits), tf.float32), sample_weight=sample_weight)
         count_metric.update_state(tf.cast(tf.shape(labels)[0], tf.float32))
         for metric in metrics:
-            metric.update_state(labels, logits)
+            metric.update_state(labels, logits, sample_weight=sample_weight)
 
     return eval_step
+
+
+def _eval_outputs(outputs: Any) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor | None]:
+    if isinstance(outputs, (tuple, list)) and len(outputs) in (2, 3):
+        labels, predictions, *rest = outputs
+        return labels, predictions, (rest[0] if rest else None)
+    raise UserError(
+        f"eval_step_fn must return (labels, predictions) or (labels, predictions, sample_weight), "
+        f"got a {type(outputs).__name__}"
+    )

@@ -57,6 +57,20 @@ def build_strategy(
     can be used and tested on a laptop. The multi-host strategies take their
     cluster, communication and TPU settings from `multi_host`
     (`engine.multi_host.MultiHostOptions`).
+
+    Args:
+      name: one of `STRATEGY_NAMES` (default, one_device, mirrored,
+        multi_worker_mirrored, parameter_server, tpu).
+      cpu_devices: logical CPU devices `mirrored` uses as replicas without
+        GPUs (split them first with `configure_cpu_devices`).
+      num_gpus: GPUs for mirrored/one_device; None uses every visible one.
+      multi_host: cluster settings for the multi-host strategies.
+
+    Returns:
+      The `tf.distribute.Strategy`; create the model and optimizer in its `scope()`.
+
+    Raises:
+      UserError: an unknown name or an impossible device request, named.
     """
     if name not in STRATEGY_NAMES:
         raise UserError(

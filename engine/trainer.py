@@ -9,26 +9,27 @@ here runs once per loop, not once per step.
 from __future__ import annotations
 
 import time
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, Sequence, Union
 
 import keras
 import tensorflow as tf
-from absl import logging
 
 from engine import checkpoint as checkpoint_lib
 from engine.callbacks import CallbackLike, as_callbacks
-from engine.distribute import Data, distribute_eval_data, distribute_train_data
-from engine.errors import UserError
-from engine.loop import make_eval_loop, make_train_loop
-from engine.progress import Progress
-from engine.steps import PerExampleLoss, ReplicaStep, make_eval_step, make_train_step
+from engine.config import DEFAULT_STEPS_PER_LOOP
+from engine.distribute import Data, distribute_eval_data, distribute_train_data, yields_global_batches
+from engine.errors import DataExhaustedError, NonFiniteLossError, UserError
+from engine.loop import BatchSizeMismatch, make_eval_loop, make_train_loop
+from engine.progress import Progress, logger
+from engine.schedules import is_scheduled
+from engine.steps import EvalStep, PerExampleLoss, ReplicaStep, make_eval_step, make_train_step
 from engine.summaries import SummaryWriters
+from engine.variables import all_variables, require_trainable_variables
+
+__all__ = ["DataExhaustedError", "NonFiniteLossError", "Trainer"]  # The errors live in engine.errors.
 
 NONFINITE_POLICIES = ("stop", "skip")
-
-
-class NonFiniteLossError(UserError):
-    """Training produced a NaN or Inf loss and was stopped (on_nonfinite="stop")."""
+Optimizers = Union[keras.optimizers.Optimizer, Mapping[str, keras.optimizers.Optimizer]]
 
 
 class Trainer:
@@ -41,7 +42,37 @@ class Trainer:
     uses `loss_fn` and `metrics`.
 
     The latest checkpoint in `model_dir` is restored on construction, so
-    `trainer.global_step` says where training continues from.
+    `trainer.step` says where training continues from.
+
+    Args:
+      strategy: the `tf.distribute.Strategy` the model was built under.
+      model: a Keras model, a `tf.Module`, or either one holding the other;
+        its variables are found through both (`engine.variables`).
+      optimizer: one Keras optimizer, or a dict `{name: optimizer}` for a
+        `step_fn` that applies several (GAN, encoder/decoder). Each is built
+        here if it is not built yet: one optimizer on all trainable
+        variables, a named one on those of `getattr(model, name)`. All are
+        checkpointed; their rates are logged as `learning_rate` or
+        `learning_rate/<name>`.
+      train_data: a `tf.data.Dataset` of global batches, `fn(input_context)`
+        of per-replica batches (optionally with a `start_step` parameter),
+        or `fn(start_step)` of global batches. A finite dataset ends
+        training with `DataExhaustedError`.
+      global_batch_size: examples per step over all replicas; the first
+        batch is checked against it before any update.
+      loss_fn: per-example losses `fn(labels, logits)`, for the standard
+        step (batches of `(features, labels[, sample_weight])`) and eval.
+      step_fn: your own per-replica step `fn(batch) -> {name: scalar}`; it
+        cannot be combined with `clip_norm`, `grad_accum_steps > 1`,
+        `jit_compile` or `on_nonfinite="skip"` (those shape the standard step).
+      eval_step_fn: `fn(batch) -> (labels, predictions[, sample_weight])`
+        for eval batches of another structure (e.g. dicts); evaluation then
+        applies `loss_fn` and `metrics` to what it returns.
+      steps_per_loop: the most steps one compiled call runs (shared default
+        with the CLI: `engine.config.DEFAULT_STEPS_PER_LOOP`).
+
+    Raises:
+      UserError: a bad argument, naming it, before anything is written.
     """
 
     def __init__(
@@ -49,15 +80,16 @@ class Trainer:
         *,
         strategy: tf.distribute.Strategy,
         model: Any,
-        optimizer: keras.optimizers.Optimizer,
+        optimizer: Optimizers,
         train_data: Data,
         global_batch_size: int,
         loss_fn: PerExampleLoss | None = None,
         step_fn: ReplicaStep | None = None,
+        eval_step_fn: EvalStep | None = None,
         metrics: Sequence[keras.metrics.Metric] = (),
         eval_data: Data | None = None,
         model_dir: str | None = None,
-        steps_per_loop: int = 100,
+        steps_per_loop: int = DEFAULT_STEPS_PER_LOOP,
         eval_every: int | None = None,
         checkpoint_every: int | None = None,
         max_checkpoints: int = 3,
@@ -80,10 +112,19 @@ class Trainer:
         _check_batch(global_batch_size, strategy.num_replicas_in_sync, grad_accum_steps)
         if on_nonfinite not in NONFINITE_POLICIES:
             raise UserError(f"on_nonfinite={on_nonfinite!r} must be one of: {', '.join(NONFINITE_POLICIES)}")
+        if step_fn is not None:
+            _refuse_standard_step_options(clip_norm=clip_norm, grad_accum_steps=grad_accum_steps,
+                                          jit_compile=jit_compile, on_nonfinite=on_nonfinite)
+        self.optimizers = _named_optimizers(optimizer)
+        if step_fn is None and len(self.optimizers) > 1:
+            raise UserError(f"the standard step applies one optimizer, got {len(self.optimizers)} "
+                            f"({', '.join(self.optimizers)}); pass step_fn= to apply several")
+        _check_dataset_batch(train_data, global_batch_size)
         self.on_nonfinite = on_nonfinite
         self.strategy = strategy
         self.model = model
-        self.optimizer = optimizer
+        # The optimizer (None when several are named: see `optimizers`).
+        self.optimizer = optimizer if isinstance(optimizer, keras.optimizers.Optimizer) else None
         self.global_batch_size = global_batch_size
         self.steps_per_loop = steps_per_loop
         self.eval_every = eval_every or None
@@ -103,15 +144,16 @@ class Trainer:
         self.last_eval: tuple[int, dict[str, float]] | None = None  # (step, logs)
         # Progress lines every `log_every` steps (every loop when None) come first.
         self.callbacks = [Progress(log_every), *as_callbacks(callbacks, steps_per_epoch=steps_per_epoch)]
-        self.stop_training = False  # Set by a callback to stop after this loop.
-        self._stop_requested = False  # Set by request_stop(); survives train() calls.
+        # Both stay in force for later train() calls until clear_stop():
+        self.stop_training = False  # Set by a callback (early stopping): stop after this loop.
+        self._stop_requested = False  # Set by request_stop() (a signal, a peer worker).
 
         with strategy.scope():
-            _check_created_in_scope(strategy, model)
-            if not optimizer.built:
-                # Keras 3 optimizers must create their slots eagerly in the
-                # scope before the first traced step (and before a restore).
-                optimizer.build(model.trainable_variables)
+            variables = require_trainable_variables(model)
+            _check_created_in_scope(strategy, variables)
+            # Keras 3 optimizers must create their slots eagerly in the
+            # scope before the first traced step (and before a restore).
+            _build_optimizers(self.optimizers, model, variables)
             self.global_step = tf.Variable(
                 0, dtype=tf.int64, trainable=False, name="global_step",
                 aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
@@ -129,21 +171,26 @@ class Trainer:
                 jit_compile=jit_compile, skip_nonfinite=on_nonfinite == "skip",
             )
         self.replica_step = step_fn
-        self.train_loop = make_train_loop(strategy, step_fn, self.global_step)
+        self.train_loop = make_train_loop(
+            strategy, step_fn, self.global_step,
+            per_replica_batch_size=global_batch_size // strategy.num_replicas_in_sync,
+        )
         self._stop_agreement = _make_stop_agreement(strategy)
         self.eval_loop = None
         if self._eval_data is not None:
             self.eval_loop = make_eval_loop(strategy, make_eval_step(
                 model=model, loss_fn=loss_fn, loss_metric=self._eval_loss,
-                count_metric=self._eval_count, metrics=self.eval_metrics,
+                count_metric=self._eval_count, metrics=self.eval_metrics, eval_step_fn=eval_step_fn,
             ))
 
         self.checkpoint_manager = None
         if model_dir is not None:
+            # One optimizer keeps the key "optimizer" that existing checkpoints use.
+            optimizer_state = ({"optimizer": optimizer} if self.optimizer is not None
+                               else {"optimizers": dict(self.optimizers)})
+            checkpoint = tf.train.Checkpoint(model=model, global_step=self.global_step, **optimizer_state)
+            _check_checkpointed(checkpoint, model)
             checkpoint_lib.set_aside_unreadable(model_dir, fallback=restore_fallback)
-            checkpoint = tf.train.Checkpoint(
-                model=model, optimizer=optimizer, global_step=self.global_step
-            )
             self.checkpoint_manager = checkpoint_lib.make_manager(
                 model_dir, checkpoint, max_to_keep=max_checkpoints,
                 step_counter=self.global_step,
@@ -154,38 +201,49 @@ class Trainer:
 
     @property
     def step(self) -> int:
+        """The global step: the number of updates applied (equal to each optimizer's `iterations`
+        for the standard step)."""
         return int(self.global_step.numpy())
 
     def _restore(self) -> None:
-        learning_rate = _constant_learning_rate(self.optimizer)
+        rates = {name: _constant_learning_rate(opt) for name, opt in self.optimizers.items()}
         path = checkpoint_lib.restore_latest(self.checkpoint_manager, directory=self._restore_dir)
         if path is None:
             return
-        if learning_rate is not None and not any(c.owns_learning_rate for c in self.callbacks):
+        if not any(c.owns_learning_rate for c in self.callbacks):
             # The checkpoint holds the old run's learning rate; the optimizer
             # the user passed now (e.g. a new --learning_rate) wins, unless a
             # hook (reduce on plateau) set the rate and must find it again.
-            self.optimizer.learning_rate = learning_rate
-        logging.info("Restored %s at step %d", path, self.step)
+            for name, rate in rates.items():
+                if rate is not None:
+                    self.optimizers[name].learning_rate = rate
+        logger.info("Restored %s at step %d", path, self.step)
 
     def save(self) -> str | None:
         """Writes a checkpoint at the current step (no-op without model_dir)."""
         if self.checkpoint_manager is None:
             return None
         path = self.checkpoint_manager.save(checkpoint_number=self.step)
-        logging.info("Saved checkpoint %s", path)
+        logger.info("Saved checkpoint %s", path)
         return path
 
     # ---------------------------------------------------------------- training
 
     def request_stop(self) -> None:
         """Stops training after the current loop (with a checkpoint); safe to
-        call from a signal handler, and it stays in force for later train() calls."""
+        call from a signal handler or another thread. Like `stop_training`,
+        it stays in force for later train() calls until `clear_stop()`."""
         self._stop_requested = True
 
     @property
     def stop_requested(self) -> bool:
+        """Whether `request_stop()` was called (here or, multi-worker, on a peer)."""
         return self._stop_requested
+
+    def clear_stop(self) -> None:
+        """Lifts a stop (`request_stop()` or `stop_training`), so the next train() trains."""
+        self._stop_requested = False
+        self.stop_training = False
 
     def _should_stop(self) -> bool:
         """Whether to stop before the next loop, agreed by every worker.
@@ -209,14 +267,39 @@ class Trainer:
         """Trains until the global step reaches `steps`; returns the last loop's logs.
 
         `steps` is an absolute target, so a restarted job with the same
-        arguments does only the remaining work.
+        arguments does only the remaining work: at or past it, train() logs
+        that there is nothing to do and returns `{}`. A stop in force
+        (`request_stop()`, `stop_training`) ends it after the current loop,
+        with a checkpoint, and keeps later calls from training until
+        `clear_stop()`.
+
+        Args:
+          steps: the global step to reach.
+
+        Returns:
+          The last loop's logs: loss, metrics, speed and learning rate(s);
+          `{}` when no loop ran.
+
+        Raises:
+          DataExhaustedError: the training data ended first; a checkpoint
+            at the last completed step (`trainer.step`) was saved.
+          NonFiniteLossError: a NaN/Inf loss under `on_nonfinite="stop"`;
+            nothing was saved.
+          UserError: `steps` is negative, or the batch size is wrong.
         """
         if steps < 0:
             raise UserError(f"train steps={steps} must not be negative")
         logs: dict[str, float] = {}
         last_saved = self.step
         self.target_step = steps
-        self.stop_training = False
+        if self.step >= steps:
+            logger.info("nothing to train: the global step %d is already at or past steps=%d",
+                        self.step, steps)
+            return logs
+        if self.stop_training or self._stop_requested:
+            logger.warning("not training: a stop is in force at step %d (trainer.clear_stop() lifts it)",
+                           self.step)
+            return logs
         for callback in self.callbacks:
             callback.on_train_begin(self)
         while self.step < steps and not self._should_stop():
@@ -226,21 +309,32 @@ class Trainer:
             for metric in self.train_metrics:
                 metric.reset_state()
             began = time.perf_counter()
-            logs = self._run_train_loop(iterator, num_steps)
+            try:
+                logs = self._run_train_loop(iterator, num_steps)
+            except BatchSizeMismatch as mismatch:  # Found while tracing: nothing ran.
+                raise UserError(self._batch_size_message(mismatch.size)) from None
+            wrong_size = int(logs.pop("first_batch_size", -1))
+            if wrong_size >= 0:  # Found by the loop, which then ran no step.
+                raise UserError(self._batch_size_message(wrong_size))
+            steps_run = int(logs.pop("steps_run"))
+            if steps_run == 0:  # Not one batch was left: nothing ran, nothing to log.
+                self._end_on_exhausted_data(steps, last_saved, {})
             first_nonfinite = int(logs.pop("first_nonfinite_index"))
             nonfinite_steps = logs.pop("nonfinite_steps")
             if self.on_nonfinite == "skip":  # Under "stop" it is 0, or the run ends below.
                 logs["nonfinite_steps"] = nonfinite_steps
             seconds = time.perf_counter() - began
-            self._iterator_step = start + num_steps
+            self._iterator_step = start + steps_run
             if first_nonfinite >= 0 and self.on_nonfinite == "stop":
                 self._stop_on_nonfinite(start + first_nonfinite + 1)
             logs.update({m.name: float(m.result()) for m in self.train_metrics})
-            logs.update(self._speed(num_steps, seconds))
-            logs["learning_rate"] = _current_learning_rate(self.optimizer)
+            logs.update(self._speed(steps_run, seconds))
+            logs.update(self._learning_rates())
             self._summaries.write("train", self.step, logs)
             for callback in self.callbacks:
                 callback.on_loop_end(self, self.step, logs)
+            if steps_run < num_steps:
+                self._end_on_exhausted_data(steps, last_saved, logs)
             if self._due(self.eval_every) and self.eval_loop is not None:
                 self.evaluate()
             if self._due(self.checkpoint_every):
@@ -262,6 +356,38 @@ class Trainer:
             f"({latest or 'none'}) is kept; lower --learning_rate, set --clip_norm, or pass "
             "--on_nonfinite=skip to skip such steps"
         )
+
+    def _end_on_exhausted_data(self, target: int, last_saved: int, logs: Mapping[str, float]) -> None:
+        """Saves at the last completed step, then stops the run: training on
+        would need data that is not there, and returning quietly would
+        leave the caller believing the target was reached."""
+        if self.step != last_saved or (self.checkpoint_manager is not None
+                                       and self.checkpoint_manager.latest_checkpoint is None):
+            self.save()
+        for callback in self.callbacks:
+            callback.on_train_end(self, logs)
+        saved = f"; checkpoint saved in {self.model_dir}" if self.checkpoint_manager is not None else ""
+        raise DataExhaustedError(
+            f"the training data ran out after step {self.step} of {target}{saved}; "
+            "call .repeat() on the dataset (before .batch) to train longer than one pass",
+            step=self.step,
+        )
+
+    def _batch_size_message(self, per_replica: int) -> str:
+        replicas = self.strategy.num_replicas_in_sync
+        if yields_global_batches(self._train_data):
+            return (f"train_data's first batch holds {per_replica * replicas} examples but "
+                    f"global_batch_size={self.global_batch_size}; batch the dataset by "
+                    f"{self.global_batch_size} (global batches) or change global_batch_size; nothing was trained")
+        return (f"train_data's first batch holds {per_replica} examples per replica but "
+                f"global_batch_size={self.global_batch_size} over {replicas} replica(s) needs "
+                f"{self.global_batch_size // replicas}; batch by "
+                "input_context.get_per_replica_batch_size(global_batch_size); nothing was trained")
+
+    def _learning_rates(self) -> dict[str, float]:
+        if self.optimizer is not None:
+            return {"learning_rate": _current_learning_rate(self.optimizer)}
+        return {f"learning_rate/{name}": _current_learning_rate(opt) for name, opt in self.optimizers.items()}
 
     def _run_train_loop(self, iterator, num_steps: int) -> dict[str, float]:
         """One compiled call of `num_steps` steps (the parameter-server trainer
@@ -317,7 +443,14 @@ class Trainer:
     # -------------------------------------------------------------- evaluation
 
     def evaluate(self) -> dict[str, float]:
-        """Runs over the whole eval set once; metrics cover every example."""
+        """Runs over the whole eval set once; metrics cover every example.
+
+        Returns:
+          `{"loss": ..., <metric>: ..., "num_examples": n}` at the current step.
+
+        Raises:
+          UserError: the trainer has no `eval_data` (or no `loss_fn`).
+        """
         if self.eval_loop is None:
             raise UserError("evaluate() needs eval_data and a loss_fn")
         for metric in (self._eval_loss, self._eval_count, *self.eval_metrics):
@@ -327,7 +460,7 @@ class Trainer:
         logs.update({m.name: float(m.result()) for m in self.eval_metrics})
         logs["num_examples"] = int(round(float(self._eval_count.result())))
         self._summaries.write("eval", self.step, logs)
-        logging.info("eval at step %d  %s", self.step, _format(logs))
+        logger.info("eval at step %d  %s", self.step, _format(logs))
         self.last_eval = (self.step, logs)
         for callback in self.callbacks:
             callback.on_eval_end(self, self.step, logs)
@@ -375,8 +508,80 @@ def _check_batch(global_batch_size: int, num_replicas: int, grad_accum_steps: in
         )
 
 
-def _check_created_in_scope(strategy: tf.distribute.Strategy, model: Any) -> None:
-    for variable in model.trainable_variables[:1]:
+def _refuse_standard_step_options(**options: Any) -> None:
+    """A `step_fn` replaces the step these options shape: refuse rather than ignore them."""
+    defaults = {"clip_norm": None, "grad_accum_steps": 1, "jit_compile": False, "on_nonfinite": "stop"}
+    ignored = [f"{name}={value!r}" for name, value in options.items() if value != defaults[name]]
+    if ignored:
+        raise UserError(
+            f"step_fn cannot honour {', '.join(ignored)}: those options shape the standard step; "
+            "do it in your step_fn, or drop step_fn and pass loss_fn"
+        )
+
+
+def _named_optimizers(optimizer: Optimizers) -> dict[str, keras.optimizers.Optimizer]:
+    if isinstance(optimizer, keras.optimizers.Optimizer):
+        return {"optimizer": optimizer}
+    if isinstance(optimizer, Mapping) and optimizer and all(
+        isinstance(o, keras.optimizers.Optimizer) for o in optimizer.values()
+    ):
+        return dict(optimizer)
+    raise UserError(f"optimizer={optimizer!r} must be a Keras optimizer or a non-empty dict of "
+                    "name -> Keras optimizer")
+
+
+def _build_optimizers(optimizers: Mapping[str, keras.optimizers.Optimizer], model: Any,
+                      variables: list) -> None:
+    """Builds each unbuilt optimizer on the variables it will update.
+
+    One optimizer updates the whole model. A named one (several) updates
+    `getattr(model, name)`; where the model has no such part the engine
+    cannot know its variables and says how to build it.
+    """
+    single = len(optimizers) == 1
+    for name, optimizer in optimizers.items():
+        if optimizer.built:
+            continue
+        if single:
+            optimizer.build(variables)
+            continue
+        part = getattr(model, name, None)
+        if part is None:
+            raise UserError(
+                f"optimizer {name!r} is not built and the model ({type(model).__name__}) has no "
+                f"attribute {name!r} to build it for: name it after the sub-model it trains, or call "
+                f"optimizer.build(<its variables>) inside strategy.scope() before creating the Trainer"
+            )
+        optimizer.build(require_trainable_variables(part))
+
+
+def _check_checkpointed(checkpoint: tf.train.Checkpoint, model: Any) -> None:
+    """Every model variable must be reachable by the checkpoint, or a resume loses it silently."""
+    reachable = {id(node) for node in tf.train.TrackableView(checkpoint).descendants()}
+    missing = [v for v in all_variables(model) if id(v) not in reachable]
+    if missing:
+        raise UserError(
+            f"{len(missing)} variable(s) of the model ({type(model).__name__}) would not be checkpointed, "
+            f"e.g. {missing[0].name!r}: keep them as attributes of the model (or of its tf.Module/Keras "
+            "parts), not in plain Python containers the checkpoint cannot see"
+        )
+
+
+def _check_dataset_batch(data: Data, global_batch_size: int) -> None:
+    """A Dataset of global batches whose batch dimension is static is checked here, at once."""
+    if not isinstance(data, tf.data.Dataset):
+        return
+    leaves = tf.nest.flatten(data.element_spec)
+    size = leaves[0].shape[0] if leaves and leaves[0].shape.rank else None
+    if size is not None and size != global_batch_size:
+        raise UserError(
+            f"train_data yields batches of {size} examples but global_batch_size={global_batch_size}; "
+            f"batch the dataset (global batches) by {global_batch_size} or pass global_batch_size={size}"
+        )
+
+
+def _check_created_in_scope(strategy: tf.distribute.Strategy, variables: list) -> None:
+    for variable in variables[:1]:
         if isinstance(variable, keras.Variable):
             variable = variable.value  # The tf.Variable inside a Keras variable.
         if not strategy.extended.variable_created_in_scope(variable):
@@ -392,8 +597,9 @@ def _fresh_copy(metric: keras.metrics.Metric) -> keras.metrics.Metric:
 
 
 def _constant_learning_rate(optimizer: keras.optimizers.Optimizer) -> float | None:
-    schedule = getattr(optimizer, "_learning_rate", None)
-    if isinstance(schedule, keras.optimizers.schedules.LearningRateSchedule) or callable(schedule):
+    # `learning_rate`, not `_learning_rate`: a LossScaleOptimizer forwards the
+    # former to the optimizer it wraps, while its own `_learning_rate` is not the rate.
+    if is_scheduled(optimizer):
         return None
     return _current_learning_rate(optimizer)
 

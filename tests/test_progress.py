@@ -1,10 +1,10 @@
 """Progress lines every --log_every steps, loops cut to match, ETA, and the
 progress bar a terminal gets."""
 
+import logging
 import re
 
 import pytest
-from absl import logging as absl_logging
 
 import engine
 from engine.progress import Progress
@@ -12,10 +12,15 @@ from test_trainer import global_batches, loss_fn, make_arrays, make_model
 
 
 @pytest.fixture
-def log_lines(monkeypatch):
-    lines = []
-    monkeypatch.setattr(absl_logging, "info", lambda message, *args: lines.append(message % args))
-    return lines
+def log_lines(caplog):
+    """The lines of the "engine" logger, where the trainer's progress goes."""
+    caplog.set_level(logging.INFO, logger="engine")
+
+    class Lines:
+        def __iter__(self):
+            return iter([r.getMessage() for r in caplog.records if r.name == "engine"])
+
+    return Lines()
 
 
 def test_log_every_cuts_loops_and_logs_at_its_multiples(log_lines):

@@ -1,5 +1,6 @@
 """README's research example runs exactly as printed there."""
 
+import ast
 import os
 import re
 import subprocess
@@ -17,7 +18,8 @@ def readme_example(name: str) -> str:
 
 
 def test_readme_research_example_runs(tmp_path):
-    script = "\n".join(readme_example(name) for name in ("research", "step_fn", "callbacks"))
+    script = "\n".join(readme_example(name) for name in
+                        ("research", "step_fn", "callbacks", "wrapped", "two_optimizers"))
     (tmp_path / "example.py").write_text(script)
     env = dict(os.environ, PYTHONPATH=str(REPO), TF_CPP_MIN_LOG_LEVEL="2")
     result = subprocess.run([sys.executable, "example.py"], cwd=tmp_path, env=env,
@@ -29,9 +31,20 @@ def test_readme_research_example_runs(tmp_path):
     epochs = [line.split(":")[0] for line in result.stdout.splitlines() if line.startswith("epoch ")]
     assert epochs == ["epoch 1", "epoch 2", "epoch 3"]
     assert (tmp_path / "runs" / "research-callbacks" / "best" / "best.json").exists()
+    lines = result.stdout.splitlines()
+    assert "5" in lines  # The wrapped module's variables, found through its Keras models.
+    for prefix, run in (("wrapped: ", "research-wrapped"), ("two optimizers: ", "research-two-optimizers")):
+        [evaluation] = [line for line in lines if line.startswith(prefix)]
+        logs = ast.literal_eval(evaluation[len(prefix):])
+        assert logs["num_examples"] == 200 and logs["accuracy"] > 0.9, evaluation
+        assert (tmp_path / "runs" / run / "checkpoints" / "ckpt-200.index").exists()
+    assert "['learning_rate/encoder', 'learning_rate/head']" in lines
     # A rerun restores step 300, has nothing left to train, and evaluates
     # the restored weights to the very same figures.
     rerun = subprocess.run([sys.executable, "example.py"], cwd=tmp_path, env=env,
                            capture_output=True, text=True, timeout=240)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     assert rerun.stdout.splitlines()[0] == result.stdout.splitlines()[0]
+    evaluations = [line for line in lines if line.startswith(("wrapped: ", "two optimizers: "))]
+    assert [line for line in rerun.stdout.splitlines()
+            if line.startswith(("wrapped: ", "two optimizers: "))] == evaluations

@@ -1,0 +1,97 @@
+"""The variables of any model: a Keras model, a `tf.Module`, or either one
+holding the other, nested to any depth.
+
+Neither framework sees the other's variables: `tf.Module.trainable_variables`
+skips Keras 3 variables (they are not `tf.Variable`s), and a Keras layer
+does not list the variables of a `tf.Module` it holds. A research model
+that wraps a `keras.Sequential` in a `tf.Module` would otherwise report no
+variables, and the step would compute no gradients without a word. The
+step, the scope check, optimizer building and the checkpoint all ask here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import keras
+import tensorflow as tf
+
+from engine.errors import UserError
+
+Variable = Any  # A tf.Variable or a keras.Variable.
+
+
+def trainable_variables(model: Any) -> list[Variable]:
+    """Every trainable variable of `model`, each once, in a stable order."""
+    return _collect(model, trainable_only=True)
+
+
+def all_variables(model: Any) -> list[Variable]:
+    """Every variable of `model` (trainable or not), each once."""
+    return _collect(model, trainable_only=False)
+
+
+def require_trainable_variables(model: Any) -> list[Variable]:
+    """`trainable_variables(model)`, refusing a model that has none (nothing would train)."""
+    variables = trainable_variables(model)
+    if not variables:
+        raise UserError(
+            f"the model ({type(model).__name__}) has no trainable variables: build it (call it "
+            "once on a batch, or give its first layer an input shape) inside strategy.scope() "
+            "before passing it to Trainer"
+        )
+    return variables
+
+
+def _collect(model: Any, *, trainable_only: bool) -> list[Variable]:
+    found: dict[int, Variable] = {}
+    _walk(model, trainable_only, found, seen=set())
+    return list(found.values())
+
+
+def _walk(node: Any, trainable_only: bool, found: dict[int, Variable], seen: set[int]) -> None:
+    if id(node) in seen:
+        return
+    seen.add(id(node))
+    if isinstance(node, keras.layers.Layer):
+        layer_variables = node.trainable_variables if trainable_only else node.variables
+        for variable in layer_variables:
+            found.setdefault(id(variable), variable)
+        # A Keras layer lists its Keras sublayers' variables, not a tf.Module's it holds.
+        for child in _attributes(node):
+            if isinstance(child, tf.Module) or (isinstance(child, (list, tuple, dict)) and child):
+                _walk_children(child, trainable_only, found, seen)
+        return
+    if isinstance(node, tf.Module):
+        # `_flatten` walks tf.Module attributes (and lists, dicts of them), stopping at
+        # plain variables and at Keras layers, which answer for themselves above.
+        leaves = node._flatten(  # noqa: SLF001 (the walk tf.Module's own properties use)
+            predicate=lambda value: isinstance(value, (tf.Variable, keras.Variable, keras.layers.Layer)),
+            expand_composites=False,
+        )
+        for leaf in leaves:
+            if isinstance(leaf, keras.layers.Layer):
+                _walk(leaf, trainable_only, found, seen)
+            elif not trainable_only or leaf.trainable:
+                found.setdefault(id(leaf), leaf)
+        return
+    if isinstance(node, (tf.Variable, keras.Variable)):
+        if not trainable_only or node.trainable:
+            found.setdefault(id(node), node)
+        return
+    _walk_children(node, trainable_only, found, seen)
+
+
+def _walk_children(node: Any, trainable_only: bool, found: dict[int, Variable], seen: set[int]) -> None:
+    if isinstance(node, dict):
+        children = node.values()
+    elif isinstance(node, (list, tuple)):
+        children = node
+    else:
+        children = [node] if isinstance(node, (tf.Module, keras.layers.Layer)) else []
+    for child in children:
+        _walk(child, trainable_only, found, seen)
+
+
+def _attributes(layer: keras.layers.Layer) -> list[Any]:
+    return [value for name, value in vars(layer).items() if not name.startswith("_")]
