@@ -2,12 +2,24 @@
 
 The public API for research code: build a strategy, create your model and
 optimizer in its scope, hand them to a `Trainer`.
+
+The names below are imported on first use (PEP 562), so that `python -m
+engine.main` can block SIGTERM/SIGINT for its signal watcher before
+TensorFlow starts its threads (see `engine.preemption`).
 """
 
+import importlib
+
 from engine.errors import UserError
-from engine.strategy import build_strategy, configure_cpu_devices
-from engine.steps import call_model, make_eval_step, make_train_step
-from engine.trainer import Trainer
+
+_LAZY = {
+    "Trainer": "engine.trainer",
+    "build_strategy": "engine.strategy",
+    "configure_cpu_devices": "engine.strategy",
+    "call_model": "engine.steps",
+    "make_eval_step": "engine.steps",
+    "make_train_step": "engine.steps",
+}
 
 __all__ = [
     "Trainer",
@@ -18,3 +30,9 @@ __all__ = [
     "make_eval_step",
     "make_train_step",
 ]
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'engine' has no attribute {name!r}")

@@ -16,10 +16,11 @@ import tensorflow as tf
 from absl import logging
 
 from engine import checkpoint as checkpoint_lib
+from engine import model_dir as model_dir_lib
 from engine.callbacks import CallbackLike, as_callbacks
 from engine.distribute import Data, distribute_eval_data, distribute_train_data
 from engine.errors import UserError
-from engine.loop import make_eval_loop, make_train_loop
+from engine.loop import make_eval_chunk, make_eval_loop, make_train_loop
 from engine.progress import Progress
 from engine.steps import PerExampleLoss, ReplicaStep, make_eval_step, make_train_step
 from engine.summaries import SummaryWriters
@@ -69,6 +70,7 @@ class Trainer:
         on_nonfinite: str = "stop",
         restore_fallback: bool = False,
         restore_dir: str | None = None,
+        reset_optimizer: bool = False,
     ):
         if loss_fn is None and step_fn is None:
             raise UserError("pass loss_fn, step_fn or both to Trainer")
@@ -130,15 +132,19 @@ class Trainer:
         self.replica_step = step_fn
         self.train_loop = make_train_loop(strategy, step_fn, self.global_step)
         self._stop_agreement = _make_stop_agreement(strategy)
-        self.eval_loop = None
+        self.eval_loop = self._eval_chunk = None
         if self._eval_data is not None:
-            self.eval_loop = make_eval_loop(strategy, make_eval_step(
+            eval_step = make_eval_step(
                 model=model, loss_fn=loss_fn, loss_metric=self._eval_loss,
                 count_metric=self._eval_count, metrics=self.eval_metrics,
-            ))
+            )
+            self.eval_loop = make_eval_loop(strategy, eval_step)
+            self._eval_chunk = make_eval_chunk(strategy, eval_step)
 
         self.checkpoint_manager = None
+        self._reset_optimizer = reset_optimizer
         if model_dir is not None:
+            model_dir_lib.check_name(model_dir)
             checkpoint_lib.set_aside_unreadable(model_dir, fallback=restore_fallback)
             checkpoint = tf.train.Checkpoint(
                 model=model, optimizer=optimizer, global_step=self.global_step
@@ -157,7 +163,8 @@ class Trainer:
 
     def _restore(self) -> None:
         learning_rate = _constant_learning_rate(self.optimizer)
-        path = checkpoint_lib.restore_latest(self.checkpoint_manager, directory=self._restore_dir)
+        path = checkpoint_lib.restore_latest(self.checkpoint_manager, directory=self._restore_dir,
+                                             fresh_optimizer=self._reset_optimizer)
         if path is None:
             return
         if learning_rate is not None and not any(c.owns_learning_rate for c in self.callbacks):
@@ -171,7 +178,19 @@ class Trainer:
         """Writes a checkpoint at the current step (no-op without model_dir)."""
         if self.checkpoint_manager is None:
             return None
-        path = self.checkpoint_manager.save(checkpoint_number=self.step)
+        step = self.step
+        if not _all_finite(self.model):
+            raise UserError(f"the weights hold NaN or Inf at step {step}; not saved, the latest checkpoint "
+                            f"({self.checkpoint_manager.latest_checkpoint or 'none'}) is kept")
+        try:
+            path = self.checkpoint_manager.save(checkpoint_number=step)
+        except (tf.errors.OpError, OSError) as error:
+            message = model_dir_lib.disk_full_message(self.checkpoint_manager.directory, error)
+            if message is None:
+                raise
+            model_dir_lib.remove_orphan_temps(self.checkpoint_manager.directory)  # This save's ckpt-N_temp.
+            raise UserError(f"checkpoint at step {step} not saved: {message}; the latest checkpoint "
+                            f"({self.checkpoint_manager.latest_checkpoint or 'none'}) is kept") from None
         logging.info("Saved checkpoint %s", path)
         return path
 
@@ -316,12 +335,18 @@ class Trainer:
     # -------------------------------------------------------------- evaluation
 
     def evaluate(self) -> dict[str, float]:
-        """Runs over the whole eval set once; metrics cover every example."""
+        """Runs over the whole eval set once; metrics cover every example.
+
+        A stop request (`request_stop`) ends it after the running chunk of at
+        most `steps_per_loop` batches; it then returns {} and records nothing.
+        """
         if self.eval_loop is None:
             raise UserError("evaluate() needs eval_data and a loss_fn")
         for metric in (self._eval_loss, self._eval_count, *self.eval_metrics):
             metric.reset_state()
-        self._run_eval_loop()
+        if self._run_eval_loop() is False:
+            logging.warning("evaluation at step %d stopped by a stop request; no eval results", self.step)
+            return {}
         logs = {"loss": float(self._eval_loss.result())}
         logs.update({m.name: float(m.result()) for m in self.eval_metrics})
         logs["num_examples"] = int(round(float(self._eval_count.result())))
@@ -332,8 +357,16 @@ class Trainer:
             callback.on_eval_end(self, self.step, logs)
         return logs
 
-    def _run_eval_loop(self) -> None:
-        self.eval_loop(distribute_eval_data(self.strategy, self._eval_data))
+    def _run_eval_loop(self) -> bool | None:
+        """Evaluates in compiled chunks of `steps_per_loop` batches, checking for a
+        stop request between them; False when one cut the evaluation short."""
+        iterator = iter(distribute_eval_data(self.strategy, self._eval_data))
+        chunk = tf.constant(self.steps_per_loop, tf.int32)
+        while not bool(self._eval_chunk(iterator, chunk)):
+            # Several workers must run the same chunks (each batch is agreed by all-reduce).
+            if self._stop_requested and self._stop_agreement is None:
+                return False
+        return True
 
     def evaluate_current(self) -> dict[str, float]:
         """The evaluation at the current step, reusing one the loop already ran."""
@@ -383,6 +416,17 @@ def _check_created_in_scope(strategy: tf.distribute.Strategy, model: Any) -> Non
                 "the model's variables were created outside strategy.scope(); "
                 "build the model and optimizer inside `with strategy.scope():`"
             )
+
+
+def _all_finite(model: Any) -> bool:
+    """Whether every floating-point weight of the model is finite (checked before each save)."""
+    values = []
+    for variable in model.variables:
+        if isinstance(variable, keras.Variable):
+            variable = variable.value
+        if variable.dtype.is_floating:
+            values.append(tf.reduce_all(tf.math.is_finite(variable)))
+    return bool(tf.reduce_all(values)) if values else True
 
 
 def _fresh_copy(metric: keras.metrics.Metric) -> keras.metrics.Metric:
