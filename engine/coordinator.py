@@ -82,13 +82,13 @@ class CoordinatedTrainer(Trainer):
         logs.update(nonfinite_steps=float(nonfinite_steps), first_nonfinite_index=float(first_nonfinite))
         return logs
 
-    def _run_eval_loop(self) -> None:
+    def _run_eval_loop(self) -> bool:
         """Exact evaluation on the coordinator: reads the weights from the ps tasks."""
         data = self._eval_data
         if not isinstance(data, tf.data.Dataset):
             data = data(tf.distribute.InputContext())  # One pipeline, one replica: global batches.
         with _quiet_tf_warnings():  # "invoked without ClusterCoordinator.schedule": intended here.
-            self.eval_loop(data)
+            return self._run_eval_chunks(iter(data))
 
 
 @contextlib.contextmanager

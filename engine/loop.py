@@ -15,8 +15,7 @@ import tensorflow as tf
 from engine.steps import Batch, ReplicaStep
 
 TrainLoop = Callable[[tf.distribute.DistributedIterator, tf.Tensor], dict]
-EvalLoop = Callable[[tf.distribute.DistributedDataset], None]
-EvalChunk = Callable[[tf.distribute.DistributedIterator, tf.Tensor], tf.Tensor]
+EvalLoop = Callable[[tf.distribute.DistributedIterator, tf.Tensor], tf.Tensor]
 
 
 def make_train_loop(
@@ -76,31 +75,18 @@ def make_train_loop(
 def make_eval_loop(
     strategy: tf.distribute.Strategy, replica_step: Callable[[Batch], None]
 ) -> EvalLoop:
-    """Returns `loop(distributed_dataset)` that runs the step over all of it."""
-
-    @tf.function
-    def eval_loop(dataset) -> None:
-        for batch in dataset:
-            strategy.run(replica_step, args=(batch,))
-
-    return eval_loop
-
-
-def make_eval_chunk(
-    strategy: tf.distribute.Strategy, replica_step: Callable[[Batch], None]
-) -> EvalChunk:
-    """Returns `chunk(iterator, max_batches) -> exhausted`: the step over at
+    """Returns `loop(iterator, max_batches) -> exhausted`: the step over at
     most `max_batches` more batches of the iterator, and whether it ran out.
 
     Evaluating in such bounded calls lets the host check for a stop request
     between them: one compiled call over the whole eval set keeps a SIGTERM
     waiting as long as the set is large. `get_next_as_optional` keeps the
-    exact-evaluation rules of `make_eval_loop` (partial last batch, replicas
-    with an empty batch).
+    exact-evaluation rules of a `for batch in dataset` loop (partial last
+    batch, replicas with an empty batch): every example counts once.
     """
 
     @tf.function
-    def eval_chunk(iterator, max_batches: tf.Tensor) -> tf.Tensor:
+    def eval_loop(iterator, max_batches: tf.Tensor) -> tf.Tensor:
         exhausted = tf.constant(False)
         for _ in tf.range(max_batches):
             optional = iterator.get_next_as_optional()
@@ -110,4 +96,4 @@ def make_eval_chunk(
             strategy.run(replica_step, args=(optional.get_value(),))
         return exhausted
 
-    return eval_chunk
+    return eval_loop

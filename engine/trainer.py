@@ -20,7 +20,7 @@ from engine import model_dir as model_dir_lib
 from engine.callbacks import CallbackLike, as_callbacks
 from engine.distribute import Data, distribute_eval_data, distribute_train_data
 from engine.errors import UserError
-from engine.loop import make_eval_chunk, make_eval_loop, make_train_loop
+from engine.loop import make_eval_loop, make_train_loop
 from engine.progress import Progress
 from engine.steps import PerExampleLoss, ReplicaStep, make_eval_step, make_train_step
 from engine.summaries import SummaryWriters
@@ -132,14 +132,12 @@ class Trainer:
         self.replica_step = step_fn
         self.train_loop = make_train_loop(strategy, step_fn, self.global_step)
         self._stop_agreement = _make_stop_agreement(strategy)
-        self.eval_loop = self._eval_chunk = None
+        self.eval_loop = None
         if self._eval_data is not None:
-            eval_step = make_eval_step(
+            self.eval_loop = make_eval_loop(strategy, make_eval_step(
                 model=model, loss_fn=loss_fn, loss_metric=self._eval_loss,
                 count_metric=self._eval_count, metrics=self.eval_metrics,
-            )
-            self.eval_loop = make_eval_loop(strategy, eval_step)
-            self._eval_chunk = make_eval_chunk(strategy, eval_step)
+            ))
 
         self.checkpoint_manager = None
         self._reset_optimizer = reset_optimizer
@@ -344,7 +342,7 @@ class Trainer:
             raise UserError("evaluate() needs eval_data and a loss_fn")
         for metric in (self._eval_loss, self._eval_count, *self.eval_metrics):
             metric.reset_state()
-        if self._run_eval_loop() is False:
+        if not self._run_eval_loop():
             logging.warning("evaluation at step %d stopped by a stop request; no eval results", self.step)
             return {}
         logs = {"loss": float(self._eval_loss.result())}
@@ -357,12 +355,14 @@ class Trainer:
             callback.on_eval_end(self, self.step, logs)
         return logs
 
-    def _run_eval_loop(self) -> bool | None:
-        """Evaluates in compiled chunks of `steps_per_loop` batches, checking for a
+    def _run_eval_loop(self) -> bool:
+        return self._run_eval_chunks(iter(distribute_eval_data(self.strategy, self._eval_data)))
+
+    def _run_eval_chunks(self, iterator) -> bool:
+        """Evaluates in compiled calls of `steps_per_loop` batches, checking for a
         stop request between them; False when one cut the evaluation short."""
-        iterator = iter(distribute_eval_data(self.strategy, self._eval_data))
         chunk = tf.constant(self.steps_per_loop, tf.int32)
-        while not bool(self._eval_chunk(iterator, chunk)):
+        while not bool(self.eval_loop(iterator, chunk)):
             # Several workers must run the same chunks (each batch is agreed by all-reduce).
             if self._stop_requested and self._stop_agreement is None:
                 return False
