@@ -50,7 +50,7 @@ def set_aside_unreadable(model_dir: str, *, fallback: bool) -> None:
     """
     directory = checkpoint_dir(model_dir)
     model_dir_lib.recover_state(directory)
-    state = tf.train.get_checkpoint_state(directory)
+    state = model_dir_lib.checkpoint_state(directory)
     if state is None or not state.model_checkpoint_path:
         return
     paths = list(state.all_model_checkpoint_paths) or [state.model_checkpoint_path]
@@ -142,7 +142,7 @@ def check_settings(model_dir: str, settings: Mapping[str, str], *, flags_may_cha
     (older runs) is checked by the restore alone.
     """
     directory = checkpoint_dir(model_dir)
-    if flags_may_change or tf.train.get_checkpoint_state(directory) is None:
+    if flags_may_change or model_dir_lib.checkpoint_state(directory) is None:
         return
     saved = model_dir_lib.read_json(os.path.join(directory, SETTINGS_FILE), what="the settings of the checkpoints")
     if saved is None:

@@ -115,6 +115,7 @@ def _train_and_evaluate(config, strategy, cluster, model_spec, image_shape, sour
             raise UserError(f"{metrics_path} is a directory; move it away, the run writes its results there")
         for directory in ("checkpoints", "best"):  # Saves cut short by kill -9 or a full disk.
             model_dir_lib.remove_orphan_temps(os.path.join(model_dir, directory))
+        model_dir_lib.recover_state(checkpoint_lib.checkpoint_dir(model_dir))
         checkpoint_lib.check_settings(model_dir, _optimizer_settings(config),
                                       flags_may_change=config.reset_optimizer)
 

@@ -144,11 +144,6 @@ def holder_pid(model_dir: str) -> int | None:
 # ------------------------------------------------------- checkpoint discovery
 
 
-def checkpoint_number(path: str) -> int | None:
-    match = _CHECKPOINT_INDEX.match(os.path.basename(path) + ".index")
-    return int(match.group(1)) if match else None
-
-
 def scan_checkpoints(directory: str) -> list[str]:
     """Prefixes of every `ckpt-N` with an index file in `directory`, oldest first.
 
@@ -180,6 +175,15 @@ def read_problem(path: str) -> str | None:
     return None
 
 
+def checkpoint_state(directory: str):
+    """`tf.train.get_checkpoint_state`, with None also for a state file it cannot
+    parse (it returns None for some damage and raises ValueError for other)."""
+    try:
+        return tf.train.get_checkpoint_state(directory)
+    except (ValueError, tf.errors.OpError):
+        return None
+
+
 def recover_state(directory: str) -> str | None:
     """Makes the state file of `directory` name its checkpoints again when it
     is missing or damaged while checkpoint files are there; returns what it did.
@@ -191,11 +195,15 @@ def recover_state(directory: str) -> str | None:
     checkpoint files are there but none can be read.
     """
     found = scan_checkpoints(directory)
-    if not found:
-        return None
     state_path = os.path.join(directory, STATE_FILE)
-    state = tf.train.get_checkpoint_state(directory)  # None when missing or unparsable.
+    state = checkpoint_state(directory)
     if state is not None and state.model_checkpoint_path:
+        return None
+    if not found:
+        if state is None and tf.io.gfile.exists(state_path):  # Names nothing: set aside, start afresh.
+            tf.io.gfile.rename(state_path, state_path + DAMAGED_STATE_SUFFIX, overwrite=True)
+            logging.warning("the checkpoint state file %s is damaged and there is no checkpoint; "
+                            "kept as %s", state_path, state_path + DAMAGED_STATE_SUFFIX)
         return None
     readable = [path for path in found if read_problem(path) is None]
     if not readable:
