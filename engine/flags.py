@@ -64,7 +64,7 @@ flags.DEFINE_integer("checkpoint_every", 500, "Save every N steps (and always at
 flags.DEFINE_integer("max_checkpoints", 3, "Checkpoints to keep.")
 flags.DEFINE_boolean("restore_fallback", False,
                      "If the latest checkpoint cannot be read, restore the newest older one "
-                     "that can (the unreadable one is left in place, untouched).")
+                     "that can (the unreadable one is moved to checkpoints/unreadable/).")
 flags.DEFINE_boolean("reset_optimizer", False,
                      "Resume the weights and step of the checkpoints with fresh optimizer state, "
                      "so that --optimizer, --lr_schedule or --mixed_precision may change.")
