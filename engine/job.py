@@ -162,7 +162,9 @@ def _train_and_evaluate(config, strategy, cluster, model_spec, image_shape, sour
             restore_state(trainer)
     _log_banner(config, strategy, model, source, model_dir, total_steps, trainer.step)
     finished = _finished_result(trainer, total_steps, metrics_path) if write_dir == model_dir else None
-    if finished is not None:
+    # Synchronous workers evaluate together, so there the chief evaluates again with them
+    # and keeps the train part of metrics.json; everywhere else a finished run does nothing.
+    if finished is not None and config.strategy != "multi_worker_mirrored":
         trainer.close()
         logging.info("the run is already at step %d (the target is %d): nothing to do; %s left as it was; "
                      "raise --train_steps or --epochs to continue", trainer.step, total_steps, metrics_path)
@@ -197,6 +199,8 @@ def _train_and_evaluate(config, strategy, cluster, model_spec, image_shape, sour
                 os.rmdir(os.path.dirname(write_dir))
     if config.export_dir and strategy.extended.should_checkpoint:  # Only the chief exports.
         export_saved_model(model, config.export_dir, [tf.TensorSpec([None, *image_shape], tf.float32)])
+    if finished is not None and not train_logs:
+        train_logs = finished.get("train") or {}
     speed = trainer.steady_examples_per_second or train_logs.get("examples_per_second")
     result = {
         "global_step": trainer.step,
