@@ -415,3 +415,45 @@ def test_full_disk_is_one_line_and_the_previous_checkpoint_stays_latest(tmp_path
         assert not list((model_dir / "checkpoints").glob("*_temp"))
     finally:
         subprocess.run(["umount", str(disk)], check=False)
+
+
+# ------------------------------------------------------------- Trainer API
+
+
+def test_weights_that_are_not_finite_are_never_saved(tmp_path):
+    import tensorflow as tf
+
+    import engine
+    from test_trainer import global_batches, loss_fn, make_arrays, make_model
+
+    strategy = tf.distribute.get_strategy()
+    model, optimizer = make_model(strategy)
+    trainer = engine.Trainer(strategy=strategy, model=model, optimizer=optimizer,
+                             train_data=global_batches(*make_arrays(64), 16), global_batch_size=16,
+                             loss_fn=loss_fn(), steps_per_loop=2, model_dir=str(tmp_path))
+    trainer.train(2)
+    saved = trainer.checkpoint_manager.latest_checkpoint
+    assert saved.endswith("ckpt-2")
+    before = checkpoint_files(tmp_path)
+    kernel = model.layers[0].kernel
+    kernel.assign(tf.tensor_scatter_nd_update(kernel, [[0, 0]], [float("nan")]))
+    trainer.global_step.assign(3)
+    with pytest.raises(UserError, match="NaN or Inf at step 3; not saved"):
+        trainer.save()
+    assert trainer.checkpoint_manager.latest_checkpoint == saved
+    assert checkpoint_files(tmp_path) == before
+
+
+def test_trainer_refuses_a_model_dir_with_pattern_characters(tmp_path):
+    import tensorflow as tf
+
+    import engine
+    from test_trainer import global_batches, loss_fn, make_arrays, make_model
+
+    strategy = tf.distribute.get_strategy()
+    model, optimizer = make_model(strategy)
+    with pytest.raises(UserError, match=r"contains '\[\]'"):
+        engine.Trainer(strategy=strategy, model=model, optimizer=optimizer,
+                       train_data=global_batches(*make_arrays(64), 16), global_batch_size=16,
+                       loss_fn=loss_fn(), model_dir=str(tmp_path / "run[0]"))
+    assert list(tmp_path.iterdir()) == []
