@@ -144,7 +144,8 @@ def check_settings(model_dir: str, settings: Mapping[str, str], *, flags_may_cha
     directory = checkpoint_dir(model_dir)
     if flags_may_change or model_dir_lib.checkpoint_state(directory) is None:
         return
-    saved = model_dir_lib.read_json(os.path.join(directory, SETTINGS_FILE), what="the settings of the checkpoints")
+    saved = model_dir_lib.read_json(os.path.join(directory, SETTINGS_FILE),
+                                    what="the settings of the checkpoints")
     if saved is None:
         return
     if not isinstance(saved, dict):
