@@ -30,6 +30,7 @@ from engine.errors import UserError
 LOCK_FILE = ".writer.lock"
 STATE_FILE = "checkpoint"  # What tf.train.CheckpointManager names its state file.
 DAMAGED_STATE_SUFFIX = ".damaged"
+SUPERSEDED_SUBDIR = "superseded"  # Checkpoint files moved aside rather than overwritten.
 # TensorFlow's file matching (tf.io.gfile.glob, CheckpointManager rotation) treats these as patterns.
 GLOB_CHARACTERS = "*?[]\\"
 _CHECKPOINT_INDEX = re.compile(r"^ckpt-(\d+)\.index$")
@@ -221,6 +222,25 @@ def recover_state(directory: str) -> str | None:
                f"by listing the directory and continue from the newest readable, {readable[-1]}")
     logging.warning("%s", message)
     return message
+
+
+def set_aside_unlisted(directory: str, number: int, *, listed: list[str]) -> None:
+    """Moves the files of `ckpt-<number>` to `superseded/` when they exist but the
+    state file does not list them (a crash between a save and its state update,
+    or an older state file put back), so that the save about to write that
+    name never overwrites a checkpoint."""
+    prefix = f"ckpt-{number}"
+    if prefix in {os.path.basename(path) for path in listed}:
+        return
+    if not tf.io.gfile.exists(os.path.join(directory, prefix + ".index")):
+        return
+    aside = os.path.join(directory, SUPERSEDED_SUBDIR, time.strftime("%Y%m%dT%H%M%S"))
+    tf.io.gfile.makedirs(aside)
+    for name in tf.io.gfile.listdir(directory):
+        if name.startswith(prefix + "."):
+            tf.io.gfile.rename(os.path.join(directory, name), os.path.join(aside, name))
+    logging.warning("%s existed but the checkpoint state did not list it; moved it to %s before saving "
+                    "a new %s", os.path.join(directory, prefix), aside, prefix)
 
 
 def remove_orphan_temps(directory: str) -> None:

@@ -180,6 +180,8 @@ class Trainer:
         if not _all_finite(self.model):
             raise UserError(f"the weights hold NaN or Inf at step {step}; not saved, the latest checkpoint "
                             f"({self.checkpoint_manager.latest_checkpoint or 'none'}) is kept")
+        model_dir_lib.set_aside_unlisted(self.checkpoint_manager.directory, step,
+                                         listed=self.checkpoint_manager.checkpoints)
         try:
             path = self.checkpoint_manager.save(checkpoint_number=step)
         except (tf.errors.OpError, OSError) as error:

@@ -457,3 +457,20 @@ def test_trainer_refuses_a_model_dir_with_pattern_characters(tmp_path):
                        train_data=global_batches(*make_arrays(64), 16), global_batch_size=16,
                        loss_fn=loss_fn(), model_dir=str(tmp_path / "run[0]"))
     assert list(tmp_path.iterdir()) == []
+
+
+def test_checkpoint_files_the_state_does_not_list_are_moved_aside_not_overwritten(trained, tmp_path):
+    import tensorflow as tf
+
+    model_dir = copy_of(trained, tmp_path / "run")
+    checkpoints = model_dir / "checkpoints"
+    old = {name: content for name, (content, _) in checkpoint_files(model_dir).items() if "ckpt-20" in name}
+    # An older state file put back: it names ckpt-10 only, while ckpt-20 is on disk.
+    tf.compat.v1.train.update_checkpoint_state(str(checkpoints), str(checkpoints / "ckpt-10"),
+                                               all_model_checkpoint_paths=[str(checkpoints / "ckpt-10")])
+    result = run_main(*TRAINED_FLAGS, "--train_steps=30", f"--model_dir={model_dir}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "steps=10->30" in result.stderr and "did not list it" in result.stderr
+    kept = {p.name: p.read_bytes() for p in (checkpoints / "superseded").rglob("ckpt-20*")}
+    assert kept == old  # the earlier ckpt-20, byte for byte
+    assert tf.train.latest_checkpoint(str(checkpoints)).endswith("ckpt-30")
