@@ -4,14 +4,26 @@ The public API for research code: build a strategy, create your model and
 optimizer in its scope, hand them to a `Trainer`. The submodules a user
 reaches for (`engine.callbacks`, `engine.hooks`, `engine.schedules`,
 `engine.export`, `engine.variables`) are importable as attributes.
+
+Everything but the errors is imported on first use (PEP 562), so that
+`python -m engine.main` can block SIGTERM/SIGINT for its signal watcher
+before TensorFlow starts its threads (see `engine.preemption`).
 """
 
-from engine import callbacks, export, hooks, schedules, variables
-from engine.callbacks import Callback
+import importlib
+
 from engine.errors import DataExhaustedError, NonFiniteLossError, UserError
-from engine.strategy import build_strategy, configure_cpu_devices
-from engine.steps import call_model, make_eval_step, make_train_step
-from engine.trainer import Trainer
+
+_SUBMODULES = ("callbacks", "export", "hooks", "schedules", "variables")
+_LAZY = {
+    "Callback": "engine.callbacks",
+    "Trainer": "engine.trainer",
+    "build_strategy": "engine.strategy",
+    "configure_cpu_devices": "engine.strategy",
+    "call_model": "engine.steps",
+    "make_eval_step": "engine.steps",
+    "make_train_step": "engine.steps",
+}
 
 __all__ = [
     "Callback",
@@ -30,3 +42,11 @@ __all__ = [
     "schedules",
     "variables",
 ]
+
+
+def __getattr__(name: str):
+    if name in _SUBMODULES:
+        return importlib.import_module(f"engine.{name}")
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'engine' has no attribute {name!r}")

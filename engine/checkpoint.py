@@ -9,20 +9,20 @@ latest checkpoint before anything restores it.
 
 from __future__ import annotations
 
-import glob
 import os
 import shutil
+from typing import Mapping
 
 import tensorflow as tf
 from absl import logging
 
+from engine import model_dir as model_dir_lib
 from engine.errors import UserError
 
 CHECKPOINT_SUBDIR = "checkpoints"
 UNREADABLE_SUBDIR = "unreadable"
-_READ_ERRORS = (tf.errors.DataLossError, tf.errors.NotFoundError, tf.errors.OutOfRangeError,
-                tf.errors.InvalidArgumentError, tf.errors.UnknownError,
-                IndexError)  # the reader's "Read less bytes than requested" on a truncated file
+# The settings a checkpoint's optimizer state depends on, by flag (see `check_settings`).
+SETTINGS_FILE = "settings.json"
 
 
 def checkpoint_dir(model_dir: str) -> str:
@@ -49,7 +49,8 @@ def set_aside_unreadable(model_dir: str, *, fallback: bool) -> None:
     readable one becomes the latest.
     """
     directory = checkpoint_dir(model_dir)
-    state = tf.train.get_checkpoint_state(directory)
+    model_dir_lib.recover_state(directory)
+    state = model_dir_lib.checkpoint_state(directory)
     if state is None or not state.model_checkpoint_path:
         return
     paths = list(state.all_model_checkpoint_paths) or [state.model_checkpoint_path]
@@ -57,7 +58,7 @@ def set_aside_unreadable(model_dir: str, *, fallback: bool) -> None:
         paths.append(state.model_checkpoint_path)
     unreadable = []
     for path in reversed(paths):  # newest first
-        problem = _read_problem(path)
+        problem = model_dir_lib.read_problem(path)
         if problem is None:
             break
         if not fallback:
@@ -77,31 +78,24 @@ def set_aside_unreadable(model_dir: str, *, fallback: bool) -> None:
         )
     aside = os.path.join(directory, UNREADABLE_SUBDIR)
     os.makedirs(aside, exist_ok=True)
-    for path in unreadable:
-        for file in glob.glob(glob.escape(path) + ".*"):
-            shutil.move(file, os.path.join(aside, os.path.basename(file)))
+    prefixes = {os.path.basename(path) + "." for path in unreadable}
+    for name in os.listdir(directory):  # Listed, not globbed: the name may hold pattern characters.
+        if any(name.startswith(prefix) for prefix in prefixes):
+            shutil.move(os.path.join(directory, name), os.path.join(aside, name))
     tf.compat.v1.train.update_checkpoint_state(
         directory, readable[-1], all_model_checkpoint_paths=readable
     )
     logging.warning("restoring %s; unreadable checkpoints moved to %s", readable[-1], aside)
 
 
-def _read_problem(path: str) -> str | None:
-    """None if every tensor of the checkpoint reads back, else what failed."""
-    try:
-        reader = tf.train.load_checkpoint(path)
-        for name in reader.get_variable_to_shape_map():
-            reader.get_tensor(name)
-    except _READ_ERRORS as error:
-        return f"{type(error).__name__}: {' '.join(str(error).split())[:200]}"
-    return None
-
-
-def restore_latest(manager: tf.train.CheckpointManager, *, directory: str | None = None) -> str | None:
+def restore_latest(manager: tf.train.CheckpointManager, *, directory: str | None = None,
+                   fresh_optimizer: bool = False) -> str | None:
     """Restores the newest checkpoint, if any, and returns its path.
 
     `directory` is a model_dir to read from instead of the manager's own
     (a non-chief worker writes elsewhere but resumes from the chief's).
+    `fresh_optimizer` restores everything but the optimizer (--reset_optimizer):
+    its slots start over, its step count continues from the global step.
 
     Every variable of the program must be in the checkpoint with the same
     shape: a checkpoint of another model is refused, not half-loaded, and
@@ -113,13 +107,63 @@ def restore_latest(manager: tf.train.CheckpointManager, *, directory: str | None
         path = tf.train.latest_checkpoint(os.path.join(directory, CHECKPOINT_SUBDIR))
     if path is None:
         return None
+    checkpoint = manager.checkpoint
     try:
-        status = manager.checkpoint.restore(path)
+        if fresh_optimizer:
+            partial = tf.train.Checkpoint(model=checkpoint.model, global_step=checkpoint.global_step)
+            partial.restore(path).expect_partial().assert_existing_objects_matched()
+            optimizers = getattr(checkpoint, "optimizers", None) or {"": checkpoint.optimizer}
+            for optimizer in optimizers.values():
+                optimizer.iterations.assign(checkpoint.global_step)  # Schedules continue.
+            return path
+        status = checkpoint.restore(path)
         status.assert_existing_objects_matched()
+        # Values of the checkpoint left over (Adam's slots restored into SGD) are state lost.
+        status.assert_consumed()
     except (AssertionError, ValueError, tf.errors.InvalidArgumentError) as error:
         detail = " ".join(str(error).split())[:300]
         raise UserError(
             f"checkpoint {path} does not match this model ({detail}); "
             "use a new --model_dir or the model and flags it was trained with"
         ) from None
+    except tf.errors.OpError as error:  # Damaged after the readability check, or never checked.
+        detail = " ".join(str(error).split())[:200]
+        raise UserError(
+            f"checkpoint {path} cannot be read ({type(error).__name__}: {detail}); pass "
+            "--restore_fallback to restore the newest older readable checkpoint, or use a new --model_dir"
+        ) from None
     return path
+
+
+def check_settings(model_dir: str, settings: Mapping[str, str], *, flags_may_change: bool = False) -> None:
+    """Refuses to resume with settings that change what the checkpoint's optimizer
+    state means, naming the flag (`settings` maps flag name to value).
+
+    The settings of the run that wrote the checkpoints are kept in
+    `checkpoints/settings.json` (`record_settings`); a model_dir without it
+    (older runs) is checked by the restore alone.
+    """
+    directory = checkpoint_dir(model_dir)
+    if flags_may_change or model_dir_lib.checkpoint_state(directory) is None:
+        return
+    saved = model_dir_lib.read_json(os.path.join(directory, SETTINGS_FILE),
+                                    what="the settings of the checkpoints")
+    if saved is None:
+        return
+    if not isinstance(saved, dict):
+        raise UserError(f"{os.path.join(directory, SETTINGS_FILE)} is damaged (not a JSON object); "
+                        "restore it or move it away")
+    changed = [(flag, saved[flag], value) for flag, value in settings.items()
+               if flag in saved and saved[flag] != value]
+    if changed:
+        flag, old, new = changed[0]
+        raise UserError(
+            f"--{flag}={new} differs from --{flag}={old} that the checkpoints in {directory} were "
+            f"trained with; pass --{flag}={old} to resume, --reset_optimizer to keep the weights "
+            "and start fresh optimizer state, or a new --model_dir"
+        )
+
+
+def record_settings(model_dir: str, settings: Mapping[str, str]) -> None:
+    """Writes the settings `check_settings` compares against (the chief, before training)."""
+    model_dir_lib.write_json(os.path.join(checkpoint_dir(model_dir), SETTINGS_FILE), settings)

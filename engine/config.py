@@ -7,6 +7,7 @@ and before anything is written, as a `UserError` naming the bad value.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 
 from engine.environment import PRECISION_POLICIES
@@ -46,6 +47,7 @@ class RunConfig:
     checkpoint_every: int = 500
     max_checkpoints: int = 3
     restore_fallback: bool = False
+    reset_optimizer: bool = False
     export_dir: str | None = None
     early_stop_metric: str | None = None
     early_stop_patience: int = 3
@@ -113,14 +115,25 @@ class RunConfig:
             )
         if self.train_steps is not None:
             _at_least("train_steps", self.train_steps, 1)
-        if self.epochs is not None and self.epochs <= 0:
+        # `not x > 0` also refuses NaN, which every comparison calls False.
+        for name in ("epochs", "learning_rate", "clip_norm", "collective_timeout",
+                     "reduce_lr_factor", "min_learning_rate"):
+            value = getattr(self, name)
+            if value is not None and not math.isfinite(value):
+                raise UserError(f"--{name}={value} must be a finite number")
+        if self.epochs is not None and not self.epochs > 0:
             raise UserError(f"--epochs={self.epochs} must be positive")
-        if self.learning_rate <= 0:
+        if not self.learning_rate > 0:
             raise UserError(f"--learning_rate={self.learning_rate} must be positive")
-        if self.clip_norm is not None and self.clip_norm <= 0:
+        if self.clip_norm is not None and not self.clip_norm > 0:
             raise UserError(f"--clip_norm={self.clip_norm} must be positive")
+        if not 0 <= self.seed < 2**32:
+            raise UserError(f"--seed={self.seed} must be between 0 and {2**32 - 1}")
         self.multi_host_options().check(self.strategy)
         if self.model_dir:
+            from engine.model_dir import check_name
+
+            check_name(self.model_dir)
             check_model_dir(self.model_dir)
         if self.export_dir:
             check_model_dir(self.export_dir, flag="export_dir")

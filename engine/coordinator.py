@@ -84,13 +84,13 @@ class CoordinatedTrainer(Trainer):
                     steps_run=float(steps_run))
         return logs
 
-    def _run_eval_loop(self) -> None:
+    def _run_eval_loop(self) -> bool:
         """Exact evaluation on the coordinator: reads the weights from the ps tasks."""
         data = self._eval_data
         if not isinstance(data, tf.data.Dataset):
             data = data(tf.distribute.InputContext())  # One pipeline, one replica: global batches.
         with _quiet_tf_warnings():  # "invoked without ClusterCoordinator.schedule": intended here.
-            self.eval_loop(data)
+            return self._run_eval_chunks(iter(data))
 
 
 @contextlib.contextmanager

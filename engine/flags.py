@@ -67,6 +67,9 @@ flags.DEFINE_integer("max_checkpoints", 3, "Checkpoints to keep.")
 flags.DEFINE_boolean("restore_fallback", False,
                      "If the latest checkpoint cannot be read, restore the newest older one "
                      "that can (the unreadable one is moved to checkpoints/unreadable/).")
+flags.DEFINE_boolean("reset_optimizer", False,
+                     "Resume the weights and step of the checkpoints with fresh optimizer state, "
+                     "so that --optimizer, --lr_schedule or --mixed_precision may change.")
 flags.DEFINE_string("export_dir", None,
                     "After training, write the model here as a SavedModel with a "
                     "serving_default signature.")

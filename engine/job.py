@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
-import json
 import os
 import shutil
 import tempfile
@@ -19,6 +18,8 @@ import keras
 import tensorflow as tf
 from absl import logging
 
+from engine import checkpoint as checkpoint_lib
+from engine import model_dir as model_dir_lib
 from engine.cluster import task_model_dir
 from engine.config import RunConfig
 from engine.environment import seed_everything, set_precision
@@ -85,10 +86,42 @@ def run(config: RunConfig) -> dict[str, Any]:
         source = get_data_source(config.dataset, image_shape=image_shape, data_dir=config.data_dir)
     except DataError as error:
         raise UserError(str(error)) from None
+    check_batch_fits(config.global_batch_size, source.num_train_examples, config.dataset)
     model_dir = config.model_dir or tempfile.mkdtemp(prefix="engine-")
+    model_dir_lib.check_name(model_dir)
     # Only the chief writes model_dir; other workers write a private copy they remove.
     write_dir = task_model_dir(model_dir, cluster)
     total_steps = config.total_steps(source.num_train_examples)
+    # One writer per model_dir (the chief); readers such as an evaluator take no lock.
+    lock = model_dir_lib.writer_lock(model_dir) if write_dir == model_dir else contextlib.nullcontext()
+    with lock:
+        return _train_and_evaluate(config, strategy, cluster, model_spec, image_shape, source,
+                                   model_dir, write_dir, total_steps)
+
+
+def check_batch_fits(global_batch_size: int, num_train_examples: int | None, dataset: str) -> None:
+    """A global batch larger than the train split would repeat examples within a
+    batch (and an in-memory pipeline would build it at that size in memory)."""
+    if num_train_examples is not None and global_batch_size > num_train_examples:
+        raise UserError(
+            f"--global_batch_size={global_batch_size} is larger than the {num_train_examples} "
+            f"examples of --dataset={dataset}'s train split; use at most {num_train_examples}"
+        )
+
+
+def _train_and_evaluate(config, strategy, cluster, model_spec, image_shape, source,
+                        model_dir: str, write_dir: str, total_steps: int) -> dict[str, Any]:
+    """The part of `run` that reads and writes model_dir: under the writer lock
+    on the chief. Everything is checked before the first byte is written."""
+    metrics_path = os.path.join(model_dir, METRICS_FILE)
+    if write_dir == model_dir:
+        if tf.io.gfile.isdir(metrics_path):
+            raise UserError(f"{metrics_path} is a directory; move it away, the run writes its results there")
+        for directory in ("checkpoints", "best"):  # Saves cut short by kill -9 or a full disk.
+            model_dir_lib.remove_orphan_temps(os.path.join(model_dir, directory))
+        model_dir_lib.recover_state(checkpoint_lib.checkpoint_dir(model_dir))
+        checkpoint_lib.check_settings(model_dir, _optimizer_settings(config),
+                                      flags_may_change=config.reset_optimizer)
 
     with strategy.scope():
         try:
@@ -129,13 +162,35 @@ def run(config: RunConfig) -> dict[str, Any]:
         on_nonfinite=config.on_nonfinite, restore_fallback=config.restore_fallback,
         callbacks=hooks_from_config(config), log_every=config.log_every,
         steps_per_epoch=max(1, source.num_train_examples // batch) if source.num_train_examples else None,
+        reset_optimizer=config.reset_optimizer,
     )
+    for callback in trainer.callbacks:  # Hook state on disk (hooks/*.json, best/) is checked now.
+        restore_state = getattr(callback, "restore_state", None)
+        if restore_state is not None:
+            restore_state(trainer)
     _log_banner(config, strategy, model, source, model_dir, total_steps, trainer.step)
-    if strategy.extended.should_checkpoint:
+    finished = _finished_result(trainer, total_steps, metrics_path) if write_dir == model_dir else None
+    # Synchronous workers evaluate together, so there the chief evaluates again with them
+    # and keeps the train part of metrics.json; everywhere else a finished run does nothing.
+    if finished is not None and config.strategy != "multi_worker_mirrored":
+        trainer.close()
+        logging.info("the run is already at step %d (the target is %d): nothing to do; %s left as it was; "
+                     "raise --train_steps or --epochs to continue", trainer.step, total_steps, metrics_path)
+        return finished
+    if strategy.extended.should_checkpoint:  # Everything is checked: the first bytes written.
         write_hparams(model_dir, dataclasses.asdict(config))
+        checkpoint_lib.record_settings(model_dir, _optimizer_settings(config))
     try:
         with stop_on_signals(trainer) as signal_record:
-            train_logs = trainer.train(total_steps)
+            try:
+                train_logs = trainer.train(total_steps)
+                eval_logs = trainer.evaluate_current() if eval_data is not None and \
+                    not trainer.stop_requested else {}
+            except tf.errors.InvalidArgumentError as error:
+                if "label" not in str(error):
+                    raise
+                raise UserError(f"bad data in --dataset={config.dataset} --data_dir={config.data_dir}: "
+                                f"{str(error).splitlines()[0][:200]}; fix or remove that file") from None
         if trainer.stop_requested:
             trainer.close()
             cause = (f"signal {signal_record.signum}" if signal_record.signum is not None
@@ -144,7 +199,6 @@ def run(config: RunConfig) -> dict[str, Any]:
                             "command to continue", trainer.step, cause, model_dir)
             return {"global_step": trainer.step,
                     "exit_status": signal_record.exit_status or STOPPED_BY_PEER_EXIT}
-        eval_logs = trainer.evaluate_current() if eval_data is not None else {}
         trainer.close()
     finally:
         if write_dir != model_dir:
@@ -153,6 +207,8 @@ def run(config: RunConfig) -> dict[str, Any]:
                 os.rmdir(os.path.dirname(write_dir))
     if config.export_dir and strategy.extended.should_checkpoint:  # Only the chief exports.
         export_saved_model(model, config.export_dir, [tf.TensorSpec([None, *image_shape], tf.float32)])
+    if finished is not None and not train_logs:
+        train_logs = finished.get("train") or {}
     speed = trainer.steady_examples_per_second or train_logs.get("examples_per_second")
     result = {
         "global_step": trainer.step,
@@ -162,10 +218,10 @@ def run(config: RunConfig) -> dict[str, Any]:
         "model_dir": model_dir,
     }
     if write_dir == model_dir:
-        _write_json(os.path.join(model_dir, METRICS_FILE), result)
+        model_dir_lib.write_json(metrics_path, result)
     logging.info("done: step %d, eval %s, %.0f examples/s; wrote %s%s",
                  trainer.step, eval_logs, speed or 0.0,
-                 os.path.join(model_dir, METRICS_FILE) if write_dir == model_dir else "nothing (not the chief)",
+                 metrics_path if write_dir == model_dir else "nothing (not the chief)",
                  "" if cluster is None else f"; weights_digest={_weights_digest(model)}")
     return result
 
@@ -195,9 +251,18 @@ def _log_banner(config, strategy, model, source, model_dir, total_steps, start_s
     logging.info("model %s:\n%s", config.model, model_summary(model))
 
 
-def _write_json(path: str, payload: dict) -> None:
-    """Writes atomically, so a reader never sees half a file."""
-    temporary = path + ".tmp"
-    with open(temporary, "w") as handle:
-        json.dump(payload, handle, indent=2, sort_keys=True)
-    os.replace(temporary, path)
+def _optimizer_settings(config: RunConfig) -> dict[str, str]:
+    """The flags whose change makes a checkpoint's optimizer state wrong or unreadable."""
+    return {"optimizer": config.optimizer, "lr_schedule": config.lr_schedule,
+            "mixed_precision": config.mixed_precision}
+
+
+def _finished_result(trainer: Trainer, total_steps: int, metrics_path: str) -> dict[str, Any] | None:
+    """What metrics.json holds when a rerun has nothing left to do; None when
+    there is work (steps to train, or a final evaluation that never got written)."""
+    if trainer.step < total_steps:
+        return None
+    previous = model_dir_lib.read_json(metrics_path, what="the results of the run")
+    if not isinstance(previous, dict) or previous.get("global_step") != trainer.step:
+        return None
+    return previous

@@ -23,7 +23,9 @@ class BatchSizeMismatch(Exception):
     def __init__(self, size: int):
         super().__init__(f"per-replica batch size {size}")
         self.size = size
-EvalLoop = Callable[[tf.distribute.DistributedDataset], None]
+
+
+EvalLoop = Callable[[tf.distribute.DistributedIterator, tf.Tensor], tf.Tensor]
 
 
 def make_train_loop(
@@ -135,11 +137,25 @@ def make_train_loop(
 def make_eval_loop(
     strategy: tf.distribute.Strategy, replica_step: Callable[[Batch], None]
 ) -> EvalLoop:
-    """Returns `loop(distributed_dataset)` that runs the step over all of it."""
+    """Returns `loop(iterator, max_batches) -> exhausted`: the step over at
+    most `max_batches` more batches of the iterator, and whether it ran out.
+
+    Evaluating in such bounded calls lets the host check for a stop request
+    between them: one compiled call over the whole eval set keeps a SIGTERM
+    waiting as long as the set is large. `get_next_as_optional` keeps the
+    exact-evaluation rules of a `for batch in dataset` loop (partial last
+    batch, replicas with an empty batch): every example counts once.
+    """
 
     @tf.function
-    def eval_loop(dataset) -> None:
-        for batch in dataset:
-            strategy.run(replica_step, args=(batch,))
+    def eval_loop(iterator, max_batches: tf.Tensor) -> tf.Tensor:
+        exhausted = tf.constant(False)
+        for _ in tf.range(max_batches):
+            optional = iterator.get_next_as_optional()
+            if not optional.has_value():
+                exhausted = tf.constant(True)
+                break
+            strategy.run(replica_step, args=(optional.get_value(),))
+        return exhausted
 
     return eval_loop

@@ -10,7 +10,12 @@ import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # Keep TF's C++ start-up chatter out.
 
-from absl import app, logging  # noqa: E402
+from engine.preemption import install_watcher  # noqa: E402
+
+if __name__ == "__main__":
+    install_watcher()  # Before TensorFlow starts threads: they must all block SIGTERM/SIGINT.
+
+from absl import app, flags, logging  # noqa: E402
 
 from engine import flags as engine_flags  # noqa: E402  (defines the flags)
 from engine.errors import UserError  # noqa: E402
@@ -37,9 +42,19 @@ def _main_with_clean_errors(argv: list[str]) -> int:
         return USER_ERROR_EXIT
 
 
+def _parse_flags(argv: list[str]) -> list[str]:
+    """absl's parsing, with its errors (unknown flag, bad value, missing --flagfile)
+    as one line and exit 2 like every other user error, instead of exit 1."""
+    try:
+        return flags.FLAGS(argv)
+    except flags.Error as error:
+        print(f"engine.main: error: {' '.join(str(error).split())}; see --helpfull", file=sys.stderr)
+        sys.exit(USER_ERROR_EXIT)
+
+
 def run_cli() -> None:
     logging.set_verbosity(logging.INFO)
-    app.run(lambda argv: sys.exit(_main_with_clean_errors(argv)))
+    app.run(lambda argv: sys.exit(_main_with_clean_errors(argv)), flags_parser=_parse_flags)
 
 
 if __name__ == "__main__":

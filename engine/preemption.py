@@ -1,16 +1,28 @@
 """Graceful stop on SIGTERM/SIGINT: finish the loop, save, exit 128+signal.
 
 Schedulers preempt with SIGTERM and people with Ctrl-C. Either way the
-trainer is asked to stop after the compiled loop it is running (at most
-`steps_per_loop` steps), saves a checkpoint and writes its summaries; a
-restart with the same flags continues from there. A second signal is not
-caught, so it ends the process at once.
+trainer is asked to stop after the compiled call it is running (at most
+`steps_per_loop` train steps or eval batches), saves a checkpoint and writes
+its summaries; a restart with the same flags continues from there. A second
+signal ends the process at once with 128+signal.
+
+Python runs signal handlers only between bytecodes, so while the main thread
+sits in one compiled call a handler would wait for the whole call (and two
+signals would merge into one). `engine.main` therefore calls
+`install_watcher()` before TensorFlow starts any thread: the signals are
+blocked in every thread (`signal.pthread_sigmask`) and one watcher thread
+takes them with `signal.sigwait`, which returns at once whatever the main
+thread is doing. In-process users (tests, notebooks) without the watcher get
+ordinary Python handlers, with the limits above.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
+import sys
+import threading
 from typing import Iterator
 
 from absl import logging
@@ -29,8 +41,72 @@ class SignalRecord:
         return 128 + self.signum if self.signum is not None else 0
 
 
+class _Watcher:
+    """The thread that owns SIGTERM/SIGINT: the first asks the registered
+    trainer to stop, a second one (or one with nothing to stop) exits at once."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._trainer = None
+        self._record: SignalRecord | None = None
+        self._stopping = False
+
+    def watch(self) -> None:
+        while True:
+            signum = signal.sigwait(HANDLED_SIGNALS)
+            name = signal.Signals(signum).name
+            with self._lock:
+                if self._stopping or self._trainer is None:
+                    logging.warning("%s received%s: exiting now with status %d", name,
+                                    " again" if self._stopping else "", 128 + signum)
+                    logging.flush()
+                    sys.stderr.flush()
+                    os._exit(128 + signum)
+                self._stopping = True
+                self._record.signum = signum
+                logging.warning("%s received: stopping after this compiled call and saving a checkpoint; "
+                                "send it again to exit at once", name)
+                self._trainer.request_stop()
+
+    @contextlib.contextmanager
+    def stopping(self, trainer) -> Iterator[SignalRecord]:
+        record = SignalRecord()
+        with self._lock:
+            self._trainer, self._record, self._stopping = trainer, record, False
+        try:
+            yield record
+        finally:
+            with self._lock:
+                self._trainer = None
+                # A stop in progress keeps the next signal fatal; otherwise one signal ends at once too.
+                self._stopping = self._stopping or record.signum is not None
+
+
+_watcher: _Watcher | None = None
+
+
+def install_watcher() -> None:
+    """Blocks SIGTERM/SIGINT in this and every later thread and starts the watcher.
+
+    Call it first thing in the program's main thread, before TensorFlow
+    starts threads: a thread that does not block the signals could take one
+    with its default action and end the process without a checkpoint.
+    """
+    global _watcher
+    if _watcher is not None:
+        return
+    signal.pthread_sigmask(signal.SIG_BLOCK, HANDLED_SIGNALS)
+    _watcher = _Watcher()
+    threading.Thread(target=_watcher.watch, name="signal-watcher", daemon=True).start()
+
+
 @contextlib.contextmanager
 def stop_on_signals(trainer) -> Iterator[SignalRecord]:
+    """While inside, SIGTERM/SIGINT call `trainer.request_stop()`; the record says which came."""
+    if _watcher is not None:
+        with _watcher.stopping(trainer) as record:
+            yield record
+        return
     record = SignalRecord()
     previous = {signum: signal.getsignal(signum) for signum in HANDLED_SIGNALS}
 

@@ -15,6 +15,7 @@ import keras
 import tensorflow as tf
 
 from engine import checkpoint as checkpoint_lib
+from engine import model_dir as model_dir_lib
 from engine.callbacks import CallbackLike, as_callbacks
 from engine.config import DEFAULT_STEPS_PER_LOOP
 from engine.distribute import Data, distribute_eval_data, distribute_train_data, yields_global_batches
@@ -102,6 +103,7 @@ class Trainer:
         on_nonfinite: str = "stop",
         restore_fallback: bool = False,
         restore_dir: str | None = None,
+        reset_optimizer: bool = False,
     ):
         if loss_fn is None and step_fn is None:
             raise UserError("pass loss_fn, step_fn or both to Trainer")
@@ -184,7 +186,9 @@ class Trainer:
             ))
 
         self.checkpoint_manager = None
+        self._reset_optimizer = reset_optimizer
         if model_dir is not None:
+            model_dir_lib.check_name(model_dir)
             # One optimizer keeps the key "optimizer" that existing checkpoints use.
             optimizer_state = ({"optimizer": optimizer} if self.optimizer is not None
                                else {"optimizers": dict(self.optimizers)})
@@ -207,7 +211,8 @@ class Trainer:
 
     def _restore(self) -> None:
         rates = {name: _constant_learning_rate(opt) for name, opt in self.optimizers.items()}
-        path = checkpoint_lib.restore_latest(self.checkpoint_manager, directory=self._restore_dir)
+        path = checkpoint_lib.restore_latest(self.checkpoint_manager, directory=self._restore_dir,
+                                             fresh_optimizer=self._reset_optimizer)
         if path is None:
             return
         if not any(c.owns_learning_rate for c in self.callbacks):
@@ -223,7 +228,21 @@ class Trainer:
         """Writes a checkpoint at the current step (no-op without model_dir)."""
         if self.checkpoint_manager is None:
             return None
-        path = self.checkpoint_manager.save(checkpoint_number=self.step)
+        step = self.step
+        if not _all_finite(self.model):
+            raise UserError(f"the weights hold NaN or Inf at step {step}; not saved, the latest checkpoint "
+                            f"({self.checkpoint_manager.latest_checkpoint or 'none'}) is kept")
+        model_dir_lib.set_aside_unlisted(self.checkpoint_manager.directory, step,
+                                         listed=self.checkpoint_manager.checkpoints)
+        try:
+            path = self.checkpoint_manager.save(checkpoint_number=step)
+        except (tf.errors.OpError, OSError) as error:
+            message = model_dir_lib.disk_full_message(self.checkpoint_manager.directory, error)
+            if message is None:
+                raise
+            model_dir_lib.remove_orphan_temps(self.checkpoint_manager.directory)  # This save's ckpt-N_temp.
+            raise UserError(f"checkpoint at step {step} not saved: {message}; the latest checkpoint "
+                            f"({self.checkpoint_manager.latest_checkpoint or 'none'}) is kept") from None
         logger.info("Saved checkpoint %s", path)
         return path
 
@@ -445,6 +464,9 @@ class Trainer:
     def evaluate(self) -> dict[str, float]:
         """Runs over the whole eval set once; metrics cover every example.
 
+        A stop request (`request_stop`) ends it after the running chunk of at
+        most `steps_per_loop` batches; it then returns {} and records nothing.
+
         Returns:
           `{"loss": ..., <metric>: ..., "num_examples": n}` at the current step.
 
@@ -455,7 +477,9 @@ class Trainer:
             raise UserError("evaluate() needs eval_data and a loss_fn")
         for metric in (self._eval_loss, self._eval_count, *self.eval_metrics):
             metric.reset_state()
-        self._run_eval_loop()
+        if not self._run_eval_loop():
+            logger.warning("evaluation at step %d stopped by a stop request; no eval results", self.step)
+            return {}
         logs = {"loss": float(self._eval_loss.result())}
         logs.update({m.name: float(m.result()) for m in self.eval_metrics})
         logs["num_examples"] = int(round(float(self._eval_count.result())))
@@ -466,8 +490,18 @@ class Trainer:
             callback.on_eval_end(self, self.step, logs)
         return logs
 
-    def _run_eval_loop(self) -> None:
-        self.eval_loop(distribute_eval_data(self.strategy, self._eval_data))
+    def _run_eval_loop(self) -> bool:
+        return self._run_eval_chunks(iter(distribute_eval_data(self.strategy, self._eval_data)))
+
+    def _run_eval_chunks(self, iterator) -> bool:
+        """Evaluates in compiled calls of `steps_per_loop` batches, checking for a
+        stop request between them; False when one cut the evaluation short."""
+        chunk = tf.constant(self.steps_per_loop, tf.int32)
+        while not bool(self.eval_loop(iterator, chunk)):
+            # Several workers must run the same chunks (each batch is agreed by all-reduce).
+            if self._stop_requested and self._stop_agreement is None:
+                return False
+        return True
 
     def evaluate_current(self) -> dict[str, float]:
         """The evaluation at the current step, reusing one the loop already ran."""
@@ -589,6 +623,17 @@ def _check_created_in_scope(strategy: tf.distribute.Strategy, variables: list) -
                 "the model's variables were created outside strategy.scope(); "
                 "build the model and optimizer inside `with strategy.scope():`"
             )
+
+
+def _all_finite(model: Any) -> bool:
+    """Whether every floating-point weight of the model is finite (checked before each save)."""
+    values = []
+    for variable in all_variables(model):
+        if isinstance(variable, keras.Variable):
+            variable = variable.value
+        if variable.dtype.is_floating:
+            values.append(tf.reduce_all(tf.math.is_finite(variable)))
+    return bool(tf.reduce_all(values)) if values else True
 
 
 def _fresh_copy(metric: keras.metrics.Metric) -> keras.metrics.Metric:

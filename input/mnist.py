@@ -59,6 +59,23 @@ def _fit_uint8(images: np.ndarray, image_shape: tuple[int, int, int]) -> np.ndar
     return np.repeat(images, channels, axis=-1) if channels != 1 else images
 
 
+def _check_arrays(path: str, arrays: dict[str, np.ndarray], num_classes: int) -> None:
+    """Shapes and label range, checked up front: a wrong shape would fail deep
+    inside TensorFlow, and a label >= num_classes would train on a silent NaN loss."""
+    for split in ("train", "test"):
+        images, labels = arrays[f"x_{split}"], arrays[f"y_{split}"]
+        if images.ndim != 3 or images.shape[1:] != (28, 28) or len(images) == 0 or images.dtype != np.uint8:
+            raise DataError(f"{path}: x_{split} is {images.dtype} of shape {images.shape}; expected "
+                            "(N, 28, 28) uint8 grayscale images as in keras.datasets.mnist")
+        if labels.shape != (len(images),) or not np.issubdtype(labels.dtype, np.integer):
+            raise DataError(f"{path}: y_{split} is {labels.dtype} of shape {labels.shape}; expected "
+                            f"{len(images)} integer labels, one per image of x_{split}")
+        if labels.min() < 0 or labels.max() >= num_classes:
+            bad = int(np.flatnonzero((labels < 0) | (labels >= num_classes))[0])
+            raise DataError(f"{path}: y_{split}[{bad}] = {int(labels[bad])} is not a class of "
+                            f"0..{num_classes - 1}; fix the file")
+
+
 def load_mnist(
     image_shape: tuple[int, int, int], num_classes: int, data_dir: str | None
 ) -> InMemorySource:
@@ -74,6 +91,7 @@ def load_mnist(
             f"cannot read MNIST from {path}: {err}; expected the mnist.npz of "
             "keras.datasets.mnist (x_train, y_train, x_test, y_test)"
         ) from err
+    _check_arrays(path, arrays, num_classes)
     return InMemorySource.from_arrays(
         "mnist",
         num_classes,

@@ -3,12 +3,16 @@
 `<model_dir>/best` holds one checkpoint (its own `CheckpointManager`,
 max_to_keep=1) and `best.json` with the metric, its value and the step, so
 a restarted run keeps comparing against the real best rather than
-starting over.
+starting over. `best.json` is written before the checkpoint it describes,
+so a crash between the two never leaves a better checkpoint behind a worse
+recorded value. Without a trustworthy `best.json` beside a best checkpoint
+(missing, damaged, or kept by another metric) the run is refused: comparing
+against nothing would replace the best with a worse one.
 """
 
 from __future__ import annotations
 
-import json
+import math
 import os
 from typing import TYPE_CHECKING, Any, Mapping
 
@@ -16,8 +20,9 @@ import tensorflow as tf
 from absl import logging
 
 from engine.callbacks import Callback
+from engine import model_dir as model_dir_lib
 from engine.errors import UserError
-from engine.hooks.metric_watch import MetricWatch, metric_value, write_json
+from engine.hooks.metric_watch import MetricWatch, metric_value
 
 if TYPE_CHECKING:
     from engine.trainer import Trainer
@@ -40,16 +45,21 @@ class BestCheckpoint(Callback):
         return self.watch.best
 
     def on_train_begin(self, trainer: "Trainer") -> None:
+        self.restore_state(trainer)
+
+    def restore_state(self, trainer: "Trainer") -> None:
+        """Reads `best/` (once); raises UserError when it cannot be trusted.
+        `engine.job` calls it before writing anything to the model_dir."""
         if self._manager is not None:
             return
         if trainer.checkpoint_manager is None:
             raise UserError(f"keeping the best checkpoint by {self.metric!r} needs a model_dir; pass one")
         directory = os.path.join(trainer.model_dir, BEST_SUBDIR)
+        self._load(directory)
         self._manager = tf.train.CheckpointManager(
             trainer.checkpoint_manager.checkpoint, directory=directory, max_to_keep=1,
             step_counter=trainer.global_step,
         )
-        self._load(os.path.join(directory, BEST_FILE))
 
     def on_eval_end(self, trainer: "Trainer", step: int, logs: Mapping[str, Any]) -> None:
         value = metric_value(logs, self.metric)
@@ -58,20 +68,38 @@ class BestCheckpoint(Callback):
         self.watch.best, self.best_step = value, step
         if not trainer.strategy.extended.should_checkpoint:
             return  # Only the chief writes; every worker tracks the same best.
-        path = self._manager.save(checkpoint_number=step)
-        write_json(os.path.join(self._manager.directory, BEST_FILE), {
+        # The value first: a crash before the save leaves the older, worse checkpoint
+        # recorded as better than it is (it is kept longer), never the reverse.
+        model_dir_lib.write_json(os.path.join(self._manager.directory, BEST_FILE), {
             "metric": self.metric, "mode": self.watch.mode, "value": value, "step": step,
-            "checkpoint": os.path.basename(path),
+            "checkpoint": f"ckpt-{step}",
         })
+        path = self._manager.save(checkpoint_number=step)
         logging.info("best eval %s=%.6g at step %d: saved %s", self.metric, value, step, path)
 
-    def _load(self, path: str) -> None:
-        if not os.path.exists(path):
+    def _load(self, directory: str) -> None:
+        path = os.path.join(directory, BEST_FILE)
+        state = model_dir_lib.read_json(path, what="the value of the best checkpoint")
+        kept = model_dir_lib.scan_checkpoints(directory)
+        if state is None:
+            if kept:
+                raise UserError(
+                    f"{path} is missing but {directory} holds {os.path.basename(kept[-1])}: without its "
+                    f"{self.metric} value a worse checkpoint could replace it; restore {BEST_FILE} "
+                    f"or move {directory} away"
+                )
             return
-        with open(path) as handle:
-            state = json.load(handle)
-        if (state.get("metric"), state.get("mode")) != (self.metric, self.watch.mode):
-            logging.info("best checkpoint: %s was kept by %s (%s); now keeping by %s (%s)",
-                         path, state.get("metric"), state.get("mode"), self.metric, self.watch.mode)
-            return
-        self.watch.best, self.best_step = float(state["value"]), int(state["step"])
+        try:
+            metric, mode, value, step = state["metric"], state["mode"], float(state["value"]), int(state["step"])
+        except (TypeError, KeyError, ValueError):
+            metric = mode = value = step = None
+        if value is None or math.isnan(value):
+            raise UserError(f"{path} is damaged (expected metric, mode, value and step, got "
+                            f"{str(state)[:100]}); restore it or move {directory} away")
+        if (metric, mode) != (self.metric, self.watch.mode):
+            raise UserError(
+                f"{directory} keeps the best checkpoint by {metric} ({mode}), not by {self.metric} "
+                f"({self.watch.mode}); pass --best_checkpoint_metric={metric}, or move {directory} "
+                "away to keep a new best"
+            )
+        self.watch.best, self.best_step = value, step

@@ -10,12 +10,13 @@ communication.
 
 from __future__ import annotations
 
-import json
+import math
 import os
 from typing import TYPE_CHECKING, Any, Mapping
 
 from absl import logging
 
+from engine import model_dir as model_dir_lib
 from engine.callbacks import Callback
 from engine.errors import UserError
 
@@ -100,11 +101,16 @@ class PatienceHook(Callback):
     def on_patience_exhausted(self, trainer: "Trainer", step: int, replaying: bool) -> None:
         raise NotImplementedError
 
-    def on_train_begin(self, trainer: "Trainer") -> None:
+    def restore_state(self, trainer: "Trainer") -> None:
+        """Reads `hooks/<name>.json` (once); a damaged file is a UserError.
+        `engine.job` calls it before writing anything to the model_dir."""
         model_dir = getattr(trainer, "model_dir", None)
         if model_dir and self._path is None:
             self._path = os.path.join(model_dir, STATE_SUBDIR, f"{self.name}.json")
             self.history = self._load()
+
+    def on_train_begin(self, trainer: "Trainer") -> None:
+        self.restore_state(trainer)
         self._writes = trainer.strategy.extended.should_checkpoint  # The chief writes; all replay.
         self.history = [(s, v) for s, v in self.history if s <= trainer.step]
         self.watch = MetricWatch(self.metric, self._mode, self._min_delta)
@@ -123,26 +129,23 @@ class PatienceHook(Callback):
             self.on_patience_exhausted(trainer, step, replaying)
 
     def _load(self) -> list[tuple[int, float]]:
-        if not self._path or not os.path.exists(self._path):
+        state = model_dir_lib.read_json(self._path, what=f"the eval history of {self.name}")
+        if state is None:
             return []
-        with open(self._path) as handle:
-            state = json.load(handle)
-        if state.get("metric") != self.metric:
-            logging.info("%s: ignoring %s, it watched %r, not %r",
-                         self.name, self._path, state.get("metric"), self.metric)
+        try:
+            metric = state["metric"]
+            history = [(int(s), float(v)) for s, v in state["history"]]
+        except (TypeError, KeyError, ValueError):
+            history = None
+        if history is None or any(math.isnan(v) for _, v in history):
+            raise UserError(f"{self._path} is damaged (expected a metric and a history of [step, value]); "
+                            "restore it or move it away")
+        if metric != self.metric:
+            logging.info("%s: ignoring %s, it watched %r, not %r", self.name, self._path, metric, self.metric)
             return []
-        return [(int(s), float(v)) for s, v in state["history"]]
+        return history
 
     def _save(self) -> None:
         if not self._path or not self._writes:
             return
-        write_json(self._path, {"metric": self.metric, "history": self.history})
-
-
-def write_json(path: str, payload: Mapping[str, Any]) -> None:
-    """Writes atomically, so a restart never reads half a file."""
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    temporary = path + ".tmp"
-    with open(temporary, "w") as handle:
-        json.dump(payload, handle, indent=2)
-    os.replace(temporary, path)
+        model_dir_lib.write_json(self._path, {"metric": self.metric, "history": self.history})

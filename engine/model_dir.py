@@ -1,0 +1,310 @@
+"""Everything that touches a model_dir as a whole: its name, the writer lock,
+finding the checkpoints in it, and JSON files written atomically.
+
+One concern, one place, because each of these lost work when done ad hoc:
+TensorFlow matches checkpoint paths as glob patterns (a `[` in a name reached
+a sibling directory's files), two runs on one directory overwrote each other's
+`ckpt-N`, and a deleted `checkpoints/checkpoint` state file made a rerun start
+over on top of the saved checkpoints. Files go through `tf.io.gfile`, so the
+same code serves local disks and remote file systems.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import json
+import os
+import re
+import shutil
+import socket
+import time
+from typing import Any, Iterator, Mapping
+
+import tensorflow as tf
+from absl import logging
+
+from engine.errors import UserError
+
+LOCK_FILE = ".writer.lock"
+STATE_FILE = "checkpoint"  # What tf.train.CheckpointManager names its state file.
+DAMAGED_STATE_SUFFIX = ".damaged"
+SUPERSEDED_SUBDIR = "superseded"  # Checkpoint files moved aside rather than overwritten.
+# TensorFlow's file matching (tf.io.gfile.glob, CheckpointManager rotation) treats these as patterns.
+GLOB_CHARACTERS = "*?[]\\"
+_CHECKPOINT_INDEX = re.compile(r"^ckpt-(\d+)\.index$")
+
+
+def check_name(model_dir: str, flag: str = "model_dir") -> None:
+    """Refuses names TensorFlow would read as glob patterns: with them, checkpoint
+    rotation and discovery reach files outside the directory."""
+    bad = sorted({c for c in model_dir if c in GLOB_CHARACTERS})
+    if bad:
+        raise UserError(
+            f"--{flag}={model_dir} contains {''.join(bad)!r}, which TensorFlow matches as a file "
+            "pattern (checkpoint rotation could delete files of other directories); "
+            "use a path without * ? [ ] \\"
+        )
+
+
+# ------------------------------------------------------------------ the writer lock
+
+
+def _describe_holder(text: str) -> str:
+    try:
+        holder = json.loads(text)
+        return f"pid {holder['pid']} on host {holder['host']} (since {holder['since']})"
+    except (ValueError, KeyError, TypeError):
+        return "an unknown process (unreadable lock file)"
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+@contextlib.contextmanager
+def writer_lock(model_dir: str) -> Iterator[None]:
+    """Holds `<model_dir>/.writer.lock` exclusively for the `with` block.
+
+    The lock is an `fcntl.flock` on that file, which the kernel releases when
+    the process dies in any way (kill -9 included), so a crashed run never
+    blocks a rerun; the file records host, pid and start time so that a
+    refused run can say who holds the directory, and a rerun after a crash
+    says whose lock it took over. The file is removed on a clean exit, so a
+    run refused for bad input leaves the model_dir as it found it (and a
+    model_dir created only for the lock is removed again).
+
+    Only one writer per model_dir: training takes it; readers (an evaluator)
+    must not. `flock` is enforced between processes of one host and on file
+    systems that support it (local disks, NFSv4); elsewhere the recorded
+    holder still makes a concurrent run of another host visible in the logs.
+    """
+    created = not tf.io.gfile.exists(model_dir)
+    tf.io.gfile.makedirs(model_dir)
+    path = os.path.join(model_dir, LOCK_FILE)
+    while True:
+        handle = open(path, "a+")
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as error:
+            if error.errno not in (errno.EAGAIN, errno.EACCES):
+                handle.close()
+                raise
+            handle.seek(0)
+            holder = _describe_holder(handle.read())
+            handle.close()
+            raise UserError(
+                f"--model_dir={model_dir} is in use by {holder}; wait for that run to end, "
+                "or pass another --model_dir"
+            ) from None
+        try:
+            same_file = os.fstat(handle.fileno()).st_ino == os.stat(path).st_ino
+        except FileNotFoundError:
+            same_file = False
+        if same_file:
+            break
+        handle.close()  # The previous holder removed the file between our open and flock: retry.
+    handle.seek(0)
+    previous = handle.read().strip()
+    if previous:
+        holder = _describe_holder(previous)
+        logging.warning("took over the writer lock of %s in %s: that run ended without "
+                        "releasing it (killed?)", holder, model_dir)
+    handle.seek(0)
+    handle.truncate()
+    handle.write(json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
+                             "since": time.strftime("%Y-%m-%dT%H:%M:%S%z")}))
+    handle.flush()
+    try:
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            os.remove(path)  # Still holding the lock: nobody else can be between.
+        handle.close()
+        if created:
+            with contextlib.suppress(OSError):  # Only when the refused run left it empty.
+                os.rmdir(model_dir)
+
+
+def holder_pid(model_dir: str) -> int | None:
+    """The pid recorded in a model_dir's lock file, if any (for tests and tools)."""
+    try:
+        with open(os.path.join(model_dir, LOCK_FILE)) as handle:
+            return int(json.load(handle)["pid"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+# ------------------------------------------------------- checkpoint discovery
+
+
+def scan_checkpoints(directory: str) -> list[str]:
+    """Prefixes of every `ckpt-N` with an index file in `directory`, oldest first.
+
+    Lists the directory instead of matching a pattern, so it is right for any
+    directory name.
+    """
+    if not tf.io.gfile.isdir(directory):
+        return []
+    numbered = []
+    for name in tf.io.gfile.listdir(directory):
+        match = _CHECKPOINT_INDEX.match(name)
+        if match:
+            numbered.append((int(match.group(1)), os.path.join(directory, name[: -len(".index")])))
+    return [path for _, path in sorted(numbered)]
+
+
+def read_problem(path: str) -> str | None:
+    """None if every tensor of the checkpoint at `path` reads back, else what failed.
+
+    Any `OpError` counts: a truncated or zeroed index, a checksum mismatch or
+    a deleted data file each surface as a different one.
+    """
+    try:
+        reader = tf.train.load_checkpoint(path)
+        for name in reader.get_variable_to_shape_map():
+            reader.get_tensor(name)
+    except (tf.errors.OpError, IndexError, ValueError) as error:  # IndexError: a short read
+        return f"{type(error).__name__}: {' '.join(str(error).split())[:200]}"
+    return None
+
+
+def checkpoint_state(directory: str):
+    """`tf.train.get_checkpoint_state`, with None also for a state file it cannot
+    parse (it returns None for some damage and raises ValueError for other)."""
+    try:
+        return tf.train.get_checkpoint_state(directory)
+    except (ValueError, tf.errors.OpError):
+        return None
+
+
+def recover_state(directory: str) -> str | None:
+    """Makes the state file of `directory` name its checkpoints again when it
+    is missing or damaged while checkpoint files are there; returns what it did.
+
+    Without this, `CheckpointManager` sees no checkpoint, the run starts from
+    step 0 and overwrites `ckpt-N` as it reaches N. The newest readable
+    checkpoint found by listing the directory becomes the latest; a damaged
+    state file is kept beside as `checkpoint.damaged`. Raises UserError when
+    checkpoint files are there but none can be read.
+    """
+    found = scan_checkpoints(directory)
+    state_path = os.path.join(directory, STATE_FILE)
+    state = checkpoint_state(directory)
+    if state is not None and state.model_checkpoint_path:
+        return None
+    if not found:
+        if state is None and tf.io.gfile.exists(state_path):  # Names nothing: set aside, start afresh.
+            tf.io.gfile.rename(state_path, state_path + DAMAGED_STATE_SUFFIX, overwrite=True)
+            logging.warning("the checkpoint state file %s is damaged and there is no checkpoint; "
+                            "kept as %s", state_path, state_path + DAMAGED_STATE_SUFFIX)
+        return None
+    readable = [path for path in found if read_problem(path) is None]
+    if not readable:
+        raise UserError(
+            f"{directory} holds checkpoints ({os.path.basename(found[-1])} the newest) but its "
+            f"state file {STATE_FILE!r} is missing or damaged and none of them can be read; "
+            "use a new --model_dir"
+        )
+    what = "missing"
+    if tf.io.gfile.exists(state_path):
+        what = "damaged"
+        tf.io.gfile.rename(state_path, state_path + DAMAGED_STATE_SUFFIX, overwrite=True)
+    tf.compat.v1.train.update_checkpoint_state(directory, readable[-1], all_model_checkpoint_paths=readable)
+    message = (f"the checkpoint state file {state_path} was {what}; found {len(found)} checkpoint(s) "
+               f"by listing the directory and continue from the newest readable, {readable[-1]}")
+    logging.warning("%s", message)
+    return message
+
+
+def set_aside_unlisted(directory: str, number: int, *, listed: list[str]) -> None:
+    """Moves the files of `ckpt-<number>` to `superseded/` when they exist but the
+    state file does not list them (a crash between a save and its state update,
+    or an older state file put back), so that the save about to write that
+    name never overwrites a checkpoint."""
+    prefix = f"ckpt-{number}"
+    if prefix in {os.path.basename(path) for path in listed}:
+        return
+    if not tf.io.gfile.exists(os.path.join(directory, prefix + ".index")):
+        return
+    aside = os.path.join(directory, SUPERSEDED_SUBDIR, time.strftime("%Y%m%dT%H%M%S"))
+    tf.io.gfile.makedirs(aside)
+    for name in tf.io.gfile.listdir(directory):
+        if name.startswith(prefix + "."):
+            tf.io.gfile.rename(os.path.join(directory, name), os.path.join(aside, name))
+    logging.warning("%s existed but the checkpoint state did not list it; moved it to %s before saving "
+                    "a new %s", os.path.join(directory, prefix), aside, prefix)
+
+
+def remove_orphan_temps(directory: str) -> None:
+    """Removes `*_temp` directories that a save cut short (kill -9, full disk) left.
+
+    TensorFlow writes a checkpoint into `ckpt-N_temp/` and moves the files
+    out when complete, so these hold no complete checkpoint. Call under the
+    writer lock only: a live run's save in progress looks the same.
+    """
+    if not tf.io.gfile.isdir(directory):
+        return
+    for name in tf.io.gfile.listdir(directory):
+        name = name.rstrip("/")
+        path = os.path.join(directory, name)
+        if name.endswith("_temp") and tf.io.gfile.isdir(path):
+            logging.warning("removing %s, left by a checkpoint write that did not finish", path)
+            tf.io.gfile.rmtree(path)
+
+
+# ----------------------------------------------------------------- JSON files
+
+
+def read_json(path: str, *, what: str) -> Any | None:
+    """The JSON value in `path`; None when there is no such file.
+
+    Anything else that is not JSON (garbage, empty, a directory) is a
+    UserError naming the file and `what` it holds.
+    """
+    if not tf.io.gfile.exists(path):
+        return None
+    if tf.io.gfile.isdir(path):
+        raise UserError(f"{path} ({what}) is a directory, not a JSON file; move it away")
+    try:
+        with tf.io.gfile.GFile(path, "r") as handle:
+            return json.loads(handle.read())
+    except (ValueError, UnicodeDecodeError, tf.errors.OpError) as error:
+        raise UserError(f"{path} ({what}) is damaged ({' '.join(str(error).split())[:120]}); "
+                        "restore it from a backup or move it away") from None
+
+
+def write_json(path: str, payload: Mapping[str, Any]) -> None:
+    """Writes atomically (a temporary file, then a rename), so a reader never
+    sees half a file; a directory in the way is a UserError, not a traceback."""
+    if tf.io.gfile.isdir(path):
+        raise UserError(f"cannot write {path}: it is a directory; move it away")
+    directory = os.path.dirname(path)
+    if directory:
+        tf.io.gfile.makedirs(directory)
+    temporary = path + ".tmp"
+    with tf.io.gfile.GFile(temporary, "w") as handle:
+        handle.write(json.dumps(dict(payload), indent=2, sort_keys=True))
+    tf.io.gfile.rename(temporary, path, overwrite=True)
+
+
+def disk_full_message(path: str, error: BaseException) -> str | None:
+    """A one-line explanation if `error` says the disk under `path` is full."""
+    text = str(error)
+    full = isinstance(error, OSError) and error.errno == errno.ENOSPC
+    full = full or "No space left on device" in text or isinstance(error, tf.errors.ResourceExhaustedError)
+    if not full:
+        return None
+    try:
+        usage = shutil.disk_usage(os.path.dirname(path) or ".")
+        free = f"{usage.free / 2**20:.1f} MiB free of {usage.total / 2**20:.0f} MiB"
+    except OSError:
+        free = "free space unknown"
+    return f"the disk holding {path} is full ({free}); free space or use another --model_dir"

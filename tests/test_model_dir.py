@@ -1,0 +1,476 @@
+"""Nothing lost, part 2: one writer per model_dir, no checkpoint overwritten,
+every bad input one line with exit 2 and the model_dir left byte-identical.
+
+Real `python -m engine.main` processes wherever processes matter (the lock,
+kill -9, signals, a full disk); small mlp runs to stay fast.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from engine import model_dir as model_dir_lib
+from engine.errors import UserError
+from test_fault_tolerance import copy_of, one_error_line, popen_main, stop, wait_for_checkpoint
+from test_main import run_main, snapshot
+
+MLP = ["--model=mlp", "--checkpoint_every=10", "--eval_every=0"]
+
+
+def checkpoint_files(model_dir: Path) -> dict[str, tuple[bytes, int]]:
+    """Bytes and mtime of every ckpt-* file: what must never be overwritten."""
+    return {p.name: (p.read_bytes(), p.stat().st_mtime_ns)
+            for p in sorted((model_dir / "checkpoints").glob("ckpt-*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> Path:
+    """An mlp model_dir with checkpoints at steps 10 and 20, an early-stopping
+    history and a best checkpoint by accuracy."""
+    model_dir = tmp_path_factory.mktemp("trained") / "run"
+    result = run_main("--model=mlp", "--train_steps=20", "--checkpoint_every=10", "--eval_every=10",
+                      "--early_stop_metric=loss", "--early_stop_patience=5",
+                      "--best_checkpoint_metric=accuracy", f"--model_dir={model_dir}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    return model_dir
+
+
+TRAINED_FLAGS = ["--model=mlp", "--checkpoint_every=10", "--eval_every=10", "--early_stop_metric=loss",
+                 "--early_stop_patience=5", "--best_checkpoint_metric=accuracy"]
+
+
+# ----------------------------------------------------------------- the lock
+
+
+def test_writer_lock_is_exclusive_and_leaves_nothing_behind(tmp_path):
+    model_dir = tmp_path / "run"
+    with model_dir_lib.writer_lock(str(model_dir)):
+        assert model_dir_lib.holder_pid(str(model_dir)) == os.getpid()
+        with pytest.raises(UserError, match=f"in use by pid {os.getpid()} on host"):
+            with model_dir_lib.writer_lock(str(model_dir)):
+                pass
+    assert not model_dir.exists()  # created for the lock only, so removed again
+    model_dir.mkdir()
+    with model_dir_lib.writer_lock(str(model_dir)):
+        pass
+    assert list(model_dir.iterdir()) == []
+
+
+@pytest.mark.timeout(240)
+def test_second_run_on_a_model_dir_exits_2_naming_the_holder(tmp_path):
+    model_dir = tmp_path / "run"
+    first = popen_main("--model=mlp", "--train_steps=1000000", "--steps_per_loop=20", "--eval_every=0",
+                       "--checkpoint_every=200", f"--model_dir={model_dir}")
+    try:
+        wait_for_checkpoint(model_dir, first)
+        assert model_dir_lib.holder_pid(str(model_dir)) == first.pid
+        second = run_main("--model=mlp", "--train_steps=50", "--eval_every=0", f"--model_dir={model_dir}")
+        line = one_error_line(second)
+        assert f"is in use by pid {first.pid} on host" in line, line
+        assert first.poll() is None  # the holder is untouched and still training
+        first.send_signal(signal.SIGTERM)
+        first.communicate(timeout=60)
+        assert first.returncode == 128 + signal.SIGTERM
+    finally:
+        stop(first)
+    assert not (model_dir / model_dir_lib.LOCK_FILE).exists()  # released on a clean stop
+
+
+@pytest.mark.timeout(240)
+def test_lock_left_by_kill_9_is_taken_over_with_a_warning(tmp_path):
+    model_dir = tmp_path / "run"
+    killed = popen_main(*MLP, "--train_steps=1000000", "--steps_per_loop=5", f"--model_dir={model_dir}")
+    try:
+        wait_for_checkpoint(model_dir, killed)
+    finally:
+        stop(killed)  # SIGKILL: the lock file stays, naming a dead process
+    assert model_dir_lib.holder_pid(str(model_dir)) == killed.pid
+    rerun = run_main(*MLP, "--train_steps=5", f"--model_dir={model_dir}")
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert f"took over the writer lock of pid {killed.pid}" in rerun.stderr
+    assert not (model_dir / model_dir_lib.LOCK_FILE).exists()
+
+
+# --------------------------------------------------- checkpoint discovery
+
+
+@pytest.mark.parametrize("damage", ["deleted", "garbage", "empty"])
+def test_lost_state_file_recovers_the_newest_checkpoint_and_overwrites_nothing(trained, tmp_path, damage):
+    model_dir = copy_of(trained, tmp_path / "run")
+    state = model_dir / "checkpoints" / "checkpoint"
+    if damage == "deleted":
+        state.unlink()
+    else:
+        state.write_text("model_checkpoint_path: {{{ garbage" if damage == "garbage" else "")
+    before = checkpoint_files(model_dir)
+    result = run_main(*TRAINED_FLAGS, "--train_steps=30", f"--model_dir={model_dir}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "steps=20->30" in result.stderr
+    assert "was missing" in result.stderr or "was damaged" in result.stderr
+    after = checkpoint_files(model_dir)
+    assert {name: after[name] for name in before} == before  # ckpt-10, ckpt-20: same bytes, same mtime
+    assert "ckpt-30.index" in after
+    if damage != "deleted":
+        assert (model_dir / "checkpoints" / "checkpoint.damaged").exists()
+
+
+def test_lost_state_file_with_no_readable_checkpoint_is_refused(trained, tmp_path):
+    model_dir = copy_of(trained, tmp_path / "run")
+    (model_dir / "checkpoints" / "checkpoint").unlink()
+    for index in (model_dir / "checkpoints").glob("ckpt-*.index"):
+        index.write_bytes(b"\0" * index.stat().st_size)
+    before = snapshot(model_dir)
+    line = one_error_line(run_main(*TRAINED_FLAGS, "--train_steps=30", f"--model_dir={model_dir}"))
+    assert "none of them can be read" in line
+    assert snapshot(model_dir) == before
+
+
+@pytest.mark.parametrize("damage", ["zeroed index", "deleted data", "flipped data"])
+def test_unreadable_checkpoint_of_any_kind_is_one_line_and_fallback_recovers(trained, tmp_path, damage):
+    model_dir = copy_of(trained, tmp_path / "run")
+    checkpoints = model_dir / "checkpoints"
+    index, data = checkpoints / "ckpt-20.index", next(checkpoints.glob("ckpt-20.data-*"))
+    if damage == "zeroed index":
+        index.write_bytes(b"\0" * index.stat().st_size)
+    elif damage == "deleted data":
+        data.unlink()
+    else:
+        raw = bytearray(data.read_bytes())
+        raw[len(raw) // 2] ^= 0xFF
+        data.write_bytes(bytes(raw))
+    before = snapshot(model_dir)
+    line = one_error_line(run_main(*TRAINED_FLAGS, "--train_steps=30", f"--model_dir={model_dir}"))
+    assert "ckpt-20 cannot be read" in line and "--restore_fallback" in line
+    assert snapshot(model_dir) == before
+    recovered = run_main(*TRAINED_FLAGS, "--train_steps=30", "--restore_fallback", f"--model_dir={model_dir}")
+    assert recovered.returncode == 0, recovered.stderr[-3000:]
+    assert "steps=10->30" in recovered.stderr
+
+
+def test_orphan_temp_dirs_are_removed_at_start(trained, tmp_path):
+    model_dir = copy_of(trained, tmp_path / "run")
+    orphan = model_dir / "checkpoints" / "ckpt-30_temp"
+    orphan.mkdir()
+    (orphan / "part-00000-of-00001.data-00000-of-00001").write_bytes(b"half a checkpoint")
+    result = run_main(*TRAINED_FLAGS, "--train_steps=30", f"--model_dir={model_dir}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert str(orphan) in result.stderr and not orphan.exists()
+
+
+@pytest.mark.parametrize("name", ["run[1]", "run*", "run?"])
+def test_model_dir_with_pattern_characters_is_refused_and_siblings_untouched(trained, tmp_path, name):
+    sibling = copy_of(trained, tmp_path / "run1")
+    before = snapshot(sibling)
+    line = one_error_line(run_main(*TRAINED_FLAGS, "--train_steps=30", f"--model_dir={tmp_path / name}"))
+    assert name in line and "pattern" in line
+    assert not (tmp_path / name).exists()
+    assert snapshot(sibling) == before
+
+
+# ------------------------------------------------------------- reruns, resume
+
+
+def test_rerun_of_a_finished_run_leaves_metrics_json_and_says_where_it_is(trained, tmp_path):
+    model_dir = copy_of(trained, tmp_path / "run")
+    before = snapshot(model_dir)
+    result = run_main(*TRAINED_FLAGS, "--train_steps=20", f"--model_dir={model_dir}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "already at step 20" in result.stderr
+    assert snapshot(model_dir) == before
+    assert json.loads((model_dir / "metrics.json").read_text())["train"]  # not emptied
+
+
+@pytest.mark.parametrize("flag", ["--optimizer=sgd", "--lr_schedule=cosine", "--mixed_precision=bfloat16"])
+def test_changed_optimizer_settings_on_resume_are_refused_naming_the_flag(trained, tmp_path, flag):
+    model_dir = copy_of(trained, tmp_path / "run")
+    before = snapshot(model_dir)
+    line = one_error_line(run_main(*TRAINED_FLAGS, "--train_steps=30", flag, f"--model_dir={model_dir}"))
+    name, value = flag.split("=")
+    assert f"{name}={value} differs from {name}=" in line and "--reset_optimizer" in line
+    assert snapshot(model_dir) == before
+
+
+def test_reset_optimizer_keeps_the_weights_and_starts_fresh_optimizer_state(trained, tmp_path):
+    import tensorflow as tf
+
+    model_dir = copy_of(trained, tmp_path / "run")
+    result = run_main(*TRAINED_FLAGS, "--train_steps=30", "--optimizer=sgd", "--reset_optimizer",
+                      f"--model_dir={model_dir}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "steps=20->30" in result.stderr
+    reader = tf.train.load_checkpoint(str(model_dir / "checkpoints" / "ckpt-30"))
+    assert reader.get_tensor("optimizer/_iterations/.ATTRIBUTES/VARIABLE_VALUE") == 30
+    assert not any("momentum" in name or "velocity" in name for name in reader.get_variable_to_shape_map())
+
+
+# ------------------------------------------------ bad input: one line, exit 2, dir unchanged
+
+
+def _write_hook_state(model_dir: Path, damage: str) -> None:
+    target = model_dir / "hooks" / "early_stopping.json"
+    if damage == "directory":
+        target.unlink()
+        target.mkdir()
+    else:
+        target.write_text({"garbage": "{not json", "empty": "", "wrong shape": "[1, 2, 3]"}[damage])
+
+
+@pytest.mark.parametrize("damage", ["garbage", "empty", "wrong shape", "directory"])
+def test_damaged_hook_state_is_one_line_and_the_model_dir_is_left_alone(trained, tmp_path, damage):
+    model_dir = copy_of(trained, tmp_path / "run")
+    assert (model_dir / "hooks" / "early_stopping.json").is_file()
+    _write_hook_state(model_dir, damage)
+    before = snapshot(model_dir)
+    line = one_error_line(run_main(*TRAINED_FLAGS, "--train_steps=30", f"--model_dir={model_dir}"))
+    assert "early_stopping.json" in line
+    assert snapshot(model_dir) == before
+
+
+@pytest.mark.parametrize("damage", ["garbage", "wrong shape", "missing", "directory"])
+def test_best_checkpoint_is_never_compared_against_nothing(trained, tmp_path, damage):
+    model_dir = copy_of(trained, tmp_path / "run")
+    best = model_dir / "best" / "best.json"
+    assert json.loads(best.read_text())["metric"] == "accuracy"
+    if damage == "missing":
+        best.unlink()
+    elif damage == "directory":
+        best.unlink()
+        best.mkdir()
+    else:
+        best.write_text("{not json" if damage == "garbage" else '{"metric": "accuracy"}')
+    before = snapshot(model_dir)
+    line = one_error_line(run_main(*TRAINED_FLAGS, "--train_steps=30", f"--model_dir={model_dir}"))
+    assert "best.json" in line
+    assert snapshot(model_dir) == before
+
+
+def test_changed_best_checkpoint_metric_is_refused(trained, tmp_path):
+    model_dir = copy_of(trained, tmp_path / "run")
+    before = snapshot(model_dir)
+    flags = [f for f in TRAINED_FLAGS if not f.startswith("--best_checkpoint_metric")]
+    line = one_error_line(run_main(*flags, "--best_checkpoint_metric=loss", "--train_steps=30",
+                                   f"--model_dir={model_dir}"))
+    assert "by accuracy (max), not by loss (min)" in line
+    assert snapshot(model_dir) == before
+
+
+@pytest.mark.parametrize("flag", [
+    "--epochs=nan", "--epochs=inf", "--seed=-1", f"--seed={2**40}", "--learning_rate=nan",
+    "--learning_rate=inf", "--clip_norm=nan", "--clip_norm=inf", "--global_batch_size=1000000000",
+    "--no_such_flag=1", "--train_steps=ten", "--flagfile=/nonexistent/flags.txt",
+])
+def test_bad_flags_are_one_line_and_exit_2_with_the_model_dir_left_alone(trained, tmp_path, flag):
+    model_dir = copy_of(trained, tmp_path / "run")
+    before = snapshot(model_dir)
+    line = one_error_line(run_main(*[f for f in TRAINED_FLAGS if not f.startswith(flag.split("=")[0])],
+                                   flag, f"--model_dir={model_dir}"))
+    assert flag.split("=")[0].lstrip("-") in line or flag.split("=")[1] in line, line
+    assert snapshot(model_dir) == before
+
+
+def test_metrics_json_as_a_directory_is_refused_before_training(trained, tmp_path):
+    model_dir = copy_of(trained, tmp_path / "run")
+    (model_dir / "metrics.json").unlink()
+    (model_dir / "metrics.json").mkdir()
+    before = snapshot(model_dir)
+    line = one_error_line(run_main(*TRAINED_FLAGS, "--train_steps=30", f"--model_dir={model_dir}"))
+    assert "metrics.json is a directory" in line
+    assert snapshot(model_dir) == before
+
+
+def _fake_mnist(path: Path, **override) -> Path:
+    rng = np.random.default_rng(0)
+    arrays = {"x_train": rng.integers(0, 256, (256, 28, 28), dtype=np.uint8),
+              "y_train": rng.integers(0, 10, 256).astype(np.uint8),
+              "x_test": rng.integers(0, 256, (64, 28, 28), dtype=np.uint8),
+              "y_test": rng.integers(0, 10, 64).astype(np.uint8)}
+    arrays.update(override)
+    path.mkdir(parents=True, exist_ok=True)
+    np.savez(path / "mnist.npz", **arrays)
+    return path
+
+
+@pytest.mark.parametrize("override, expected", [
+    ({"x_train": np.zeros((256, 32, 32), np.uint8)}, "x_train is uint8 of shape (256, 32, 32)"),
+    ({"y_test": np.zeros((63,), np.uint8)}, "y_test is uint8 of shape (63,)"),
+    ({"y_train": np.r_[np.zeros(200, np.uint8), [10], np.zeros(55, np.uint8)]}, "y_train[200] = 10"),
+])
+def test_bad_mnist_file_is_one_line(trained, tmp_path, override, expected):
+    model_dir = copy_of(trained, tmp_path / "run")
+    before = snapshot(model_dir)
+    data_dir = _fake_mnist(tmp_path / "mnist", **override)
+    line = one_error_line(run_main(*TRAINED_FLAGS, "--dataset=mnist", f"--data_dir={data_dir}",
+                                   "--train_steps=30", f"--model_dir={model_dir}"))
+    assert expected in line, line
+    assert snapshot(model_dir) == before
+
+
+def test_out_of_range_label_late_in_a_tfrecord_file_is_one_line(tmp_path):
+    from input import write_tfrecords
+
+    records = tmp_path / "records"
+    records.mkdir()
+    images = np.zeros((300, 28, 28, 1), np.uint8)
+    labels = np.zeros(300, np.int64)
+    labels[250] = 12
+    write_tfrecords(str(records / "train-0.tfrecord"), images, labels)
+    write_tfrecords(str(records / "eval-0.tfrecord"), images[:10], labels[:10])
+    line = one_error_line(run_main("--model=mlp", "--dataset=tfrecord", f"--data_dir={records}",
+                                   "--train_steps=20", "--eval_every=0", "--global_batch_size=32",
+                                   f"--model_dir={tmp_path / 'run'}"))
+    assert "label" in line and str(records) in line
+
+
+# ----------------------------------------------------------------- bounded stop
+
+
+@pytest.mark.timeout(300)
+def test_sigterm_during_a_large_evaluation_stops_within_one_chunk(tmp_path):
+    """60,000 eval images through wide_mlp take about a minute on 2 cores; the
+    stop must come after one chunk of --steps_per_loop batches instead."""
+    data_dir = _fake_mnist(tmp_path / "mnist", x_test=np.zeros((60000, 28, 28), np.uint8),
+                           y_test=np.zeros(60000, np.uint8))
+    model_dir = tmp_path / "run"
+    process = popen_main("--model=wide_mlp", "--dataset=mnist", f"--data_dir={data_dir}",
+                         "--global_batch_size=64", "--steps_per_loop=4", "--eval_every=4",
+                         "--train_steps=1000", f"--model_dir={model_dir}")
+    try:
+        deadline = time.monotonic() + 180
+        for line in process.stderr:  # the first evaluation starts right after step 4
+            if "step 4/" in line or time.monotonic() > deadline:
+                break
+        time.sleep(3)  # well inside the evaluation
+        sent = time.monotonic()
+        process.send_signal(signal.SIGTERM)
+        _, stderr = process.communicate(timeout=120)
+        stopped_after = time.monotonic() - sent
+    finally:
+        stop(process)
+    assert process.returncode == 128 + signal.SIGTERM, stderr[-3000:]
+    assert "evaluation at step 4 stopped by a stop request" in stderr
+    assert stopped_after < 15, f"stop took {stopped_after:.1f} s"
+    assert (model_dir / "checkpoints" / "ckpt-4.index").exists()
+
+
+@pytest.mark.timeout(240)
+def test_second_signal_ends_the_process_at_once(tmp_path):
+    data_dir = _fake_mnist(tmp_path / "mnist")
+    model_dir = tmp_path / "run"
+    # One compiled loop of 5,000 wide_mlp steps: the first signal alone would wait for all of it.
+    process = popen_main("--model=wide_mlp", "--dataset=mnist", f"--data_dir={data_dir}",
+                         "--global_batch_size=64", "--steps_per_loop=5000", "--eval_every=0",
+                         "--checkpoint_every=100000", "--train_steps=100000", f"--model_dir={model_dir}")
+    try:
+        deadline = time.monotonic() + 120
+        for line in process.stderr:  # the banner: training starts next
+            if "steps=0->" in line or time.monotonic() > deadline:
+                break
+        time.sleep(5)
+        process.send_signal(signal.SIGTERM)
+        time.sleep(1)
+        sent = time.monotonic()
+        process.send_signal(signal.SIGTERM)
+        _, stderr = process.communicate(timeout=60)
+        ended_after = time.monotonic() - sent
+    finally:
+        stop(process)
+    assert process.returncode == 128 + signal.SIGTERM, stderr[-3000:]
+    assert "received again: exiting now" in stderr
+    assert ended_after < 5, f"took {ended_after:.1f} s"
+
+
+# -------------------------------------------------------------------- full disk
+
+
+def _mount_tmpfs(path: Path, size: str) -> bool:
+    path.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                             capture_output=True)
+    return mounted.returncode == 0
+
+
+@pytest.mark.timeout(300)
+def test_full_disk_is_one_line_and_the_previous_checkpoint_stays_latest(tmp_path):
+    import tensorflow as tf
+
+    disk = tmp_path / "disk"
+    if os.geteuid() != 0 or not _mount_tmpfs(disk, "2m"):
+        pytest.skip("needs root and `mount -t tmpfs` to make a small disk")
+    try:
+        model_dir = disk / "run"
+        # An mlp checkpoint is 1.2 MB (weights + Adam slots) beside 0.4 MB of TensorBoard
+        # graph: the first checkpoint fits on the 2 MB disk, the second does not.
+        flags = ["--model=mlp", "--steps_per_loop=2", "--checkpoint_every=2", "--eval_every=0",
+                 "--train_steps=6", f"--model_dir={model_dir}"]
+        line = one_error_line(run_main(*flags))
+        assert "is full" in line and str(model_dir) in line, line
+        latest = tf.train.latest_checkpoint(str(model_dir / "checkpoints"))
+        assert latest is not None and model_dir_lib.read_problem(latest) is None
+        assert not list((model_dir / "checkpoints").glob("*_temp"))
+    finally:
+        subprocess.run(["umount", str(disk)], check=False)
+
+
+# ------------------------------------------------------------- Trainer API
+
+
+def test_weights_that_are_not_finite_are_never_saved(tmp_path):
+    import tensorflow as tf
+
+    import engine
+    from test_trainer import global_batches, loss_fn, make_arrays, make_model
+
+    strategy = tf.distribute.get_strategy()
+    model, optimizer = make_model(strategy)
+    trainer = engine.Trainer(strategy=strategy, model=model, optimizer=optimizer,
+                             train_data=global_batches(*make_arrays(64), 16), global_batch_size=16,
+                             loss_fn=loss_fn(), steps_per_loop=2, model_dir=str(tmp_path))
+    trainer.train(2)
+    saved = trainer.checkpoint_manager.latest_checkpoint
+    assert saved.endswith("ckpt-2")
+    before = checkpoint_files(tmp_path)
+    kernel = model.layers[0].kernel
+    kernel.assign(tf.tensor_scatter_nd_update(kernel, [[0, 0]], [float("nan")]))
+    trainer.global_step.assign(3)
+    with pytest.raises(UserError, match="NaN or Inf at step 3; not saved"):
+        trainer.save()
+    assert trainer.checkpoint_manager.latest_checkpoint == saved
+    assert checkpoint_files(tmp_path) == before
+
+
+def test_trainer_refuses_a_model_dir_with_pattern_characters(tmp_path):
+    import tensorflow as tf
+
+    import engine
+    from test_trainer import global_batches, loss_fn, make_arrays, make_model
+
+    strategy = tf.distribute.get_strategy()
+    model, optimizer = make_model(strategy)
+    with pytest.raises(UserError, match=r"contains '\[\]'"):
+        engine.Trainer(strategy=strategy, model=model, optimizer=optimizer,
+                       train_data=global_batches(*make_arrays(64), 16), global_batch_size=16,
+                       loss_fn=loss_fn(), model_dir=str(tmp_path / "run[0]"))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_checkpoint_files_the_state_does_not_list_are_moved_aside_not_overwritten(trained, tmp_path):
+    import tensorflow as tf
+
+    model_dir = copy_of(trained, tmp_path / "run")
+    checkpoints = model_dir / "checkpoints"
+    old = {name: content for name, (content, _) in checkpoint_files(model_dir).items() if "ckpt-20" in name}
+    # An older state file put back: it names ckpt-10 only, while ckpt-20 is on disk.
+    tf.compat.v1.train.update_checkpoint_state(str(checkpoints), str(checkpoints / "ckpt-10"),
+                                               all_model_checkpoint_paths=[str(checkpoints / "ckpt-10")])
+    result = run_main(*TRAINED_FLAGS, "--train_steps=30", f"--model_dir={model_dir}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "steps=10->30" in result.stderr and "did not list it" in result.stderr
+    kept = {p.name: p.read_bytes() for p in (checkpoints / "superseded").rglob("ckpt-20*")}
+    assert kept == old  # the earlier ckpt-20, byte for byte
+    assert tf.train.latest_checkpoint(str(checkpoints)).endswith("ckpt-30")
