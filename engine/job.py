@@ -57,9 +57,13 @@ def run(config: RunConfig) -> dict[str, Any]:
     evaluation and metrics.json, and returns its `exit_status` (128+signal;
     75 on the other workers of a multi-worker run, which stop with it).
     """
+    from engine import evaluator
     from input import DataError, get_data_source
     from models import get_model_spec
 
+    evaluation_mode = evaluator.evaluation_mode(config)
+    if evaluation_mode is not None:  # --mode=eval/continuous_eval or an evaluator task: never trains.
+        return evaluator.run(config, evaluation_mode)
     # tf.distribute logs every cross-device reduction at INFO; keep the engine's lines readable.
     tf.get_logger().setLevel("WARNING")
     if config.cpu_devices > 1:
@@ -106,6 +110,10 @@ def run(config: RunConfig) -> dict[str, Any]:
             def eval_data(input_context):
                 return source.eval_dataset(global_batch_size=batch, input_context=input_context)
 
+    if config.mode == "train":
+        eval_data = None
+    if write_dir != model_dir:  # A restarted worker's scratch from the run it died in.
+        shutil.rmtree(write_dir, ignore_errors=True)
     trainer_class = Trainer
     if config.strategy == "parameter_server":
         from engine.coordinator import CoordinatedTrainer as trainer_class
