@@ -27,6 +27,7 @@ COMMUNICATIONS = ("auto", "ring", "nccl")
 DEFAULT_COLLECTIVE_TIMEOUT = 300.0
 DEFAULT_STARTUP_TIMEOUT = 300.0
 _STARTUP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+WATCHDOG_GRACE_SECONDS = 3.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,10 +93,13 @@ def bounded_startup(cluster: Cluster | None, timeout: float) -> Iterator[None]:
     if cluster is None:
         yield
         return
+    logging.info("%s:%d connecting to %s (--startup_timeout=%gs)", cluster.task_type, cluster.task_index,
+                 ", ".join(f"{name} at {address}" for name, address in cluster.peers()) or "no peer", timeout)
     previous = signal.pthread_sigmask(signal.SIG_BLOCK, _STARTUP_SIGNALS)
+    # The watchdog gives TF's own registration timeout (a clean one-line error) a head start.
     watchdog = subprocess.Popen(
         [sys.executable, os.path.join(os.path.dirname(__file__), "startup_watchdog.py"),
-         str(os.getpid()), f"{timeout:g}", f"{cluster.task_type}:{cluster.task_index}",
+         str(os.getpid()), f"{timeout + WATCHDOG_GRACE_SECONDS if timeout else 0:g}", f"{timeout:g}", f"{cluster.task_type}:{cluster.task_index}",
          *(f"{name}={address}" for name, address in cluster.peers())],
         stdin=subprocess.PIPE,
     )

@@ -1,11 +1,11 @@
 """A watchdog process for a cluster task's start-up, run by path (no TensorFlow, no engine import):
 
-    python engine/startup_watchdog.py PID TIMEOUT TASK PEER=HOST:PORT ...
+    python engine/startup_watchdog.py PID SECONDS TIMEOUT_FLAG TASK PEER=HOST:PORT ...
 
 TensorFlow connects a task to its peers inside one C++ call that holds the
 GIL, so nothing in the task's own process can time it out. This process
 waits on its stdin (the task closes it, or dies, when the start-up is
-over) for TIMEOUT seconds (0: no limit); if the task is still starting
+over) for SECONDS (0: no limit); if the task is still starting
 then, it prints one line naming the peers that do not answer and kills the
 task. The task blocks SIGTERM and SIGINT during its start-up (TensorFlow
 would otherwise take SIGTERM with a handler of its own); the watchdog sees
@@ -33,7 +33,8 @@ def answers(address: str) -> bool:
 
 
 def main(argv: list[str]) -> int:
-    pid, timeout, task, peers = int(argv[1]), float(argv[2]), argv[3], [p.split("=", 1) for p in argv[4:]]
+    pid, timeout, flag, task = int(argv[1]), float(argv[2]), argv[3], argv[4]
+    peers = [peer.split("=", 1) for peer in argv[5:]]
     deadline = time.monotonic() + timeout if timeout else None
     while deadline is None or time.monotonic() < deadline:
         readable, _, _ = select.select([sys.stdin], [], [], POLL_SECONDS)
@@ -46,7 +47,7 @@ def main(argv: list[str]) -> int:
             kill(pid)
             return 0
     silent = [(name, address) for name, address in peers if not answers(address)] or peers
-    print(f"engine.main: error: {task} could not reach its peers within --startup_timeout={timeout:g}s; "
+    print(f"engine.main: error: {task} could not reach its peers within --startup_timeout={flag}s; "
           f"waited for {', '.join(f'{name} ({address})' for name, address in silent)}; start every task "
           "of the cluster, check their addresses, or raise --startup_timeout", file=sys.stderr, flush=True)
     kill(pid)

@@ -4,6 +4,7 @@ localhost, each test with a timeout; the `launch` fixture reaps them."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -13,8 +14,18 @@ import sys
 import numpy as np
 import pytest
 
-from tests.test_multi_worker import REPO, SMALL, launch, model_weights  # noqa: F401  (fixture)
 from tests.test_evaluator import eval_steps
+from tests.test_multi_worker import REPO, SMALL, Launched, model_weights
+
+
+
+@pytest.fixture
+def launch():
+    started: list[Launched] = []
+    yield lambda *args: started.append(Launched(*args)) or started[-1]
+    for launched in started:
+        launched.kill_all()
+
 
 MWM = ["--strategy=multi_worker_mirrored", *SMALL, "--deterministic", "--steps_per_loop=4"]
 
@@ -44,8 +55,9 @@ def test_a_killed_worker_restarts_the_cluster_and_ends_with_the_uninterrupted_we
 
 @pytest.mark.timeout(300)
 def test_an_evaluator_task_evaluates_beside_a_launched_cluster(tmp_path, launch):
+    # --mode=train: the workers do not evaluate, so every eval summary is the evaluator's.
     run = launch("--num_workers=2", "--evaluator", "--", *MWM, "--train_steps=200", "--checkpoint_every=50",
-                 "--eval_timeout=120", f"--model_dir={tmp_path}")
+                 "--mode=train", "--eval_timeout=120", f"--model_dir={tmp_path}")
     assert run.wait(timeout=250) == 0, run.output[-5000:]
     assert re.search(r"started evaluator:0 .*engine.main", run.output)
     assert re.search(r"\[evaluator:0\].*eval at step 200", run.output), run.output[-3000:]
@@ -53,6 +65,8 @@ def test_an_evaluator_task_evaluates_beside_a_launched_cluster(tmp_path, launch)
     assert not re.search(r"\[evaluator:0\].*step \d+/200", run.output)  # it never trains
     steps = eval_steps(tmp_path)
     assert steps[-1] == 200 and len(steps) == len(set(steps)), steps
+    metrics = json.loads((tmp_path / "metrics.json").read_text())  # the chief's, with the evaluator's eval
+    assert metrics["global_step"] == 200 and metrics["eval"]["num_examples"] == 256, metrics
     run.assert_nothing_left()
 
 
