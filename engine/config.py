@@ -184,7 +184,7 @@ class RunConfig:
 
         cluster = None
         if self.strategy in ("multi_worker_mirrored", "parameter_server") or self.worker_hosts \
-                or self.ps_hosts or self.chief_host:
+                or self.ps_hosts or self.chief_host or self.task_type == "evaluator":
             cluster = resolve_cluster(
                 worker_hosts=self.worker_hosts, ps_hosts=self.ps_hosts, chief_host=self.chief_host,
                 task_type=self.task_type, task_index=self.task_index,
