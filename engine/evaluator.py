@@ -39,8 +39,10 @@ POLL_SECONDS = 1.0
 # How long a continuous evaluator waits, after the final step, for the trainer's metrics.json.
 TRAINER_FINISH_SECONDS = 60.0
 _CHECKPOINT_STEP = re.compile(r"-(\d+)$")
-# Raised when a checkpoint disappears or is half gone while it is read (rotation).
-_VANISHED = (tf.errors.NotFoundError, tf.errors.DataLossError, tf.errors.OutOfRangeError, IndexError)
+
+
+class CheckpointVanished(Exception):
+    """The checkpoint's files went away (rotation) before or while it was read."""
 
 
 def evaluation_mode(config: RunConfig) -> str | None:
@@ -125,14 +127,15 @@ class Evaluator:
         try:
             status = self._checkpoint.read(path)
             status.assert_existing_objects_matched()
-        except (AssertionError, ValueError, tf.errors.InvalidArgumentError) as error:
+        except (AssertionError, ValueError, tf.errors.OpError, IndexError) as error:  # IndexError: truncated
+            if _files_gone(path) and not strict:
+                raise CheckpointVanished(f"{path}: {type(error).__name__}") from None
             detail = " ".join(str(error).split())[:300]
+            if _files_gone(path) or not isinstance(error, (AssertionError, ValueError,
+                                                           tf.errors.InvalidArgumentError)):
+                raise UserError(f"checkpoint {path} cannot be read ({type(error).__name__}: {detail})") from None
             raise UserError(f"checkpoint {path} does not match this model ({detail}); pass the "
                             "model and flags it was trained with") from None
-        except _VANISHED as error:
-            if strict:
-                raise UserError(f"checkpoint {path} cannot be read ({type(error).__name__})") from None
-            raise
         status.expect_partial()
         step = self.trainer.step
         logs = self.trainer.evaluate()
@@ -148,9 +151,8 @@ class Evaluator:
         for path in self._new_checkpoints():
             try:
                 last = self.evaluate(path, strict=False)
-            except _VANISHED as error:
-                logging.warning("skipped %s: it went away while being read (%s); rotation deleted it",
-                                path, type(error).__name__)
+            except CheckpointVanished as error:
+                logging.warning("skipped %s: rotation deleted it while it was read", error)
                 continue
             if last[0] >= self.final_step:
                 break
@@ -215,6 +217,11 @@ class _StopFlag:
         self.signum = signum
         for handled in (signal.SIGTERM, signal.SIGINT):  # A second signal ends the process.
             signal.signal(handled, signal.SIG_DFL)
+
+
+def _files_gone(path: str) -> bool:
+    """Whether a checkpoint's index or data files are missing, as rotation leaves them."""
+    return not (tf.io.gfile.exists(path + ".index") and tf.io.gfile.glob(path + ".data-*"))
 
 
 def _step_of(path: str | None) -> int:

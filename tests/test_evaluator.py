@@ -127,3 +127,28 @@ def test_continuous_eval_gives_up_after_eval_timeout_and_ends_on_sigterm(tmp_pat
     waiting.wait_for("continuous evaluation of", timeout=120)
     waiting.process.send_signal(signal.SIGTERM)
     assert waiting.process.wait(timeout=20) == 0
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("deleted", ["data-00000-of-00001", "index"])
+def test_a_checkpoint_deleted_while_read_is_skipped_not_fatal(tmp_path, monkeypatch, deleted):
+    from engine import evaluator as evaluator_lib
+    from engine.config import RunConfig
+
+    trained = engine_main(*FLAGS, "--train_steps=20", "--checkpoint_every=10", "--mode=train",
+                          f"--model_dir={tmp_path}")
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    rotated = tmp_path / "checkpoints" / "ckpt-10"
+    (tmp_path / "checkpoints" / f"ckpt-10.{deleted}").unlink()  # rotation, half done
+    config = RunConfig(model="mlp", dataset="digits", optimizer="sgd", learning_rate=0.1, global_batch_size=32,
+                       steps_per_loop=10, train_steps=20, mode="continuous_eval", model_dir=str(tmp_path))
+    evaluator = evaluator_lib.Evaluator(config)
+    # Both checkpoints as the evaluator's poll would find them, the first gone by the time it is read.
+    monkeypatch.setattr(evaluator, "_new_checkpoints",
+                        lambda: iter([str(rotated), str(tmp_path / "checkpoints" / "ckpt-20")]))
+    result = evaluator.run_continuously()
+    assert result["global_step"] == 20 and result["eval"]["num_examples"] == 297, result
+    assert eval_steps(tmp_path) == [20]
+    assert json.loads((tmp_path / "metrics.json").read_text())["eval"] == result["eval"]
+    with pytest.raises(evaluator_lib.UserError, match="ckpt-10 cannot be read"):
+        evaluator.evaluate(str(rotated), strict=True)
