@@ -19,6 +19,7 @@ import os
 import re
 import signal
 import time
+import types
 from typing import Any, Iterator
 
 import keras
@@ -29,6 +30,7 @@ from engine import checkpoint as checkpoint_lib
 from engine.config import RunConfig
 from engine.environment import seed_everything, set_precision
 from engine.errors import UserError
+from engine.hooks.best_checkpoint import BestCheckpoint
 from engine.schedules import learning_rate_schedule
 from engine.strategy import build_strategy, configure_cpu_devices
 from engine.summaries import SummaryWriters
@@ -118,6 +120,22 @@ class Evaluator:
         self._checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer,
                                                global_step=self.trainer.global_step)
         self._summaries = SummaryWriters(config.model_dir)
+        self._best = self._best_checkpoint(config)
+
+    def _best_checkpoint(self, config: RunConfig) -> BestCheckpoint | None:
+        """--best_checkpoint_metric: the hook the trainer would run, keeping <model_dir>/best
+        (its own manager there; the training's checkpoints are never touched)."""
+        if not config.best_checkpoint_metric:
+            return None
+        hook = BestCheckpoint(config.best_checkpoint_metric)
+        hook.on_train_begin(self._owner())
+        return hook
+
+    def _owner(self) -> types.SimpleNamespace:
+        """What BestCheckpoint asks of a trainer: this evaluator's checkpoint, step and dir."""
+        return types.SimpleNamespace(
+            checkpoint_manager=types.SimpleNamespace(checkpoint=self._checkpoint),
+            model_dir=self.config.model_dir, global_step=self.trainer.global_step, strategy=self.strategy)
 
     def evaluate(self, path: str, *, strict: bool) -> tuple[int, dict[str, float]]:
         """Restores `path` (read only) and evaluates it; returns (its step, the eval logs).
@@ -140,6 +158,8 @@ class Evaluator:
         step = self.trainer.step
         logs = self.trainer.evaluate()
         self._summaries.write("eval", step, logs)
+        if self._best is not None:
+            self._best.on_eval_end(self._owner(), step, logs)
         return step, logs
 
     def run_continuously(self) -> dict[str, Any]:

@@ -99,7 +99,7 @@ def evaluators():
 @pytest.mark.timeout(400)
 def test_an_evaluator_started_before_training_evaluates_each_checkpoint_once(tmp_path, evaluators):
     evaluator = evaluators(*FLAGS, "--train_steps=60", "--mode=continuous_eval", "--eval_timeout=200",
-                           f"--model_dir={tmp_path}")
+                           "--best_checkpoint_metric=loss", f"--model_dir={tmp_path}")
     evaluator.wait_for("continuous evaluation of", timeout=120)
     first = engine_main(*FLAGS, "--train_steps=30", "--mode=train", f"--model_dir={tmp_path}")
     assert first.returncode == 0, first.stderr[-3000:]
@@ -113,6 +113,11 @@ def test_an_evaluator_started_before_training_evaluates_each_checkpoint_once(tmp
     assert steps[0] == 30 and steps[-1] == 60 and len(steps) == len(set(steps)), steps
     metrics = json.loads((tmp_path / "metrics.json").read_text())
     assert metrics["global_step"] == 60 and metrics["eval"]["num_examples"] == 297, metrics  # merged at the end
+    best = json.loads((tmp_path / "best" / "best.json").read_text())  # kept by the evaluator
+    assert best["metric"] == "loss" and best["step"] in steps and best["value"] <= metrics["eval"]["loss"]
+    assert (tmp_path / "best" / f"ckpt-{best['step']}.index").exists()
+    assert sorted(p.name for p in (tmp_path / "checkpoints").glob("*.index")) == [  # the trainer's, untouched
+        "ckpt-40.index", "ckpt-50.index", "ckpt-60.index"]
 
 
 @pytest.mark.timeout(200)
