@@ -59,17 +59,16 @@ def evaluation_mode(config: RunConfig) -> str | None:
 
 def run(config: RunConfig, mode: str) -> dict[str, Any]:
     """Evaluates as `mode` says; returns what metrics.json holds (or would)."""
-    evaluator = Evaluator(config)
     if mode == "eval":
         path = tf.train.latest_checkpoint(checkpoint_lib.checkpoint_dir(config.model_dir))
         if path is None:
             raise UserError(f"--mode=eval: no checkpoint in {checkpoint_lib.checkpoint_dir(config.model_dir)}; "
                             "train first or pass the --model_dir of a trained run")
-        step, logs = evaluator.evaluate(path, strict=True)
+        step, logs = Evaluator(config).evaluate(path, strict=True)
         result = {"global_step": step, "eval": logs, "model_dir": config.model_dir}
         _write_json(os.path.join(config.model_dir, METRICS_FILE), result)
         return result
-    return evaluator.run_continuously()
+    return Evaluator(config).run_continuously()
 
 
 class Evaluator:
@@ -168,6 +167,7 @@ class Evaluator:
         logging.info("continuous evaluation of %s until step %d (or %gs without a new checkpoint)",
                      checkpoint_lib.checkpoint_dir(config.model_dir), self.final_step, config.eval_timeout)
         last: tuple[int, dict[str, float]] | None = None
+        self._stop = _StopFlag()
         for path in self._new_checkpoints():
             try:
                 last = self.evaluate(path, strict=False)
@@ -177,6 +177,8 @@ class Evaluator:
             if last[0] >= self.final_step:
                 break
         self._summaries.close()
+        if self._stop.signum is not None:  # Like a stopped training run: 128 + the signal.
+            return {"global_step": last and last[0], "exit_status": 128 + self._stop.signum}
         if last is None:
             logging.warning("no checkpoint to evaluate appeared in %s", config.model_dir)
             return {"global_step": None, "eval": {}}
@@ -189,10 +191,9 @@ class Evaluator:
         """Paths of checkpoints newer than the last one yielded; ends after eval_timeout idle
         seconds or on SIGTERM/SIGINT (between evaluations)."""
         directory = checkpoint_lib.checkpoint_dir(self.config.model_dir)
-        stop = _StopFlag()
         seen = -1
         idle_since = time.monotonic()
-        while not stop.signum:
+        while not self._stop.signum:
             path = tf.train.latest_checkpoint(directory) if os.path.isdir(directory) else None
             step = _step_of(path)
             if path is not None and step > seen:
@@ -204,7 +205,7 @@ class Evaluator:
                 logging.warning("no new checkpoint for %gs (--eval_timeout); stopping", self.config.eval_timeout)
                 return
             time.sleep(POLL_SECONDS)
-        logging.warning("%s received: stopping the evaluation", signal.Signals(stop.signum).name)
+        logging.warning("%s received: stopping the evaluation", signal.Signals(self._stop.signum).name)
 
     def _merge_into_trainer_metrics(self, result: dict[str, Any]) -> None:
         """metrics.json is the trainer's until it finished: wait for its final version, then add eval."""
