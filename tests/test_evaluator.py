@@ -157,3 +157,21 @@ def test_a_checkpoint_deleted_while_read_is_skipped_not_fatal(tmp_path, monkeypa
     assert json.loads((tmp_path / "metrics.json").read_text())["eval"] == result["eval"]
     with pytest.raises(evaluator_lib.UserError, match="ckpt-10 cannot be read"):
         evaluator.evaluate(str(rotated), strict=True)
+
+
+@pytest.mark.parametrize("flags,message", [
+    (dict(mode="serve"), "unknown --mode='serve'; choose one of: train, eval, train_and_eval, continuous_eval"),
+    (dict(mode="train", early_stop_metric="loss"), "--mode=train runs no evaluation but --early_stop_metric=loss"),
+    (dict(mode="continuous_eval", model_dir=None), "--mode=continuous_eval evaluates the checkpoints of a"),
+    (dict(mode="eval", eval_timeout=0), "--eval_timeout=0 must be positive"),
+    (dict(startup_timeout=-1), "--startup_timeout=-1 must be >= 0"),
+])
+def test_bad_mode_flags_are_one_line_user_errors(tmp_path, flags, message):
+    from engine.config import RunConfig
+    from engine.errors import UserError
+
+    settings = dict(model="mlp", model_dir=str(tmp_path / "m"), strategy="multi_worker_mirrored") | flags
+    with pytest.raises(UserError) as error:
+        RunConfig(**settings).validate()
+    assert message in str(error.value) and "\n" not in str(error.value)
+    assert not (tmp_path / "m").exists()
