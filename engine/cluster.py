@@ -49,6 +49,21 @@ class Cluster:
     def address(self) -> str:
         return self.spec[self.task_type][self.task_index]
 
+    @property
+    def is_evaluator(self) -> bool:
+        """A sidecar that only reads checkpoints: it joins no collective and serves nothing."""
+        return self.task_type == "evaluator"
+
+    def training_spec(self) -> dict[str, tuple[str, ...]]:
+        """The spec without the evaluator, which TensorFlow's training tasks must not wait for."""
+        return {job: hosts for job, hosts in self.spec.items() if job != "evaluator"}
+
+    def peers(self) -> list[tuple[str, str]]:
+        """("type:index", address) of every other training task."""
+        return [(f"{job}:{index}", address) for job, hosts in self.training_spec().items()
+                for index, address in enumerate(hosts)
+                if (job, index) != (self.task_type, self.task_index)]
+
     def tf_config(self) -> str:
         """The TF_CONFIG JSON of this task."""
         return json.dumps({
@@ -61,7 +76,7 @@ class Cluster:
         import tensorflow as tf
 
         return tf.distribute.cluster_resolver.SimpleClusterResolver(
-            tf.train.ClusterSpec({job: list(hosts) for job, hosts in self.spec.items()}),
+            tf.train.ClusterSpec({job: list(hosts) for job, hosts in self.training_spec().items()}),
             task_type=self.task_type, task_id=self.task_index, rpc_layer="grpc",
         )
 
@@ -92,6 +107,11 @@ def resolve_cluster(
         if from_flags:
             raise UserError("--cluster_resolver=slurm reads SLURM_* variables; drop the --*_hosts flags")
         return cluster_from_slurm(environ, port_base=slurm_port_base)
+    if task_type == "evaluator" and not environ.get("TF_CONFIG"):
+        # A sidecar evaluator reads the model_dir only; the hosts, if given, are not contacted.
+        spec = {"worker": worker_hosts or (), "ps": ps_hosts or (), "chief": [chief_host] if chief_host else ()}
+        return _checked({job: hosts for job, hosts in spec.items() if hosts}, task_type,
+                        0 if task_index is None else task_index, source="the cluster flags")
     if from_flags:
         spec = {"worker": worker_hosts or (), "ps": ps_hosts or (), "chief": [chief_host] if chief_host else ()}
         if task_type is None:
@@ -167,6 +187,8 @@ def cluster_from_slurm(environ: Mapping[str, str], *, port_base: int) -> Cluster
 
 def check_strategy_cluster(strategy: str, cluster: Cluster | None) -> None:
     """Refuses a cluster that the strategy cannot run on, naming what is missing."""
+    if cluster is not None and cluster.is_evaluator:
+        return  # It evaluates on this host alone, whatever the training tasks run.
     if strategy == "parameter_server":
         if cluster is None:
             raise UserError(
@@ -235,6 +257,10 @@ def _checked(spec: Mapping[str, object], task_type: object, task_index: int, *, 
         raise UserError(f"{source}: a cluster has one chief, got {len(clean['chief'])}")
     if task_type not in TASK_TYPES:
         raise UserError(f"unknown task type {task_type!r} in {source}; use {', '.join(TASK_TYPES)}")
+    if task_type == "evaluator" and "evaluator" not in clean:
+        if task_index != 0:
+            raise UserError(f"{source}: there is one evaluator task, index 0, not {task_index}")
+        return Cluster(clean, "evaluator", 0)  # Its address is never used: it serves nothing.
     if task_type not in clean:
         raise UserError(
             f"task type {task_type!r} from {source} is not in the cluster ({', '.join(clean)}); "

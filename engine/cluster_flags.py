@@ -10,7 +10,8 @@ flags.DEFINE_list("worker_hosts", None,
 flags.DEFINE_list("ps_hosts", None, "Comma-separated host:port of every parameter-server task.")
 flags.DEFINE_string("chief_host", None,
                     "host:port of the chief (the parameter-server coordinator).")
-flags.DEFINE_string("task_type", None, "This process's task with the host flags: worker, ps or chief.")
+flags.DEFINE_string("task_type", None, "This process's task with the host flags: worker, ps, chief, or evaluator "
+                    "(evaluates each new checkpoint; needs no host flags).")
 flags.DEFINE_integer("task_index", None, "This process's index within --task_type (default 0).")
 flags.DEFINE_string("cluster_resolver", "tf_config",
                     "tf_config: the host flags or the TF_CONFIG variable; slurm: SLURM_* variables.")

@@ -19,6 +19,7 @@ EVAL_METRIC_NAMES = ("loss", "accuracy")  # What job.py evaluates.
 DEFAULT_EPOCHS = 20.0
 # Steps per compiled call: the Trainer's default and the CLI's (--steps_per_loop).
 DEFAULT_STEPS_PER_LOOP = 50
+MODES = ("train", "eval", "train_and_eval", "continuous_eval")  # TF Model Garden's names.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +76,9 @@ class RunConfig:
     collective_timeout: float = 300.0
     tpu: str | None = None
     check_numerics: bool = False
+    mode: str = "train_and_eval"
+    eval_timeout: float = 3600.0
+    startup_timeout: float = 300.0
 
     @classmethod
     def from_flags(cls, flag_values) -> "RunConfig":
@@ -138,6 +142,19 @@ class RunConfig:
         if self.export_dir:
             check_model_dir(self.export_dir, flag="export_dir")
         self._validate_schedule_and_hooks()
+        self._validate_mode()
+
+    def _validate_mode(self) -> None:
+        _choose("mode", self.mode, MODES)
+        if self.eval_timeout <= 0:
+            raise UserError(f"--eval_timeout={self.eval_timeout} must be positive (seconds)")
+        needs_eval = [f"--{name}={getattr(self, name)}" for name in
+                      ("early_stop_metric", "best_checkpoint_metric", "reduce_lr_metric") if getattr(self, name)]
+        if self.mode == "train" and needs_eval:
+            raise UserError(f"--mode=train runs no evaluation but {needs_eval[0]} needs one; "
+                            "use --mode=train_and_eval or drop it")
+        if self.mode in ("eval", "continuous_eval") and not self.model_dir:
+            raise UserError(f"--mode={self.mode} evaluates the checkpoints of a --model_dir; pass one")
 
     def _validate_schedule_and_hooks(self) -> None:
         from engine.hooks.metric_watch import MODES  # Imports TensorFlow: not at flag parsing.
@@ -189,7 +206,7 @@ class RunConfig:
 
         cluster = None
         if self.strategy in ("multi_worker_mirrored", "parameter_server") or self.worker_hosts \
-                or self.ps_hosts or self.chief_host:
+                or self.ps_hosts or self.chief_host or self.task_type == "evaluator":
             cluster = resolve_cluster(
                 worker_hosts=self.worker_hosts, ps_hosts=self.ps_hosts, chief_host=self.chief_host,
                 task_type=self.task_type, task_index=self.task_index,
@@ -198,6 +215,7 @@ class RunConfig:
         return MultiHostOptions(
             cluster=cluster, communication=self.communication,
             collective_timeout=self.collective_timeout, tpu=self.tpu,
+            startup_timeout=self.startup_timeout,
         )
 
     def total_steps(self, num_train_examples: int | None) -> int:

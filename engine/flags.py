@@ -21,7 +21,17 @@ flags.DEFINE_string("communication", "auto",
 flags.DEFINE_float("collective_timeout", 300.0,
                    "Seconds a multi-worker collective waits for its peers before the run fails "
                    "(a dead worker becomes an error, not a hang); 0 waits forever.")
+flags.DEFINE_float("startup_timeout", 300.0,
+                   "Seconds a cluster task waits to reach its peers at start-up before it exits "
+                   "with an error naming them; 0 waits forever.")
 flags.DEFINE_string("tpu", None, "--strategy=tpu: `local` (TPU VM) or grpc://HOST:PORT.")
+
+# What this process does (TF Model Garden's modes).
+flags.DEFINE_string("mode", "train_and_eval",
+                    "train (no evaluation), eval (the latest checkpoint once), train_and_eval, or "
+                    "continuous_eval (each new checkpoint, until the final step's).")
+flags.DEFINE_float("eval_timeout", 3600.0,
+                   "continuous_eval: exit after this many seconds without a new checkpoint.")
 
 # Model and data.
 flags.DEFINE_string("model", "cnn", "Model name (models/registry.py), or package.module:function: "

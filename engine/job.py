@@ -59,12 +59,16 @@ def run(config: RunConfig) -> dict[str, Any]:
     evaluation and metrics.json, and returns its `exit_status` (128+signal;
     75 on the other workers of a multi-worker run, which stop with it).
     """
+    from engine import evaluator
     from engine.own_packages import own_package  # The engine's, beside a user's models.py/input.py.
 
     input_lib, models = own_package("input"), own_package("models")
     DataError, get_data_source = input_lib.DataError, input_lib.get_data_source  # noqa: N806
     ModelError, get_model_spec = models.ModelError, models.get_model_spec  # noqa: N806
 
+    evaluation_mode = evaluator.evaluation_mode(config)
+    if evaluation_mode is not None:  # --mode=eval/continuous_eval or an evaluator task: never trains.
+        return evaluator.run(config, evaluation_mode)
     # tf.distribute logs every cross-device reduction at INFO; keep the engine's lines readable.
     tf.get_logger().setLevel("WARNING")
     if config.cpu_devices > 1:
@@ -146,6 +150,10 @@ def _train_and_evaluate(config, strategy, cluster, model_spec, image_shape, sour
             def eval_data(input_context):
                 return source.eval_dataset(global_batch_size=batch, input_context=input_context)
 
+    if config.mode == "train":
+        eval_data = None
+    if write_dir != model_dir:  # A restarted worker's scratch from the run it died in.
+        shutil.rmtree(write_dir, ignore_errors=True)
     trainer_class = Trainer
     if config.strategy == "parameter_server":
         from engine.coordinator import CoordinatedTrainer as trainer_class

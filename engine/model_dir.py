@@ -289,7 +289,7 @@ def write_json(path: str, payload: Mapping[str, Any]) -> None:
     directory = os.path.dirname(path)
     if directory:
         tf.io.gfile.makedirs(directory)
-    temporary = path + ".tmp"
+    temporary = f"{path}.tmp{os.getpid()}"  # Private to this process (an evaluator writes too).
     with tf.io.gfile.GFile(temporary, "w") as handle:
         handle.write(json.dumps(dict(payload), indent=2, sort_keys=True))
     tf.io.gfile.rename(temporary, path, overwrite=True)

@@ -7,19 +7,28 @@ cluster itself is resolved (and checked) by `engine.cluster`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
+import signal
 import socket
+import subprocess
+import sys
 import urllib.parse
+from typing import Iterator
 
 import tensorflow as tf
 from absl import logging
 
 from engine.cluster import Cluster, check_strategy_cluster
 from engine.errors import UserError
+from engine.preemption import signals_left_pending
 
 COMMUNICATIONS = ("auto", "ring", "nccl")
 DEFAULT_COLLECTIVE_TIMEOUT = 300.0
+DEFAULT_STARTUP_TIMEOUT = 300.0
+_STARTUP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+WATCHDOG_GRACE_SECONDS = 3.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,6 +41,8 @@ class MultiHostOptions:
     # the run with an error instead of hanging it. 0 waits forever.
     collective_timeout: float = DEFAULT_COLLECTIVE_TIMEOUT
     tpu: str | None = None
+    # Seconds the start-up (connecting to every peer) may take; 0 waits forever.
+    startup_timeout: float = DEFAULT_STARTUP_TIMEOUT
 
     def check(self, strategy: str) -> None:
         if self.communication not in COMMUNICATIONS:
@@ -40,6 +51,8 @@ class MultiHostOptions:
             )
         if self.collective_timeout < 0:
             raise UserError(f"--collective_timeout={self.collective_timeout} must be >= 0 (0: no timeout)")
+        if self.startup_timeout < 0:
+            raise UserError(f"--startup_timeout={self.startup_timeout} must be >= 0 (0: no timeout)")
         if strategy == "tpu" and not self.tpu:
             raise UserError("--strategy=tpu needs --tpu=local (a TPU VM) or --tpu=grpc://HOST:PORT")
         if self.tpu and strategy != "tpu":
@@ -50,10 +63,100 @@ class MultiHostOptions:
 def build_multi_host_strategy(name: str, options: MultiHostOptions) -> tf.distribute.Strategy:
     options.check(name)
     if name == "multi_worker_mirrored":
-        return _multi_worker_mirrored(options)
+        with bounded_startup(options.cluster, options.startup_timeout):
+            if options.cluster is not None and options.startup_timeout:
+                _configure_coordination(options.cluster, options.startup_timeout)
+            strategy = _multi_worker_mirrored(options)
+            if options.cluster is not None and options.cluster.num_workers > 1:
+                _barrier(strategy)  # The first collective waits for every worker too.
+        return strategy
     if name == "parameter_server":
-        return _parameter_server(options)
+        with bounded_startup(options.cluster, options.startup_timeout):
+            return _parameter_server(options)
     return _tpu(options.tpu)
+
+
+@contextlib.contextmanager
+def bounded_startup(cluster: Cluster | None, timeout: float) -> Iterator[None]:
+    """Bounds the start-up of a cluster task and lets SIGTERM/SIGINT end it at any moment.
+
+    TensorFlow connects to the peers inside one C++ call that holds the GIL
+    for as long as a peer is missing (measured: no Python thread and no
+    signal handler runs meanwhile, for minutes), and installs a SIGTERM
+    handler of its own. So the bound and the signals are handled from
+    outside: SIGTERM/SIGINT stay blocked (pending) during the start-up, and
+    a watchdog process (`startup_watchdog.py`) kills the task when it sees
+    one pending, or at the timeout with one line naming the silent peers.
+    TF's own registration timeout ends a task waiting for the leader
+    earlier, as a one-line error. Nothing is written before the start-up
+    is over.
+    """
+    if cluster is None:
+        yield
+        return
+    logging.info("%s:%d connecting to %s (--startup_timeout=%gs)", cluster.task_type, cluster.task_index,
+                 ", ".join(f"{name} at {address}" for name, address in cluster.peers()) or "no peer", timeout)
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, _STARTUP_SIGNALS)
+    # The watchdog gives TF's own registration timeout (a clean one-line error) a head start.
+    watchdog = subprocess.Popen(
+        [sys.executable, os.path.join(os.path.dirname(__file__), "startup_watchdog.py"),
+         str(os.getpid()), f"{timeout + WATCHDOG_GRACE_SECONDS if timeout else 0:g}", f"{timeout:g}", f"{cluster.task_type}:{cluster.task_index}",
+         *(f"{name}={address}" for name, address in cluster.peers())],
+        stdin=subprocess.PIPE,
+    )
+    try:
+        with signals_left_pending():
+            yield
+    except (tf.errors.DeadlineExceededError, tf.errors.UnavailableError) as error:
+        logging.warning("start-up failed: %s", " ".join(str(error).split())[:500])
+        raise UserError(_startup_timeout_message(cluster, timeout)) from None
+    finally:
+        watchdog.stdin.close()
+        watchdog.wait()
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def _configure_coordination(cluster: Cluster, timeout: float) -> None:
+    """The coordination service MultiWorkerMirroredStrategy would configure, with a
+    registration timeout (TF's default waits forever)."""
+    from tensorflow.compiler.xla.tsl.protobuf import coordination_config_pb2
+    from tensorflow.python.distribute import multi_worker_util
+    from tensorflow.python.eager import context
+
+    if context.context().coordination_service is not None or cluster.task_type not in ("chief", "worker"):
+        return
+    spec = tf.train.ClusterSpec({job: list(hosts) for job, hosts in cluster.training_spec().items()})
+    jobs = [coordination_config_pb2.CoordinatedJob(name=job, num_tasks=spec.num_tasks(job))
+            for job in ("chief", "worker") if job in spec.jobs]
+    context.context().configure_coordination_service(
+        service_type="standalone", service_leader=multi_worker_util.coordination_leader(spec),
+        coordinated_jobs=jobs, cluster_register_timeout_in_ms=int(timeout * 1000),
+    )
+
+
+def _startup_timeout_message(cluster: Cluster, timeout: float) -> str:
+    peers = cluster.peers()
+    silent = [task for task, address in peers if not _answers(address)]
+    waited_for = ", ".join(f"{task} ({address})" for task, address in peers
+                           if task in silent or not silent)
+    return (f"{cluster.task_type}:{cluster.task_index} could not reach its peers within "
+            f"--startup_timeout={timeout:g}s; waited for {waited_for}; start every task of the "
+            "cluster, check their addresses, or raise --startup_timeout")
+
+
+def _answers(address: str, timeout: float = 1.0) -> bool:
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def _barrier(strategy: tf.distribute.Strategy) -> None:
+    """One all-reduce of a scalar: returns once every worker has joined."""
+    per_replica = strategy.run(lambda: tf.constant(1.0))
+    strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None)
 
 
 def _multi_worker_mirrored(options: MultiHostOptions) -> tf.distribute.Strategy:

@@ -28,6 +28,8 @@ from typing import Iterator
 from absl import logging
 
 HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+# How long the watcher waits for a signal before it looks whether it is paused.
+_WAIT_SECONDS = 0.2
 
 
 class SignalRecord:
@@ -50,23 +52,51 @@ class _Watcher:
         self._trainer = None
         self._record: SignalRecord | None = None
         self._stopping = False
+        self._paused_changed = threading.Condition()
+        self._paused = False
+        self._waiting = False  # Inside sigtimedwait.
 
     def watch(self) -> None:
         while True:
-            signum = signal.sigwait(HANDLED_SIGNALS)
-            name = signal.Signals(signum).name
-            with self._lock:
-                if self._stopping or self._trainer is None:
-                    logging.warning("%s received%s: exiting now with status %d", name,
-                                    " again" if self._stopping else "", 128 + signum)
-                    logging.flush()
-                    sys.stderr.flush()
-                    os._exit(128 + signum)
-                self._stopping = True
-                self._record.signum = signum
-                logging.warning("%s received: stopping after this compiled call and saving a checkpoint; "
-                                "send it again to exit at once", name)
-                self._trainer.request_stop()
+            with self._paused_changed:
+                while self._paused:
+                    self._paused_changed.wait()
+                self._waiting = True
+            info = signal.sigtimedwait(HANDLED_SIGNALS, _WAIT_SECONDS)
+            with self._paused_changed:
+                self._waiting = False
+                self._paused_changed.notify_all()
+            if info is not None:
+                self._take(info.si_signo)
+
+    def _take(self, signum: int) -> None:
+        name = signal.Signals(signum).name
+        with self._lock:
+            if self._stopping or self._trainer is None:
+                logging.warning("%s received%s: exiting now with status %d", name,
+                                " again" if self._stopping else "", 128 + signum)
+                logging.flush()
+                sys.stderr.flush()
+                os._exit(128 + signum)
+            self._stopping = True
+            self._record.signum = signum
+            logging.warning("%s received: stopping after this compiled call and saving a checkpoint; "
+                            "send it again to exit at once", name)
+            self._trainer.request_stop()
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """While inside, the watcher takes no signal: they stay pending in the process."""
+        with self._paused_changed:
+            self._paused = True
+            while self._waiting:  # At most one _WAIT_SECONDS.
+                self._paused_changed.wait()
+        try:
+            yield
+        finally:
+            with self._paused_changed:
+                self._paused = False
+                self._paused_changed.notify_all()
 
     @contextlib.contextmanager
     def stopping(self, trainer) -> Iterator[SignalRecord]:
@@ -98,6 +128,22 @@ def install_watcher() -> None:
     signal.pthread_sigmask(signal.SIG_BLOCK, HANDLED_SIGNALS)
     _watcher = _Watcher()
     threading.Thread(target=_watcher.watch, name="signal-watcher", daemon=True).start()
+
+
+@contextlib.contextmanager
+def signals_left_pending() -> Iterator[None]:
+    """While inside, SIGTERM/SIGINT stay pending instead of reaching the watcher.
+
+    A cluster task's start-up runs inside one TensorFlow call that holds the
+    GIL, so the watcher could take a signal but never act on it; left
+    pending, the signal is seen by the start-up watchdog process
+    (`engine.multi_host.bounded_startup`), which ends the task at once.
+    """
+    if _watcher is None:
+        yield
+        return
+    with _watcher.paused():
+        yield
 
 
 @contextlib.contextmanager

@@ -77,3 +77,20 @@ def test_strategies_refuse_clusters_they_cannot_use():
     with pytest.raises(UserError, match="runs on one host"):
         check_strategy_cluster("mirrored", ps)
     check_strategy_cluster("parameter_server", Cluster(ps.spec, "chief", 0))
+
+
+def test_an_evaluator_is_outside_the_training_cluster():
+    spec = {"chief": ["c:1"], "worker": WORKERS, "ps": ["p:1"], "evaluator": ["e:1"]}
+    worker = resolve_cluster(environ={"TF_CONFIG": json.dumps({"cluster": spec, "task": {"type": "worker"}})})
+    # TensorFlow's training tasks never wait for (or all-reduce with) the evaluator.
+    assert "evaluator" not in worker.resolver().cluster_spec().as_dict()
+    assert ("evaluator:0", "e:1") not in worker.peers() and ("chief:0", "c:1") in worker.peers()
+    evaluator = resolve_cluster(environ={"TF_CONFIG": json.dumps({"cluster": spec, "task": {"type": "evaluator"}})})
+    assert evaluator.is_evaluator and not evaluator.is_chief
+    for strategy in ("parameter_server", "multi_worker_mirrored", "default"):
+        check_strategy_cluster(strategy, evaluator)  # it evaluates alone, whatever the cluster trains with
+    # --task_type=evaluator needs no hosts: it contacts nobody.
+    alone = resolve_cluster(task_type="evaluator", environ={})
+    assert alone.is_evaluator and alone.spec == {}
+    with pytest.raises(UserError, match="one evaluator task, index 0, not 1"):
+        resolve_cluster(task_type="evaluator", task_index=1, environ={})

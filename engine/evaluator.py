@@ -1,0 +1,253 @@
+"""`--mode=eval` and `--mode=continuous_eval`: evaluate checkpoints another process wrote.
+
+The evaluator only reads the model_dir's checkpoints. It builds the model
+and optimizer as the training job does, restores each checkpoint with a
+plain `tf.train.Checkpoint.read` (no `CheckpointManager`, which could
+rotate or set aside the trainer's files, and no writer lock), and runs the
+Trainer's own compiled eval loop over the whole eval set. It writes only
+its eval summaries (at the checkpoint's step, to the `eval` run) and
+`metrics.json`, the latter in `--mode=eval` or once training has finished.
+
+An `evaluator` task (TF_CONFIG or `--task_type=evaluator`) is a
+continuous evaluator beside a cluster: it never trains.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import time
+import types
+from typing import Any, Iterator
+
+import keras
+import tensorflow as tf
+from absl import logging
+
+from engine import checkpoint as checkpoint_lib
+from engine.config import RunConfig
+from engine.environment import seed_everything, set_precision
+from engine.errors import UserError
+from engine.hooks.best_checkpoint import BestCheckpoint
+from engine.model_dir import write_json
+from engine.own_packages import own_package
+from engine.schedules import learning_rate_schedule
+from engine.strategy import build_strategy, configure_cpu_devices
+from engine.summaries import SummaryWriters
+from engine.trainer import Trainer
+
+METRICS_FILE = "metrics.json"
+POLL_SECONDS = 1.0
+# How long a continuous evaluator waits, after the final step, for the trainer's metrics.json.
+TRAINER_FINISH_SECONDS = 60.0
+_CHECKPOINT_STEP = re.compile(r"-(\d+)$")
+
+
+class CheckpointVanished(Exception):
+    """The checkpoint's files went away (rotation) before or while it was read."""
+
+
+def evaluation_mode(config: RunConfig) -> str | None:
+    """"eval" or "continuous_eval" when this process evaluates instead of training, else None."""
+    if config.mode in ("eval", "continuous_eval"):
+        return config.mode
+    cluster = config.multi_host_options().cluster
+    if cluster is not None and cluster.is_evaluator:
+        return "continuous_eval"
+    return None
+
+
+def run(config: RunConfig, mode: str) -> dict[str, Any]:
+    """Evaluates as `mode` says; returns what metrics.json holds (or would)."""
+    if mode == "eval":
+        path = tf.train.latest_checkpoint(checkpoint_lib.checkpoint_dir(config.model_dir))
+        if path is None:
+            raise UserError(f"--mode=eval: no checkpoint in {checkpoint_lib.checkpoint_dir(config.model_dir)}; "
+                            "train first or pass the --model_dir of a trained run")
+        step, logs = Evaluator(config).evaluate(path, strict=True)
+        result = {"global_step": step, "eval": logs, "model_dir": config.model_dir}
+        write_json(os.path.join(config.model_dir, METRICS_FILE), result)
+        return result
+    return Evaluator(config).run_continuously()
+
+
+class Evaluator:
+    """A model, optimizer and Trainer built like the training job's, for reading checkpoints."""
+
+    def __init__(self, config: RunConfig):
+        from engine.job import build_optimizer
+        input_lib, models = own_package("input"), own_package("models")
+        DataError, get_data_source = input_lib.DataError, input_lib.get_data_source  # noqa: N806
+        get_model_spec = models.get_model_spec
+
+        tf.get_logger().setLevel("WARNING")
+        if config.cpu_devices > 1:
+            configure_cpu_devices(config.cpu_devices)
+        set_precision(config.mixed_precision)
+        seed_everything(config.seed, deterministic=config.deterministic)
+        self.config = config
+        # The cluster's strategy needs its peers; an evaluator reads alone on this host.
+        local = "mirrored" if config.cpu_devices > 1 or config.num_gpus else "default"
+        name = config.strategy if config.strategy in ("default", "one_device", "mirrored") else local
+        self.strategy = build_strategy(name, cpu_devices=config.cpu_devices, num_gpus=config.num_gpus)
+        spec = get_model_spec(config.model)
+        try:
+            source = get_data_source(config.dataset, image_shape=spec.default_input_shape,
+                                     data_dir=config.data_dir)
+        except DataError as error:
+            raise UserError(str(error)) from None
+        if source.num_eval_examples is None:
+            raise UserError(f"--dataset={config.dataset} has no eval split to evaluate on")
+        self.final_step = config.total_steps(source.num_train_examples)
+        batch = config.global_batch_size
+        with self.strategy.scope():
+            model = spec.build(spec.default_input_shape, source.num_classes)
+            learning_rate = learning_rate_schedule(config.lr_schedule, config.learning_rate,
+                                                   self.final_step, config.warmup_steps)
+            optimizer = build_optimizer(config.optimizer, learning_rate, config.mixed_precision)
+
+        def never_trains(*args):
+            raise RuntimeError("the evaluator never trains")
+
+        # No model_dir: the Trainer then has no CheckpointManager and writes nothing.
+        self.trainer = Trainer(
+            strategy=self.strategy, model=model, optimizer=optimizer, train_data=never_trains,
+            eval_data=lambda context: source.eval_dataset(global_batch_size=batch, input_context=context),
+            global_batch_size=batch, model_dir=None,
+            loss_fn=keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None),
+            metrics=[keras.metrics.SparseCategoricalAccuracy(name="accuracy")],
+        )
+        self._checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer,
+                                               global_step=self.trainer.global_step)
+        self._summaries = SummaryWriters(config.model_dir)
+        self._best = self._best_checkpoint(config)
+
+    def _best_checkpoint(self, config: RunConfig) -> BestCheckpoint | None:
+        """--best_checkpoint_metric: the hook the trainer would run, keeping <model_dir>/best
+        (its own manager there; the training's checkpoints are never touched)."""
+        if not config.best_checkpoint_metric:
+            return None
+        hook = BestCheckpoint(config.best_checkpoint_metric)
+        hook.on_train_begin(self._owner())
+        return hook
+
+    def _owner(self) -> types.SimpleNamespace:
+        """What BestCheckpoint asks of a trainer: this evaluator's checkpoint, step and dir."""
+        return types.SimpleNamespace(
+            checkpoint_manager=types.SimpleNamespace(checkpoint=self._checkpoint),
+            model_dir=self.config.model_dir, global_step=self.trainer.global_step, strategy=self.strategy)
+
+    def evaluate(self, path: str, *, strict: bool) -> tuple[int, dict[str, float]]:
+        """Restores `path` (read only) and evaluates it; returns (its step, the eval logs).
+
+        `strict`: a checkpoint that cannot be read is an error, not a skip.
+        """
+        try:
+            status = self._checkpoint.read(path)
+            status.assert_existing_objects_matched()
+        except (AssertionError, ValueError, tf.errors.OpError, IndexError) as error:  # IndexError: truncated
+            if _files_gone(path) and not strict:
+                raise CheckpointVanished(f"{path}: {type(error).__name__}") from None
+            detail = " ".join(str(error).split())[:300]
+            if _files_gone(path) or not isinstance(error, (AssertionError, ValueError,
+                                                           tf.errors.InvalidArgumentError)):
+                raise UserError(f"checkpoint {path} cannot be read ({type(error).__name__}: {detail})") from None
+            raise UserError(f"checkpoint {path} does not match this model ({detail}); pass the "
+                            "model and flags it was trained with") from None
+        status.expect_partial()
+        step = self.trainer.step
+        logs = self.trainer.evaluate()
+        self._summaries.write("eval", step, logs)
+        if self._best is not None:
+            self._best.on_eval_end(self._owner(), step, logs)
+        return step, logs
+
+    def run_continuously(self) -> dict[str, Any]:
+        """Evaluates each new checkpoint once until the final step's, or `eval_timeout` idle seconds."""
+        config = self.config
+        logging.info("continuous evaluation of %s until step %d (or %gs without a new checkpoint)",
+                     checkpoint_lib.checkpoint_dir(config.model_dir), self.final_step, config.eval_timeout)
+        last: tuple[int, dict[str, float]] | None = None
+        self._stop = _StopFlag()
+        for path in self._new_checkpoints():
+            try:
+                last = self.evaluate(path, strict=False)
+            except CheckpointVanished as error:
+                logging.warning("skipped %s: rotation deleted it while it was read", error)
+                continue
+            if last[0] >= self.final_step:
+                break
+        self._summaries.close()
+        if self._stop.signum is not None:  # Like a stopped training run: 128 + the signal.
+            return {"global_step": last and last[0], "exit_status": 128 + self._stop.signum}
+        if last is None:
+            logging.warning("no checkpoint to evaluate appeared in %s", config.model_dir)
+            return {"global_step": None, "eval": {}}
+        result = {"global_step": last[0], "eval": last[1], "model_dir": config.model_dir}
+        if last[0] >= self.final_step:
+            self._merge_into_trainer_metrics(result)
+        return result
+
+    def _new_checkpoints(self) -> Iterator[str]:
+        """Paths of checkpoints newer than the last one yielded; ends after eval_timeout idle
+        seconds or on SIGTERM/SIGINT (between evaluations)."""
+        directory = checkpoint_lib.checkpoint_dir(self.config.model_dir)
+        seen = -1
+        idle_since = time.monotonic()
+        while not self._stop.signum:
+            path = tf.train.latest_checkpoint(directory) if os.path.isdir(directory) else None
+            step = _step_of(path)
+            if path is not None and step > seen:
+                seen = step
+                yield path
+                idle_since = time.monotonic()
+                continue
+            if time.monotonic() - idle_since > self.config.eval_timeout:
+                logging.warning("no new checkpoint for %gs (--eval_timeout); stopping", self.config.eval_timeout)
+                return
+            time.sleep(POLL_SECONDS)
+        logging.warning("%s received: stopping the evaluation", signal.Signals(self._stop.signum).name)
+
+    def _merge_into_trainer_metrics(self, result: dict[str, Any]) -> None:
+        """metrics.json is the trainer's until it finished: wait for its final version, then add eval."""
+        path = os.path.join(self.config.model_dir, METRICS_FILE)
+        deadline = time.monotonic() + TRAINER_FINISH_SECONDS
+        while time.monotonic() < deadline:
+            try:
+                with open(path) as handle:
+                    written = json.load(handle)
+            except (OSError, ValueError):
+                written = {}
+            if written.get("global_step") == result["global_step"]:
+                write_json(path, {**written, "eval": result["eval"]})
+                logging.info("wrote the final evaluation to %s", path)
+                return
+            time.sleep(POLL_SECONDS)
+        logging.warning("training has not written %s for step %d; left it alone",
+                        path, result["global_step"])
+
+
+class _StopFlag:
+    """Records SIGTERM/SIGINT while waiting for checkpoints (the evaluator saves nothing)."""
+
+    def __init__(self):
+        self.signum: int | None = None
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, self._record)
+
+    def _record(self, signum, frame) -> None:
+        self.signum = signum
+        for handled in (signal.SIGTERM, signal.SIGINT):  # A second signal ends the process.
+            signal.signal(handled, signal.SIG_DFL)
+
+
+def _files_gone(path: str) -> bool:
+    """Whether a checkpoint's index or data files are missing, as rotation leaves them."""
+    return not (tf.io.gfile.exists(path + ".index") and tf.io.gfile.glob(path + ".data-*"))
+
+
+def _step_of(path: str | None) -> int:
+    match = _CHECKPOINT_STEP.search(path or "")
+    return int(match.group(1)) if match else -1

@@ -1,0 +1,177 @@
+"""--mode and the evaluator: it reads checkpoints another process writes, evaluates
+each once at its step, and writes metrics.json only when it may. Real processes,
+each with a timeout."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import tensorflow as tf
+
+REPO = Path(__file__).resolve().parents[1]
+FLAGS = ["--model=mlp", "--dataset=digits", "--optimizer=sgd", "--learning_rate=0.1",
+         "--global_batch_size=32", "--steps_per_loop=10", "--eval_every=0"]
+
+
+def engine_main(*flags: str, timeout: float = 150) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "engine.main", *flags], cwd=REPO, capture_output=True,
+                          text=True, env=dict(os.environ, PYTHONPATH=str(REPO), TF_CPP_MIN_LOG_LEVEL="2"),
+                          timeout=timeout)
+
+
+def eval_steps(model_dir: Path) -> list[int]:
+    """The steps of every eval `loss` summary in <model_dir>/eval, in the order written."""
+    steps = []
+    for events in sorted((model_dir / "eval").glob("events.*")):
+        for event in tf.compat.v1.train.summary_iterator(str(events)):
+            steps += [event.step for value in event.summary.value if value.tag == "loss"]
+    return steps
+
+
+@pytest.mark.timeout(300)
+def test_train_then_eval_modes_on_a_finished_dir(tmp_path):
+    trained = engine_main(*FLAGS, "--train_steps=30", "--mode=train", f"--model_dir={tmp_path}")
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    assert json.loads((tmp_path / "metrics.json").read_text())["eval"] == {}  # --mode=train: no evaluation
+    assert not (tmp_path / "eval").exists()
+
+    evaluated = engine_main(*FLAGS, "--train_steps=30", "--mode=eval", f"--model_dir={tmp_path}")
+    assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    assert metrics["global_step"] == 30 and metrics["eval"]["num_examples"] == 297, metrics
+    assert eval_steps(tmp_path) == [30]
+    checkpoints = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert checkpoints == ["checkpoint", "ckpt-30.data-00000-of-00001", "ckpt-30.index"]  # nothing written
+
+    # The same evaluation as train_and_eval's final one on the same weights.
+    both = engine_main(*FLAGS, "--train_steps=30", f"--model_dir={tmp_path / 'both'}")
+    assert both.returncode == 0, both.stderr[-3000:]
+    final = json.loads((tmp_path / "both" / "metrics.json").read_text())["eval"]
+    assert final["loss"] == pytest.approx(metrics["eval"]["loss"], rel=1e-6)
+    assert final["accuracy"] == metrics["eval"]["accuracy"]
+
+
+@pytest.mark.timeout(120)
+def test_eval_without_a_checkpoint_is_a_one_line_error(tmp_path):
+    result = engine_main(*FLAGS, "--mode=eval", f"--model_dir={tmp_path}")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1].startswith("engine.main: error: --mode=eval: no checkpoint in")
+    assert list(tmp_path.iterdir()) == []
+
+
+class Evaluator:
+    """`engine.main --mode=continuous_eval` in the background, output collected live."""
+
+    def __init__(self, *flags: str):
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "engine.main", *flags], cwd=REPO, text=True,
+            env=dict(os.environ, PYTHONPATH=str(REPO), TF_CPP_MIN_LOG_LEVEL="2"),
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        self.lines: list[str] = []
+        threading.Thread(target=lambda: self.lines.extend(line.rstrip() for line in self.process.stdout),
+                         daemon=True).start()
+
+    def wait_for(self, text: str, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while not any(text in line for line in self.lines):
+            assert time.monotonic() < deadline and self.process.poll() is None, "\n".join(self.lines[-40:])
+            time.sleep(0.2)
+
+
+@pytest.fixture
+def evaluators():
+    started: list[Evaluator] = []
+    yield lambda *flags: started.append(Evaluator(*flags)) or started[-1]
+    for evaluator in started:
+        if evaluator.process.poll() is None:
+            evaluator.process.kill()
+        evaluator.process.wait(timeout=30)
+
+
+@pytest.mark.timeout(400)
+def test_an_evaluator_started_before_training_evaluates_each_checkpoint_once(tmp_path, evaluators):
+    evaluator = evaluators(*FLAGS, "--train_steps=60", "--mode=continuous_eval", "--eval_timeout=200",
+                           "--best_checkpoint_metric=loss", f"--model_dir={tmp_path}")
+    evaluator.wait_for("continuous evaluation of", timeout=120)
+    first = engine_main(*FLAGS, "--train_steps=30", "--mode=train", f"--model_dir={tmp_path}")
+    assert first.returncode == 0, first.stderr[-3000:]
+    evaluator.wait_for("eval at step 30", timeout=120)
+    assert evaluator.process.poll() is None  # 30 is not the final step: it waits on
+    second = engine_main(*FLAGS, "--train_steps=60", "--mode=train", "--checkpoint_every=10",
+                         f"--model_dir={tmp_path}")
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert evaluator.process.wait(timeout=150) == 0, "\n".join(evaluator.lines[-40:])
+    steps = eval_steps(tmp_path)
+    assert steps[0] == 30 and steps[-1] == 60 and len(steps) == len(set(steps)), steps
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    assert metrics["global_step"] == 60 and metrics["eval"]["num_examples"] == 297, metrics  # merged at the end
+    best = json.loads((tmp_path / "best" / "best.json").read_text())  # kept by the evaluator
+    assert best["metric"] == "loss" and best["step"] in steps and best["value"] <= metrics["eval"]["loss"]
+    assert (tmp_path / "best" / f"ckpt-{best['step']}.index").exists()
+    assert sorted(p.name for p in (tmp_path / "checkpoints").glob("*.index")) == [  # the trainer's, untouched
+        "ckpt-40.index", "ckpt-50.index", "ckpt-60.index"]
+
+
+@pytest.mark.timeout(200)
+def test_continuous_eval_gives_up_after_eval_timeout_and_ends_on_sigterm(tmp_path, evaluators):
+    idle = evaluators(*FLAGS, "--train_steps=60", "--mode=continuous_eval", "--eval_timeout=3",
+                      f"--model_dir={tmp_path / 'idle'}")
+    assert idle.process.wait(timeout=120) == 0, "\n".join(idle.lines[-20:])
+    assert any("no new checkpoint for 3s" in line for line in idle.lines)
+    assert not (tmp_path / "idle" / "metrics.json").exists()
+
+    waiting = evaluators(*FLAGS, "--train_steps=60", "--mode=continuous_eval", f"--model_dir={tmp_path / 'w'}")
+    waiting.wait_for("continuous evaluation of", timeout=120)
+    waiting.process.send_signal(signal.SIGTERM)
+    assert waiting.process.wait(timeout=20) == 128 + signal.SIGTERM  # like a training run stopped by it
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("deleted", ["data-00000-of-00001", "index"])
+def test_a_checkpoint_deleted_while_read_is_skipped_not_fatal(tmp_path, monkeypatch, deleted):
+    from engine import evaluator as evaluator_lib
+    from engine.config import RunConfig
+
+    trained = engine_main(*FLAGS, "--train_steps=20", "--checkpoint_every=10", "--mode=train",
+                          f"--model_dir={tmp_path}")
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    rotated = tmp_path / "checkpoints" / "ckpt-10"
+    (tmp_path / "checkpoints" / f"ckpt-10.{deleted}").unlink()  # rotation, half done
+    config = RunConfig(model="mlp", dataset="digits", optimizer="sgd", learning_rate=0.1, global_batch_size=32,
+                       steps_per_loop=10, train_steps=20, mode="continuous_eval", model_dir=str(tmp_path))
+    evaluator = evaluator_lib.Evaluator(config)
+    # Both checkpoints as the evaluator's poll would find them, the first gone by the time it is read.
+    monkeypatch.setattr(evaluator, "_new_checkpoints",
+                        lambda: iter([str(rotated), str(tmp_path / "checkpoints" / "ckpt-20")]))
+    result = evaluator.run_continuously()
+    assert result["global_step"] == 20 and result["eval"]["num_examples"] == 297, result
+    assert eval_steps(tmp_path) == [20]
+    assert json.loads((tmp_path / "metrics.json").read_text())["eval"] == result["eval"]
+    with pytest.raises(evaluator_lib.UserError, match="ckpt-10 cannot be read"):
+        evaluator.evaluate(str(rotated), strict=True)
+
+
+@pytest.mark.parametrize("flags,message", [
+    (dict(mode="serve"), "unknown --mode='serve'; choose one of: train, eval, train_and_eval, continuous_eval"),
+    (dict(mode="train", early_stop_metric="loss"), "--mode=train runs no evaluation but --early_stop_metric=loss"),
+    (dict(mode="continuous_eval", model_dir=None), "--mode=continuous_eval evaluates the checkpoints of a"),
+    (dict(mode="eval", eval_timeout=0), "--eval_timeout=0 must be positive"),
+    (dict(startup_timeout=-1), "--startup_timeout=-1 must be >= 0"),
+])
+def test_bad_mode_flags_are_one_line_user_errors(tmp_path, flags, message):
+    from engine.config import RunConfig
+    from engine.errors import UserError
+
+    settings = dict(model="mlp", model_dir=str(tmp_path / "m"), strategy="multi_worker_mirrored") | flags
+    with pytest.raises(UserError) as error:
+        RunConfig(**settings).validate()
+    assert message in str(error.value) and "\n" not in str(error.value)
+    assert not (tmp_path / "m").exists()

@@ -1,0 +1,87 @@
+"""--startup_timeout: a cluster task whose peers never come exits on its own with
+one line naming them, and SIGTERM ends it at any moment of that wait (TF's
+connect holds the GIL and installs a SIGTERM handler of its own). Real
+processes, each with a timeout."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+FLAGS = ["--strategy=multi_worker_mirrored", "--model=mlp", "--dataset=synthetic", "--train_steps=4"]
+
+
+def lone_worker(index: int, *flags: str, model_dir: Path) -> tuple[subprocess.Popen, str]:
+    """Task `index` of a 2-worker cluster whose other worker never starts."""
+    with socket.socket() as first, socket.socket() as second:
+        first.bind(("localhost", 0))
+        second.bind(("localhost", 0))
+        addresses = [f"localhost:{s.getsockname()[1]}" for s in (first, second)]
+    tf_config = json.dumps({"cluster": {"worker": addresses}, "task": {"type": "worker", "index": index}})
+    process = subprocess.Popen(
+        [sys.executable, "-m", "engine.main", *FLAGS, *flags, f"--model_dir={model_dir}"], cwd=REPO,
+        env=dict(os.environ, PYTHONPATH=str(REPO), TF_CPP_MIN_LOG_LEVEL="2", TF_CONFIG=tf_config),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return process, addresses[1 - index]
+
+
+def read_until(process: subprocess.Popen, text: str, timeout: float) -> list[str]:
+    lines, deadline = [], time.monotonic() + timeout
+    for line in process.stdout:
+        lines.append(line.rstrip())
+        if text in line or time.monotonic() > deadline:
+            break
+    assert any(text in line for line in lines), "\n".join(lines[-30:])
+    return lines
+
+
+@pytest.fixture
+def reaped():
+    processes: list[subprocess.Popen] = []
+    yield processes.append
+    for process in processes:
+        if process.poll() is None:
+            process.kill()
+        process.wait(timeout=30)
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("index", [0, 1])  # 0 leads the coordination service; 1 waits for it
+def test_a_lone_worker_exits_after_startup_timeout_naming_its_peer(tmp_path, reaped, index):
+    process, peer = lone_worker(index, "--startup_timeout=10", model_dir=tmp_path)
+    reaped(process)
+    read_until(process, "connecting to", timeout=120)
+    began = time.monotonic()
+    output, _ = process.communicate(timeout=60)
+    waited = time.monotonic() - began
+    assert process.returncode != 0
+    assert 9 <= waited <= 10 + 15, waited  # the timeout, a short grace, and a loaded machine
+    errors = [line for line in output.splitlines() if "error:" in line and "startup_timeout" in line]
+    assert len(errors) == 1, output[-3000:]
+    assert errors[0].startswith(f"engine.main: error: worker:{index} could not reach its peers within "
+                                f"--startup_timeout=10s; waited for worker:{1 - index} ({peer})"), errors
+    assert not any(tmp_path.iterdir())  # nothing written
+
+
+@pytest.mark.timeout(150)
+def test_sigterm_ends_a_worker_waiting_for_its_peers_at_once(tmp_path, reaped):
+    process, _ = lone_worker(0, model_dir=tmp_path)  # the default timeout: minutes
+    reaped(process)
+    read_until(process, "connecting to", timeout=120)
+    time.sleep(3)  # inside TF's connect by now
+    process.send_signal(signal.SIGTERM)
+    began = time.monotonic()
+    output, _ = process.communicate(timeout=30)
+    assert time.monotonic() - began < 5, output[-2000:]
+    assert process.returncode != 0
+    assert "SIGTERM during the start-up of worker:0" in output, output[-2000:]
+    assert not any(tmp_path.iterdir())
