@@ -49,6 +49,7 @@ class RunConfig:
     max_checkpoints: int = 3
     restore_fallback: bool = False
     reset_optimizer: bool = False
+    ema_decay: float = 0.0
     export_dir: str | None = None
     early_stop_metric: str | None = None
     early_stop_patience: int = 3
@@ -131,6 +132,8 @@ class RunConfig:
             raise UserError(f"--learning_rate={self.learning_rate} must be positive")
         if self.clip_norm is not None and not self.clip_norm > 0:
             raise UserError(f"--clip_norm={self.clip_norm} must be positive")
+        if not 0.0 <= self.ema_decay < 1.0:  # Also refuses NaN.
+            raise UserError(f"--ema_decay={self.ema_decay} must be in [0, 1), e.g. 0.999; 0 turns it off")
         if not 0 <= self.seed < 2**32:
             raise UserError(f"--seed={self.seed} must be between 0 and {2**32 - 1}")
         self.multi_host_options().check(self.strategy)
