@@ -181,6 +181,7 @@ class Trainer:
                 global_batch_size=global_batch_size, metrics=self.train_metrics,
                 clip_norm=clip_norm, grad_accum_steps=grad_accum_steps,
                 jit_compile=jit_compile, skip_nonfinite=on_nonfinite == "skip",
+                grad_norm=any(c.needs_grad_norm for c in self.callbacks),
             )
         self.replica_step = step_fn
         self.train_loop = make_train_loop(
