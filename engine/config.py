@@ -10,9 +10,7 @@ import dataclasses
 import math
 import os
 
-from engine.environment import PRECISION_POLICIES
 from engine.errors import UserError
-from engine.strategy import STRATEGY_NAMES
 
 OPTIMIZER_NAMES = ("sgd", "momentum", "adam", "adamw")
 EVAL_METRIC_NAMES = ("loss", "accuracy")  # What job.py evaluates.
@@ -90,7 +88,9 @@ class RunConfig:
 
     def validate(self) -> None:
         """Raises UserError for the first bad setting; touches nothing on disk."""
-        from engine.own_packages import own_package  # Heavy imports stay out of flag parsing.
+        from engine.environment import PRECISION_POLICIES  # These import TensorFlow: not at flag parsing
+        from engine.own_packages import own_package  # (--help, the launcher's check of engine.main's flags).
+        from engine.strategy import STRATEGY_NAMES
 
         input_lib, models = own_package("input"), own_package("models")
         _choose("strategy", self.strategy, STRATEGY_NAMES)
