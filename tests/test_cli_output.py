@@ -76,3 +76,15 @@ def test_the_launcher_checks_engine_main_flags_without_importing_tensorflow():
     assert "the flags after -- are not engine.main's" in result.stderr
     assert "tensorflow" not in result.stderr and "keras" not in result.stderr
     assert seconds < HELP_SECONDS, seconds
+
+
+@pytest.mark.timeout(300)
+def test_a_launched_cluster_prints_no_native_start_up_lines(tmp_path):
+    """engine.server's ps and worker tasks hold them back too (and EMA runs under parameter servers)."""
+    result = python("-m", "engine.launch", "--num_workers=1", "--num_ps=1", "--", "--strategy=parameter_server",
+                    "--model=mlp", "--train_steps=20", "--steps_per_loop=10", "--eval_every=10",
+                    "--ema_decay=0.9", f"--model_dir={tmp_path}", timeout=280)
+    assert result.returncode == 0, result.stderr[-3000:]
+    output = result.stdout + result.stderr
+    assert "[ps:0]" in output and "[worker:0]" in output and "eval at step 20" in output
+    assert [line for line in output.splitlines() if any(s in line for s in START_UP_LINES)] == []
