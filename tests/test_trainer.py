@@ -7,38 +7,7 @@ import tensorflow as tf
 import keras
 
 import engine
-
-NUM_FEATURES = 6
-NUM_CLASSES = 3
-
-
-def make_arrays(n: int, seed: int = 0):
-    rng = np.random.RandomState(seed)
-    x = rng.rand(n, NUM_FEATURES).astype("float32")
-    y = (x[:, 0] * NUM_CLASSES).astype("int32") % NUM_CLASSES
-    return x, y
-
-
-def make_model(strategy, seed: int = 3, l2: float = 0.0):
-    with strategy.scope():
-        regularizer = keras.regularizers.L2(l2) if l2 else None
-        model = keras.Sequential([
-            keras.Input((NUM_FEATURES,)),
-            keras.layers.Dense(16, activation="relu", kernel_regularizer=regularizer),
-            keras.layers.Dense(NUM_CLASSES),
-        ])
-        optimizer = keras.optimizers.SGD(0.5)
-    rng = np.random.RandomState(seed)  # Same start for every strategy.
-    model.set_weights([rng.normal(0, 0.5, w.shape).astype("float32") for w in model.get_weights()])
-    return model, optimizer
-
-
-def loss_fn():
-    return keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
-
-
-def global_batches(x, y, batch):
-    return tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(batch, drop_remainder=True)
+from helpers import NUM_CLASSES, NUM_FEATURES, global_batches, loss_fn, make_arrays, make_model
 
 
 def per_replica_batches(x, y, batch):
