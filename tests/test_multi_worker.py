@@ -92,7 +92,8 @@ def workers(tmp_path):
 def wait_for_text(log: Path, pattern: str, process: subprocess.Popen, timeout: float) -> re.Match:
     deadline = time.monotonic() + timeout
     while not (match := re.search(pattern, log.read_text())):
-        assert process.poll() is None, f"exited {process.returncode} before {pattern!r}:\n{log.read_text()[-3000:]}"
+        assert process.poll() is None, (f"exited {process.returncode} before {pattern!r}:\n"
+                                        f"{log.read_text()[-3000:]}")
         assert time.monotonic() < deadline, f"no {pattern!r} in {timeout} s:\n{log.read_text()[-3000:]}"
         time.sleep(0.1)
     return match

@@ -49,7 +49,8 @@ def test_readme_research_example_runs(tmp_path):
     rerun = subprocess.run([sys.executable, "example.py"], cwd=tmp_path, env=env,
                            capture_output=True, text=True, timeout=240)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
-    assert re.search(r"Restored \S*runs/research/checkpoints/ckpt-300 at step 300", rerun.stderr), rerun.stderr[-3000:]
+    restored = re.search(r"Restored \S*runs/research/checkpoints/ckpt-300 at step 300", rerun.stderr)
+    assert restored, rerun.stderr[-3000:]
     assert "nothing to train: the global step 300 is already at or past steps=300" in rerun.stderr
     # Nothing was trained again: every checkpoint directory is byte for byte as the first run left it.
     assert {run.name: snapshot(run / "checkpoints") for run in (tmp_path / "runs").iterdir()} == checkpoints
