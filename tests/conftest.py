@@ -33,3 +33,20 @@ def default():
     import engine
 
     return engine.build_strategy("default")
+
+
+@pytest.fixture
+def launch():
+    """Starts `python -m engine.launch ...` (a `helpers.Launched`); every
+    process group it started is killed at the end of the test."""
+    from helpers import Launched
+
+    started: list[Launched] = []
+
+    def start(*args: str, **kwargs) -> Launched:
+        started.append(Launched(*args, **kwargs))
+        return started[-1]
+
+    yield start
+    for launched in started:
+        launched.kill_all()

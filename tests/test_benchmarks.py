@@ -7,25 +7,38 @@ asserted: these machines are shared and noisy.
 
 import json
 import os
+import signal
 import subprocess
 import sys
 
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from helpers import REPO
+
+pytestmark = pytest.mark.slow  # every test here starts processes
 
 
 def _run(args, timeout):
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=REPO)
-    completed = subprocess.run(
-        [sys.executable, "-m", *args], cwd=REPO, env=env,
-        capture_output=True, text=True, timeout=timeout,
-    )
+    """Runs the script in its own process group, so that a timeout also ends
+    the children it started (the sweep runs one per device count)."""
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=str(REPO))
+    process = subprocess.Popen([sys.executable, "-m", *args], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    finally:
+        try:
+            os.killpg(process.pid, signal.SIGKILL)  # whatever is left of the group
+        except ProcessLookupError:
+            pass
+        if process.poll() is None:
+            process.communicate(timeout=30)
+    completed = subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
     assert completed.returncode == 0, completed.stderr[-4000:]
     return completed
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(400)
 def test_throughput_writes_json_with_a_row_per_runner(tmp_path):
     out = tmp_path / "out.json"
     completed = _run([
@@ -33,7 +46,7 @@ def test_throughput_writes_json_with_a_row_per_runner(tmp_path):
         "--runners=engine,fit,raw", "--global_batch_size=16", "--steps_per_loop=2",
         "--warmup_steps=2", "--steps=4", "--repeats=1", "--peak_matmul_size=128",
         f"--json={out}",
-    ], timeout=110)
+    ], timeout=360)
     payload = json.loads(out.read_text())
 
     assert set(payload) >= {"results", "ratios", "peak_tflops", "machine"}
@@ -54,8 +67,8 @@ def test_throughput_writes_json_with_a_row_per_runner(tmp_path):
     for row in rows:
         for key, kind in types.items():
             assert isinstance(row[key], kind), (key, row[key])
-        assert row["error"] is None or isinstance(row["error"], str)
-        assert row["examples_per_second"] > 0 or row["error"], row
+        assert row["error"] is None, row  # a crashed runner fails the test
+        assert row["examples_per_second"] > 0, row
         assert row["model"] == "cnn" and row["strategy"] == "default"
         assert row["global_batch_size"] == 16 and row["replicas"] == 1
         assert row["flops_per_example"] > 0
@@ -63,7 +76,7 @@ def test_throughput_writes_json_with_a_row_per_runner(tmp_path):
     assert "engine" in completed.stdout and "ratios:" in completed.stdout
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(400)
 def test_sweep_writes_png_and_markdown(tmp_path):
     pytest.importorskip("matplotlib")
     out_dir = tmp_path / "sweep"
@@ -71,7 +84,7 @@ def test_sweep_writes_png_and_markdown(tmp_path):
         "benchmarks.sweep", f"--out_dir={out_dir}", "--model=cnn",
         "--steps_per_loop_values=1,2", "--replica_values=1,2", "--sweep_steps_per_loop=2",
         "--global_batch_size=16", "--steps=4", "--warmup_steps=2", "--repeats=1",
-    ], timeout=110)
+    ], timeout=360)
     png = out_dir / "sweep.png"
     markdown = (out_dir / "sweep.md").read_text()
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -80,5 +93,5 @@ def test_sweep_writes_png_and_markdown(tmp_path):
     records = json.loads((out_dir / "sweep.json").read_text())["records"]
     assert {(r["sweep"], r["x"]) for r in records} == {
         ("steps_per_loop", 1), ("steps_per_loop", 2), ("replicas", 1), ("replicas", 2)}
-    assert all(r["examples_per_second"] > 0 or r["error"] for r in records)
+    assert [r for r in records if r["error"] is not None or not r["examples_per_second"] > 0] == []
     assert {r["replicas"] for r in records if r["sweep"] == "replicas"} == {1, 2}

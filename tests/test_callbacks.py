@@ -2,7 +2,7 @@
 
 import engine
 from engine.callbacks import Callback
-from test_trainer import global_batches, loss_fn, make_arrays, make_model
+from helpers import global_batches, loss_fn, make_arrays, make_model
 
 
 class Recorder(Callback):

@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from test_main import run_main, snapshot
+from helpers import run_main, snapshot
+
+pytestmark = pytest.mark.slow  # every test here starts processes
 
 USER_NET = '''
 import keras

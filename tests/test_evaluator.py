@@ -11,12 +11,10 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
-import tensorflow as tf
 
-REPO = Path(__file__).resolve().parents[1]
+from helpers import REPO, eval_steps
 FLAGS = ["--model=mlp", "--dataset=digits", "--optimizer=sgd", "--learning_rate=0.1",
          "--global_batch_size=32", "--steps_per_loop=10", "--eval_every=0"]
 
@@ -27,15 +25,7 @@ def engine_main(*flags: str, timeout: float = 150) -> subprocess.CompletedProces
                           timeout=timeout)
 
 
-def eval_steps(model_dir: Path) -> list[int]:
-    """The steps of every eval `loss` summary in <model_dir>/eval, in the order written."""
-    steps = []
-    for events in sorted((model_dir / "eval").glob("events.*")):
-        for event in tf.compat.v1.train.summary_iterator(str(events)):
-            steps += [event.step for value in event.summary.value if value.tag == "loss"]
-    return steps
-
-
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_train_then_eval_modes_on_a_finished_dir(tmp_path):
     trained = engine_main(*FLAGS, "--train_steps=30", "--mode=train", f"--model_dir={tmp_path}")
@@ -61,7 +51,8 @@ def test_train_then_eval_modes_on_a_finished_dir(tmp_path):
     assert final["accuracy"] == metrics["eval"]["accuracy"]
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.slow
+@pytest.mark.timeout(300)
 def test_eval_without_a_checkpoint_is_a_one_line_error(tmp_path):
     result = engine_main(*FLAGS, "--mode=eval", f"--model_dir={tmp_path}")
     assert result.returncode == 2
@@ -98,19 +89,20 @@ def evaluators():
         evaluator.process.wait(timeout=30)
 
 
-@pytest.mark.timeout(400)
+@pytest.mark.slow
+@pytest.mark.timeout(700)
 def test_an_evaluator_started_before_training_evaluates_each_checkpoint_once(tmp_path, evaluators):
     evaluator = evaluators(*FLAGS, "--train_steps=60", "--mode=continuous_eval", "--eval_timeout=200",
                            "--best_checkpoint_metric=loss", f"--model_dir={tmp_path}")
-    evaluator.wait_for("continuous evaluation of", timeout=120)
+    evaluator.wait_for("continuous evaluation of", timeout=240)
     first = engine_main(*FLAGS, "--train_steps=30", "--mode=train", f"--model_dir={tmp_path}")
     assert first.returncode == 0, first.stderr[-3000:]
-    evaluator.wait_for("eval at step 30", timeout=120)
+    evaluator.wait_for("eval at step 30", timeout=240)
     assert evaluator.process.poll() is None  # 30 is not the final step: it waits on
     second = engine_main(*FLAGS, "--train_steps=60", "--mode=train", "--checkpoint_every=10",
                          f"--model_dir={tmp_path}")
     assert second.returncode == 0, second.stderr[-3000:]
-    assert evaluator.process.wait(timeout=150) == 0, "\n".join(evaluator.lines[-40:])
+    assert evaluator.process.wait(timeout=240) == 0, "\n".join(evaluator.lines[-40:])
     steps = eval_steps(tmp_path)
     assert steps[0] == 30 and steps[-1] == 60 and len(steps) == len(set(steps)), steps
     metrics = json.loads((tmp_path / "metrics.json").read_text())
@@ -122,20 +114,22 @@ def test_an_evaluator_started_before_training_evaluates_each_checkpoint_once(tmp
         "ckpt-40.index", "ckpt-50.index", "ckpt-60.index"]
 
 
-@pytest.mark.timeout(200)
+@pytest.mark.slow
+@pytest.mark.timeout(400)
 def test_continuous_eval_gives_up_after_eval_timeout_and_ends_on_sigterm(tmp_path, evaluators):
     idle = evaluators(*FLAGS, "--train_steps=60", "--mode=continuous_eval", "--eval_timeout=3",
                       f"--model_dir={tmp_path / 'idle'}")
-    assert idle.process.wait(timeout=120) == 0, "\n".join(idle.lines[-20:])
+    assert idle.process.wait(timeout=240) == 0, "\n".join(idle.lines[-20:])
     assert any("no new checkpoint for 3s" in line for line in idle.lines)
     assert not (tmp_path / "idle" / "metrics.json").exists()
 
     waiting = evaluators(*FLAGS, "--train_steps=60", "--mode=continuous_eval", f"--model_dir={tmp_path / 'w'}")
-    waiting.wait_for("continuous evaluation of", timeout=120)
+    waiting.wait_for("continuous evaluation of", timeout=240)
     waiting.process.send_signal(signal.SIGTERM)
     assert waiting.process.wait(timeout=20) == 128 + signal.SIGTERM  # like a training run stopped by it
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("deleted", ["data-00000-of-00001", "index"])
 def test_a_checkpoint_deleted_while_read_is_skipped_not_fatal(tmp_path, monkeypatch, deleted):

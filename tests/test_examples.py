@@ -9,11 +9,10 @@ import os
 import re
 import socket
 import subprocess
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from helpers import REPO, kill_group
 
 # `srun` as Slurm runs a one-node step: SLURM_NTASKS copies of the command, each with its
 # SLURM_PROCID; --kill-on-bad-exit: the first failure ends the others. The exit status is the worst.
@@ -48,7 +47,8 @@ def _free(port: int) -> bool:
     return True
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.slow
+@pytest.mark.timeout(500)
 def test_slurm_batch_script_trains_two_workers_under_srun(tmp_path):
     shims = tmp_path / "bin"
     shims.mkdir()
@@ -58,12 +58,16 @@ def test_slurm_batch_script_trains_two_workers_under_srun(tmp_path):
                SLURM_JOB_NAME="engine-train", SLURM_JOB_ID="1", SLURM_NTASKS="2", SLURM_JOB_NODELIST="localhost",
                SLURM_SUBMIT_DIR=str(REPO), MODEL_DIR=str(tmp_path / "run"), PORT_BASE=str(consecutive_free_ports(2)))
     env.pop("TF_CONFIG", None)
-    result = subprocess.run(
+    process = subprocess.Popen(
         ["bash", str(REPO / "examples" / "slurm" / "train.sbatch"), "--model=mlp", "--dataset=synthetic",
          "--optimizer=sgd", "--global_batch_size=32", "--train_steps=12", "--steps_per_loop=4", "--eval_every=0"],
-        env=env, capture_output=True, text=True, timeout=200)
-    output = result.stdout + result.stderr
-    assert result.returncode == 0, output[-4000:]
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        stdout, stderr = process.communicate(timeout=420)
+    finally:
+        kill_group(process)  # the script, srun and both workers, if a timeout left them running
+    output = stdout + stderr
+    assert process.returncode == 0, output[-4000:]
     digests = re.findall(r"done: step 12.*weights_digest=(\w+)", output)
     assert len(digests) == 2 and digests[0] == digests[1], output[-3000:]  # two workers, in step
     assert (tmp_path / "run" / "checkpoints" / "ckpt-12.index").exists()

@@ -10,8 +10,7 @@ import tensorflow as tf
 
 import engine
 from engine.export import export_saved_model
-from test_main import REPO, run_main
-from test_trainer import NUM_FEATURES, global_batches, loss_fn, make_arrays, make_model
+from helpers import NUM_FEATURES, REPO, global_batches, loss_fn, make_arrays, make_model, run_main
 
 
 class Linear(tf.Module):
@@ -46,6 +45,7 @@ def test_exported_saved_model_reproduces_predictions(tmp_path, kind):
     np.testing.assert_allclose(output.numpy(), np.asarray(model(x)), rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_cli_exports_a_servable_model(tmp_path):
     export_dir = tmp_path / "export"
     result = run_main("--model=mlp", "--train_steps=5", f"--model_dir={tmp_path / 'run'}",
@@ -75,6 +75,7 @@ engine.Trainer(strategy=strategy, model=model, optimizer=optimizer, train_data=d
 """
 
 
+@pytest.mark.slow
 def test_check_numerics_names_the_op_that_made_a_nan(tmp_path):
     result = subprocess.run([sys.executable, "-c", NAN_SCRIPT], cwd=tmp_path, capture_output=True, text=True,
                             env={"PYTHONPATH": str(REPO), "TF_CPP_MIN_LOG_LEVEL": "2", "PATH": "/usr/bin:/bin"},
@@ -84,6 +85,7 @@ def test_check_numerics_names_the_op_that_made_a_nan(tmp_path):
     assert "Log/CheckNumerics" in result.stderr and "bad_loss" in result.stderr  # the op and its line
 
 
+@pytest.mark.slow
 def test_cli_check_numerics_fails_at_the_first_op_with_inf(tmp_path):
     result = run_main("--model=mlp", "--optimizer=sgd", "--learning_rate=1e30", "--train_steps=5",
                       "--check_numerics", f"--model_dir={tmp_path}")

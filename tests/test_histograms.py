@@ -12,8 +12,7 @@ import engine
 from engine.config import RunConfig
 from engine.hooks import WeightHistograms
 from engine.hooks.from_config import hooks_from_config
-from test_main import run_main
-from test_trainer import global_batches, loss_fn, make_arrays, make_model
+from helpers import global_batches, loss_fn, make_arrays, make_model, run_main
 
 
 def read_histograms(log_dir: str) -> dict[str, dict[int, np.ndarray]]:
@@ -57,6 +56,7 @@ def test_the_flag_builds_the_hook_and_is_validated():
         RunConfig(histogram_every=-1).validate()
 
 
+@pytest.mark.slow
 def test_histograms_from_the_command_line(tmp_path):
     result = run_main("--model=mlp", "--train_steps=10", "--histogram_every=5", "--eval_every=0",
                       f"--model_dir={tmp_path}")

@@ -2,7 +2,9 @@
 reduce-on-plateau, and how each picks up again after a restart."""
 
 import json
-import types
+import re
+import subprocess
+import sys
 
 import keras
 import numpy as np
@@ -12,7 +14,7 @@ import tensorflow as tf
 import engine
 from engine.callbacks import Callback
 from engine.hooks import BestCheckpoint, EarlyStopping, ReduceLROnPlateau
-from test_trainer import global_batches, loss_fn, make_arrays, make_model
+from helpers import REPO, global_batches, kill_group, loss_fn, make_arrays, make_model, python_env
 
 
 class Scripted(keras.metrics.Metric):
@@ -34,11 +36,6 @@ class Scripted(keras.metrics.Metric):
 
     def get_config(self):
         return {"name": self.name, "values": self.values}
-
-
-@pytest.fixture(scope="module")
-def mirrored():
-    return engine.build_strategy("mirrored", cpu_devices=2)
 
 
 def scripted_trainer(strategy, model_dir, values, hooks, learning_rate=0.5):
@@ -156,29 +153,40 @@ def test_a_missing_metric_names_the_reported_ones(mirrored, tmp_path):
         trainer.train(2)
 
 
-def run_decisions(values, hook):
-    """The steps at which `hook` stops training, fed `values` as one worker would be."""
-    trainer = types.SimpleNamespace(step=0, stop_training=False, model_dir=None,
-                                    strategy=tf.distribute.get_strategy(), callbacks=[hook])
-    hook.on_train_begin(trainer)
-    stops = []
-    for step, value in enumerate(values, start=1):
-        trainer.step = step
-        hook.on_eval_end(trainer, step, {"loss": value})
-        stops.append(trainer.stop_training)
-    return stops
-
-
-def test_decisions_depend_only_on_the_all_reduced_metrics():
-    """Every worker sees the same all-reduced eval values, so each takes the same decisions."""
-    values = list(np.random.RandomState(0).rand(30))
-    workers = [run_decisions(values, EarlyStopping("loss", patience=3)) for _ in range(3)]
-    assert workers[0] == workers[1] == workers[2]
-    assert True in workers[0]
+def test_early_stopping_modes():
     with pytest.raises(engine.UserError, match="mode 'best'"):
         EarlyStopping("loss", patience=3, mode="best")
     assert EarlyStopping("val_accuracy", patience=1).watch.mode == "max"
     assert EarlyStopping("loss", patience=1).watch.mode == "min"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_two_real_workers_take_the_same_early_stopping_decision(tmp_path):
+    """Two multi_worker_mirrored processes: each evaluates its shard, the metrics
+    are all-reduced, so both stop at the same step (a worker that stopped alone
+    would leave its peer in a collective until --collective_timeout)."""
+    log = tmp_path / "launch.log"
+    flags = ["--strategy=multi_worker_mirrored", "--model=mlp", "--dataset=synthetic", "--optimizer=sgd",
+             "--learning_rate=0.5", "--global_batch_size=32", "--steps_per_loop=5", "--eval_every=5",
+             "--train_steps=2000", "--early_stop_metric=loss", "--early_stop_patience=2",
+             "--collective_timeout=60", f"--model_dir={tmp_path / 'run'}"]
+    with open(log, "w") as output:
+        process = subprocess.Popen([sys.executable, "-m", "engine.launch", "--num_workers=2", "--", *flags],
+                                   cwd=REPO, stdout=output, stderr=subprocess.STDOUT, start_new_session=True,
+                                   env=python_env())
+    try:
+        code = process.wait(timeout=540)
+    finally:
+        kill_group(process)  # the launcher and both workers, whatever their state
+    text = log.read_text()
+    assert code == 0, text[-4000:]
+    stops = dict(re.findall(r"\[(worker:\d)\].*early stopping at step (\d+)", text))
+    assert set(stops) == {"worker:0", "worker:1"}, text[-4000:]
+    assert stops["worker:0"] == stops["worker:1"], stops
+    assert int(stops["worker:0"]) < 2000
+    done = dict(re.findall(r"\[(worker:\d)\].*done: step (\d+)", text))
+    assert done == stops, (done, stops)
 
 
 def test_flags_build_the_hooks_and_refuse_bad_combinations():

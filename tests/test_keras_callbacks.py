@@ -11,7 +11,7 @@ import keras
 
 import engine
 from engine.callbacks import Callback
-from test_trainer import NUM_CLASSES, NUM_FEATURES, global_batches, loss_fn, make_arrays, make_model
+from helpers import NUM_CLASSES, NUM_FEATURES, global_batches, loss_fn, make_arrays, make_model
 
 STEPS_PER_EPOCH = 5
 BATCH = 16

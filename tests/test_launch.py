@@ -14,33 +14,25 @@ import sys
 import numpy as np
 import pytest
 
-from tests.test_evaluator import eval_steps
-from tests.test_multi_worker import REPO, SMALL, Launched, model_weights
+from helpers import REPO, SMALL, eval_steps, model_weights
 
-
-
-@pytest.fixture
-def launch():
-    started: list[Launched] = []
-    yield lambda *args: started.append(Launched(*args)) or started[-1]
-    for launched in started:
-        launched.kill_all()
+pytestmark = pytest.mark.slow  # every test here starts processes
 
 
 MWM = ["--strategy=multi_worker_mirrored", *SMALL, "--deterministic", "--steps_per_loop=4"]
 
 
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(700)
 def test_a_killed_worker_restarts_the_cluster_and_ends_with_the_uninterrupted_weights(tmp_path, launch):
     flags = [*MWM, "--train_steps=300", "--checkpoint_every=20"]
     plain = launch("--num_workers=2", "--", *flags, f"--model_dir={tmp_path / 'plain'}")
-    assert plain.wait(timeout=150) == 0, plain.output[-4000:]
+    assert plain.wait(timeout=240) == 0, plain.output[-4000:]
 
     run = launch("--num_workers=2", "--max_restarts=2", "--", *flags, f"--model_dir={tmp_path / 'restarted'}")
-    run.wait_for(r"\[worker:0\].*step 4\d/300", timeout=150)
+    run.wait_for(r"\[worker:0\].*step 4\d/300", timeout=240)
     pid = int(run.wait_for(r"started worker:1 \(pid (\d+)\)", timeout=1).group(1))
     os.kill(pid, signal.SIGKILL)
-    assert run.wait(timeout=200) == 0, run.output[-5000:]
+    assert run.wait(timeout=300) == 0, run.output[-5000:]
     restarts = [line for line in run.lines if "restarting the cluster" in line]
     assert restarts == ["[launch] restarting the cluster (1/2): worker:1 exited with signal 9"], restarts
     assert re.search(r"\[worker:0\].*steps=([1-9]\d*)->300", run.output), run.output[-3000:]  # resumed
@@ -53,12 +45,12 @@ def test_a_killed_worker_restarts_the_cluster_and_ends_with_the_uninterrupted_we
     run.assert_nothing_left()
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(500)
 def test_an_evaluator_task_evaluates_beside_a_launched_cluster(tmp_path, launch):
     # --mode=train: the workers do not evaluate, so every eval summary is the evaluator's.
     run = launch("--num_workers=2", "--evaluator", "--", *MWM, "--train_steps=200", "--checkpoint_every=50",
                  "--mode=train", "--eval_timeout=120", f"--model_dir={tmp_path}")
-    assert run.wait(timeout=250) == 0, run.output[-5000:]
+    assert run.wait(timeout=400) == 0, run.output[-5000:]
     assert re.search(r"started evaluator:0 .*engine.main", run.output)
     assert re.search(r"\[evaluator:0\].*eval at step 200", run.output), run.output[-3000:]
     assert "[launch] evaluator:0 finished with exit status 0" in run.output
@@ -70,17 +62,17 @@ def test_an_evaluator_task_evaluates_beside_a_launched_cluster(tmp_path, launch)
     run.assert_nothing_left()
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(400)
 def test_sigterm_to_the_launcher_exits_143_and_a_flag_error_exits_2(tmp_path, launch):
     run = launch("--num_workers=2", "--", *MWM, "--train_steps=100000", f"--model_dir={tmp_path}")
-    run.wait_for(r"started worker:1", timeout=30)
+    run.wait_for(r"started worker:1", timeout=120)
     run.process.send_signal(signal.SIGTERM)
-    assert run.wait(timeout=60) == 143, run.output[-3000:]
+    assert run.wait(timeout=120) == 143, run.output[-3000:]
     run.assert_nothing_left()
 
     result = subprocess.run([sys.executable, "-m", "engine.launch", "--num_workers=2", "--", "--train_stepz=3"],
                             cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)), capture_output=True,
-                            text=True, timeout=90)
+                            text=True, timeout=150)
     assert result.returncode == 2, result.stderr[-2000:]
     assert "engine.launch: error: the flags after -- are not engine.main's" in result.stderr
     assert "train_stepz" in result.stderr and "started" not in result.stderr

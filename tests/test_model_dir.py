@@ -17,8 +17,8 @@ import pytest
 
 from engine import model_dir as model_dir_lib
 from engine.errors import UserError
-from test_fault_tolerance import copy_of, one_error_line, popen_main, stop, wait_for_checkpoint
-from test_main import run_main, snapshot
+from helpers import (copy_of, one_error_line, popen_main, read_stderr_until, run_main, snapshot, stop,
+                     wait_for_checkpoint)
 
 MLP = ["--model=mlp", "--checkpoint_every=10", "--eval_every=0"]
 
@@ -62,7 +62,8 @@ def test_writer_lock_is_exclusive_and_leaves_nothing_behind(tmp_path):
     assert list(model_dir.iterdir()) == []
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.slow
+@pytest.mark.timeout(420)
 def test_second_run_on_a_model_dir_exits_2_naming_the_holder(tmp_path):
     model_dir = tmp_path / "run"
     first = popen_main("--model=mlp", "--train_steps=1000000", "--steps_per_loop=20", "--eval_every=0",
@@ -82,7 +83,8 @@ def test_second_run_on_a_model_dir_exits_2_naming_the_holder(tmp_path):
     assert not (model_dir / model_dir_lib.LOCK_FILE).exists()  # released on a clean stop
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.slow
+@pytest.mark.timeout(420)
 def test_lock_left_by_kill_9_is_taken_over_with_a_warning(tmp_path):
     model_dir = tmp_path / "run"
     killed = popen_main(*MLP, "--train_steps=1000000", "--steps_per_loop=5", f"--model_dir={model_dir}")
@@ -100,6 +102,7 @@ def test_lock_left_by_kill_9_is_taken_over_with_a_warning(tmp_path):
 # --------------------------------------------------- checkpoint discovery
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage", ["deleted", "garbage", "empty"])
 def test_lost_state_file_recovers_the_newest_checkpoint_and_overwrites_nothing(trained, tmp_path, damage):
     model_dir = copy_of(trained, tmp_path / "run")
@@ -120,6 +123,7 @@ def test_lost_state_file_recovers_the_newest_checkpoint_and_overwrites_nothing(t
         assert (model_dir / "checkpoints" / "checkpoint.damaged").exists()
 
 
+@pytest.mark.slow
 def test_lost_state_file_with_no_readable_checkpoint_is_refused(trained, tmp_path):
     model_dir = copy_of(trained, tmp_path / "run")
     (model_dir / "checkpoints" / "checkpoint").unlink()
@@ -131,6 +135,7 @@ def test_lost_state_file_with_no_readable_checkpoint_is_refused(trained, tmp_pat
     assert snapshot(model_dir) == before
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage", ["zeroed index", "deleted data", "flipped data"])
 def test_unreadable_checkpoint_of_any_kind_is_one_line_and_fallback_recovers(trained, tmp_path, damage):
     model_dir = copy_of(trained, tmp_path / "run")
@@ -153,6 +158,7 @@ def test_unreadable_checkpoint_of_any_kind_is_one_line_and_fallback_recovers(tra
     assert "steps=10->30" in recovered.stderr
 
 
+@pytest.mark.slow
 def test_orphan_temp_dirs_are_removed_at_start(trained, tmp_path):
     model_dir = copy_of(trained, tmp_path / "run")
     orphan = model_dir / "checkpoints" / "ckpt-30_temp"
@@ -163,6 +169,7 @@ def test_orphan_temp_dirs_are_removed_at_start(trained, tmp_path):
     assert str(orphan) in result.stderr and not orphan.exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["run[1]", "run*", "run?"])
 def test_model_dir_with_pattern_characters_is_refused_and_siblings_untouched(trained, tmp_path, name):
     sibling = copy_of(trained, tmp_path / "run1")
@@ -176,6 +183,7 @@ def test_model_dir_with_pattern_characters_is_refused_and_siblings_untouched(tra
 # ------------------------------------------------------------- reruns, resume
 
 
+@pytest.mark.slow
 def test_rerun_of_a_finished_run_leaves_metrics_json_and_says_where_it_is(trained, tmp_path):
     model_dir = copy_of(trained, tmp_path / "run")
     before = snapshot(model_dir)
@@ -186,6 +194,7 @@ def test_rerun_of_a_finished_run_leaves_metrics_json_and_says_where_it_is(traine
     assert json.loads((model_dir / "metrics.json").read_text())["train"]  # not emptied
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flag", ["--optimizer=sgd", "--lr_schedule=cosine", "--mixed_precision=bfloat16"])
 def test_changed_optimizer_settings_on_resume_are_refused_naming_the_flag(trained, tmp_path, flag):
     model_dir = copy_of(trained, tmp_path / "run")
@@ -196,6 +205,7 @@ def test_changed_optimizer_settings_on_resume_are_refused_naming_the_flag(traine
     assert snapshot(model_dir) == before
 
 
+@pytest.mark.slow
 def test_reset_optimizer_keeps_the_weights_and_starts_fresh_optimizer_state(trained, tmp_path):
     import tensorflow as tf
 
@@ -221,6 +231,7 @@ def _write_hook_state(model_dir: Path, damage: str) -> None:
         target.write_text({"garbage": "{not json", "empty": "", "wrong shape": "[1, 2, 3]"}[damage])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage", ["garbage", "empty", "wrong shape", "directory"])
 def test_damaged_hook_state_is_one_line_and_the_model_dir_is_left_alone(trained, tmp_path, damage):
     model_dir = copy_of(trained, tmp_path / "run")
@@ -232,6 +243,7 @@ def test_damaged_hook_state_is_one_line_and_the_model_dir_is_left_alone(trained,
     assert snapshot(model_dir) == before
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage", ["garbage", "wrong shape", "missing", "directory"])
 def test_best_checkpoint_is_never_compared_against_nothing(trained, tmp_path, damage):
     model_dir = copy_of(trained, tmp_path / "run")
@@ -250,6 +262,7 @@ def test_best_checkpoint_is_never_compared_against_nothing(trained, tmp_path, da
     assert snapshot(model_dir) == before
 
 
+@pytest.mark.slow
 def test_changed_best_checkpoint_metric_is_refused(trained, tmp_path):
     model_dir = copy_of(trained, tmp_path / "run")
     before = snapshot(model_dir)
@@ -260,6 +273,7 @@ def test_changed_best_checkpoint_metric_is_refused(trained, tmp_path):
     assert snapshot(model_dir) == before
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flag", [
     "--epochs=nan", "--epochs=inf", "--seed=-1", f"--seed={2**40}", "--learning_rate=nan",
     "--learning_rate=inf", "--clip_norm=nan", "--clip_norm=inf", "--global_batch_size=1000000000",
@@ -274,6 +288,7 @@ def test_bad_flags_are_one_line_and_exit_2_with_the_model_dir_left_alone(trained
     assert snapshot(model_dir) == before
 
 
+@pytest.mark.slow
 def test_metrics_json_as_a_directory_is_refused_before_training(trained, tmp_path):
     model_dir = copy_of(trained, tmp_path / "run")
     (model_dir / "metrics.json").unlink()
@@ -296,6 +311,7 @@ def _fake_mnist(path: Path, **override) -> Path:
     return path
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("override, expected", [
     ({"x_train": np.zeros((256, 32, 32), np.uint8)}, "x_train is uint8 of shape (256, 32, 32)"),
     ({"y_test": np.zeros((63,), np.uint8)}, "y_test is uint8 of shape (63,)"),
@@ -311,6 +327,7 @@ def test_bad_mnist_file_is_one_line(trained, tmp_path, override, expected):
     assert snapshot(model_dir) == before
 
 
+@pytest.mark.slow
 def test_out_of_range_label_late_in_a_tfrecord_file_is_one_line(tmp_path):
     from input import write_tfrecords
 
@@ -330,7 +347,8 @@ def test_out_of_range_label_late_in_a_tfrecord_file_is_one_line(tmp_path):
 # ----------------------------------------------------------------- bounded stop
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.slow
+@pytest.mark.timeout(480)
 def test_sigterm_during_a_large_evaluation_stops_within_one_chunk(tmp_path):
     """60,000 eval images through wide_mlp take about a minute on 2 cores; the
     stop must come after one chunk of --steps_per_loop batches instead."""
@@ -341,10 +359,7 @@ def test_sigterm_during_a_large_evaluation_stops_within_one_chunk(tmp_path):
                          "--global_batch_size=64", "--steps_per_loop=4", "--eval_every=4",
                          "--train_steps=1000", f"--model_dir={model_dir}")
     try:
-        deadline = time.monotonic() + 180
-        for line in process.stderr:  # the first evaluation starts right after step 4
-            if "step 4/" in line or time.monotonic() > deadline:
-                break
+        read_stderr_until(process, "step 4/", timeout=240)  # the first evaluation starts right after step 4
         time.sleep(3)  # well inside the evaluation
         sent = time.monotonic()
         process.send_signal(signal.SIGTERM)
@@ -358,7 +373,8 @@ def test_sigterm_during_a_large_evaluation_stops_within_one_chunk(tmp_path):
     assert (model_dir / "checkpoints" / "ckpt-4.index").exists()
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.slow
+@pytest.mark.timeout(420)
 def test_second_signal_ends_the_process_at_once(tmp_path):
     data_dir = _fake_mnist(tmp_path / "mnist")
     model_dir = tmp_path / "run"
@@ -367,10 +383,7 @@ def test_second_signal_ends_the_process_at_once(tmp_path):
                          "--global_batch_size=64", "--steps_per_loop=5000", "--eval_every=0",
                          "--checkpoint_every=100000", "--train_steps=100000", f"--model_dir={model_dir}")
     try:
-        deadline = time.monotonic() + 120
-        for line in process.stderr:  # the banner: training starts next
-            if "steps=0->" in line or time.monotonic() > deadline:
-                break
+        read_stderr_until(process, "steps=0->", timeout=240)  # the banner: training starts next
         time.sleep(5)
         process.send_signal(signal.SIGTERM)
         time.sleep(1)
@@ -395,6 +408,7 @@ def _mount_tmpfs(path: Path, size: str) -> bool:
     return mounted.returncode == 0
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_full_disk_is_one_line_and_the_previous_checkpoint_stays_latest(tmp_path):
     import tensorflow as tf
@@ -424,7 +438,7 @@ def test_weights_that_are_not_finite_are_never_saved(tmp_path):
     import tensorflow as tf
 
     import engine
-    from test_trainer import global_batches, loss_fn, make_arrays, make_model
+    from helpers import global_batches, loss_fn, make_arrays, make_model
 
     strategy = tf.distribute.get_strategy()
     model, optimizer = make_model(strategy)
@@ -448,7 +462,7 @@ def test_trainer_refuses_a_model_dir_with_pattern_characters(tmp_path):
     import tensorflow as tf
 
     import engine
-    from test_trainer import global_batches, loss_fn, make_arrays, make_model
+    from helpers import global_batches, loss_fn, make_arrays, make_model
 
     strategy = tf.distribute.get_strategy()
     model, optimizer = make_model(strategy)
@@ -459,6 +473,7 @@ def test_trainer_refuses_a_model_dir_with_pattern_characters(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow
 def test_checkpoint_files_the_state_does_not_list_are_moved_aside_not_overwritten(trained, tmp_path):
     import tensorflow as tf
 

@@ -8,131 +8,32 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
-import tensorflow as tf
 
-REPO = Path(__file__).resolve().parents[1]
-SMALL = ["--model=mlp", "--dataset=synthetic", "--optimizer=sgd", "--learning_rate=0.1",
-         "--global_batch_size=32", "--eval_every=0"]
+from helpers import REPO, SMALL, free_ports, kill_group, model_weights
 
-
-class Launched:
-    """`python -m engine.launch ...` in its own process group, output collected live."""
-
-    def __init__(self, *args: str, env: dict[str, str] | None = None):
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "engine.launch", *args], cwd=REPO,
-            env=dict(os.environ, PYTHONPATH=str(REPO), TF_CPP_MIN_LOG_LEVEL="2", **(env or {})),
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-        )
-        self.lines: list[str] = []
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        for line in self.process.stdout:
-            self.lines.append(line.rstrip("\n"))
-
-    @property
-    def output(self) -> str:
-        return "\n".join(self.lines)
-
-    @property
-    def output_without_grpc_noise(self) -> str:
-        """The output less TF's per-call gRPC complaints about a dead peer,
-        which otherwise bury the line that says what went wrong."""
-        noise = ("Failed to remove function remotely", "Additional GRPC error information",
-                 "Error received from peer", "This could happen if the remote target")
-        return "\n".join(line for line in self.lines if not any(n in line for n in noise))
-
-    def wait_for(self, pattern: str, timeout: float) -> re.Match:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            for line in list(self.lines):
-                match = re.search(pattern, line)
-                if match:
-                    return match
-            if self.process.poll() is not None and not self._reader.is_alive():
-                break
-            time.sleep(0.1)
-        raise AssertionError(f"no line matches {pattern!r}:\n{self.output[-4000:]}")
-
-    def wait(self, timeout: float) -> int:
-        try:
-            code = self.process.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            raise AssertionError(f"still running after {timeout} s:\n{self.output[-4000:]}") from None
-        self._reader.join(timeout=10)
-        return code
-
-    def ports(self) -> list[int]:
-        match = self.wait_for(r"gRPC port\(s\) ([\d, ]+) accept", timeout=1)
-        return [int(port) for port in match.group(1).split(",")]
-
-    def kill_all(self) -> None:
-        """Cleanup: the whole process group, whatever state the test left it in."""
-        try:
-            os.killpg(self.process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.process.wait(timeout=30)
-
-    def assert_nothing_left(self) -> None:
-        """No process of the run survives, and no port accepts connections."""
-        deadline = time.monotonic() + 15
-        while True:
-            try:
-                os.killpg(self.process.pid, 0)
-            except ProcessLookupError:
-                break
-            assert time.monotonic() < deadline, f"processes of the run survive:\n{self.output[-3000:]}"
-            time.sleep(0.2)
-        for port in self.ports():
-            with socket.socket() as sock, pytest.raises(ConnectionRefusedError):
-                sock.connect(("localhost", port))
-
-
-@pytest.fixture
-def launch():
-    started: list[Launched] = []
-
-    def start(*args: str, **kwargs) -> Launched:
-        started.append(Launched(*args, **kwargs))
-        return started[-1]
-
-    yield start
-    for launched in started:
-        launched.kill_all()
+pytestmark = pytest.mark.slow  # every test here starts processes
 
 
 def run_single_process(*flags: str) -> None:
     result = subprocess.run(
         [sys.executable, "-m", "engine.main", *flags], cwd=REPO, capture_output=True, text=True,
-        env=dict(os.environ, PYTHONPATH=str(REPO), TF_CPP_MIN_LOG_LEVEL="2"), timeout=120,
+        env=dict(os.environ, PYTHONPATH=str(REPO), TF_CPP_MIN_LOG_LEVEL="2"), timeout=300,
     )
     assert result.returncode == 0, result.stderr[-3000:]
 
 
-def model_weights(model_dir: Path, step: int) -> dict[str, np.ndarray]:
-    reader = tf.train.load_checkpoint(str(model_dir / "checkpoints" / f"ckpt-{step}"))
-    # The model's weights are saved once, under the optimizer that tracks them too.
-    return {name: reader.get_tensor(name) for name in reader.get_variable_to_shape_map()
-            if name.startswith(("optimizer/_trainable_variables/", "global_step/"))}
-
-
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(600)
 def test_two_mirrored_workers_equal_one_process_and_resume(tmp_path, launch):
     flags = [*SMALL, "--steps_per_loop=4"]
     first = launch("--num_workers=2", "--", "--strategy=multi_worker_mirrored", *flags, "--train_steps=12", f"--model_dir={tmp_path / 'mw'}")
-    assert first.wait(timeout=120) == 0, first.output[-4000:]
+    assert first.wait(timeout=240) == 0, first.output[-4000:]
     first.assert_nothing_left()
     digests = re.findall(r"\[worker:(\d)\].*done: step 12.*weights_digest=(\w+)", first.output)
     assert sorted(digests)[0][0] == "0" and len(digests) == 2 and digests[0][1] == digests[1][1], digests
@@ -147,7 +48,7 @@ def test_two_mirrored_workers_equal_one_process_and_resume(tmp_path, launch):
     assert not (tmp_path / "mw" / ".workertemp").exists()
 
     second = launch("--num_workers=2", "--", "--strategy=multi_worker_mirrored", *flags, "--train_steps=16", f"--model_dir={tmp_path / 'mw'}")
-    assert second.wait(timeout=120) == 0, second.output[-4000:]
+    assert second.wait(timeout=240) == 0, second.output[-4000:]
     for worker in (0, 1):  # Both restore the chief's checkpoint, so they stay in step.
         second.wait_for(rf"\[worker:{worker}\].*steps=12->16", timeout=1)
         second.wait_for(rf"\[worker:{worker}\].*done: step 16", timeout=1)
@@ -155,24 +56,80 @@ def test_two_mirrored_workers_equal_one_process_and_resume(tmp_path, launch):
     second.assert_nothing_left()
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(400)
 def test_a_dead_mirrored_worker_fails_the_run_and_stops_the_rest(tmp_path, launch):
     run = launch("--num_workers=2", "--", "--strategy=multi_worker_mirrored", *SMALL,
                  "--train_steps=100000", "--steps_per_loop=10", f"--model_dir={tmp_path}")
-    run.wait_for(r"\[worker:0\].*step 10/", timeout=90)
+    run.wait_for(r"\[worker:0\].*step 10/", timeout=240)
     pid = int(run.wait_for(r"started worker:1 \(pid (\d+)\)", timeout=1).group(1))
     os.kill(pid, signal.SIGKILL)
-    assert run.wait(timeout=60) == 128 + signal.SIGKILL, run.output[-3000:]
+    assert run.wait(timeout=120) == 128 + signal.SIGKILL, run.output[-3000:]
     assert "worker:1 failed with exit status -9; stopping the other tasks" in run.output
     run.assert_nothing_left()
 
 
-@pytest.mark.timeout(180)
+@pytest.fixture
+def workers(tmp_path):
+    """Starts `engine.main` tasks directly (no launcher that could stop the
+    others), each in its own process group with its output in a file; every
+    group is killed at the end, whatever the test left running."""
+    started: list[tuple[subprocess.Popen, Path]] = []
+
+    def start(*flags: str) -> tuple[subprocess.Popen, Path]:
+        log = tmp_path / f"task{len(started)}.log"
+        with open(log, "w") as output:
+            process = subprocess.Popen(
+                [sys.executable, "-m", "engine.main", *flags], cwd=REPO, stdout=output, stderr=subprocess.STDOUT,
+                env=dict(os.environ, PYTHONPATH=str(REPO), TF_CPP_MIN_LOG_LEVEL="2"), start_new_session=True)
+        started.append((process, log))
+        return started[-1]
+
+    yield start
+    for process, _ in started:
+        kill_group(process)
+
+
+def wait_for_text(log: Path, pattern: str, process: subprocess.Popen, timeout: float) -> re.Match:
+    deadline = time.monotonic() + timeout
+    while not (match := re.search(pattern, log.read_text())):
+        assert process.poll() is None, (f"exited {process.returncode} before {pattern!r}:\n"
+                                        f"{log.read_text()[-3000:]}")
+        assert time.monotonic() < deadline, f"no {pattern!r} in {timeout} s:\n{log.read_text()[-3000:]}"
+        time.sleep(0.1)
+    return match
+
+
+@pytest.mark.timeout(600)
+def test_a_dead_workers_peer_fails_within_the_collective_timeout_without_a_launcher(tmp_path, workers):
+    """README: a worker that dies makes the others fail instead of hang, at the
+    latest after --collective_timeout seconds. No launcher here to stop the survivor."""
+    collective_timeout = 60
+    hosts = ",".join(f"localhost:{port}" for port in free_ports(2))
+    common = ["--strategy=multi_worker_mirrored", *SMALL, "--train_steps=100000", "--steps_per_loop=10",
+              f"--collective_timeout={collective_timeout}", f"--worker_hosts={hosts}", "--task_type=worker",
+              f"--model_dir={tmp_path / 'run'}"]
+    survivor, survivor_log = workers(*common, "--task_index=0")
+    doomed, doomed_log = workers(*common, "--task_index=1")
+    wait_for_text(survivor_log, r"step 10/", survivor, timeout=400)  # both are training in lockstep
+    assert doomed.poll() is None, doomed_log.read_text()[-3000:]
+    os.killpg(doomed.pid, signal.SIGKILL)
+    killed = time.monotonic()
+    margin = 60  # a loaded machine: the error may need a while to reach the loop and end the process
+    try:
+        code = survivor.wait(timeout=collective_timeout + margin)
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"the survivor still runs {collective_timeout + margin} s after its peer died:\n"
+                             f"{survivor_log.read_text()[-3000:]}") from None
+    assert code != 0, survivor_log.read_text()[-3000:]
+    print(f"survivor exited {code} {time.monotonic() - killed:.1f} s after its peer's kill -9")
+
+
+@pytest.mark.timeout(480)
 def test_parameter_server_cluster_trains_to_the_step_and_lowers_the_loss(tmp_path, launch):
     run = launch("--num_workers=2", "--num_ps=1", "--", "--strategy=parameter_server", "--model=mlp",
                  "--dataset=digits", "--optimizer=sgd", "--learning_rate=0.1", "--global_batch_size=32",
                  "--train_steps=60", "--steps_per_loop=20", "--eval_every=0", f"--model_dir={tmp_path}")
-    assert run.wait(timeout=150) == 0, run.output[-4000:]
+    assert run.wait(timeout=400) == 0, run.output[-4000:]
     run.assert_nothing_left()
     losses = [float(loss) for loss in re.findall(r"\[chief:0\].*step \d+/60 +loss=([\d.]+)", run.output)]
     assert len(losses) == 3 and losses[-1] < losses[0] * 0.7, losses
@@ -183,34 +140,34 @@ def test_parameter_server_cluster_trains_to_the_step_and_lowers_the_loss(tmp_pat
     assert "TensorFlow gRPC port(s)" in run.output
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(600)
 def test_parameter_server_survives_a_killed_worker(tmp_path, launch):
     run = launch("--num_workers=2", "--num_ps=1", "--", "--strategy=parameter_server", *SMALL,
                  "--train_steps=400", "--steps_per_loop=20", f"--model_dir={tmp_path}")
-    run.wait_for(r"\[chief:0\].*step 20/400", timeout=120)
+    run.wait_for(r"\[chief:0\].*step 20/400", timeout=240)
     pid = int(run.wait_for(r"started worker:1 \(pid (\d+)\)", timeout=1).group(1))
     os.kill(pid, signal.SIGKILL)
-    assert run.wait(timeout=150) == 0, run.output_without_grpc_noise[-6000:]
+    assert run.wait(timeout=300) == 0, run.output_without_grpc_noise[-6000:]
     assert "worker:1 exited with status -9; restarting it" in run.output
     assert json.loads((tmp_path / "metrics.json").read_text())["global_step"] == 400
     assert (tmp_path / "checkpoints" / "ckpt-400.index").exists()
     run.assert_nothing_left()
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(300)
 def test_ctrl_c_ends_every_task(tmp_path, launch):
     run = launch("--num_workers=1", "--num_ps=1", "--", "--strategy=parameter_server", *SMALL,
                  "--train_steps=100000", f"--model_dir={tmp_path}")
-    run.wait_for(r"\[ps:0\].*serving at", timeout=40)
+    run.wait_for(r"\[ps:0\].*serving at", timeout=180)
     run.process.send_signal(signal.SIGINT)  # The launcher alone, unlike a terminal's Ctrl-C.
-    assert run.wait(timeout=30) == 130, run.output[-3000:]
+    assert run.wait(timeout=60) == 130, run.output[-3000:]
     run.assert_nothing_left()
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(180)
 def test_server_without_a_cluster_is_a_one_line_error():
     result = subprocess.run([sys.executable, "-m", "engine.server", "--task_type=chief"], cwd=REPO,
                             env=dict(os.environ, PYTHONPATH=str(REPO)), capture_output=True, text=True,
-                            timeout=50)
+                            timeout=150)
     assert result.returncode == 2
     assert "engine.server: error: --task_type=chief / --task_index=None given without a cluster" in result.stderr

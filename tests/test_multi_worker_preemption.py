@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,20 +14,12 @@ from pathlib import Path
 import pytest
 import tensorflow as tf
 
-REPO = Path(__file__).resolve().parents[1]
+from helpers import REPO, free_ports
+
+pytestmark = pytest.mark.slow  # every test here starts processes
 FLAGS = ["--strategy=multi_worker_mirrored", "--model=mlp", "--dataset=synthetic",
          "--optimizer=sgd", "--global_batch_size=32", "--eval_every=0", "--steps_per_loop=10",
          "--checkpoint_every=1000000", "--collective_timeout=60"]
-
-
-def free_ports(count: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(count)]
-    for sock in sockets:
-        sock.bind(("localhost", 0))
-    ports = [sock.getsockname()[1] for sock in sockets]
-    for sock in sockets:
-        sock.close()
-    return ports
 
 
 class Workers:
@@ -82,13 +73,13 @@ def workers(tmp_path):
     started.kill()
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(600)
 def test_sigterm_to_one_worker_stops_all_at_one_step_and_resumes(workers, tmp_path):
     model_dir = tmp_path / "run"
     workers.start("--train_steps=1000000", f"--model_dir={model_dir}")
-    workers.wait_for("step 20/", timeout=120)
+    workers.wait_for("step 20/", timeout=240)
     workers.processes[1].send_signal(signal.SIGTERM)  # the non-chief worker only
-    codes = workers.wait(timeout=90)
+    codes = workers.wait(timeout=150)
     assert codes == [75, 128 + signal.SIGTERM], workers.log(0)[-3000:] + workers.log(1)[-3000:]
     saved = tf.train.latest_checkpoint(str(model_dir / "checkpoints"))
     step = int(saved.rsplit("-", 1)[1])
@@ -97,6 +88,6 @@ def test_sigterm_to_one_worker_stops_all_at_one_step_and_resumes(workers, tmp_pa
     assert not (model_dir / ".workertemp").exists() or not any((model_dir / ".workertemp").iterdir())
 
     workers.start(f"--train_steps={step + 10}", f"--model_dir={model_dir}")
-    assert workers.wait(timeout=120) == [0, 0], workers.log(0)[-3000:] + workers.log(1)[-3000:]
+    assert workers.wait(timeout=240) == [0, 0], workers.log(0)[-3000:] + workers.log(1)[-3000:]
     assert f"steps={step}->{step + 10}" in workers.log(0)
     assert json.loads((model_dir / "metrics.json").read_text())["global_step"] == step + 10

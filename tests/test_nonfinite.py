@@ -6,7 +6,7 @@ import tensorflow as tf
 
 import engine
 from engine.trainer import NonFiniteLossError
-from test_trainer import make_arrays, make_model
+from helpers import make_arrays, make_model
 
 BATCH = 16
 

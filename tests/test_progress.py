@@ -8,7 +8,7 @@ import pytest
 
 import engine
 from engine.progress import Progress
-from test_trainer import global_batches, loss_fn, make_arrays, make_model
+from helpers import global_batches, loss_fn, make_arrays, make_model
 
 
 @pytest.fixture

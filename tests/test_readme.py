@@ -5,9 +5,12 @@ import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+import pytest
+
+from helpers import REPO, snapshot
+
+pytestmark = pytest.mark.slow  # every test here starts processes
 
 
 def readme_example(name: str) -> str:
@@ -17,6 +20,7 @@ def readme_example(name: str) -> str:
     return match.group(1)
 
 
+@pytest.mark.timeout(600)
 def test_readme_research_example_runs(tmp_path):
     script = "\n".join(readme_example(name) for name in
                         ("research", "step_fn", "callbacks", "wrapped", "two_optimizers"))
@@ -41,9 +45,15 @@ def test_readme_research_example_runs(tmp_path):
     assert "['learning_rate/encoder', 'learning_rate/head']" in lines
     # A rerun restores step 300, has nothing left to train, and evaluates
     # the restored weights to the very same figures.
+    checkpoints = {run.name: snapshot(run / "checkpoints") for run in (tmp_path / "runs").iterdir()}
     rerun = subprocess.run([sys.executable, "example.py"], cwd=tmp_path, env=env,
                            capture_output=True, text=True, timeout=240)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
+    restored = re.search(r"Restored \S*runs/research/checkpoints/ckpt-300 at step 300", rerun.stderr)
+    assert restored, rerun.stderr[-3000:]
+    assert "nothing to train: the global step 300 is already at or past steps=300" in rerun.stderr
+    # Nothing was trained again: every checkpoint directory is byte for byte as the first run left it.
+    assert {run.name: snapshot(run / "checkpoints") for run in (tmp_path / "runs").iterdir()} == checkpoints
     assert rerun.stdout.splitlines()[0] == result.stdout.splitlines()[0]
     evaluations = [line for line in lines if line.startswith(("wrapped: ", "two optimizers: "))]
     assert [line for line in rerun.stdout.splitlines()

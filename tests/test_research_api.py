@@ -6,7 +6,6 @@ import logging
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,9 +14,8 @@ import keras
 
 import engine
 from engine.variables import all_variables, trainable_variables
-from test_trainer import NUM_CLASSES, NUM_FEATURES, global_batches, loss_fn, make_arrays, make_model
+from helpers import NUM_CLASSES, NUM_FEATURES, REPO, global_batches, loss_fn, make_arrays, make_model
 
-REPO = Path(__file__).resolve().parents[1]
 
 
 class Wrapped(tf.Module):
@@ -234,7 +232,7 @@ def test_a_static_batch_of_the_wrong_size_is_refused_at_construction(mirrored, t
     assert not any(tmp_path.iterdir())
 
 
-@pytest.mark.parametrize("form", ["dataset", "per_replica_fn"])
+@pytest.mark.parametrize("form", [pytest.param("dataset", marks=pytest.mark.slow), "per_replica_fn"])  # ~20 s
 def test_a_dynamic_batch_of_the_wrong_size_is_refused_before_any_update(mirrored, tmp_path, form):
     x, y = make_arrays(256)
     if form == "dataset":  # No drop_remainder: the batch dimension is unknown until it runs.
@@ -390,6 +388,7 @@ def run_script(tmp_path, source: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=240)
 
 
+@pytest.mark.slow
 def test_public_names_work_after_import_engine_alone(tmp_path):
     result = run_script(tmp_path, """
 import engine
@@ -424,6 +423,7 @@ trainer.train(4)
 """
 
 
+@pytest.mark.slow
 def test_progress_reaches_an_embedded_user_without_tensorflow_info_logs(tmp_path):
     shown = run_script(tmp_path, EMBEDDED.format(silence=""))
     assert shown.returncode == 0, shown.stderr[-3000:]
@@ -435,9 +435,10 @@ def test_progress_reaches_an_embedded_user_without_tensorflow_info_logs(tmp_path
     assert " engine] " not in silenced.stderr
 
 
+@pytest.mark.slow
 def test_float16_with_a_schedule_reruns_in_the_same_model_dir(tmp_path):
     """A LossScaleOptimizer's own `_learning_rate` is not the rate: the restore must not reset a schedule."""
-    from test_main import run_main
+    from helpers import run_main
 
     common = ["--model=mlp", "--mixed_precision=float16", "--lr_schedule=cosine", "--steps_per_loop=2",
               f"--model_dir={tmp_path}"]

@@ -8,7 +8,7 @@ from tensorboard.util import tensor_util
 
 import engine
 from engine.schedules import learning_rate_schedule
-from test_trainer import global_batches, loss_fn, make_arrays, make_model
+from helpers import global_batches, loss_fn, make_arrays, make_model
 
 
 def test_schedule_shapes():

@@ -16,7 +16,10 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+import helpers
+from helpers import REPO
+
+pytestmark = pytest.mark.slow  # every test here starts processes
 FLAGS = ["--strategy=multi_worker_mirrored", "--model=mlp", "--dataset=synthetic", "--train_steps=4"]
 
 
@@ -35,13 +38,7 @@ def lone_worker(index: int, *flags: str, model_dir: Path) -> tuple[subprocess.Po
 
 
 def read_until(process: subprocess.Popen, text: str, timeout: float) -> list[str]:
-    lines, deadline = [], time.monotonic() + timeout
-    for line in process.stdout:
-        lines.append(line.rstrip())
-        if text in line or time.monotonic() > deadline:
-            break
-    assert any(text in line for line in lines), "\n".join(lines[-30:])
-    return lines
+    return helpers.read_until(process.stdout, text, timeout).splitlines()
 
 
 @pytest.fixture
@@ -54,12 +51,12 @@ def reaped():
         process.wait(timeout=30)
 
 
-@pytest.mark.timeout(200)
+@pytest.mark.timeout(400)
 @pytest.mark.parametrize("index", [0, 1])  # 0 leads the coordination service; 1 waits for it
 def test_a_lone_worker_exits_after_startup_timeout_naming_its_peer(tmp_path, reaped, index):
     process, peer = lone_worker(index, "--startup_timeout=10", model_dir=tmp_path)
     reaped(process)
-    read_until(process, "connecting to", timeout=120)
+    read_until(process, "connecting to", timeout=240)
     began = time.monotonic()
     output, _ = process.communicate(timeout=60)
     waited = time.monotonic() - began
@@ -72,11 +69,11 @@ def test_a_lone_worker_exits_after_startup_timeout_naming_its_peer(tmp_path, rea
     assert not any(tmp_path.iterdir())  # nothing written
 
 
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(400)
 def test_sigterm_ends_a_worker_waiting_for_its_peers_at_once(tmp_path, reaped):
     process, _ = lone_worker(0, model_dir=tmp_path)  # the default timeout: minutes
     reaped(process)
-    read_until(process, "connecting to", timeout=120)
+    read_until(process, "connecting to", timeout=240)
     time.sleep(3)  # inside TF's connect by now
     process.send_signal(signal.SIGTERM)
     began = time.monotonic()

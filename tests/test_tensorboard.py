@@ -16,8 +16,7 @@ import pytest
 
 import engine
 from engine.hooks import BestCheckpoint, EarlyStopping, ProfileWindow, ReduceLROnPlateau, TrainGraph
-from test_main import run_main
-from test_trainer import global_batches, loss_fn, make_arrays, make_model
+from helpers import global_batches, loss_fn, make_arrays, make_model, run_main
 
 TRAIN_STEPS = 12
 
@@ -37,6 +36,7 @@ def finished_run(tmp_path_factory):
     return model_dir, result.stderr
 
 
+@pytest.mark.slow
 def test_cli_run_logs_profiles_and_keeps_the_best(finished_run):
     model_dir, stderr = finished_run
     progress = [line.split("] ", 1)[-1] for line in stderr.splitlines() if "] step " in line]
@@ -64,6 +64,7 @@ def get_json(base: str, path: str, body: dict | None = None):
         return json.loads(response.read())
 
 
+@pytest.mark.slow
 def test_tensorboard_server_shows_train_and_eval_scalars(finished_run):
     model_dir, _ = finished_run
     port = free_port()
@@ -109,11 +110,6 @@ def test_tensorboard_server_shows_train_and_eval_scalars(finished_run):
     finally:
         server.kill()
         server.wait(timeout=10)
-
-
-@pytest.fixture(scope="module")
-def mirrored():
-    return engine.build_strategy("mirrored", cpu_devices=2)
 
 
 def test_profiler_window_and_hooks_cost_nothing_in_the_compiled_step(mirrored, tmp_path):

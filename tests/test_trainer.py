@@ -7,38 +7,7 @@ import tensorflow as tf
 import keras
 
 import engine
-
-NUM_FEATURES = 6
-NUM_CLASSES = 3
-
-
-def make_arrays(n: int, seed: int = 0):
-    rng = np.random.RandomState(seed)
-    x = rng.rand(n, NUM_FEATURES).astype("float32")
-    y = (x[:, 0] * NUM_CLASSES).astype("int32") % NUM_CLASSES
-    return x, y
-
-
-def make_model(strategy, seed: int = 3, l2: float = 0.0):
-    with strategy.scope():
-        regularizer = keras.regularizers.L2(l2) if l2 else None
-        model = keras.Sequential([
-            keras.Input((NUM_FEATURES,)),
-            keras.layers.Dense(16, activation="relu", kernel_regularizer=regularizer),
-            keras.layers.Dense(NUM_CLASSES),
-        ])
-        optimizer = keras.optimizers.SGD(0.5)
-    rng = np.random.RandomState(seed)  # Same start for every strategy.
-    model.set_weights([rng.normal(0, 0.5, w.shape).astype("float32") for w in model.get_weights()])
-    return model, optimizer
-
-
-def loss_fn():
-    return keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
-
-
-def global_batches(x, y, batch):
-    return tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(batch, drop_remainder=True)
+from helpers import NUM_CLASSES, NUM_FEATURES, global_batches, loss_fn, make_arrays, make_model
 
 
 def per_replica_batches(x, y, batch):
@@ -50,8 +19,8 @@ def per_replica_batches(x, y, batch):
     return dataset_fn
 
 
-def train_weights(strategy, data, *, batch=16, steps=12, **trainer_kwargs):
-    model, optimizer = make_model(strategy)
+def train_weights(strategy, data, *, batch=16, steps=12, l2=0.0, **trainer_kwargs):
+    model, optimizer = make_model(strategy, l2=l2)
     trainer = engine.Trainer(
         strategy=strategy, model=model, optimizer=optimizer, train_data=data,
         global_batch_size=batch, loss_fn=loss_fn(), steps_per_loop=5, **trainer_kwargs,
@@ -80,6 +49,19 @@ def test_clipping_and_accumulation_keep_replicas_equal(default, mirrored):
     two = train_weights(mirrored, global_batches(x, y, 16), **options)
     for a, b in zip(single, two):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("grad_accum_steps", [1, 2])
+def test_regularized_two_replicas_equal_one_device_whole_batch(default, mirrored, grad_accum_steps):
+    """With l2 > 0 the regularization loss is divided by the replicas and by
+    the micro-batches: 2 replicas (accumulating or not) match 1 device."""
+    x, y = make_arrays(64)
+    single = train_weights(default, global_batches(x, y, 16), l2=0.05)
+    two = train_weights(mirrored, global_batches(x, y, 16), l2=0.05, grad_accum_steps=grad_accum_steps)
+    for a, b in zip(single, two):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    unregularized = train_weights(default, global_batches(x, y, 16))
+    assert not np.allclose(single[0], unregularized[0], rtol=1e-3, atol=1e-4)  # l2 did change the weights
 
 
 def test_gradient_accumulation_equals_the_whole_batch(mirrored):

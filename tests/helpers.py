@@ -1,0 +1,275 @@
+"""Helpers shared by the test files: the repository's path, the command line
+in subprocesses (each with a timeout, its process group reaped), and the small
+Keras model and data the Trainer tests train.
+
+Test files import from here, never from one another, so that running one
+file does not collect another's tests or depend on its fixtures."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import threading
+import select
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def python_env(**extra: str) -> dict[str, str]:
+    """The environment of a subprocess that imports this checkout's packages."""
+    return dict(os.environ, PYTHONPATH=str(REPO), TF_CPP_MIN_LOG_LEVEL="2", **extra)
+
+
+# ------------------------------------------------------------------ the command line
+
+
+def run_main(*flags: str, cwd: Path | None = None, timeout: int = 240,
+             env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "engine.main", *flags], cwd=cwd or REPO,
+                          env=python_env(**(env or {})), capture_output=True, text=True, timeout=timeout)
+
+
+def popen_main(*flags: str) -> subprocess.Popen:
+    """`engine.main` in its own process group (so `stop` ends whatever it started)."""
+    return subprocess.Popen([sys.executable, "-m", "engine.main", *flags], cwd=REPO, env=python_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+
+
+def kill_group(process: subprocess.Popen) -> None:
+    """SIGKILL to the process group `process` leads (started with
+    start_new_session=True), then reaps the process."""
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    process.wait(timeout=30)
+
+
+def stop(process: subprocess.Popen) -> None:
+    """kill -9 to a `popen_main` process and its group if still running; reaps it."""
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGKILL)
+    process.communicate(timeout=30)
+
+
+def read_until(pipe, text: str, timeout: float) -> str:
+    """Reads a process's stdout or stderr pipe until `text` appears and returns
+    what was read; a silent or hung process fails the test after `timeout`
+    seconds instead of blocking it. Reads the pipe itself (not the buffered
+    file), so `communicate()` afterwards gets the rest."""
+    fd = pipe.fileno()
+    seen = b""
+    deadline = time.monotonic() + timeout
+    while text.encode() not in seen:
+        remaining = deadline - time.monotonic()
+        assert remaining > 0, f"no {text!r} in {timeout} s:\n{seen.decode(errors='replace')[-3000:]}"
+        if select.select([fd], [], [], min(remaining, 1.0))[0]:
+            chunk = os.read(fd, 65536)
+            assert chunk, f"the pipe closed before {text!r}:\n{seen.decode(errors='replace')[-3000:]}"
+            seen += chunk
+    return seen.decode(errors="replace")
+
+
+def read_stderr_until(process: subprocess.Popen, text: str, timeout: float) -> str:
+    return read_until(process.stderr, text, timeout)
+
+
+def one_error_line(result: subprocess.CompletedProcess) -> str:
+    """The run's single `engine.main: error:` line; fails unless it exited 2 without a traceback."""
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.startswith("engine.main: error:")]
+    assert len(lines) == 1, result.stderr[-3000:]
+    return lines[0]
+
+
+def free_ports(count: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for sock in sockets:
+            sock.bind(("localhost", 0))
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+# ---------------------------------------------------------------- clusters on localhost
+
+SMALL = ["--model=mlp", "--dataset=synthetic", "--optimizer=sgd", "--learning_rate=0.1",
+         "--global_batch_size=32", "--eval_every=0"]
+
+
+class Launched:
+    """`python -m engine.launch ...` in its own process group, output collected live."""
+
+    def __init__(self, *args: str, env: dict[str, str] | None = None):
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "engine.launch", *args], cwd=REPO,
+            env=dict(os.environ, PYTHONPATH=str(REPO), TF_CPP_MIN_LOG_LEVEL="2", **(env or {})),
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        )
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.process.stdout:
+            self.lines.append(line.rstrip("\n"))
+
+    @property
+    def output(self) -> str:
+        return "\n".join(self.lines)
+
+    @property
+    def output_without_grpc_noise(self) -> str:
+        """The output less TF's per-call gRPC complaints about a dead peer,
+        which otherwise bury the line that says what went wrong."""
+        noise = ("Failed to remove function remotely", "Additional GRPC error information",
+                 "Error received from peer", "This could happen if the remote target")
+        return "\n".join(line for line in self.lines if not any(n in line for n in noise))
+
+    def wait_for(self, pattern: str, timeout: float) -> re.Match:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for line in list(self.lines):
+                match = re.search(pattern, line)
+                if match:
+                    return match
+            if self.process.poll() is not None and not self._reader.is_alive():
+                break
+            time.sleep(0.1)
+        raise AssertionError(f"no line matches {pattern!r}:\n{self.output[-4000:]}")
+
+    def wait(self, timeout: float) -> int:
+        try:
+            code = self.process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"still running after {timeout} s:\n{self.output[-4000:]}") from None
+        self._reader.join(timeout=10)
+        return code
+
+    def ports(self) -> list[int]:
+        match = self.wait_for(r"gRPC port\(s\) ([\d, ]+) accept", timeout=1)
+        return [int(port) for port in match.group(1).split(",")]
+
+    def kill_all(self) -> None:
+        """Cleanup: the whole process group, whatever state the test left it in."""
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.process.wait(timeout=30)
+
+    def assert_nothing_left(self) -> None:
+        """No process of the run survives, and no port accepts connections."""
+        deadline = time.monotonic() + 15
+        while True:
+            try:
+                os.killpg(self.process.pid, 0)
+            except ProcessLookupError:
+                break
+            assert time.monotonic() < deadline, f"processes of the run survive:\n{self.output[-3000:]}"
+            time.sleep(0.2)
+        for port in self.ports():
+            with socket.socket() as sock, pytest.raises(ConnectionRefusedError):
+                sock.connect(("localhost", port))
+
+
+# ------------------------------------------------------------------------ model_dir
+
+
+def snapshot(directory: Path) -> dict[str, str]:
+    return {str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def copy_of(source: Path, destination: Path) -> Path:
+    subprocess.run(["cp", "-r", str(source), str(destination)], check=True)
+    return destination
+
+
+def latest_step(model_dir: Path) -> int | None:
+    """The step of the checkpoint the state file names as the latest, or None."""
+    try:
+        state = (model_dir / "checkpoints" / "checkpoint").read_text()
+    except FileNotFoundError:
+        return None
+    match = re.search(r'^model_checkpoint_path: ".*ckpt-(\d+)"', state, re.M)
+    return int(match.group(1)) if match else None
+
+
+def wait_for_checkpoint(model_dir: Path, process: subprocess.Popen, timeout: float = 240,
+                        beyond: int = -1) -> int:
+    """Waits until the latest checkpoint's step is past `beyond` (any step by
+    default) while the process still runs; returns that step."""
+    deadline = time.monotonic() + timeout
+    while (step := latest_step(model_dir)) is None or step <= beyond:
+        assert process.poll() is None, process.communicate(timeout=30)[1][-3000:]
+        assert time.monotonic() < deadline, f"no checkpoint past step {beyond} appeared in {timeout} s"
+        time.sleep(0.05)
+    return step
+
+
+def model_weights(model_dir: Path, step: int) -> dict[str, np.ndarray]:
+    reader = tf.train.load_checkpoint(str(model_dir / "checkpoints" / f"ckpt-{step}"))
+    # The model's weights are saved once, under the optimizer that tracks them too.
+    return {name: reader.get_tensor(name) for name in reader.get_variable_to_shape_map()
+            if name.startswith(("optimizer/_trainable_variables/", "global_step/"))}
+
+
+def eval_steps(model_dir: Path) -> list[int]:
+    """The steps of every eval `loss` summary in <model_dir>/eval, in the order written."""
+    steps = []
+    for events in sorted((model_dir / "eval").glob("events.*")):
+        for event in tf.compat.v1.train.summary_iterator(str(events)):
+            steps += [event.step for value in event.summary.value if value.tag == "loss"]
+    return steps
+
+
+# ------------------------------------------------------- a small model for the Trainer
+
+NUM_FEATURES = 6
+NUM_CLASSES = 3
+
+
+def make_arrays(n: int, seed: int = 0):
+    rng = np.random.RandomState(seed)
+    x = rng.rand(n, NUM_FEATURES).astype("float32")
+    y = (x[:, 0] * NUM_CLASSES).astype("int32") % NUM_CLASSES
+    return x, y
+
+
+def make_model(strategy, seed: int = 3, l2: float = 0.0):
+    with strategy.scope():
+        regularizer = keras.regularizers.L2(l2) if l2 else None
+        model = keras.Sequential([
+            keras.Input((NUM_FEATURES,)),
+            keras.layers.Dense(16, activation="relu", kernel_regularizer=regularizer),
+            keras.layers.Dense(NUM_CLASSES),
+        ])
+        optimizer = keras.optimizers.SGD(0.5)
+    rng = np.random.RandomState(seed)  # Same start for every strategy.
+    model.set_weights([rng.normal(0, 0.5, w.shape).astype("float32") for w in model.get_weights()])
+    return model, optimizer
+
+
+def loss_fn():
+    return keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
+
+
+def global_batches(x, y, batch):
+    return tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(batch, drop_remainder=True)
