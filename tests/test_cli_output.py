@@ -27,6 +27,7 @@ def python(*args: str, env: dict[str, str] | None = None, timeout: float = 240) 
                           timeout=timeout)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("flag", ["--help", "--helpfull"])
 def test_help_lists_the_engines_flags_quickly_and_exits_0(flag):
@@ -40,6 +41,7 @@ def test_help_lists_the_engines_flags_quickly_and_exits_0(flag):
     assert seconds < HELP_SECONDS, seconds
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_run_prints_no_native_start_up_lines_unless_asked():
     flags = ["-m", "engine.main", "--model=mlp", "--train_steps=2", "--steps_per_loop=1", "--mode=train"]
@@ -67,6 +69,7 @@ def test_only_native_log_lines_are_held_back():
     assert kept_lines(text, 0) == text
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_the_launcher_checks_engine_main_flags_without_importing_tensorflow():
     began = time.monotonic()
@@ -78,6 +81,7 @@ def test_the_launcher_checks_engine_main_flags_without_importing_tensorflow():
     assert seconds < HELP_SECONDS, seconds
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_launched_cluster_prints_no_native_start_up_lines(tmp_path):
     """engine.server's ps and worker tasks hold them back too (and EMA runs under parameter servers)."""

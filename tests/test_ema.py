@@ -123,6 +123,7 @@ def engine_main(*flags: str) -> subprocess.CompletedProcess:
                           timeout=200)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_cli_evaluates_exports_and_keeps_best_with_the_averages(tmp_path):
     run = engine_main("--ema_decay=0.9", f"--model_dir={tmp_path}", f"--export_dir={tmp_path / 'export'}",
