@@ -36,6 +36,9 @@ class Callback:
     # True for a hook that sets the learning rate itself (reduce on plateau):
     # the trainer then keeps a restored checkpoint's rate instead of resetting it.
     owns_learning_rate: bool = False
+    # True for a hook that reads `grad_norm` from the loop's logs (the standard step then
+    # computes it: with several replicas and no clip_norm, one more all-reduce a step).
+    needs_grad_norm: bool = False
 
     def loop_limit(self, trainer: "Trainer", step: int) -> int | None:
         """Before each loop: how far it may run, so the hook sees the step it needs.

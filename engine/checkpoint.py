@@ -164,6 +164,13 @@ def check_settings(model_dir: str, settings: Mapping[str, str], *, flags_may_cha
         )
 
 
+def recorded_settings(model_dir: str) -> dict:
+    """The settings `record_settings` wrote ({} when there are none)."""
+    saved = model_dir_lib.read_json(os.path.join(checkpoint_dir(model_dir), SETTINGS_FILE),
+                                    what="the settings of the checkpoints")
+    return saved if isinstance(saved, dict) else {}
+
+
 def record_settings(model_dir: str, settings: Mapping[str, str]) -> None:
     """Writes the settings `check_settings` compares against (the chief, before training)."""
     model_dir_lib.write_json(os.path.join(checkpoint_dir(model_dir), SETTINGS_FILE), settings)

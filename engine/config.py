@@ -10,9 +10,7 @@ import dataclasses
 import math
 import os
 
-from engine.environment import PRECISION_POLICIES
 from engine.errors import UserError
-from engine.strategy import STRATEGY_NAMES
 
 OPTIMIZER_NAMES = ("sgd", "momentum", "adam", "adamw")
 EVAL_METRIC_NAMES = ("loss", "accuracy")  # What job.py evaluates.
@@ -49,6 +47,7 @@ class RunConfig:
     max_checkpoints: int = 3
     restore_fallback: bool = False
     reset_optimizer: bool = False
+    ema_decay: float = 0.0
     export_dir: str | None = None
     early_stop_metric: str | None = None
     early_stop_patience: int = 3
@@ -89,7 +88,9 @@ class RunConfig:
 
     def validate(self) -> None:
         """Raises UserError for the first bad setting; touches nothing on disk."""
-        from engine.own_packages import own_package  # Heavy imports stay out of flag parsing.
+        from engine.environment import PRECISION_POLICIES  # These import TensorFlow: not at flag parsing
+        from engine.own_packages import own_package  # (--help, the launcher's check of engine.main's flags).
+        from engine.strategy import STRATEGY_NAMES
 
         input_lib, models = own_package("input"), own_package("models")
         _choose("strategy", self.strategy, STRATEGY_NAMES)
@@ -131,6 +132,8 @@ class RunConfig:
             raise UserError(f"--learning_rate={self.learning_rate} must be positive")
         if self.clip_norm is not None and not self.clip_norm > 0:
             raise UserError(f"--clip_norm={self.clip_norm} must be positive")
+        if not 0.0 <= self.ema_decay < 1.0:  # Also refuses NaN.
+            raise UserError(f"--ema_decay={self.ema_decay} must be in [0, 1), e.g. 0.999; 0 turns it off")
         if not 0 <= self.seed < 2**32:
             raise UserError(f"--seed={self.seed} must be between 0 and {2**32 - 1}")
         self.multi_host_options().check(self.strategy)

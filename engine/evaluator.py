@@ -115,7 +115,7 @@ class Evaluator:
         self.trainer = Trainer(
             strategy=self.strategy, model=model, optimizer=optimizer, train_data=never_trains,
             eval_data=lambda context: source.eval_dataset(global_batch_size=batch, input_context=context),
-            global_batch_size=batch, model_dir=None,
+            global_batch_size=batch, model_dir=None, ema_decay=_ema_decay(config),
             loss_fn=keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None),
             metrics=[keras.metrics.SparseCategoricalAccuracy(name="accuracy")],
         )
@@ -137,7 +137,8 @@ class Evaluator:
         """What BestCheckpoint asks of a trainer: this evaluator's checkpoint, step and dir."""
         return types.SimpleNamespace(
             checkpoint_manager=types.SimpleNamespace(checkpoint=self._checkpoint),
-            model_dir=self.config.model_dir, global_step=self.trainer.global_step, strategy=self.strategy)
+            model_dir=self.config.model_dir, global_step=self.trainer.global_step, strategy=self.strategy,
+            averaged_weights=self.trainer.averaged_weights)
 
     def evaluate(self, path: str, *, strict: bool) -> tuple[int, dict[str, float]]:
         """Restores `path` (read only) and evaluates it; returns (its step, the eval logs).
@@ -241,6 +242,16 @@ class _StopFlag:
         self.signum = signum
         for handled in (signal.SIGTERM, signal.SIGINT):  # A second signal ends the process.
             signal.signal(handled, signal.SIG_DFL)
+
+
+def _ema_decay(config: RunConfig) -> float | None:
+    """The --ema_decay the checkpoints were trained with (their averages are what is evaluated),
+    else this command's."""
+    recorded = checkpoint_lib.recorded_settings(config.model_dir).get("ema_decay")
+    decay = float(recorded) if recorded is not None else config.ema_decay
+    if decay != config.ema_decay:
+        logging.info("evaluating with --ema_decay=%s, as the checkpoints were trained", decay)
+    return decay or None
 
 
 def _files_gone(path: str) -> bool:

@@ -80,6 +80,10 @@ flags.DEFINE_boolean("restore_fallback", False,
 flags.DEFINE_boolean("reset_optimizer", False,
                      "Resume the weights and step of the checkpoints with fresh optimizer state, "
                      "so that --optimizer, --lr_schedule or --mixed_precision may change.")
+flags.DEFINE_float("ema_decay", 0.0,
+                   "Keep an exponential moving average of the weights with this decay (e.g. 0.999): "
+                   "evaluation, the best checkpoint and --export_dir use it; training is unchanged. "
+                   "0: off.")
 flags.DEFINE_string("export_dir", None,
                     "After training, write the model here as a SavedModel with a "
                     "serving_default signature.")

@@ -64,7 +64,7 @@ def run(config: RunConfig) -> dict[str, Any]:
 
     input_lib, models = own_package("input"), own_package("models")
     DataError, get_data_source = input_lib.DataError, input_lib.get_data_source  # noqa: N806
-    ModelError, get_model_spec = models.ModelError, models.get_model_spec  # noqa: N806
+    get_model_spec = models.get_model_spec
 
     evaluation_mode = evaluator.evaluation_mode(config)
     if evaluation_mode is not None:  # --mode=eval/continuous_eval or an evaluator task: never trains.
@@ -117,6 +117,7 @@ def _train_and_evaluate(config, strategy, cluster, model_spec, image_shape, sour
                         model_dir: str, write_dir: str, total_steps: int) -> dict[str, Any]:
     """The part of `run` that reads and writes model_dir: under the writer lock
     on the chief. Everything is checked before the first byte is written."""
+    from engine.own_packages import own_package
     metrics_path = os.path.join(model_dir, METRICS_FILE)
     if write_dir == model_dir:
         if tf.io.gfile.isdir(metrics_path):
@@ -130,7 +131,7 @@ def _train_and_evaluate(config, strategy, cluster, model_spec, image_shape, sour
     with strategy.scope():
         try:
             model = model_spec.build(image_shape, source.num_classes)
-        except ModelError as error:  # A user's builder returned something the engine cannot train.
+        except own_package("models").ModelError as error:  # A user's builder returned something unusable.
             raise UserError(str(error)) from None
         learning_rate = learning_rate_schedule(config.lr_schedule, config.learning_rate,
                                                total_steps, config.warmup_steps)
@@ -170,7 +171,7 @@ def _train_and_evaluate(config, strategy, cluster, model_spec, image_shape, sour
         on_nonfinite=config.on_nonfinite, restore_fallback=config.restore_fallback,
         callbacks=hooks_from_config(config), log_every=config.log_every,
         steps_per_epoch=max(1, source.num_train_examples // batch) if source.num_train_examples else None,
-        reset_optimizer=config.reset_optimizer,
+        reset_optimizer=config.reset_optimizer, ema_decay=config.ema_decay or None,
     )
     for callback in trainer.callbacks:  # Hook state on disk (hooks/*.json, best/) is checked now.
         restore_state = getattr(callback, "restore_state", None)
@@ -214,7 +215,8 @@ def _train_and_evaluate(config, strategy, cluster, model_spec, image_shape, sour
             with contextlib.suppress(OSError):  # The shared parent, once the last worker is done.
                 os.rmdir(os.path.dirname(write_dir))
     if config.export_dir and strategy.extended.should_checkpoint:  # Only the chief exports.
-        export_saved_model(model, config.export_dir, [tf.TensorSpec([None, *image_shape], tf.float32)])
+        with trainer.averaged_weights():  # --ema_decay: the averages are the model to serve.
+            export_saved_model(model, config.export_dir, [tf.TensorSpec([None, *image_shape], tf.float32)])
     if finished is not None and not train_logs:
         train_logs = finished.get("train") or {}
     speed = trainer.steady_examples_per_second or train_logs.get("examples_per_second")
@@ -262,7 +264,7 @@ def _log_banner(config, strategy, model, source, model_dir, total_steps, start_s
 def _optimizer_settings(config: RunConfig) -> dict[str, str]:
     """The flags whose change makes a checkpoint's optimizer state wrong or unreadable."""
     return {"optimizer": config.optimizer, "lr_schedule": config.lr_schedule,
-            "mixed_precision": config.mixed_precision}
+            "mixed_precision": config.mixed_precision, "ema_decay": str(config.ema_decay)}
 
 
 def _finished_result(trainer: Trainer, total_steps: int, metrics_path: str) -> dict[str, Any] | None:

@@ -8,7 +8,7 @@ traceback.
 import os
 import sys
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # Keep TF's C++ start-up chatter out.
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TF's C++ warnings; the start-up lines: engine.native_logs.
 
 from engine.preemption import install_watcher  # noqa: E402
 
@@ -21,11 +21,19 @@ from engine import flags as engine_flags  # noqa: E402  (defines the flags)
 from engine.errors import UserError  # noqa: E402
 
 USER_ERROR_EXIT = 2
+# --help lists the flags of the __main__ module's key modules: every module of the engine that defines some
+# (engine.flags, the cluster's); --helpfull adds TensorFlow's and absl's.
+for _module in [sys.modules[name] for name in flags.FLAGS.flags_by_module_dict() if name.startswith("engine.")]:
+    flags.adopt_module_key_flags(_module)
+HELP_FLAGS = ("--help", "-help", "-?", "--helpshort", "-helpshort", "--helpfull", "-helpfull", "--helpxml")
 
 
 def main(argv: list[str]) -> int:
     if len(argv) > 1:
         raise UserError(f"unexpected arguments {argv[1:]}; every setting is a --flag")
+    from engine.native_logs import import_tensorflow_quietly
+
+    import_tensorflow_quietly()  # The first import of TensorFlow (the flags do not import it).
     from engine.config import RunConfig
     from engine.job import run
 
@@ -50,6 +58,10 @@ def _parse_flags(argv: list[str]) -> list[str]:
     except flags.Error as error:
         print(f"engine.main: error: {' '.join(str(error).split())}; see --helpfull", file=sys.stderr)
         sys.exit(USER_ERROR_EXIT)
+    except SystemExit as done:  # absl prints the help asked for, then exits 1: not a failure.
+        if done.code == 1 and any(arg.split("=")[0] in HELP_FLAGS for arg in argv[1:]):
+            sys.exit(0)
+        raise
 
 
 def run_cli() -> None:

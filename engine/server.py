@@ -42,6 +42,9 @@ def serve() -> None:
             f"engine.server runs worker or ps tasks, not {cluster.task_type!r}; "
             "the chief runs `python -m engine.main --strategy=parameter_server`"
         )
+    from engine.native_logs import import_tensorflow_quietly
+
+    import_tensorflow_quietly()  # TF's C++ start-up lines held back, as in engine.main.
     import tensorflow as tf
 
     port = int(cluster.address.rpartition(":")[2])

@@ -87,6 +87,7 @@ def make_train_step(
     grad_accum_steps: int = 1,
     jit_compile: bool = False,
     skip_nonfinite: bool = False,
+    grad_norm: bool = False,
 ) -> ReplicaStep:
     """The standard supervised replica step for `(features, labels)` batches.
 
@@ -104,9 +105,15 @@ def make_train_step(
       all-reduce a step); the step's loss is still returned, so the loop
       counts it. Under loss scaling only the loss is checked: overflowing
       gradients are the loss scale's business.
+    - `grad_norm` adds `grad_norm` to the outputs: the global norm of the
+      all-reduced gradient (before clipping). With `clip_norm` or one replica
+      it comes free; otherwise it costs one more all-reduce of the gradients
+      a step, which is why it is asked for. Not under loss scaling, where an
+      overflowing (skipped) step has no finite norm to report.
     """
     uses_loss_scale = isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
     variables = trainable_variables(model)
+    grad_norm = grad_norm and not uses_loss_scale
 
     def split(structure):
         if structure is None or grad_accum_steps == 1:
@@ -156,8 +163,13 @@ def make_train_step(
     def train_step(batch: Batch) -> dict[str, tf.Tensor]:
         features, labels, sample_weight = unpack_batch(batch)
         gradients, loss, logits = compute_gradients(features, labels, sample_weight)
+        outputs = {"loss": loss}
         if clip_norm is not None:
-            gradients = _clip_global_norm(gradients, clip_norm, optimizer, uses_loss_scale)
+            gradients, norm = _clip_global_norm(gradients, clip_norm, optimizer, uses_loss_scale)
+            if grad_norm:
+                outputs["grad_norm"] = norm
+        elif grad_norm:
+            outputs["grad_norm"] = _global_norm(gradients)
         if skip_nonfinite:
             finite = _finite_on_all_replicas(loss, [] if uses_loss_scale else gradients)
             _apply_if_finite(finite, optimizer, gradients, variables)
@@ -165,13 +177,21 @@ def make_train_step(
             optimizer.apply(gradients, variables)
         for metric in metrics:
             metric.update_state(labels, logits, sample_weight=sample_weight)
-        return {"loss": loss}
+        return outputs
 
     return train_step
 
 
+def _global_norm(gradients) -> tf.Tensor:
+    """The norm of the gradient summed over replicas (what the optimizer applies)."""
+    context = tf.distribute.get_replica_context()
+    if context.num_replicas_in_sync > 1:
+        gradients = context.all_reduce(tf.distribute.ReduceOp.SUM, gradients)
+    return tf.linalg.global_norm(gradients)
+
+
 def _clip_global_norm(gradients, clip_norm, optimizer, uses_loss_scale):
-    """Clips by the norm of the all-reduced gradient.
+    """Clips by the norm of the all-reduced gradient; returns the gradients and that norm.
 
     Each replica holds only its share of the gradient, so the norm must be
     taken after the sum. The optimizer sums across replicas again, which is
@@ -183,8 +203,10 @@ def _clip_global_norm(gradients, clip_norm, optimizer, uses_loss_scale):
     threshold = clip_norm
     if uses_loss_scale:  # The gradients are still multiplied by the loss scale.
         threshold = clip_norm * tf.cast(optimizer.dynamic_scale, tf.float32)
-    clipped, _ = tf.clip_by_global_norm(total, threshold)
-    return [g / num_replicas for g in clipped]
+    clipped, norm = tf.clip_by_global_norm(total, threshold)
+    if uses_loss_scale:
+        norm = norm / tf.cast(optimizer.dynamic_scale, norm.dtype)
+    return [g / num_replicas for g in clipped], norm
 
 
 def _finite_on_all_replicas(loss: tf.Tensor, gradients) -> tf.Tensor:

@@ -8,6 +8,7 @@ here runs once per loop, not once per step.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any, Mapping, Sequence, Union
 
@@ -19,6 +20,7 @@ from engine import model_dir as model_dir_lib
 from engine.callbacks import CallbackLike, as_callbacks
 from engine.config import DEFAULT_STEPS_PER_LOOP
 from engine.distribute import Data, distribute_eval_data, distribute_train_data, yields_global_batches
+from engine.ema import WeightAverages, weight_averages
 from engine.errors import DataExhaustedError, NonFiniteLossError, UserError
 from engine.loop import BatchSizeMismatch, make_eval_loop, make_train_loop
 from engine.progress import Progress, logger
@@ -71,6 +73,11 @@ class Trainer:
         applies `loss_fn` and `metrics` to what it returns.
       steps_per_loop: the most steps one compiled call runs (shared default
         with the CLI: `engine.config.DEFAULT_STEPS_PER_LOOP`).
+      ema_decay: keep an exponential moving average of the weights with this
+        decay (Keras's `use_ema`, set on the one optimizer before it is
+        built); training is unchanged, evaluation, the best checkpoint and
+        `averaged_weights()` use the averages. An optimizer created with
+        `use_ema=True` gets the same without it (`engine.ema`).
 
     Raises:
       UserError: a bad argument, naming it, before anything is written.
@@ -104,6 +111,7 @@ class Trainer:
         restore_fallback: bool = False,
         restore_dir: str | None = None,
         reset_optimizer: bool = False,
+        ema_decay: float | None = None,
     ):
         if loss_fn is None and step_fn is None:
             raise UserError("pass loss_fn, step_fn or both to Trainer")
@@ -122,6 +130,8 @@ class Trainer:
             raise UserError(f"the standard step applies one optimizer, got {len(self.optimizers)} "
                             f"({', '.join(self.optimizers)}); pass step_fn= to apply several")
         _check_dataset_batch(train_data, global_batch_size)
+        # Before the optimizer is built: Keras makes the averages when it builds it.
+        self.weight_averages: WeightAverages | None = weight_averages(self.optimizers, ema_decay)
         self.on_nonfinite = on_nonfinite
         self.strategy = strategy
         self.model = model
@@ -171,6 +181,7 @@ class Trainer:
                 global_batch_size=global_batch_size, metrics=self.train_metrics,
                 clip_norm=clip_norm, grad_accum_steps=grad_accum_steps,
                 jit_compile=jit_compile, skip_nonfinite=on_nonfinite == "skip",
+                grad_norm=any(c.needs_grad_norm for c in self.callbacks),
             )
         self.replica_step = step_fn
         self.train_loop = make_train_loop(
@@ -215,6 +226,8 @@ class Trainer:
                                              fresh_optimizer=self._reset_optimizer)
         if path is None:
             return
+        if self._reset_optimizer and self.weight_averages is not None:
+            self.weight_averages.reset_to_weights()  # Not from zero: the step count is not 0.
         if not any(c.owns_learning_rate for c in self.callbacks):
             # The checkpoint holds the old run's learning rate; the optimizer
             # the user passed now (e.g. a new --learning_rate) wins, unless a
@@ -247,6 +260,14 @@ class Trainer:
         return path
 
     # ---------------------------------------------------------------- training
+
+    def averaged_weights(self) -> contextlib.AbstractContextManager:
+        """`with trainer.averaged_weights():` the model holds the moving averages of its
+        weights (`ema_decay`), and the training weights again, exactly, after the block;
+        without averages the weights stay as they are."""
+        if self.weight_averages is None:
+            return contextlib.nullcontext()
+        return self.weight_averages.swapped_in()
 
     def request_stop(self) -> None:
         """Stops training after the current loop (with a checkpoint); safe to
@@ -466,6 +487,7 @@ class Trainer:
 
         A stop request (`request_stop`) ends it after the running chunk of at
         most `steps_per_loop` batches; it then returns {} and records nothing.
+        With `ema_decay`, it evaluates the averaged weights (`averaged_weights`).
 
         Returns:
           `{"loss": ..., <metric>: ..., "num_examples": n}` at the current step.
@@ -477,7 +499,9 @@ class Trainer:
             raise UserError("evaluate() needs eval_data and a loss_fn")
         for metric in (self._eval_loss, self._eval_count, *self.eval_metrics):
             metric.reset_state()
-        if not self._run_eval_loop():
+        with self.averaged_weights():
+            complete = self._run_eval_loop()
+        if not complete:
             logger.warning("evaluation at step %d stopped by a stop request; no eval results", self.step)
             return {}
         logs = {"loss": float(self._eval_loss.result())}

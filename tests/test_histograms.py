@@ -64,3 +64,52 @@ def test_histograms_from_the_command_line(tmp_path):
     histograms = read_histograms(str(tmp_path / "train"))
     assert len(histograms) == 4  # mlp: two Dense layers' kernels and biases.
     assert all(sorted(steps) == [5, 10] for steps in histograms.values())
+
+
+def read_scalars(log_dir: str, tag: str) -> dict[int, float]:
+    found = {}
+    for path in sorted(glob.glob(os.path.join(log_dir, "events.out.tfevents.*"))):
+        for event in tf.compat.v1.train.summary_iterator(path):
+            for value in event.summary.value:
+                if value.tag == tag:
+                    found[event.step] = float(tf.make_ndarray(value.tensor))
+    return found
+
+
+def hand_gradient_norm(model, x, y) -> float:
+    """The norm of the gradient of the global batch's mean loss (what two replicas' summed gradients make)."""
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_mean(loss_fn()(y, model(x, training=True)))
+    return float(tf.linalg.global_norm(tape.gradient(loss, model.trainable_variables)))
+
+
+@pytest.mark.parametrize("clip_norm", [None, 0.05])
+def test_the_global_gradient_norm_is_written_beside_the_histograms(mirrored, default, tmp_path, clip_norm):
+    x, y = make_arrays(64)
+    model, optimizer = make_model(mirrored)
+    reference, _ = make_model(default)  # The same start on one device, stepped by hand.
+    trainer = engine.Trainer(strategy=mirrored, model=model, optimizer=optimizer,
+                             train_data=global_batches(x, y, 16), global_batch_size=16, loss_fn=loss_fn(),
+                             model_dir=str(tmp_path), steps_per_loop=1, clip_norm=clip_norm,
+                             callbacks=[WeightHistograms(2)])
+    expected = {}
+    for step in range(1, 4):
+        batch = slice((step - 1) * 16, step * 16)
+        reference.set_weights(model.get_weights())
+        expected[step] = hand_gradient_norm(reference, x[batch], y[batch])  # Before clipping.
+        logs = trainer.train(step)
+        assert logs["grad_norm"] == pytest.approx(expected[step], rel=1e-5)
+    written = read_scalars(str(tmp_path / "train"), "grad_norm")
+    assert sorted(written) == [1, 2, 3]
+    for step, value in written.items():
+        assert value == pytest.approx(expected[step], rel=1e-5)
+    if clip_norm:
+        assert min(expected.values()) > clip_norm  # The norm reported is the one before clipping.
+
+
+def test_no_gradient_norm_without_histograms(default):
+    x, y = make_arrays(32)
+    model, optimizer = make_model(default)
+    trainer = engine.Trainer(strategy=default, model=model, optimizer=optimizer,
+                             train_data=global_batches(x, y, 16), global_batch_size=16, loss_fn=loss_fn())
+    assert "grad_norm" not in trainer.train(2)

@@ -7,7 +7,9 @@ starting over. `best.json` is written before the checkpoint it describes,
 so a crash between the two never leaves a better checkpoint behind a worse
 recorded value. Without a trustworthy `best.json` beside a best checkpoint
 (missing, damaged, or kept by another metric) the run is refused: comparing
-against nothing would replace the best with a worse one.
+against nothing would replace the best with a worse one. With a moving
+average of the weights (`--ema_decay`) the saved model holds the averages,
+which are what the evaluation judged.
 """
 
 from __future__ import annotations
@@ -74,7 +76,9 @@ class BestCheckpoint(Callback):
             "metric": self.metric, "mode": self.watch.mode, "value": value, "step": step,
             "checkpoint": f"ckpt-{step}",
         })
-        path = self._manager.save(checkpoint_number=step)
+        # With a moving average the model is saved holding the averages it was judged by.
+        with trainer.averaged_weights():
+            path = self._manager.save(checkpoint_number=step)
         logging.info("best eval %s=%.6g at step %d: saved %s", self.metric, value, step, path)
 
     def _load(self, directory: str) -> None:

@@ -1,6 +1,8 @@
 """`--histogram_every=N`: histograms of every weight in TensorBoard's `train`
 run every N steps (the Histograms and Distributions tabs), as Keras's
-`TensorBoard(histogram_freq=...)` gives `fit` users.
+`TensorBoard(histogram_freq=...)` gives `fit` users, and the global gradient
+norm: the standard step then returns `grad_norm`, written with the other
+train scalars (the mean over each compiled loop).
 
 They are written on the host between compiled loops, which are cut at the
 multiples of N (`loop_limit`): the loop is neither retraced nor slowed
@@ -23,6 +25,8 @@ if TYPE_CHECKING:
 
 class WeightHistograms(Callback):
     """Writes a histogram of each of the model's weights at every multiple of `every` steps."""
+
+    needs_grad_norm = True
 
     def __init__(self, every: int):
         if every < 1:

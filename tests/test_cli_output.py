@@ -1,0 +1,94 @@
+"""What a user sees: `--help` lists the engine's flags at once and exits 0, a run's output
+holds none of TensorFlow's C++ start-up lines unless TF_CPP_MIN_LOG_LEVEL asks for them, and
+the launcher checks engine.main's flags without importing TensorFlow. Real processes."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from engine.native_logs import kept_lines
+
+REPO = Path(__file__).resolve().parents[1]
+START_UP_LINES = ("cuInit", "cpu_feature_guard", "cudart_stub", "InitializeLog", "oneDNN custom operations")
+# Under load (2 shared cores) Python alone starts in ~0.3 s; TensorFlow's import takes 5-10 s.
+HELP_SECONDS = 4.0
+
+
+def python(*args: str, env: dict[str, str] | None = None, timeout: float = 240) -> subprocess.CompletedProcess:
+    environment = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
+    environment.update(PYTHONPATH=str(REPO), **(env or {}))
+    return subprocess.run([sys.executable, *args], cwd=REPO, env=environment, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("flag", ["--help", "--helpfull"])
+def test_help_lists_the_engines_flags_quickly_and_exits_0(flag):
+    began = time.monotonic()
+    result = python("-X", "importtime", "-m", "engine.main", flag)
+    seconds = time.monotonic() - began
+    assert result.returncode == 0, result.stderr[-2000:]
+    for name in ("--strategy", "--model_dir", "--ema_decay", "--histogram_every", "--worker_hosts"):
+        assert f"  {name}:" in result.stdout, name
+    assert "tensorflow" not in result.stderr  # -X importtime: the help imported no TensorFlow
+    assert seconds < HELP_SECONDS, seconds
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_run_prints_no_native_start_up_lines_unless_asked():
+    flags = ["-m", "engine.main", "--model=mlp", "--train_steps=2", "--steps_per_loop=1", "--mode=train"]
+    quiet = python(*flags)  # engine.main's default: TF_CPP_MIN_LOG_LEVEL=2
+    assert quiet.returncode == 0, quiet.stderr[-3000:]
+    assert "Total params" in quiet.stdout + quiet.stderr  # The engine's own start-up output is there.
+    leaked = [line for line in quiet.stderr.splitlines() if any(s in line for s in START_UP_LINES)]
+    assert leaked == []
+    verbose = python(*flags, env={"TF_CPP_MIN_LOG_LEVEL": "0"})
+    assert verbose.returncode == 0, verbose.stderr[-3000:]
+    assert "InitializeLog" in verbose.stderr  # Asked for: nothing held back.
+
+
+def test_only_native_log_lines_are_held_back():
+    text = ("WARNING: All log messages before absl::InitializeLog() is called are written to STDERR\n"
+            "I0000 00:00:1796043263.123665    8024 cpu_feature_guard.cc:227] This TensorFlow binary ...\n"
+            "To enable the following instructions: AVX2 FMA, in other operations, rebuild TensorFlow with the "
+            "appropriate compiler flags.\n"
+            "E0000 00:00:1796043271.934405    8024 cuda_platform.cc:52] failed call to cuInit: UNKNOWN ERROR (303)\n"
+            "/x.py:3: UserWarning: a Python warning\n"
+            "Traceback (most recent call last):\n")
+    python_lines = "/x.py:3: UserWarning: a Python warning\nTraceback (most recent call last):\n"
+    assert kept_lines(text, 2) == python_lines
+    assert kept_lines(text, 1) == text.splitlines(keepends=True)[0] + text.splitlines(keepends=True)[3] + python_lines
+    assert kept_lines(text, 0) == text
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_the_launcher_checks_engine_main_flags_without_importing_tensorflow():
+    began = time.monotonic()
+    result = python("-X", "importtime", "-m", "engine.launch", "--num_workers=1", "--", "--train_steps=abc")
+    seconds = time.monotonic() - began
+    assert result.returncode == 2
+    assert "the flags after -- are not engine.main's" in result.stderr
+    assert "tensorflow" not in result.stderr and "keras" not in result.stderr
+    assert seconds < HELP_SECONDS, seconds
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_launched_cluster_prints_no_native_start_up_lines(tmp_path):
+    """engine.server's ps and worker tasks hold them back too (and EMA runs under parameter servers)."""
+    result = python("-m", "engine.launch", "--num_workers=1", "--num_ps=1", "--", "--strategy=parameter_server",
+                    "--model=mlp", "--train_steps=20", "--steps_per_loop=10", "--eval_every=10",
+                    "--ema_decay=0.9", f"--model_dir={tmp_path}", timeout=280)
+    assert result.returncode == 0, result.stderr[-3000:]
+    output = result.stdout + result.stderr
+    assert "[ps:0]" in output and "[worker:0]" in output and "eval at step 20" in output
+    assert [line for line in output.splitlines() if any(s in line for s in START_UP_LINES)] == []
