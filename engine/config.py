@@ -64,7 +64,7 @@ class RunConfig:
     deterministic: bool = False
     mixed_precision: str = "float32"
     jit_compile: bool = False
-    # Several machines (engine.cluster, engine.multi_host).
+    # Several machines (engine.cluster, engine.cluster.multi_host).
     worker_hosts: list[str] | None = None
     ps_hosts: list[str] | None = None
     chief_host: str | None = None
@@ -202,7 +202,7 @@ class RunConfig:
         """The cluster (from the flags, TF_CONFIG or Slurm) and multi-host settings;
         no cluster for the single-host strategies unless flags name one."""
         from engine.cluster import resolve_cluster
-        from engine.multi_host import MultiHostOptions
+        from engine.cluster.multi_host import MultiHostOptions
 
         cluster = None
         if self.strategy in ("multi_worker_mirrored", "parameter_server") or self.worker_hosts \

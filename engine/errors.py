@@ -4,6 +4,10 @@
 is a bug in the engine and keeps its traceback.
 """
 
+# The exit status of every command-line entry point (engine.main, engine.launch,
+# engine.server) for a UserError; engine.launch never restarts a task that exits with it.
+USER_ERROR_EXIT = 2
+
 
 class UserError(Exception):
     """A bad input: the message says what is wrong and what to do."""

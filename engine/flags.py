@@ -6,7 +6,7 @@ that every bad value gets the same kind of one-line message.
 
 from absl import flags
 
-from engine import cluster_flags  # noqa: F401  (--worker_hosts, --ps_hosts, --task_type, ...)
+from engine.cluster import flags as cluster_flags  # noqa: F401  (--worker_hosts, --ps_hosts, --task_type, ...)
 from engine.config import DEFAULT_STEPS_PER_LOOP
 
 # Strategy and cluster.

@@ -18,9 +18,7 @@ if __name__ == "__main__":
 from absl import app, flags, logging  # noqa: E402
 
 from engine import flags as engine_flags  # noqa: E402  (defines the flags)
-from engine.errors import UserError  # noqa: E402
-
-USER_ERROR_EXIT = 2
+from engine.errors import USER_ERROR_EXIT, UserError  # noqa: E402
 
 
 def main(argv: list[str]) -> int:

@@ -1,4 +1,4 @@
-"""`python -m engine.launch`: a whole cluster on this machine, one process a task.
+"""`python -m engine.launch` (this module's thin entry point `engine/launch.py`): a whole cluster on this machine, one process a task.
 
     python -m engine.launch --num_workers=2 -- --strategy=multi_worker_mirrored ...
     python -m engine.launch --num_workers=2 --num_ps=1 -- --strategy=parameter_server ...
@@ -39,9 +39,10 @@ import threading
 import time
 from typing import Callable, Sequence
 
-from absl import app, flags
+from absl import flags
 
 from engine.cluster import Cluster, security_warning
+from engine.errors import USER_ERROR_EXIT
 
 flags.DEFINE_integer("num_workers", 2, "Worker tasks.")
 flags.DEFINE_integer("num_ps", 0, "Parameter-server tasks; > 0 adds a chief (the coordinator).")
@@ -58,7 +59,6 @@ FLAGS = flags.FLAGS
 PROGRAM = "engine.launch"
 POLL_SECONDS = 0.2
 STOP_GRACE_SECONDS = 10.0
-USER_ERROR_EXIT = 2
 _PR_SET_PDEATHSIG = 1
 
 
@@ -352,7 +352,3 @@ def main(argv: list[str]) -> int:
         launcher.stop()
     _say(f"done with exit status {status}")
     return status
-
-
-if __name__ == "__main__":
-    app.run(lambda argv: sys.exit(main(argv)))

@@ -1,4 +1,4 @@
-"""`python -m engine.server`: a worker or ps task of a parameter-server cluster.
+"""`python -m engine.server` (entry point `engine/server.py`): a worker or ps task of a parameter-server cluster.
 
 Such tasks run no training code of their own: the coordinator (the chief,
 running `engine.main`) places variables on the ps tasks and sends compiled
@@ -19,14 +19,11 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 # Fail RPCs to a dead peer at once so the coordinator can reschedule its work.
 os.environ.setdefault("GRPC_FAIL_FAST", "use_caller")
 
-from absl import app  # noqa: E402
-
-from engine import cluster_flags  # noqa: E402  (defines the cluster flags)
+from engine.cluster import flags as cluster_flags  # noqa: E402  (defines the cluster flags)
 from engine.cluster import security_warning  # noqa: E402
-from engine.errors import UserError  # noqa: E402
+from engine.errors import USER_ERROR_EXIT, UserError  # noqa: E402
 
 SERVER_TASK_TYPES = ("worker", "ps")
-USER_ERROR_EXIT = 2
 
 
 def serve() -> None:
@@ -76,7 +73,3 @@ def main(argv: list[str]) -> int:
         print(f"engine.server: error: {error}", file=sys.stderr)
         return USER_ERROR_EXIT
     return 0
-
-
-if __name__ == "__main__":
-    app.run(lambda argv: sys.exit(main(argv)))
