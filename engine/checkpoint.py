@@ -17,7 +17,7 @@ import tensorflow as tf
 from absl import logging
 
 from engine import model_dir as model_dir_lib
-from engine.errors import UserError
+from engine.errors import UserError, one_line
 
 CHECKPOINT_SUBDIR = "checkpoints"
 UNREADABLE_SUBDIR = "unreadable"
@@ -121,13 +121,13 @@ def restore_latest(manager: tf.train.CheckpointManager, *, directory: str | None
         # Values of the checkpoint left over (Adam's slots restored into SGD) are state lost.
         status.assert_consumed()
     except (AssertionError, ValueError, tf.errors.InvalidArgumentError) as error:
-        detail = " ".join(str(error).split())[:300]
+        detail = one_line(error, 300)
         raise UserError(
             f"checkpoint {path} does not match this model ({detail}); "
             "use a new --model_dir or the model and flags it was trained with"
         ) from None
     except tf.errors.OpError as error:  # Damaged after the readability check, or never checked.
-        detail = " ".join(str(error).split())[:200]
+        detail = one_line(error, 200)
         raise UserError(
             f"checkpoint {path} cannot be read ({type(error).__name__}: {detail}); pass "
             "--restore_fallback to restore the newest older readable checkpoint, or use a new --model_dir"

@@ -9,6 +9,12 @@ is a bug in the engine and keeps its traceback.
 USER_ERROR_EXIT = 2
 
 
+def one_line(error: BaseException | str, limit: int | None = None) -> str:
+    """`error`'s text on one line (TensorFlow's messages span several), cut to `limit` characters."""
+    text = " ".join(str(error).split())
+    return text if limit is None else text[:limit]
+
+
 class UserError(Exception):
     """A bad input: the message says what is wrong and what to do."""
 

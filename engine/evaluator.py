@@ -29,7 +29,7 @@ from absl import logging
 from engine import checkpoint as checkpoint_lib
 from engine.config import RunConfig
 from engine.environment import seed_everything, set_precision
-from engine.errors import UserError
+from engine.errors import UserError, one_line
 from engine.hooks.best_checkpoint import BestCheckpoint
 from engine.model_dir import write_json
 from engine.own_packages import own_package
@@ -150,7 +150,7 @@ class Evaluator:
         except (AssertionError, ValueError, tf.errors.OpError, IndexError) as error:  # IndexError: truncated
             if _files_gone(path) and not strict:
                 raise CheckpointVanished(f"{path}: {type(error).__name__}") from None
-            detail = " ".join(str(error).split())[:300]
+            detail = one_line(error, 300)
             if _files_gone(path) or not isinstance(error, (AssertionError, ValueError,
                                                            tf.errors.InvalidArgumentError)):
                 raise UserError(f"checkpoint {path} cannot be read ({type(error).__name__}: {detail})") from None

@@ -18,7 +18,7 @@ if __name__ == "__main__":
 from absl import app, flags, logging  # noqa: E402
 
 from engine import flags as engine_flags  # noqa: E402  (defines the flags)
-from engine.errors import USER_ERROR_EXIT, UserError  # noqa: E402
+from engine.errors import USER_ERROR_EXIT, UserError, one_line  # noqa: E402
 
 
 def main(argv: list[str]) -> int:
@@ -46,7 +46,7 @@ def _parse_flags(argv: list[str]) -> list[str]:
     try:
         return flags.FLAGS(argv)
     except flags.Error as error:
-        print(f"engine.main: error: {' '.join(str(error).split())}; see --helpfull", file=sys.stderr)
+        print(f"engine.main: error: {one_line(error)}; see --helpfull", file=sys.stderr)
         sys.exit(USER_ERROR_EXIT)
 
 

@@ -25,7 +25,7 @@ from typing import Any, Iterator, Mapping
 import tensorflow as tf
 from absl import logging
 
-from engine.errors import UserError
+from engine.errors import UserError, one_line
 
 LOCK_FILE = ".writer.lock"
 STATE_FILE = "checkpoint"  # What tf.train.CheckpointManager names its state file.
@@ -172,7 +172,7 @@ def read_problem(path: str) -> str | None:
         for name in reader.get_variable_to_shape_map():
             reader.get_tensor(name)
     except (tf.errors.OpError, IndexError, ValueError) as error:  # IndexError: a short read
-        return f"{type(error).__name__}: {' '.join(str(error).split())[:200]}"
+        return f"{type(error).__name__}: {one_line(error, 200)}"
     return None
 
 
@@ -277,7 +277,7 @@ def read_json(path: str, *, what: str) -> Any | None:
         with tf.io.gfile.GFile(path, "r") as handle:
             return json.loads(handle.read())
     except (ValueError, UnicodeDecodeError, tf.errors.OpError) as error:
-        raise UserError(f"{path} ({what}) is damaged ({' '.join(str(error).split())[:120]}); "
+        raise UserError(f"{path} ({what}) is damaged ({one_line(error, 120)}); "
                         "restore it from a backup or move it away") from None
 
 

@@ -11,14 +11,11 @@ from typing import TYPE_CHECKING
 
 import tensorflow as tf
 
+from engine.config import MULTI_HOST_STRATEGIES, STRATEGY_NAMES
 from engine.errors import UserError
 
 if TYPE_CHECKING:
     from engine.cluster.multi_host import MultiHostOptions
-
-SINGLE_HOST_STRATEGIES = ("default", "one_device", "mirrored")
-MULTI_HOST_STRATEGIES = ("multi_worker_mirrored", "parameter_server", "tpu")
-STRATEGY_NAMES = SINGLE_HOST_STRATEGIES + MULTI_HOST_STRATEGIES
 
 
 def configure_cpu_devices(count: int) -> None:

@@ -17,11 +17,11 @@ import tensorflow as tf
 from engine import checkpoint as checkpoint_lib
 from engine import model_dir as model_dir_lib
 from engine.callbacks import CallbackLike, as_callbacks
-from engine.config import DEFAULT_STEPS_PER_LOOP
+from engine.config import DEFAULT_STEPS_PER_LOOP, NONFINITE_POLICIES
 from engine.distribute import Data, distribute_eval_data, distribute_train_data, yields_global_batches
 from engine.errors import DataExhaustedError, NonFiniteLossError, UserError
 from engine.loop import BatchSizeMismatch, make_eval_loop, make_train_loop
-from engine.progress import Progress, logger
+from engine.progress import Progress, format_logs, logger
 from engine.schedules import is_scheduled
 from engine.steps import EvalStep, PerExampleLoss, ReplicaStep, make_eval_step, make_train_step
 from engine.summaries import SummaryWriters
@@ -29,7 +29,6 @@ from engine.variables import all_variables, require_trainable_variables
 
 __all__ = ["DataExhaustedError", "NonFiniteLossError", "Trainer"]  # The errors live in engine.errors.
 
-NONFINITE_POLICIES = ("stop", "skip")
 Optimizers = Union[keras.optimizers.Optimizer, Mapping[str, keras.optimizers.Optimizer]]
 
 
@@ -484,7 +483,7 @@ class Trainer:
         logs.update({m.name: float(m.result()) for m in self.eval_metrics})
         logs["num_examples"] = int(round(float(self._eval_count.result())))
         self._summaries.write("eval", self.step, logs)
-        logger.info("eval at step %d  %s", self.step, _format(logs))
+        logger.info("eval at step %d  %s", self.step, format_logs(logs))
         self.last_eval = (self.step, logs)
         for callback in self.callbacks:
             callback.on_eval_end(self, self.step, logs)
@@ -652,10 +651,3 @@ def _constant_learning_rate(optimizer: keras.optimizers.Optimizer) -> float | No
 def _current_learning_rate(optimizer: keras.optimizers.Optimizer) -> float:
     # A distributed Keras variable does not convert with float(); read it as a tensor.
     return float(tf.convert_to_tensor(optimizer.learning_rate).numpy())
-
-
-def _format(logs: Mapping[str, float]) -> str:
-    return "  ".join(
-        f"{name}={value:.4g}" if isinstance(value, float) else f"{name}={value}"
-        for name, value in logs.items()
-    )

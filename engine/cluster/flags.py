@@ -1,22 +1,12 @@
 """The flags that say which cluster a process is in: shared by `engine.main`
-(through `engine.flags`) and `engine.server`, resolved by `engine.cluster`."""
+(through `engine.flags`) and `engine.server`, resolved by `engine.cluster.resolve`.
+Their defaults and help are `RunConfig` fields (`engine.config.CLUSTER_SETTINGS`)."""
 
 from absl import flags
 
-from engine.cluster import DEFAULT_SLURM_PORT_BASE
+from engine.config import CLUSTER_SETTINGS, define_flags
 
-flags.DEFINE_list("worker_hosts", None,
-                  "Comma-separated host:port of every worker task (builds TF_CONFIG).")
-flags.DEFINE_list("ps_hosts", None, "Comma-separated host:port of every parameter-server task.")
-flags.DEFINE_string("chief_host", None,
-                    "host:port of the chief (the parameter-server coordinator).")
-flags.DEFINE_string("task_type", None, "This process's task with the host flags: worker, ps, chief, or evaluator "
-                    "(evaluates each new checkpoint; needs no host flags).")
-flags.DEFINE_integer("task_index", None, "This process's index within --task_type (default 0).")
-flags.DEFINE_string("cluster_resolver", "tf_config",
-                    "tf_config: the host flags or the TF_CONFIG variable; slurm: SLURM_* variables.")
-flags.DEFINE_integer("slurm_port_base", DEFAULT_SLURM_PORT_BASE,
-                     "With --cluster_resolver=slurm, a node's tasks listen on this port and up.")
+define_flags(CLUSTER_SETTINGS, module_name=__name__)
 
 FLAGS = flags.FLAGS
 

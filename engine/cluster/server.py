@@ -21,7 +21,7 @@ os.environ.setdefault("GRPC_FAIL_FAST", "use_caller")
 
 from engine.cluster import flags as cluster_flags  # noqa: E402  (defines the cluster flags)
 from engine.cluster import security_warning  # noqa: E402
-from engine.errors import USER_ERROR_EXIT, UserError  # noqa: E402
+from engine.errors import USER_ERROR_EXIT, UserError, one_line  # noqa: E402
 
 SERVER_TASK_TYPES = ("worker", "ps")
 
@@ -52,7 +52,7 @@ def serve() -> None:
     except tf.errors.OpError as error:
         raise UserError(
             f"cannot start the gRPC server of {cluster.task_type}:{cluster.task_index} at "
-            f"{cluster.address} ({error.message.strip()}); is the port in use by another process?"
+            f"{cluster.address} ({one_line(error.message)}); is the port in use by another process?"
         ) from None
     print(f"engine.server: {cluster.task_type}:{cluster.task_index} serving at {server.target}",
           file=sys.stderr, flush=True)

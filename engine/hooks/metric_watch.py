@@ -18,12 +18,12 @@ from absl import logging
 
 from engine import model_dir as model_dir_lib
 from engine.callbacks import Callback
+from engine.config import METRIC_MODES as MODES
 from engine.errors import UserError
 
 if TYPE_CHECKING:
     from engine.trainer import Trainer
 
-MODES = ("auto", "min", "max")
 # Metrics where larger is better; anything else (losses, errors) is minimized under "auto".
 _MAX_HINTS = ("acc", "auc", "precision", "recall", "f1", "iou", "top")
 STATE_SUBDIR = "hooks"
