@@ -10,7 +10,6 @@ latest checkpoint before anything restores it.
 from __future__ import annotations
 
 import os
-import shutil
 from typing import Mapping
 
 import tensorflow as tf
@@ -77,11 +76,11 @@ def set_aside_unreadable(model_dir: str, *, fallback: bool) -> None:
             "use a new --model_dir"
         )
     aside = os.path.join(directory, UNREADABLE_SUBDIR)
-    os.makedirs(aside, exist_ok=True)
+    tf.io.gfile.makedirs(aside)
     prefixes = {os.path.basename(path) + "." for path in unreadable}
-    for name in os.listdir(directory):  # Listed, not globbed: the name may hold pattern characters.
+    for name in tf.io.gfile.listdir(directory):  # Listed, not globbed: the name may hold pattern characters.
         if any(name.startswith(prefix) for prefix in prefixes):
-            shutil.move(os.path.join(directory, name), os.path.join(aside, name))
+            tf.io.gfile.rename(os.path.join(directory, name), os.path.join(aside, name), overwrite=True)
     tf.compat.v1.train.update_checkpoint_state(
         directory, readable[-1], all_model_checkpoint_paths=readable
     )

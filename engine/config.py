@@ -342,7 +342,12 @@ class _ChoiceParser(flags.EnumParser):
 
 
 def check_model_dir(model_dir: str, flag: str = "model_dir") -> None:
-    """A model_dir (or export_dir) must be a writable directory, or creatable as one."""
+    """A local model_dir (or export_dir) must be a writable directory, or creatable as one;
+    a remote one (gs://, ram://) is TensorFlow's to check when it is first written."""
+    from engine.model_dir import is_remote
+
+    if is_remote(model_dir):
+        return
     path = os.path.abspath(model_dir)
     if os.path.exists(path) and not os.path.isdir(path):
         raise UserError(f"--{flag}={model_dir} is a file; pass a directory")

@@ -353,7 +353,7 @@ class Trainer:
                 callback.on_loop_end(self, self.step, logs)
             if steps_run < num_steps:
                 self._end_on_exhausted_data(steps, last_saved, logs)
-            if self._due(self.eval_every) and self.eval_loop is not None:
+            if self.evaluates_after(self.step):
                 self.evaluate()
             if self._due(self.checkpoint_every):
                 self.save()
@@ -427,6 +427,10 @@ class Trainer:
     def _due(self, every: int | None) -> bool:
         return bool(every) and self.step % every == 0
 
+    def evaluates_after(self, step: int) -> bool:
+        """Whether the loop that ends at `step` is followed by an evaluation (`TrainerView`)."""
+        return bool(self.eval_every) and step % self.eval_every == 0 and self.eval_loop is not None
+
     def _train_iterator(self, start_step: int):
         if self._iterator is None or self._iterator_step != start_step:
             dataset = distribute_train_data(self.strategy, self._train_data, start_step=start_step)
@@ -450,6 +454,12 @@ class Trainer:
     def summaries(self) -> SummaryWriters:
         """The TensorBoard writers (one a split), for hooks that write more than scalars."""
         return self._summaries
+
+    @property
+    def checkpoint(self) -> tf.train.Checkpoint | None:
+        """What the checkpoints hold (model, step, optimizers), for a hook that saves one of
+        its own (`TrainerView`); None without model_dir."""
+        return None if self.checkpoint_manager is None else self.checkpoint_manager.checkpoint
 
     @property
     def steady_examples_per_second(self) -> float | None:
