@@ -1,7 +1,12 @@
-"""`RunConfig`: the validated settings of one run of `engine.main`.
+"""`RunConfig`: the validated settings of one run of `engine.main`, and the one
+place each setting is defined.
 
-Every user mistake in the flags is caught here, before TensorFlow starts
-and before anything is written, as a `UserError` naming the bad value.
+Each field carries its default, help and choices (`setting`); `engine.flags`
+and `engine.cluster.flags` define the command-line flags from them
+(`define_flags`), so a new setting is one field here. Every user mistake in
+the flags is caught here, before anything is written, as a `UserError`
+naming the bad value. This module imports no TensorFlow (flag parsing and
+`--help` stay fast); `validate` imports the model and data packages.
 """
 
 from __future__ import annotations
