@@ -63,7 +63,7 @@ def run(config: RunConfig) -> dict[str, Any]:
 
     input_lib, models = own_package("input"), own_package("models")
     DataError, get_data_source = input_lib.DataError, input_lib.get_data_source  # noqa: N806
-    ModelError, get_model_spec = models.ModelError, models.get_model_spec  # noqa: N806
+    get_model_spec = models.get_model_spec
 
     evaluation_mode = evaluator.evaluation_mode(config)
     if evaluation_mode is not None:  # --mode=eval/continuous_eval or an evaluator task: never trains.
@@ -116,6 +116,9 @@ def _train_and_evaluate(config, strategy, cluster, model_spec, image_shape, sour
                         model_dir: str, write_dir: str, total_steps: int) -> dict[str, Any]:
     """The part of `run` that reads and writes model_dir: under the writer lock
     on the chief. Everything is checked before the first byte is written."""
+    from engine.own_packages import own_package
+
+    ModelError = own_package("models").ModelError  # noqa: N806
     metrics_path = os.path.join(model_dir, METRICS_FILE)
     if write_dir == model_dir:
         if tf.io.gfile.isdir(metrics_path):

@@ -35,7 +35,8 @@ def make_trainer(model_dir, *, seed, callbacks=(), restore_fallback=False):
         strategy=strategy, model=model, optimizer=keras.optimizers.Adam(0.01),
         train_data=tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(BATCH, drop_remainder=True),
         eval_data=tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH),
-        global_batch_size=BATCH, loss_fn=keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None),
+        global_batch_size=BATCH,
+        loss_fn=keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None),
         model_dir=model_dir, steps_per_loop=3, checkpoint_every=3, eval_every=3, callbacks=callbacks,
         restore_fallback=restore_fallback,
     )
@@ -63,7 +64,8 @@ def test_a_trainer_restarts_and_resumes_on_ram_with_its_hooks_files_there(ram_di
     del first
 
     # A restart: new objects, other start weights; everything comes back from ram://.
-    second = make_trainer(ram_dir, seed=2, callbacks=[BestCheckpoint("loss"), EarlyStopping("loss", patience=100)])
+    second = make_trainer(ram_dir, seed=2,
+                          callbacks=[BestCheckpoint("loss"), EarlyStopping("loss", patience=100)])
     assert second.step == 6
     second.train(12)
     expected = uninterrupted_weights(12)
