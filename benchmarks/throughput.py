@@ -16,7 +16,8 @@ Runners:
   is the wall time of `trainer.train(target)`.
 - `fit`: `model.fit` under the same strategy, with `steps_per_execution`
   = `--fit_steps_per_execution` (default: `--steps_per_loop`); when that
-  fails (Keras 3 + MirroredStrategy, see NOTES.md) it falls back to 1 and
+  fails (Keras 3 + MirroredStrategy: the unbuilt-optimizer placeholder bug,
+  keras-team/keras#23085) it falls back to 1 and
   records the error. A window is one epoch of `--steps` steps, timed by a
   callback from epoch begin to end (the per-`fit`-call set-up, which a real
   run pays once, is left out). If fit cannot run at all, its row carries the
@@ -51,8 +52,9 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from absl import app, flags  # noqa: E402
 
+from engine.config import PRECISION_POLICIES  # noqa: E402  (pure Python: no TensorFlow yet)
+
 RUNNER_KINDS = ("engine", "fit", "raw")
-PRECISIONS = ("float32", "bfloat16", "float16")
 _PRECISION_SUFFIXES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 LEARNING_RATE = 1e-3
 
@@ -74,7 +76,7 @@ def define_flags() -> None:
                          "Keras fit steps_per_execution to try first (default: --steps_per_loop).")
     flags.DEFINE_integer("cpu_devices", 1, "Logical CPU devices (replicas of --strategy=mirrored).")
     flags.DEFINE_boolean("jit_compile", False, "XLA-compile the forward/backward pass.")
-    flags.DEFINE_enum("mixed_precision", "float32", list(PRECISIONS), "Compute precision.")
+    flags.DEFINE_enum("mixed_precision", "float32", list(PRECISION_POLICIES), "Compute precision.")
     flags.DEFINE_integer("warmup_steps", 100, "Untimed steps per runner (tracing, compiling, warm caches).")
     flags.DEFINE_integer("steps", 200, "Steps per timed window.")
     flags.DEFINE_integer("repeats", 5, "Timed windows per runner (interleaved across runners).")

@@ -18,6 +18,7 @@ _SUBMODULES = ("callbacks", "export", "hooks", "schedules", "variables")
 _LAZY = {
     "Callback": "engine.callbacks",
     "Trainer": "engine.trainer",
+    "TrainerView": "engine.callbacks",
     "build_strategy": "engine.strategy",
     "configure_cpu_devices": "engine.strategy",
     "call_model": "engine.steps",
@@ -30,6 +31,7 @@ __all__ = [
     "DataExhaustedError",
     "NonFiniteLossError",
     "Trainer",
+    "TrainerView",
     "UserError",
     "build_strategy",
     "call_model",

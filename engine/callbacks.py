@@ -17,19 +17,60 @@ loop may run; the loop is cut there, its trace is reused.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence, Union
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol, Sequence, Union
 
 if TYPE_CHECKING:
-    from engine.trainer import Trainer
+    import contextlib
+
+    import keras
+    import tensorflow as tf
+
+    from engine.summaries import SummaryWriters
 
 Logs = Mapping[str, Any]
+
+
+class TrainerView(Protocol):
+    """What a hook may use of the trainer that calls it, and nothing else.
+
+    `engine.Trainer` is one; so is the stand-in `engine.evaluator` gives
+    `BestCheckpoint`. Anything else on the trainer is internal and may change.
+    """
+
+    model: Any  # The keras.Model (or tf.Module) being trained.
+    optimizer: "keras.optimizers.Optimizer | None"  # The optimizer; None when there are several.
+    optimizers: "Mapping[str, keras.optimizers.Optimizer]"  # Every optimizer by name.
+    strategy: "tf.distribute.Strategy"
+    model_dir: str | None  # Where this task writes; None: nothing is written.
+    target_step: int | None  # The step the current `train()` call trains to (None before one).
+    stop_training: bool  # Set it to True to stop after this loop, with a checkpoint.
+
+    @property
+    def step(self) -> int:
+        """The global step (updates applied)."""
+
+    @property
+    def summaries(self) -> "SummaryWriters":
+        """TensorBoard writers by run name (`.writer("train")`); they write nothing without model_dir."""
+
+    @property
+    def checkpoint(self) -> "tf.train.Checkpoint | None":
+        """What the trainer's checkpoints hold (model, step, optimizers), for a hook that saves
+        one of its own (`BestCheckpoint`); None without model_dir."""
+
+    def evaluates_after(self, step: int) -> bool:
+        """Whether the loop that ends at `step` is followed by an evaluation."""
+
+    def averaged_weights(self) -> "contextlib.AbstractContextManager[None]":
+        """While inside, the model holds the moving averages of its weights (--ema_decay; the
+        weights unchanged without EMA), as evaluation sees them; the training weights come back after."""
 
 
 class Callback:
     """Base class with no-op hooks; override the ones you need.
 
-    Every method receives the `Trainer` (read `trainer.step`, `trainer.model`,
-    set `trainer.stop_training`) and returns nothing unless said otherwise.
+    Every method receives the trainer as a `TrainerView` (read `trainer.step`,
+    `trainer.model`, set `trainer.stop_training`) and returns nothing unless said otherwise.
     An exception raised in a hook ends `train()` with it.
     """
 
@@ -40,7 +81,7 @@ class Callback:
     # computes it: with several replicas and no clip_norm, one more all-reduce a step).
     needs_grad_norm: bool = False
 
-    def loop_limit(self, trainer: "Trainer", step: int) -> int | None:
+    def loop_limit(self, trainer: TrainerView, step: int) -> int | None:
         """Before each loop: how far it may run, so the hook sees the step it needs.
 
         Args:
@@ -52,10 +93,10 @@ class Callback:
         """
         return None
 
-    def on_train_begin(self, trainer: "Trainer") -> None:
+    def on_train_begin(self, trainer: TrainerView) -> None:
         """When `train()` starts (after a restore: `trainer.step` is the restored step)."""
 
-    def on_loop_end(self, trainer: "Trainer", step: int, logs: Logs) -> None:
+    def on_loop_end(self, trainer: TrainerView, step: int, logs: Logs) -> None:
         """After each compiled loop.
 
         Args:
@@ -64,7 +105,7 @@ class Callback:
           logs: that loop's means (loss, metrics), speed and learning rate(s).
         """
 
-    def on_eval_end(self, trainer: "Trainer", step: int, logs: Logs) -> None:
+    def on_eval_end(self, trainer: TrainerView, step: int, logs: Logs) -> None:
         """After each evaluation.
 
         Args:
@@ -73,11 +114,11 @@ class Callback:
           logs: eval loss, metrics and `num_examples` over the whole eval set.
         """
 
-    def on_train_end(self, trainer: "Trainer", logs: Logs) -> None:
+    def on_train_end(self, trainer: TrainerView, logs: Logs) -> None:
         """When `train()` returns (or ends because the data ran out), with the last loop's logs."""
 
 
-LoopFn = Callable[["Trainer", int, Logs], None]
+LoopFn = Callable[[TrainerView, int, Logs], None]
 CallbackLike = Union[Callback, LoopFn]
 
 
@@ -85,7 +126,7 @@ class _LoopFunction(Callback):
     def __init__(self, fn: LoopFn):
         self._fn = fn
 
-    def on_loop_end(self, trainer: "Trainer", step: int, logs: Logs) -> None:
+    def on_loop_end(self, trainer: TrainerView, step: int, logs: Logs) -> None:
         self._fn(trainer, step, logs)
 
 

@@ -10,14 +10,13 @@ latest checkpoint before anything restores it.
 from __future__ import annotations
 
 import os
-import shutil
 from typing import Mapping
 
 import tensorflow as tf
 from absl import logging
 
 from engine import model_dir as model_dir_lib
-from engine.errors import UserError
+from engine.errors import UserError, one_line
 
 CHECKPOINT_SUBDIR = "checkpoints"
 UNREADABLE_SUBDIR = "unreadable"
@@ -77,11 +76,11 @@ def set_aside_unreadable(model_dir: str, *, fallback: bool) -> None:
             "use a new --model_dir"
         )
     aside = os.path.join(directory, UNREADABLE_SUBDIR)
-    os.makedirs(aside, exist_ok=True)
+    tf.io.gfile.makedirs(aside)
     prefixes = {os.path.basename(path) + "." for path in unreadable}
-    for name in os.listdir(directory):  # Listed, not globbed: the name may hold pattern characters.
+    for name in tf.io.gfile.listdir(directory):  # Listed, not globbed: the name may hold pattern characters.
         if any(name.startswith(prefix) for prefix in prefixes):
-            shutil.move(os.path.join(directory, name), os.path.join(aside, name))
+            tf.io.gfile.rename(os.path.join(directory, name), os.path.join(aside, name), overwrite=True)
     tf.compat.v1.train.update_checkpoint_state(
         directory, readable[-1], all_model_checkpoint_paths=readable
     )
@@ -121,13 +120,13 @@ def restore_latest(manager: tf.train.CheckpointManager, *, directory: str | None
         # Values of the checkpoint left over (Adam's slots restored into SGD) are state lost.
         status.assert_consumed()
     except (AssertionError, ValueError, tf.errors.InvalidArgumentError) as error:
-        detail = " ".join(str(error).split())[:300]
+        detail = one_line(error, 300)
         raise UserError(
             f"checkpoint {path} does not match this model ({detail}); "
             "use a new --model_dir or the model and flags it was trained with"
         ) from None
     except tf.errors.OpError as error:  # Damaged after the readability check, or never checked.
-        detail = " ".join(str(error).split())[:200]
+        detail = one_line(error, 200)
         raise UserError(
             f"checkpoint {path} cannot be read ({type(error).__name__}: {detail}); pass "
             "--restore_fallback to restore the newest older readable checkpoint, or use a new --model_dir"

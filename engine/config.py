@@ -1,7 +1,12 @@
-"""`RunConfig`: the validated settings of one run of `engine.main`.
+"""`RunConfig`: the validated settings of one run of `engine.main`, and the one
+place each setting is defined.
 
-Every user mistake in the flags is caught here, before TensorFlow starts
-and before anything is written, as a `UserError` naming the bad value.
+Each field carries its default, help and choices (`setting`); `engine.flags`
+and `engine.cluster.flags` define the command-line flags from them
+(`define_flags`), so a new setting is one field here. Every user mistake in
+the flags is caught here, before anything is written, as a `UserError`
+naming the bad value. This module imports no TensorFlow (flag parsing and
+`--help` stay fast); `validate` imports the model and data packages.
 """
 
 from __future__ import annotations
@@ -9,75 +14,153 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+from typing import Any, Sequence
 
+from absl import flags
+
+from engine.cluster.resolve import DEFAULT_SLURM_PORT_BASE, RESOLVERS
 from engine.errors import UserError
 
+# The names and defaults every layer shares, defined once here (pure Python, so that the
+# flags and `RunConfig` need no TensorFlow) and imported where they are used.
+SINGLE_HOST_STRATEGIES = ("default", "one_device", "mirrored")
+MULTI_HOST_STRATEGIES = ("multi_worker_mirrored", "parameter_server", "tpu")
+STRATEGY_NAMES = SINGLE_HOST_STRATEGIES + MULTI_HOST_STRATEGIES
+PRECISION_POLICIES = {"float32": "float32", "float16": "mixed_float16", "bfloat16": "mixed_bfloat16"}
 OPTIMIZER_NAMES = ("sgd", "momentum", "adam", "adamw")
+SCHEDULE_NAMES = ("constant", "cosine", "step", "warmup_cosine")
+INPUT_PIPELINES = ("per_replica", "global")
+NONFINITE_POLICIES = ("stop", "skip")
+METRIC_MODES = ("auto", "min", "max")  # Whether a watched metric should go down or up.
+COMMUNICATIONS = ("auto", "ring", "nccl")
 EVAL_METRIC_NAMES = ("loss", "accuracy")  # What job.py evaluates.
+MODES = ("train", "eval", "train_and_eval", "continuous_eval")  # TF Model Garden's names.
 DEFAULT_EPOCHS = 20.0
 # Steps per compiled call: the Trainer's default and the CLI's (--steps_per_loop).
 DEFAULT_STEPS_PER_LOOP = 50
-MODES = ("train", "eval", "train_and_eval", "continuous_eval")  # TF Model Garden's names.
+DEFAULT_COLLECTIVE_TIMEOUT = 300.0
+DEFAULT_STARTUP_TIMEOUT = 300.0
+
+# The settings `engine.cluster.flags` defines for `engine.server` too; `engine.flags` defines the rest.
+CLUSTER_SETTINGS = ("worker_hosts", "ps_hosts", "chief_host", "task_type", "task_index",
+                    "cluster_resolver", "slurm_port_base")
+
+
+def setting(default: Any, help: str, *, choices: tuple[str, ...] | None = None) -> Any:
+    """A `RunConfig` field and its command-line flag: `engine.flags` defines `--NAME` from
+    the default, this help and, with `choices`, as an enum that `--help` lists."""
+    return dataclasses.field(default=default, metadata={"help": help, "choices": choices})
 
 
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
-    strategy: str = "default"
-    cpu_devices: int = 1
-    num_gpus: int | None = None
-    model: str = "cnn"
-    dataset: str = "digits"
-    data_dir: str | None = None
-    input_pipeline: str = "per_replica"
-    global_batch_size: int = 64
-    train_steps: int | None = None
-    epochs: float | None = None
-    steps_per_loop: int = DEFAULT_STEPS_PER_LOOP
-    log_every: int = 0
-    eval_every: int = 100
-    optimizer: str = "adam"
-    learning_rate: float = 1e-3
-    lr_schedule: str = "constant"
-    warmup_steps: int = 0
-    clip_norm: float | None = None
-    grad_accum_steps: int = 1
-    on_nonfinite: str = "stop"
-    model_dir: str | None = None
-    checkpoint_every: int = 500
-    max_checkpoints: int = 3
-    restore_fallback: bool = False
-    reset_optimizer: bool = False
-    ema_decay: float = 0.0
-    export_dir: str | None = None
-    early_stop_metric: str | None = None
-    early_stop_patience: int = 3
-    early_stop_mode: str = "auto"
-    best_checkpoint_metric: str | None = None
-    reduce_lr_metric: str | None = None
-    reduce_lr_patience: int = 2
-    reduce_lr_factor: float = 0.5
-    min_learning_rate: float = 0.0
-    profile_steps: str | None = None
-    histogram_every: int = 0
-    seed: int = 42
-    deterministic: bool = False
-    mixed_precision: str = "float32"
-    jit_compile: bool = False
-    # Several machines (engine.cluster, engine.multi_host).
-    worker_hosts: list[str] | None = None
-    ps_hosts: list[str] | None = None
-    chief_host: str | None = None
-    task_type: str | None = None
-    task_index: int | None = None
-    cluster_resolver: str = "tf_config"
-    slurm_port_base: int = 8888
-    communication: str = "auto"
-    collective_timeout: float = 300.0
-    tpu: str | None = None
-    check_numerics: bool = False
-    mode: str = "train_and_eval"
-    eval_timeout: float = 3600.0
-    startup_timeout: float = 300.0
+    # Strategy and cluster.
+    strategy: str = setting("default", "The tf.distribute strategy.", choices=STRATEGY_NAMES)
+    cpu_devices: int = setting(1, "Logical CPU devices to split the host CPU into; `mirrored` uses them "
+                                  "as replicas when there is no GPU.")
+    num_gpus: int | None = setting(None, "GPUs for mirrored/one_device (default: all visible).")
+    communication: str = setting("auto", "multi_worker_mirrored collectives: ring is gRPC, nccl needs GPUs.",
+                                 choices=COMMUNICATIONS)
+    collective_timeout: float = setting(
+        DEFAULT_COLLECTIVE_TIMEOUT, "Seconds a multi-worker collective waits for its peers before the run "
+        "fails (a dead worker becomes an error, not a hang); 0 waits forever.")
+    startup_timeout: float = setting(
+        DEFAULT_STARTUP_TIMEOUT, "Seconds a cluster task waits to reach its peers at start-up before it "
+        "exits with an error naming them; 0 waits forever.")
+    tpu: str | None = setting(None, "--strategy=tpu: `local` (TPU VM) or grpc://HOST:PORT.")
+    # Several machines (engine.cluster): these are defined by engine.cluster.flags.
+    worker_hosts: list[str] | None = setting(
+        None, "Comma-separated host:port of every worker task (builds TF_CONFIG).")
+    ps_hosts: list[str] | None = setting(None, "Comma-separated host:port of every parameter-server task.")
+    chief_host: str | None = setting(None, "host:port of the chief (the parameter-server coordinator).")
+    task_type: str | None = setting(  # A string: engine.cluster names a bad one with its source.
+        None, "This process's task with the host flags: worker, ps, chief, or evaluator "
+        "(evaluates each new checkpoint; needs no host flags).")
+    task_index: int | None = setting(None, "This process's index within --task_type (default 0).")
+    cluster_resolver: str = setting(
+        "tf_config", "tf_config: the host flags or the TF_CONFIG variable; slurm: SLURM_* variables.",
+        choices=RESOLVERS)
+    slurm_port_base: int = setting(DEFAULT_SLURM_PORT_BASE,
+                                   "With --cluster_resolver=slurm, a node's tasks listen on this port and up.")
+    # What this process does (TF Model Garden's modes).
+    mode: str = setting("train_and_eval", "train: no evaluation; eval: the latest checkpoint once; "
+                        "continuous_eval: each new checkpoint, until the final step's.",
+                        choices=MODES)
+    eval_timeout: float = setting(3600.0,
+                                  "continuous_eval: exit after this many seconds without a new checkpoint.")
+    # Model and data: strings, not enums, since --model also takes package.module:function.
+    model: str = setting("cnn", "Model name (models/registry.py), or package.module:function: "
+                         "your function(input_shape, num_classes) returning a keras.Model of logits.")
+    dataset: str = setting("digits", "digits (offline default), mnist, synthetic or tfrecord.")
+    data_dir: str | None = setting(None, "Where mnist.npz or the TFRecord files are.")
+    input_pipeline: str = setting(
+        "per_replica", "per_replica: distribute_datasets_from_function (sharded, per-replica batches); "
+        "global: experimental_distribute_dataset over global batches.", choices=INPUT_PIPELINES)
+    # How long and how.
+    global_batch_size: int = setting(64, "Examples per step over all replicas.")
+    train_steps: int | None = setting(None, "Global steps to train to (alternative to --epochs).")
+    epochs: float | None = setting(
+        None, f"Epochs to train (alternative to --train_steps; default {DEFAULT_EPOCHS:g} when neither is set).")
+    steps_per_loop: int = setting(DEFAULT_STEPS_PER_LOOP, "Steps per compiled call.")
+    log_every: int = setting(0, "Progress line every N steps (loops are cut to match; steps_per_loop "
+                             "stays the longest); 0: one line per compiled loop.")
+    eval_every: int = setting(100, "Evaluate every N steps; 0 evaluates only at the end.")
+    optimizer: str = setting("adam", "The optimizer (momentum: SGD with momentum 0.9).", choices=OPTIMIZER_NAMES)
+    learning_rate: float = setting(1e-3, "Learning rate (the peak rate of a schedule).")
+    lr_schedule: str = setting("constant", "cosine: to 0 at the last step; step: x0.1 after each third; "
+                               "warmup_cosine: linear warmup, then cosine.", choices=SCHEDULE_NAMES)
+    warmup_steps: int = setting(0, "Warmup steps of warmup_cosine (0: a tenth of the run).")
+    clip_norm: float | None = setting(None, "Clip the global gradient norm to this value.")
+    grad_accum_steps: int = setting(1, "Split each replica's batch into this many micro-batches and "
+                                    "accumulate their gradients.")
+    on_nonfinite: str = setting("stop", "On a NaN/Inf loss: stop with an error (nothing saved), or skip the "
+                                "update and count it in summaries.", choices=NONFINITE_POLICIES)
+    # State on disk.
+    model_dir: str | None = setting(None, "Checkpoints, TensorBoard logs and metrics.json; restored from when "
+                                    "it holds a checkpoint (default: a new temporary directory).")
+    checkpoint_every: int = setting(500, "Save every N steps (and always at the end).")
+    max_checkpoints: int = setting(3, "Checkpoints to keep.")
+    restore_fallback: bool = setting(
+        False, "If the latest checkpoint cannot be read, restore the newest older one that can "
+        "(the unreadable one is moved to checkpoints/unreadable/).")
+    reset_optimizer: bool = setting(False, "Resume the weights and step of the checkpoints with fresh "
+                                    "optimizer state, so that --optimizer, --lr_schedule or --mixed_precision "
+                                    "may change.")
+    ema_decay: float = setting(0.0, "Keep an exponential moving average of the weights with this decay "
+                               "(e.g. 0.999): evaluation, the best checkpoint and --export_dir use it; "
+                               "training is unchanged. 0: off.")
+    export_dir: str | None = setting(None, "After training, write the model here as a SavedModel with a "
+                                     "serving_default signature.")
+    # Decisions from eval metrics (loss or accuracy), made after each evaluation.
+    early_stop_metric: str | None = setting(None, "Stop when this eval metric stops improving.",
+                                            choices=EVAL_METRIC_NAMES)
+    early_stop_patience: int = setting(3, "Evaluations without improvement before stopping.")
+    early_stop_mode: str = setting(
+        "auto", "Whether --early_stop_metric should go down or up; auto: max for accuracy, min otherwise.",
+        choices=METRIC_MODES)
+    best_checkpoint_metric: str | None = setting(
+        None, "Also keep the checkpoint with the best value of this eval metric in <model_dir>/best.",
+        choices=EVAL_METRIC_NAMES)
+    reduce_lr_metric: str | None = setting(
+        None, "Multiply the learning rate by --reduce_lr_factor when this eval metric plateaus.",
+        choices=EVAL_METRIC_NAMES)
+    reduce_lr_patience: int = setting(2, "Evaluations without improvement before reducing.")
+    reduce_lr_factor: float = setting(0.5, "Factor for reduce-on-plateau, between 0 and 1.")
+    min_learning_rate: float = setting(0.0, "Reduce-on-plateau never goes below this rate.")
+    # TensorBoard.
+    profile_steps: str | None = setting(None, "START,END: profile the steps from global step START to END "
+                                        "(TensorBoard's Profile tab).")
+    histogram_every: int = setting(0, "Histograms of every weight in TensorBoard's train run every N steps; "
+                                   "0: none.")
+    # Numerics and speed.
+    seed: int = setting(42, "Seed for weights, shuffling and dropout.")
+    deterministic: bool = setting(False, "Deterministic ops: bitwise-reproducible runs, somewhat slower.")
+    mixed_precision: str = setting(
+        "float32", "float16 and bfloat16 compute in that type with float32 weights; float16 scales the loss.",
+        choices=tuple(PRECISION_POLICIES))
+    jit_compile: bool = setting(False, "Compile the per-replica step with XLA.")
+    check_numerics: bool = setting(False, "tf.debugging.enable_check_numerics: fail at the first op that "
+                                   "makes a NaN or Inf, naming it (slow; for debugging).")
 
     @classmethod
     def from_flags(cls, flag_values) -> "RunConfig":
@@ -88,9 +171,7 @@ class RunConfig:
 
     def validate(self) -> None:
         """Raises UserError for the first bad setting; touches nothing on disk."""
-        from engine.environment import PRECISION_POLICIES  # These import TensorFlow: not at flag parsing
-        from engine.own_packages import own_package  # (--help, the launcher's check of engine.main's flags).
-        from engine.strategy import STRATEGY_NAMES
+        from engine.own_packages import own_package  # Imports TensorFlow: only when validating.
 
         input_lib, models = own_package("input"), own_package("models")
         _choose("strategy", self.strategy, STRATEGY_NAMES)
@@ -103,8 +184,9 @@ class RunConfig:
             _choose("model", self.model, models.model_names())
         _choose("dataset", self.dataset, input_lib.dataset_names())
         _choose("optimizer", self.optimizer, OPTIMIZER_NAMES)
-        _choose("input_pipeline", self.input_pipeline, ("per_replica", "global"))
-        _choose("on_nonfinite", self.on_nonfinite, ("stop", "skip"))
+        _choose("input_pipeline", self.input_pipeline, INPUT_PIPELINES)
+        _choose("on_nonfinite", self.on_nonfinite, NONFINITE_POLICIES)
+        _choose("communication", self.communication, COMMUNICATIONS)
         _choose("mixed_precision", self.mixed_precision, tuple(PRECISION_POLICIES))
         for name in ("cpu_devices", "global_batch_size", "steps_per_loop",
                      "grad_accum_steps", "max_checkpoints"):
@@ -160,11 +242,8 @@ class RunConfig:
             raise UserError(f"--mode={self.mode} evaluates the checkpoints of a --model_dir; pass one")
 
     def _validate_schedule_and_hooks(self) -> None:
-        from engine.hooks.metric_watch import MODES  # Imports TensorFlow: not at flag parsing.
-        from engine.schedules import SCHEDULE_NAMES
-
         _choose("lr_schedule", self.lr_schedule, SCHEDULE_NAMES)
-        _choose("early_stop_mode", self.early_stop_mode, MODES)
+        _choose("early_stop_mode", self.early_stop_mode, METRIC_MODES)
         _at_least("warmup_steps", self.warmup_steps, 0)
         for name in ("early_stop_patience", "reduce_lr_patience"):
             _at_least(name, getattr(self, name), 1)
@@ -205,7 +284,7 @@ class RunConfig:
         """The cluster (from the flags, TF_CONFIG or Slurm) and multi-host settings;
         no cluster for the single-host strategies unless flags name one."""
         from engine.cluster import resolve_cluster
-        from engine.multi_host import MultiHostOptions
+        from engine.cluster.multi_host import MultiHostOptions
 
         cluster = None
         if self.strategy in ("multi_worker_mirrored", "parameter_server") or self.worker_hosts \
@@ -222,7 +301,7 @@ class RunConfig:
         )
 
     def total_steps(self, num_train_examples: int | None) -> int:
-        """--train_steps, or --epochs (default 10) worth of full global batches."""
+        """--train_steps, or --epochs (default `DEFAULT_EPOCHS`) worth of full global batches."""
         if self.train_steps is not None:
             return self.train_steps
         if num_train_examples is None:
@@ -233,8 +312,52 @@ class RunConfig:
         return max(1, int(epochs * num_train_examples) // self.global_batch_size)
 
 
+_DEFINE_BY_TYPE = {  # A field's annotation (a string under `from __future__ import annotations`) -> its flag.
+    "str": "DEFINE_string", "str | None": "DEFINE_string", "int": "DEFINE_integer",
+    "int | None": "DEFINE_integer", "float": "DEFINE_float", "float | None": "DEFINE_float",
+    "bool": "DEFINE_boolean", "list[str] | None": "DEFINE_list",
+}
+
+
+def define_flags(names: Sequence[str], *, module_name: str, flag_values=None) -> None:
+    """Defines `--NAME` for each named `RunConfig` field from its default and help, as flags of
+    `module_name` (what `--help` and `adopt_module_key_flags` go by); a field with choices becomes
+    an enum (listed by `--help`) whose bad value gets `validate`'s one-line message."""
+    flag_values = flags.FLAGS if flag_values is None else flag_values
+    fields = {field.name: field for field in dataclasses.fields(RunConfig)}
+    for name in names:
+        field = fields[name]
+        choices = field.metadata["choices"]
+        if choices is None:
+            define = getattr(flags, _DEFINE_BY_TYPE[str(field.type)])
+            define(name, field.default, field.metadata["help"], flag_values=flag_values, module_name=module_name)
+            continue
+        flag = flags.EnumFlag(name, field.default, field.metadata["help"], choices)
+        flag.parser = _ChoiceParser(name, choices)
+        flags.DEFINE_flag(flag, flag_values=flag_values, module_name=module_name)
+
+
+class _ChoiceParser(flags.EnumParser):
+    """absl's enum parser with `_choose`'s message, so that a bad --NAME=VALUE reads the same
+    on the command line as from `RunConfig(...).validate()`."""
+
+    def __init__(self, name: str, choices: Sequence[str]):
+        super().__init__(choices)
+        self.name = name
+
+    def parse(self, argument: str) -> str:
+        if argument not in self.enum_values:
+            raise ValueError(_choice_message(self.name, argument, self.enum_values))
+        return argument
+
+
 def check_model_dir(model_dir: str, flag: str = "model_dir") -> None:
-    """A model_dir (or export_dir) must be a writable directory, or creatable as one."""
+    """A local model_dir (or export_dir) must be a writable directory, or creatable as one;
+    a remote one (gs://, ram://) is TensorFlow's to check when it is first written."""
+    from engine.model_dir import is_remote
+
+    if is_remote(model_dir):
+        return
     path = os.path.abspath(model_dir)
     if os.path.exists(path) and not os.path.isdir(path):
         raise UserError(f"--{flag}={model_dir} is a file; pass a directory")
@@ -247,7 +370,11 @@ def check_model_dir(model_dir: str, flag: str = "model_dir") -> None:
 
 def _choose(name: str, value: str, choices) -> None:
     if value not in choices:
-        raise UserError(f"unknown --{name}={value!r}; choose one of: {', '.join(choices)}")
+        raise UserError(_choice_message(name, value, choices))
+
+
+def _choice_message(name: str, value: str, choices) -> str:
+    return f"unknown --{name}={value!r}; choose one of: {', '.join(choices)}"
 
 
 def _at_least(name: str, value: int, minimum: int) -> None:

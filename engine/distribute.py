@@ -1,6 +1,6 @@
 """Turns the user's training and eval data into distributed datasets.
 
-Two forms are accepted, matching tf.distribute's two entry points:
+Three forms are accepted; the first two are tf.distribute's two entry points:
 
 - a `tf.data.Dataset` of GLOBAL batches: split across replicas by
   `strategy.experimental_distribute_dataset`;

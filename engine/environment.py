@@ -6,13 +6,8 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
+from engine.config import PRECISION_POLICIES
 from engine.errors import UserError
-
-PRECISION_POLICIES = {
-    "float32": "float32",
-    "float16": "mixed_float16",
-    "bfloat16": "mixed_bfloat16",
-}
 
 
 def seed_everything(seed: int, *, deterministic: bool = False) -> None:

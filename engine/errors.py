@@ -4,6 +4,16 @@
 is a bug in the engine and keeps its traceback.
 """
 
+# The exit status of every command-line entry point (engine.main, engine.launch,
+# engine.server) for a UserError; engine.launch never restarts a task that exits with it.
+USER_ERROR_EXIT = 2
+
+
+def one_line(error: BaseException | str, limit: int | None = None) -> str:
+    """`error`'s text on one line (TensorFlow's messages span several), cut to `limit` characters."""
+    text = " ".join(str(error).split())
+    return text if limit is None else text[:limit]
+
 
 class UserError(Exception):
     """A bad input: the message says what is wrong and what to do."""

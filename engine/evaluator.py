@@ -19,7 +19,6 @@ import os
 import re
 import signal
 import time
-import types
 from typing import Any, Iterator
 
 import keras
@@ -29,7 +28,7 @@ from absl import logging
 from engine import checkpoint as checkpoint_lib
 from engine.config import RunConfig
 from engine.environment import seed_everything, set_precision
-from engine.errors import UserError
+from engine.errors import UserError, one_line
 from engine.hooks.best_checkpoint import BestCheckpoint
 from engine.model_dir import write_json
 from engine.own_packages import own_package
@@ -133,12 +132,10 @@ class Evaluator:
         hook.on_train_begin(self._owner())
         return hook
 
-    def _owner(self) -> types.SimpleNamespace:
-        """What BestCheckpoint asks of a trainer: this evaluator's checkpoint, step and dir."""
-        return types.SimpleNamespace(
-            checkpoint_manager=types.SimpleNamespace(checkpoint=self._checkpoint),
-            model_dir=self.config.model_dir, global_step=self.trainer.global_step, strategy=self.strategy,
-            averaged_weights=self.trainer.averaged_weights)
+    def _owner(self) -> "_EvaluatorView":
+        """The `TrainerView` BestCheckpoint sees: the training's model_dir and this evaluator's checkpoint."""
+        return _EvaluatorView(self.trainer, checkpoint=self._checkpoint, model_dir=self.config.model_dir,
+                              summaries=self._summaries)
 
     def evaluate(self, path: str, *, strict: bool) -> tuple[int, dict[str, float]]:
         """Restores `path` (read only) and evaluates it; returns (its step, the eval logs).
@@ -151,7 +148,7 @@ class Evaluator:
         except (AssertionError, ValueError, tf.errors.OpError, IndexError) as error:  # IndexError: truncated
             if _files_gone(path) and not strict:
                 raise CheckpointVanished(f"{path}: {type(error).__name__}") from None
-            detail = " ".join(str(error).split())[:300]
+            detail = one_line(error, 300)
             if _files_gone(path) or not isinstance(error, (AssertionError, ValueError,
                                                            tf.errors.InvalidArgumentError)):
                 raise UserError(f"checkpoint {path} cannot be read ({type(error).__name__}: {detail})") from None
@@ -198,7 +195,7 @@ class Evaluator:
         seen = -1
         idle_since = time.monotonic()
         while not self._stop.signum:
-            path = tf.train.latest_checkpoint(directory) if os.path.isdir(directory) else None
+            path = tf.train.latest_checkpoint(directory) if tf.io.gfile.isdir(directory) else None
             step = _step_of(path)
             if path is not None and step > seen:
                 seen = step
@@ -217,9 +214,9 @@ class Evaluator:
         deadline = time.monotonic() + TRAINER_FINISH_SECONDS
         while time.monotonic() < deadline:
             try:
-                with open(path) as handle:
-                    written = json.load(handle)
-            except (OSError, ValueError):
+                with tf.io.gfile.GFile(path) as handle:
+                    written = json.loads(handle.read())
+            except (tf.errors.OpError, ValueError):  # Not written yet, or being replaced.
                 written = {}
             if written.get("global_step") == result["global_step"]:
                 write_json(path, {**written, "eval": result["eval"]})
@@ -262,3 +259,27 @@ def _files_gone(path: str) -> bool:
 def _step_of(path: str | None) -> int:
     match = _CHECKPOINT_STEP.search(path or "")
     return int(match.group(1)) if match else -1
+
+
+class _EvaluatorView:
+    """A `TrainerView` of the evaluator's own (model_dir-less) trainer, with the
+    training's model_dir, its summary writers and the checkpoint the evaluator restores into."""
+
+    def __init__(self, trainer: Trainer, *, checkpoint: tf.train.Checkpoint, model_dir: str,
+                 summaries: SummaryWriters):
+        self.model, self.optimizer, self.optimizers = trainer.model, trainer.optimizer, trainer.optimizers
+        self.strategy, self.summaries = trainer.strategy, summaries
+        self.checkpoint, self.model_dir = checkpoint, model_dir
+        self.target_step: int | None = None
+        self.stop_training = False
+        self._trainer = trainer
+
+    @property
+    def step(self) -> int:
+        return self._trainer.step
+
+    def evaluates_after(self, step: int) -> bool:
+        return False  # The evaluator evaluates checkpoints, not loops.
+
+    def averaged_weights(self):
+        return self._trainer.averaged_weights()

@@ -10,7 +10,6 @@ import contextlib
 import dataclasses
 import hashlib
 import os
-import shutil
 import tempfile
 from typing import Any
 
@@ -118,6 +117,7 @@ def _train_and_evaluate(config, strategy, cluster, model_spec, image_shape, sour
     """The part of `run` that reads and writes model_dir: under the writer lock
     on the chief. Everything is checked before the first byte is written."""
     from engine.own_packages import own_package
+
     metrics_path = os.path.join(model_dir, METRICS_FILE)
     if write_dir == model_dir:
         if tf.io.gfile.isdir(metrics_path):
@@ -154,7 +154,7 @@ def _train_and_evaluate(config, strategy, cluster, model_spec, image_shape, sour
     if config.mode == "train":
         eval_data = None
     if write_dir != model_dir:  # A restarted worker's scratch from the run it died in.
-        shutil.rmtree(write_dir, ignore_errors=True)
+        model_dir_lib.remove_tree(write_dir)
     trainer_class = Trainer
     if config.strategy == "parameter_server":
         from engine.coordinator import CoordinatedTrainer as trainer_class
@@ -211,9 +211,9 @@ def _train_and_evaluate(config, strategy, cluster, model_spec, image_shape, sour
         trainer.close()
     finally:
         if write_dir != model_dir:
-            shutil.rmtree(write_dir, ignore_errors=True)
-            with contextlib.suppress(OSError):  # The shared parent, once the last worker is done.
-                os.rmdir(os.path.dirname(write_dir))
+            model_dir_lib.remove_tree(write_dir)
+            # The shared parent, once the last worker is done.
+            model_dir_lib.remove_if_empty(os.path.dirname(write_dir))
     if config.export_dir and strategy.extended.should_checkpoint:  # Only the chief exports.
         with trainer.averaged_weights():  # --ema_decay: the averages are the model to serve.
             export_saved_model(model, config.export_dir, [tf.TensorSpec([None, *image_shape], tf.float32)])

@@ -29,15 +29,13 @@ equivalent: Keras's `ModelCheckpoint`, `TensorBoard` and `BackupAndRestore`.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import keras
 
-from engine.callbacks import Callback
+from engine.callbacks import Callback, TrainerView
 from engine.errors import UserError
 
-if TYPE_CHECKING:
-    from engine.trainer import Trainer
 
 # Loop logs that describe the loop, not the model: left out of epoch logs, as fit leaves them out.
 _LOOP_ONLY_KEYS = frozenset({"examples_per_second", "steps_per_second", "learning_rate", "nonfinite_steps"})
@@ -121,7 +119,7 @@ class KerasCallbacks(Callback):
 
     # ------------------------------------------------------------ engine hooks
 
-    def on_train_begin(self, trainer: "Trainer") -> None:
+    def on_train_begin(self, trainer: TrainerView) -> None:
         self.view = ModelView(trainer.model, trainer.optimizer)
         if isinstance(trainer.model, keras.Model) and getattr(trainer.model, "optimizer", None) is None:
             # As compile() would have: callbacks written for fit read `model.optimizer` off the
@@ -141,7 +139,7 @@ class KerasCallbacks(Callback):
         for callback in self.callbacks:
             callback.on_train_begin({})
 
-    def loop_limit(self, trainer: "Trainer", step: int) -> int | None:
+    def loop_limit(self, trainer: TrainerView, step: int) -> int | None:
         """Cuts loops at epoch ends; called before each loop, so it also begins epochs and batches."""
         if self._loop_start != step:
             self._loop_start = step
@@ -155,7 +153,7 @@ class KerasCallbacks(Callback):
                 callback.on_train_batch_begin(batch, {})
         return self.steps_per_epoch - step % self.steps_per_epoch
 
-    def on_loop_end(self, trainer: "Trainer", step: int, logs: Mapping[str, Any]) -> None:
+    def on_loop_end(self, trainer: TrainerView, step: int, logs: Mapping[str, Any]) -> None:
         num_steps, self._last_step = step - self._last_step, step
         self._loop_start = None
         for name, value in logs.items():
@@ -174,7 +172,7 @@ class KerasCallbacks(Callback):
         else:
             self._end_epoch(trainer, step, running)
 
-    def on_eval_end(self, trainer: "Trainer", step: int, logs: Mapping[str, Any]) -> None:
+    def on_eval_end(self, trainer: TrainerView, step: int, logs: Mapping[str, Any]) -> None:
         if self._pending is None or self._pending[0] != step:
             return
         epoch_logs = dict(self._pending[1])
@@ -183,7 +181,7 @@ class KerasCallbacks(Callback):
                            if name != "num_examples"})
         self._end_epoch(trainer, step, epoch_logs)
 
-    def on_train_end(self, trainer: "Trainer", logs: Mapping[str, Any]) -> None:
+    def on_train_end(self, trainer: TrainerView, logs: Mapping[str, Any]) -> None:
         if self._pending is not None:  # An evaluation was due but the trainer did not run it.
             step, epoch_logs = self._pending
             self._pending = None
@@ -196,7 +194,7 @@ class KerasCallbacks(Callback):
     def _epoch_logs(self) -> dict[str, float]:
         return {name: total / self._steps for name, total in self._sums.items()} if self._steps else {}
 
-    def _end_epoch(self, trainer: "Trainer", step: int, logs: dict[str, float]) -> None:
+    def _end_epoch(self, trainer: TrainerView, step: int, logs: dict[str, float]) -> None:
         epoch = step // self.steps_per_epoch - 1
         for callback in self.callbacks:
             callback.on_epoch_end(epoch, logs)  # One dict for all, as fit passes it: callbacks may add keys.
@@ -204,13 +202,12 @@ class KerasCallbacks(Callback):
         self._epoch, self._sums, self._steps = None, {}, 0
         self._apply_stop(trainer)
 
-    def _apply_stop(self, trainer: "Trainer") -> None:
+    def _apply_stop(self, trainer: TrainerView) -> None:
         """`model.stop_training = True` (on the view, or on a Keras model itself) stops the trainer."""
         if self.view.stop_training or getattr(trainer.model, "stop_training", False) is True:
             trainer.stop_training = True
 
 
-def _evaluates_at(trainer: "Trainer", step: int) -> bool:
+def _evaluates_at(trainer: TrainerView, step: int) -> bool:
     """Whether the trainer evaluates right after the loop that ends at `step`."""
-    every = getattr(trainer, "eval_every", None)
-    return bool(every) and step % every == 0 and getattr(trainer, "eval_loop", None) is not None
+    return trainer.evaluates_after(step)

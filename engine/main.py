@@ -18,9 +18,8 @@ if __name__ == "__main__":
 from absl import app, flags, logging  # noqa: E402
 
 from engine import flags as engine_flags  # noqa: E402  (defines the flags)
-from engine.errors import UserError  # noqa: E402
+from engine.errors import USER_ERROR_EXIT, UserError, one_line  # noqa: E402
 
-USER_ERROR_EXIT = 2
 # --help lists the flags of the __main__ module's key modules: every module of the engine that defines some
 # (engine.flags, the cluster's); --helpfull adds TensorFlow's and absl's.
 for _module in [sys.modules[name] for name in flags.FLAGS.flags_by_module_dict() if name.startswith("engine.")]:
@@ -56,7 +55,7 @@ def _parse_flags(argv: list[str]) -> list[str]:
     try:
         return flags.FLAGS(argv)
     except flags.Error as error:
-        print(f"engine.main: error: {' '.join(str(error).split())}; see --helpfull", file=sys.stderr)
+        print(f"engine.main: error: {one_line(error)}; see --helpfull", file=sys.stderr)
         sys.exit(USER_ERROR_EXIT)
     except SystemExit as done:  # absl prints the help asked for, then exits 1: not a failure.
         if done.code == 1 and any(arg.split("=")[0] in HELP_FLAGS for arg in argv[1:]):

@@ -25,7 +25,7 @@ from typing import Any, Iterator, Mapping
 import tensorflow as tf
 from absl import logging
 
-from engine.errors import UserError
+from engine.errors import UserError, one_line
 
 LOCK_FILE = ".writer.lock"
 STATE_FILE = "checkpoint"  # What tf.train.CheckpointManager names its state file.
@@ -85,7 +85,14 @@ def writer_lock(model_dir: str) -> Iterator[None]:
     must not. `flock` is enforced between processes of one host and on file
     systems that support it (local disks, NFSv4); elsewhere the recorded
     holder still makes a concurrent run of another host visible in the logs.
+    A remote model_dir (gs://, ram://, any `scheme://`) has no lock: a warning
+    says so and the block runs unguarded.
     """
+    if is_remote(model_dir):
+        logging.warning("--model_dir=%s is not a local directory: it has no writer lock, so make sure "
+                        "no other run writes to it", model_dir)
+        yield
+        return
     created = not tf.io.gfile.exists(model_dir)
     tf.io.gfile.makedirs(model_dir)
     path = os.path.join(model_dir, LOCK_FILE)
@@ -168,11 +175,12 @@ def read_problem(path: str) -> str | None:
     a deleted data file each surface as a different one.
     """
     try:
-        reader = tf.train.load_checkpoint(path)
+        # Not tf.train.load_checkpoint: on ram:// it takes the prefix for a directory.
+        reader = tf.compat.v1.train.NewCheckpointReader(path)
         for name in reader.get_variable_to_shape_map():
             reader.get_tensor(name)
     except (tf.errors.OpError, IndexError, ValueError) as error:  # IndexError: a short read
-        return f"{type(error).__name__}: {' '.join(str(error).split())[:200]}"
+        return f"{type(error).__name__}: {one_line(error, 200)}"
     return None
 
 
@@ -260,6 +268,25 @@ def remove_orphan_temps(directory: str) -> None:
             tf.io.gfile.rmtree(path)
 
 
+def is_remote(path: str) -> bool:
+    """A path that only TensorFlow's file systems reach (gs://, ram://, ...), not `os`."""
+    return "://" in path
+
+
+def remove_tree(path: str) -> None:
+    """Removes a directory tree if it is there (any file system)."""
+    with contextlib.suppress(tf.errors.NotFoundError):
+        tf.io.gfile.rmtree(path)
+
+
+def remove_if_empty(path: str) -> None:
+    """Removes a local directory only if it is empty (atomically: another process may fill it);
+    on a remote file system directories are prefixes that vanish with their files."""
+    if not is_remote(path):
+        with contextlib.suppress(OSError):
+            os.rmdir(path)
+
+
 # ----------------------------------------------------------------- JSON files
 
 
@@ -277,7 +304,7 @@ def read_json(path: str, *, what: str) -> Any | None:
         with tf.io.gfile.GFile(path, "r") as handle:
             return json.loads(handle.read())
     except (ValueError, UnicodeDecodeError, tf.errors.OpError) as error:
-        raise UserError(f"{path} ({what}) is damaged ({' '.join(str(error).split())[:120]}); "
+        raise UserError(f"{path} ({what}) is damaged ({one_line(error, 120)}); "
                         "restore it from a backup or move it away") from None
 
 

@@ -137,7 +137,7 @@ def signals_left_pending() -> Iterator[None]:
     A cluster task's start-up runs inside one TensorFlow call that holds the
     GIL, so the watcher could take a signal but never act on it; left
     pending, the signal is seen by the start-up watchdog process
-    (`engine.multi_host.bounded_startup`), which ends the task at once.
+    (`engine.cluster.multi_host.bounded_startup`), which ends the task at once.
     """
     if _watcher is None:
         yield

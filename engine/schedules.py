@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import keras
 
+from engine.config import SCHEDULE_NAMES
 from engine.errors import UserError
 
-SCHEDULE_NAMES = ("constant", "cosine", "step", "warmup_cosine")
 LearningRate = float | keras.optimizers.schedules.LearningRateSchedule
 
 STEP_DECAY_RATE = 0.1  # `step`: the rate drops 10x after each third of the run.

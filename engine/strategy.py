@@ -11,14 +11,11 @@ from typing import TYPE_CHECKING
 
 import tensorflow as tf
 
+from engine.config import MULTI_HOST_STRATEGIES, STRATEGY_NAMES
 from engine.errors import UserError
 
 if TYPE_CHECKING:
-    from engine.multi_host import MultiHostOptions
-
-SINGLE_HOST_STRATEGIES = ("default", "one_device", "mirrored")
-MULTI_HOST_STRATEGIES = ("multi_worker_mirrored", "parameter_server", "tpu")
-STRATEGY_NAMES = SINGLE_HOST_STRATEGIES + MULTI_HOST_STRATEGIES
+    from engine.cluster.multi_host import MultiHostOptions
 
 
 def configure_cpu_devices(count: int) -> None:
@@ -56,7 +53,7 @@ def build_strategy(
     there are none, `cpu_devices` logical CPU devices, so several replicas
     can be used and tested on a laptop. The multi-host strategies take their
     cluster, communication and TPU settings from `multi_host`
-    (`engine.multi_host.MultiHostOptions`).
+    (`engine.cluster.multi_host.MultiHostOptions`).
 
     Args:
       name: one of `STRATEGY_NAMES` (default, one_device, mirrored,
@@ -77,7 +74,7 @@ def build_strategy(
             f"unknown strategy {name!r}; choose one of: {', '.join(STRATEGY_NAMES)}"
         )
     if name in MULTI_HOST_STRATEGIES:
-        from engine.multi_host import MultiHostOptions, build_multi_host_strategy
+        from engine.cluster.multi_host import MultiHostOptions, build_multi_host_strategy
 
         return build_multi_host_strategy(name, multi_host or MultiHostOptions())
     if name == "default":

@@ -18,12 +18,12 @@ import tensorflow as tf
 from engine import checkpoint as checkpoint_lib
 from engine import model_dir as model_dir_lib
 from engine.callbacks import CallbackLike, as_callbacks
-from engine.config import DEFAULT_STEPS_PER_LOOP
+from engine.config import DEFAULT_STEPS_PER_LOOP, NONFINITE_POLICIES
 from engine.distribute import Data, distribute_eval_data, distribute_train_data, yields_global_batches
 from engine.ema import WeightAverages, weight_averages
 from engine.errors import DataExhaustedError, NonFiniteLossError, UserError
 from engine.loop import BatchSizeMismatch, make_eval_loop, make_train_loop
-from engine.progress import Progress, logger
+from engine.progress import Progress, format_logs, logger
 from engine.schedules import is_scheduled
 from engine.steps import EvalStep, PerExampleLoss, ReplicaStep, make_eval_step, make_train_step
 from engine.summaries import SummaryWriters
@@ -31,7 +31,6 @@ from engine.variables import all_variables, require_trainable_variables
 
 __all__ = ["DataExhaustedError", "NonFiniteLossError", "Trainer"]  # The errors live in engine.errors.
 
-NONFINITE_POLICIES = ("stop", "skip")
 Optimizers = Union[keras.optimizers.Optimizer, Mapping[str, keras.optimizers.Optimizer]]
 
 
@@ -375,7 +374,7 @@ class Trainer:
                 callback.on_loop_end(self, self.step, logs)
             if steps_run < num_steps:
                 self._end_on_exhausted_data(steps, last_saved, logs)
-            if self._due(self.eval_every) and self.eval_loop is not None:
+            if self.evaluates_after(self.step):
                 self.evaluate()
             if self._due(self.checkpoint_every):
                 self.save()
@@ -449,6 +448,10 @@ class Trainer:
     def _due(self, every: int | None) -> bool:
         return bool(every) and self.step % every == 0
 
+    def evaluates_after(self, step: int) -> bool:
+        """Whether the loop that ends at `step` is followed by an evaluation (`TrainerView`)."""
+        return bool(self.eval_every) and step % self.eval_every == 0 and self.eval_loop is not None
+
     def _train_iterator(self, start_step: int):
         if self._iterator is None or self._iterator_step != start_step:
             dataset = distribute_train_data(self.strategy, self._train_data, start_step=start_step)
@@ -472,6 +475,12 @@ class Trainer:
     def summaries(self) -> SummaryWriters:
         """The TensorBoard writers (one a split), for hooks that write more than scalars."""
         return self._summaries
+
+    @property
+    def checkpoint(self) -> tf.train.Checkpoint | None:
+        """What the checkpoints hold (model, step, optimizers), for a hook that saves one of
+        its own (`TrainerView`); None without model_dir."""
+        return None if self.checkpoint_manager is None else self.checkpoint_manager.checkpoint
 
     @property
     def steady_examples_per_second(self) -> float | None:
@@ -508,7 +517,7 @@ class Trainer:
         logs.update({m.name: float(m.result()) for m in self.eval_metrics})
         logs["num_examples"] = int(round(float(self._eval_count.result())))
         self._summaries.write("eval", self.step, logs)
-        logger.info("eval at step %d  %s", self.step, _format(logs))
+        logger.info("eval at step %d  %s", self.step, format_logs(logs))
         self.last_eval = (self.step, logs)
         for callback in self.callbacks:
             callback.on_eval_end(self, self.step, logs)
@@ -676,10 +685,3 @@ def _constant_learning_rate(optimizer: keras.optimizers.Optimizer) -> float | No
 def _current_learning_rate(optimizer: keras.optimizers.Optimizer) -> float:
     # A distributed Keras variable does not convert with float(); read it as a tensor.
     return float(tf.convert_to_tensor(optimizer.learning_rate).numpy())
-
-
-def _format(logs: Mapping[str, float]) -> str:
-    return "  ".join(
-        f"{name}={value:.4g}" if isinstance(value, float) else f"{name}={value}"
-        for name, value in logs.items()
-    )

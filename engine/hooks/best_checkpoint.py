@@ -16,18 +16,16 @@ from __future__ import annotations
 
 import math
 import os
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import Any, Mapping
 
 import tensorflow as tf
 from absl import logging
 
-from engine.callbacks import Callback
+from engine.callbacks import Callback, TrainerView
 from engine import model_dir as model_dir_lib
 from engine.errors import UserError
 from engine.hooks.metric_watch import MetricWatch, metric_value
 
-if TYPE_CHECKING:
-    from engine.trainer import Trainer
 
 BEST_SUBDIR = "best"
 BEST_FILE = "best.json"
@@ -46,24 +44,22 @@ class BestCheckpoint(Callback):
     def best(self) -> float | None:
         return self.watch.best
 
-    def on_train_begin(self, trainer: "Trainer") -> None:
+    def on_train_begin(self, trainer: TrainerView) -> None:
         self.restore_state(trainer)
 
-    def restore_state(self, trainer: "Trainer") -> None:
+    def restore_state(self, trainer: TrainerView) -> None:
         """Reads `best/` (once); raises UserError when it cannot be trusted.
         `engine.job` calls it before writing anything to the model_dir."""
         if self._manager is not None:
             return
-        if trainer.checkpoint_manager is None:
+        if trainer.checkpoint is None or trainer.model_dir is None:
             raise UserError(f"keeping the best checkpoint by {self.metric!r} needs a model_dir; pass one")
         directory = os.path.join(trainer.model_dir, BEST_SUBDIR)
         self._load(directory)
-        self._manager = tf.train.CheckpointManager(
-            trainer.checkpoint_manager.checkpoint, directory=directory, max_to_keep=1,
-            step_counter=trainer.global_step,
-        )
+        # Saved with an explicit checkpoint_number: the manager needs no step counter.
+        self._manager = tf.train.CheckpointManager(trainer.checkpoint, directory=directory, max_to_keep=1)
 
-    def on_eval_end(self, trainer: "Trainer", step: int, logs: Mapping[str, Any]) -> None:
+    def on_eval_end(self, trainer: TrainerView, step: int, logs: Mapping[str, Any]) -> None:
         value = metric_value(logs, self.metric)
         if not self.watch.improves(value, self.watch.best):
             return

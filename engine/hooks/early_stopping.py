@@ -2,14 +2,10 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from absl import logging
 
+from engine.callbacks import TrainerView
 from engine.hooks.metric_watch import PatienceHook
-
-if TYPE_CHECKING:
-    from engine.trainer import Trainer
 
 
 class EarlyStopping(PatienceHook):
@@ -23,14 +19,14 @@ class EarlyStopping(PatienceHook):
 
     name = "early_stopping"
 
-    def on_patience_exhausted(self, trainer: "Trainer", step: int, replaying: bool) -> None:
+    def on_patience_exhausted(self, trainer: TrainerView, step: int, replaying: bool) -> None:
         if replaying:
             return  # on_train_begin decides from the state after the whole replay.
         trainer.stop_training = True
         logging.info("early stopping at step %d: eval %s has not improved on %.6g for %d evaluations",
                      step, self.metric, self.watch.best, self.watch.wait)
 
-    def on_train_begin(self, trainer: "Trainer") -> None:
+    def on_train_begin(self, trainer: TrainerView) -> None:
         super().on_train_begin(trainer)
         if self.watch.wait >= self.patience:
             trainer.stop_training = True

@@ -11,16 +11,13 @@ between them.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import Any, Mapping
 
 import keras
 import tensorflow as tf
 
-from engine.callbacks import Callback
+from engine.callbacks import Callback, TrainerView
 from engine.errors import UserError
-
-if TYPE_CHECKING:
-    from engine.trainer import Trainer
 
 
 class WeightHistograms(Callback):
@@ -33,10 +30,10 @@ class WeightHistograms(Callback):
             raise UserError(f"histogram every={every} steps must be at least 1")
         self.every = every
 
-    def loop_limit(self, trainer: "Trainer", step: int) -> int | None:
+    def loop_limit(self, trainer: TrainerView, step: int) -> int | None:
         return self.every - step % self.every
 
-    def on_loop_end(self, trainer: "Trainer", step: int, logs: Mapping[str, Any]) -> None:
+    def on_loop_end(self, trainer: TrainerView, step: int, logs: Mapping[str, Any]) -> None:
         if step % self.every:
             return
         writer = trainer.summaries.writer("train")

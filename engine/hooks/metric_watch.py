@@ -12,18 +12,15 @@ from __future__ import annotations
 
 import math
 import os
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import Any, Mapping
 
 from absl import logging
 
 from engine import model_dir as model_dir_lib
-from engine.callbacks import Callback
+from engine.callbacks import Callback, TrainerView
+from engine.config import METRIC_MODES as MODES
 from engine.errors import UserError
 
-if TYPE_CHECKING:
-    from engine.trainer import Trainer
-
-MODES = ("auto", "min", "max")
 # Metrics where larger is better; anything else (losses, errors) is minimized under "auto".
 _MAX_HINTS = ("acc", "auc", "precision", "recall", "f1", "iou", "top")
 STATE_SUBDIR = "hooks"
@@ -98,18 +95,18 @@ class PatienceHook(Callback):
         self._writes = True
 
     # Subclasses act here; `replaying` is True while rebuilding state after a restart.
-    def on_patience_exhausted(self, trainer: "Trainer", step: int, replaying: bool) -> None:
+    def on_patience_exhausted(self, trainer: TrainerView, step: int, replaying: bool) -> None:
         raise NotImplementedError
 
-    def restore_state(self, trainer: "Trainer") -> None:
+    def restore_state(self, trainer: TrainerView) -> None:
         """Reads `hooks/<name>.json` (once); a damaged file is a UserError.
         `engine.job` calls it before writing anything to the model_dir."""
-        model_dir = getattr(trainer, "model_dir", None)
+        model_dir = trainer.model_dir
         if model_dir and self._path is None:
             self._path = os.path.join(model_dir, STATE_SUBDIR, f"{self.name}.json")
             self.history = self._load()
 
-    def on_train_begin(self, trainer: "Trainer") -> None:
+    def on_train_begin(self, trainer: TrainerView) -> None:
         self.restore_state(trainer)
         self._writes = trainer.strategy.extended.should_checkpoint  # The chief writes; all replay.
         self.history = [(s, v) for s, v in self.history if s <= trainer.step]
@@ -117,13 +114,13 @@ class PatienceHook(Callback):
         for step, value in self.history:
             self._observe(trainer, step, value, replaying=True)
 
-    def on_eval_end(self, trainer: "Trainer", step: int, logs: Mapping[str, Any]) -> None:
+    def on_eval_end(self, trainer: TrainerView, step: int, logs: Mapping[str, Any]) -> None:
         value = metric_value(logs, self.metric)
         self.history = [(s, v) for s, v in self.history if s < step] + [(step, value)]
         self._save()
         self._observe(trainer, step, value, replaying=False)
 
-    def _observe(self, trainer: "Trainer", step: int, value: float, *, replaying: bool) -> None:
+    def _observe(self, trainer: TrainerView, step: int, value: float, *, replaying: bool) -> None:
         self.watch.update(value)
         if self.watch.wait >= self.patience:
             self.on_patience_exhausted(trainer, step, replaying)

@@ -8,17 +8,13 @@ restart; the patience counter is rebuilt from the metric history.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import tensorflow as tf
 from absl import logging
 
+from engine.callbacks import TrainerView
 from engine.errors import UserError
 from engine.hooks.metric_watch import PatienceHook
 from engine.schedules import is_scheduled
-
-if TYPE_CHECKING:
-    from engine.trainer import Trainer
 
 
 class ReduceLROnPlateau(PatienceHook):
@@ -38,7 +34,7 @@ class ReduceLROnPlateau(PatienceHook):
         self.factor = factor
         self.min_rate = min_rate
 
-    def on_train_begin(self, trainer: "Trainer") -> None:
+    def on_train_begin(self, trainer: TrainerView) -> None:
         if is_scheduled(trainer.optimizer):
             raise UserError(
                 "reducing the learning rate on a plateau needs a constant learning rate, but the "
@@ -46,7 +42,7 @@ class ReduceLROnPlateau(PatienceHook):
             )
         super().on_train_begin(trainer)
 
-    def on_patience_exhausted(self, trainer: "Trainer", step: int, replaying: bool) -> None:
+    def on_patience_exhausted(self, trainer: TrainerView, step: int, replaying: bool) -> None:
         self.watch.wait = 0
         if replaying:
             return  # The checkpoint already holds the rate this reduction produced.

@@ -10,16 +10,13 @@ runs inside a loop it was not meant for. The trace goes to
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import Any, Mapping
 
 import tensorflow as tf
 from absl import logging
 
-from engine.callbacks import Callback
+from engine.callbacks import Callback, TrainerView
 from engine.errors import UserError
-
-if TYPE_CHECKING:
-    from engine.trainer import Trainer
 
 
 class ProfileWindow(Callback):
@@ -32,26 +29,26 @@ class ProfileWindow(Callback):
         self._logdir = logdir
         self._active = False
 
-    def loop_limit(self, trainer: "Trainer", step: int) -> int | None:
+    def loop_limit(self, trainer: TrainerView, step: int) -> int | None:
         if step < self.start:
             return self.start - step
         if step < self.end:
             return self.end - step
         return None
 
-    def on_train_begin(self, trainer: "Trainer") -> None:
+    def on_train_begin(self, trainer: TrainerView) -> None:
         if self._logdir is None:
             if trainer.model_dir is None:
                 raise UserError("profiling needs a model_dir to write the trace to; pass one")
             self._logdir = os.path.join(trainer.model_dir, "train")
         self._maybe_start(trainer.step)
 
-    def on_loop_end(self, trainer: "Trainer", step: int, logs: Mapping[str, Any]) -> None:
+    def on_loop_end(self, trainer: TrainerView, step: int, logs: Mapping[str, Any]) -> None:
         if self._active and step >= self.end:
             self._stop(step)
         self._maybe_start(step)
 
-    def on_train_end(self, trainer: "Trainer", logs: Mapping[str, Any]) -> None:
+    def on_train_end(self, trainer: TrainerView, logs: Mapping[str, Any]) -> None:
         if self._active:  # Training ended (or was stopped) inside the window.
             self._stop(trainer.step)
 

@@ -224,9 +224,12 @@ def task_model_dir(model_dir: str, cluster: Cluster | None) -> str:
     """Where this task writes: model_dir on the chief, a private directory
     inside it elsewhere (TF's `write_filepath` pattern), removed at the end.
 
-    Every worker of a synchronous strategy must save and write summaries at
-    the same points (saving runs collectives), but only the chief's files
-    are kept.
+    Every worker of a synchronous strategy saves its rolling checkpoints and
+    writes summaries at the same points (TensorFlow's multi-worker pattern: a
+    save may run collectives), but only the chief's files are kept. Hooks
+    that keep files of their own (`BestCheckpoint`, hook state) write on the
+    chief only: their checkpoint holds mirrored variables, whose save runs no
+    collective (a 2-worker run with --best_checkpoint_metric ends normally).
     """
     if cluster is None or cluster.is_chief:
         return model_dir

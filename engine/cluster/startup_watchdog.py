@@ -1,6 +1,6 @@
 """A watchdog process for a cluster task's start-up, run by path (no TensorFlow, no engine import):
 
-    python engine/startup_watchdog.py PID SECONDS TIMEOUT_FLAG TASK PEER=HOST:PORT ...
+    python engine/cluster/startup_watchdog.py PID SECONDS TIMEOUT_FLAG TASK PEER=HOST:PORT ...
 
 TensorFlow connects a task to its peers inside one C++ call that holds the
 GIL, so nothing in the task's own process can time it out. This process

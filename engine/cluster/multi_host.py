@@ -21,12 +21,10 @@ import tensorflow as tf
 from absl import logging
 
 from engine.cluster import Cluster, check_strategy_cluster
-from engine.errors import UserError
+from engine.config import COMMUNICATIONS, DEFAULT_COLLECTIVE_TIMEOUT, DEFAULT_STARTUP_TIMEOUT
+from engine.errors import UserError, one_line
 from engine.preemption import signals_left_pending
 
-COMMUNICATIONS = ("auto", "ring", "nccl")
-DEFAULT_COLLECTIVE_TIMEOUT = 300.0
-DEFAULT_STARTUP_TIMEOUT = 300.0
 _STARTUP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 WATCHDOG_GRACE_SECONDS = 3.0
 
@@ -108,7 +106,7 @@ def bounded_startup(cluster: Cluster | None, timeout: float) -> Iterator[None]:
         with signals_left_pending():
             yield
     except (tf.errors.DeadlineExceededError, tf.errors.UnavailableError) as error:
-        logging.warning("start-up failed: %s", " ".join(str(error).split())[:500])
+        logging.warning("start-up failed: %s", one_line(error, 500))
         raise UserError(_startup_timeout_message(cluster, timeout)) from None
     finally:
         watchdog.stdin.close()
@@ -206,7 +204,7 @@ def _tpu(address: str) -> tf.distribute.Strategy:
         tf.tpu.experimental.initialize_tpu_system(resolver)
         return tf.distribute.TPUStrategy(resolver)
     except (ValueError, RuntimeError, tf.errors.OpError) as error:
-        detail = " ".join(str(error).split())[:300]
+        detail = one_line(error, 300)
         raise UserError(f"--tpu={address}: cannot connect to the TPU ({detail})") from None
 
 

@@ -1,0 +1,27 @@
+"""The cluster concern: which cluster a process is in, how its tasks start,
+and the multi-host strategies.
+
+- `resolve`: the cluster from flags, TF_CONFIG or Slurm (pure Python).
+- `flags`: the cluster flags shared by `engine.main` and `engine.server`.
+- `multi_host`: MultiWorkerMirrored / ParameterServer / TPU strategies and the bounded start-up.
+- `startup_watchdog`: the start-up watchdog, run by path by `multi_host`.
+- `launch`, `server`: `python -m engine.launch` and `python -m engine.server`.
+
+Importing this package imports only `resolve` (no TensorFlow, no flags).
+"""
+
+from engine.cluster.resolve import (
+    DEFAULT_SLURM_PORT_BASE,
+    RESOLVERS,
+    TASK_TYPES,
+    Cluster,
+    check_strategy_cluster,
+    resolve_cluster,
+    security_warning,
+    task_model_dir,
+)
+
+__all__ = [
+    "DEFAULT_SLURM_PORT_BASE", "RESOLVERS", "TASK_TYPES", "Cluster", "check_strategy_cluster",
+    "resolve_cluster", "security_warning", "task_model_dir",
+]

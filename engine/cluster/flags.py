@@ -1,0 +1,23 @@
+"""The flags that say which cluster a process is in: shared by `engine.main`
+(through `engine.flags`) and `engine.server`, resolved by `engine.cluster.resolve`.
+Their defaults and help are `RunConfig` fields (`engine.config.CLUSTER_SETTINGS`)."""
+
+from absl import flags
+
+from engine.config import CLUSTER_SETTINGS, define_flags
+
+define_flags(CLUSTER_SETTINGS, module_name=__name__)
+
+FLAGS = flags.FLAGS
+
+
+def cluster_from_flags(flag_values=FLAGS):
+    """The `engine.cluster.Cluster` these flags (or TF_CONFIG / Slurm) describe."""
+    from engine.cluster import resolve_cluster
+
+    return resolve_cluster(
+        worker_hosts=flag_values.worker_hosts, ps_hosts=flag_values.ps_hosts,
+        chief_host=flag_values.chief_host, task_type=flag_values.task_type,
+        task_index=flag_values.task_index, cluster_resolver=flag_values.cluster_resolver,
+        slurm_port_base=flag_values.slurm_port_base,
+    )

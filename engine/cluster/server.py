@@ -1,0 +1,78 @@
+"""`python -m engine.server` (entry point `engine/server.py`): a worker or ps task of a parameter-server cluster.
+
+Such tasks run no training code of their own: the coordinator (the chief,
+running `engine.main`) places variables on the ps tasks and sends compiled
+functions to the workers. This process only hosts TensorFlow's gRPC server
+until it is killed.
+
+    python -m engine.server --task_type=worker --task_index=0 \\
+        --chief_host=a:2222 --worker_hosts=b:2222,c:2222 --ps_hosts=d:2222
+
+or with TF_CONFIG set and no cluster flags.
+"""
+
+import os
+import signal
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# Fail RPCs to a dead peer at once so the coordinator can reschedule its work.
+os.environ.setdefault("GRPC_FAIL_FAST", "use_caller")
+
+from engine.cluster import flags as cluster_flags  # noqa: E402  (defines the cluster flags)
+from engine.cluster import security_warning  # noqa: E402
+from engine.errors import USER_ERROR_EXIT, UserError, one_line  # noqa: E402
+
+SERVER_TASK_TYPES = ("worker", "ps")
+
+
+def serve() -> None:
+    """Starts this task's server and blocks until the process is killed."""
+    cluster = cluster_flags.cluster_from_flags()
+    if cluster is None:
+        raise UserError(
+            "engine.server needs a cluster: pass --task_type, --task_index and --worker_hosts, "
+            "--ps_hosts, --chief_host, or set TF_CONFIG"
+        )
+    if cluster.task_type not in SERVER_TASK_TYPES:
+        raise UserError(
+            f"engine.server runs worker or ps tasks, not {cluster.task_type!r}; "
+            "the chief runs `python -m engine.main --strategy=parameter_server`"
+        )
+    from engine.native_logs import import_tensorflow_quietly
+
+    import_tensorflow_quietly()  # TF's C++ start-up lines held back, as in engine.main.
+    import tensorflow as tf
+
+    port = int(cluster.address.rpartition(":")[2])
+    print(security_warning("engine.server", [port]), file=sys.stderr, flush=True)
+    resolver = cluster.resolver()
+    try:
+        server = tf.distribute.Server(
+            resolver.cluster_spec(), job_name=cluster.task_type, task_index=cluster.task_index,
+            protocol="grpc", start=True,
+        )
+    except tf.errors.OpError as error:
+        raise UserError(
+            f"cannot start the gRPC server of {cluster.task_type}:{cluster.task_index} at "
+            f"{cluster.address} ({one_line(error.message)}); is the port in use by another process?"
+        ) from None
+    print(f"engine.server: {cluster.task_type}:{cluster.task_index} serving at {server.target}",
+          file=sys.stderr, flush=True)
+    server.join()
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) > 1:
+        print(f"engine.server: error: unexpected arguments {argv[1:]}", file=sys.stderr)
+        return USER_ERROR_EXIT
+    # join() blocks inside TensorFlow where Python never sees a signal: let
+    # Ctrl-C and SIGTERM end the process the plain way.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        serve()
+    except UserError as error:
+        print(f"engine.server: error: {error}", file=sys.stderr)
+        return USER_ERROR_EXIT
+    return 0
