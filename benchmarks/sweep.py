@@ -98,7 +98,7 @@ def _run_children(configs, out_dir) -> list[dict]:
         if completed.returncode != 0:
             raise RuntimeError(f"sweep child (cpu_devices={devices}) failed:\n{completed.stderr[-3000:]}")
         with open(output) as handle:
-            for index, payload in zip(indices, json.load(handle)):
+            for index, payload in zip(indices, json.load(handle), strict=False):
                 payloads[index] = payload
         os.remove(job_path)
         os.remove(output)
@@ -114,7 +114,7 @@ def _as_json(config) -> dict:
 def _rows(configs, payloads):
     """Flat records: sweep, x value, runner, median/min/max, error."""
     records = []
-    for (sweep, config), payload in zip(configs, payloads):
+    for (sweep, config), payload in zip(configs, payloads, strict=False):
         x = config.steps_per_loop if sweep == "steps_per_loop" else config.cpu_devices
         for row in payload["results"]:
             records.append({

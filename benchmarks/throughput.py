@@ -592,10 +592,10 @@ def format_table(payload: dict) -> str:
         f"model={first.get('model')} strategy={first.get('strategy')} replicas={first.get('replicas')} "
         f"global_batch={first.get('global_batch_size')} flops/example(fwd)={first.get('flops_per_example', 0):,} "
         f"peak TFLOP/s=" + ", ".join(f"{k} {v:.3f}" for k, v in payload.get("peak_tflops_by_dtype", {}).items()),
-        "  ".join(h.ljust(w) for h, w in zip(header, widths)),
+        "  ".join(h.ljust(w) for h, w in zip(header, widths, strict=False)),
         "  ".join("-" * w for w in widths),
     ]
-    out += ["  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip() for line in lines]
+    out += ["  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=False)).rstrip() for line in lines]
     ratio_text = []
     for key, value in payload["ratios"].items():
         if isinstance(value, float):

@@ -17,7 +17,8 @@ loop may run; the loop is cut there, its trace is reused.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol, Sequence, Union
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     import contextlib
@@ -38,9 +39,9 @@ class TrainerView(Protocol):
     """
 
     model: Any  # The keras.Model (or tf.Module) being trained.
-    optimizer: "keras.optimizers.Optimizer | None"  # The optimizer; None when there are several.
-    optimizers: "Mapping[str, keras.optimizers.Optimizer]"  # Every optimizer by name.
-    strategy: "tf.distribute.Strategy"
+    optimizer: keras.optimizers.Optimizer | None  # The optimizer; None when there are several.
+    optimizers: Mapping[str, keras.optimizers.Optimizer]  # Every optimizer by name.
+    strategy: tf.distribute.Strategy
     model_dir: str | None  # Where this task writes; None: nothing is written.
     target_step: int | None  # The step the current `train()` call trains to (None before one).
     stop_training: bool  # Set it to True to stop after this loop, with a checkpoint.
@@ -50,18 +51,18 @@ class TrainerView(Protocol):
         """The global step (updates applied)."""
 
     @property
-    def summaries(self) -> "SummaryWriters":
+    def summaries(self) -> SummaryWriters:
         """TensorBoard writers by run name (`.writer("train")`); they write nothing without model_dir."""
 
     @property
-    def checkpoint(self) -> "tf.train.Checkpoint | None":
+    def checkpoint(self) -> tf.train.Checkpoint | None:
         """What the trainer's checkpoints hold (model, step, optimizers), for a hook that saves
         one of its own (`BestCheckpoint`); None without model_dir."""
 
     def evaluates_after(self, step: int) -> bool:
         """Whether the loop that ends at `step` is followed by an evaluation."""
 
-    def averaged_weights(self) -> "contextlib.AbstractContextManager[None]":
+    def averaged_weights(self) -> contextlib.AbstractContextManager[None]:
         """While inside, the model holds the moving averages of its weights (--ema_decay; the
         weights unchanged without EMA), as evaluation sees them; the training weights come back after."""
 
@@ -119,7 +120,7 @@ class Callback:
 
 
 LoopFn = Callable[[TrainerView, int, Logs], None]
-CallbackLike = Union[Callback, LoopFn]
+CallbackLike = Callback | LoopFn
 
 
 class _LoopFunction(Callback):

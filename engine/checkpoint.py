@@ -10,7 +10,7 @@ latest checkpoint before anything restores it.
 from __future__ import annotations
 
 import os
-from typing import Mapping
+from collections.abc import Mapping
 
 import tensorflow as tf
 from absl import logging

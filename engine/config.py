@@ -14,7 +14,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from absl import flags
 
@@ -163,7 +164,7 @@ class RunConfig:
                                    "makes a NaN or Inf, naming it (slow; for debugging).")
 
     @classmethod
-    def from_flags(cls, flag_values) -> "RunConfig":
+    def from_flags(cls, flag_values) -> RunConfig:
         names = [field.name for field in dataclasses.fields(cls)]
         config = cls(**{name: flag_values[name].value for name in names})
         config.validate()

@@ -21,12 +21,12 @@ pipeline but replays the skipped batches.
 from __future__ import annotations
 
 import inspect
-from typing import Callable, Union
+from collections.abc import Callable
 
 import tensorflow as tf
 
 DatasetFn = Callable[..., tf.data.Dataset]
-Data = Union[tf.data.Dataset, DatasetFn]
+Data = tf.data.Dataset | DatasetFn
 
 
 def _parameter_names(dataset_fn: DatasetFn) -> list[str]:

@@ -13,7 +13,7 @@ weights back bit for bit (`WeightAverages.swapped_in`).
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, Mapping
+from collections.abc import Iterator, Mapping
 
 import keras
 import tensorflow as tf
@@ -45,14 +45,14 @@ class WeightAverages:
         try:
             yield
         finally:
-            for variable, value in zip(variables, saved):
+            for variable, value in zip(variables, saved, strict=True):
                 variable.assign(value)
 
     def reset_to_weights(self) -> None:
         """Starts the averages at the current weights (fresh optimizer state on resumed weights:
         Keras starts an average at the weights only at iteration 0)."""
         averages = self.optimizer._model_variables_moving_average  # noqa: SLF001 (no public accessor)
-        for average, variable in zip(averages, self._variables()):
+        for average, variable in zip(averages, self._variables(), strict=False):
             average.assign(tf.convert_to_tensor(variable))
 
 

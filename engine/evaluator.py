@@ -19,7 +19,8 @@ import os
 import re
 import signal
 import time
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import keras
 import tensorflow as tf
@@ -132,7 +133,7 @@ class Evaluator:
         hook.on_train_begin(self._owner())
         return hook
 
-    def _owner(self) -> "_EvaluatorView":
+    def _owner(self) -> _EvaluatorView:
         """The `TrainerView` BestCheckpoint sees: the training's model_dir and this evaluator's checkpoint."""
         return _EvaluatorView(self.trainer, checkpoint=self._checkpoint, model_dir=self.config.model_dir,
                               summaries=self._summaries)

@@ -8,7 +8,8 @@ gets the same through `tf.saved_model.save`. Either reloads with
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import keras
 import tensorflow as tf

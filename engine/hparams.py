@@ -7,7 +7,8 @@ scalars as the metrics to compare.
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import tensorflow as tf
 from tensorboard.plugins.hparams import api as hp

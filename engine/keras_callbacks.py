@@ -29,13 +29,13 @@ equivalent: Keras's `ModelCheckpoint`, `TensorBoard` and `BackupAndRestore`.
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import keras
 
 from engine.callbacks import Callback, TrainerView
 from engine.errors import UserError
-
 
 # Loop logs that describe the loop, not the model: left out of epoch logs, as fit leaves them out.
 _LOOP_ONLY_KEYS = frozenset({"examples_per_second", "steps_per_second", "learning_rate", "nonfinite_steps"})

@@ -8,7 +8,7 @@ per-call Python overhead is paid once per loop instead of once per step.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import tensorflow as tf
 

@@ -20,7 +20,8 @@ import re
 import shutil
 import socket
 import time
-from typing import Any, Iterator, Mapping
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 import tensorflow as tf
 from absl import logging

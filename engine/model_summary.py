@@ -20,7 +20,7 @@ def model_summary(model: Any) -> str:
     lines = [f"{type(model).__name__} (tf.Module): {len(variables)} variables"]
     names = [getattr(v, "path", None) or v.name.split(":")[0] for v in variables]  # Keras weights: their path.
     width = max(map(len, names), default=0)
-    for name, variable in zip(names, variables):
+    for name, variable in zip(names, variables, strict=True):
         lines.append(f"  {name:<{width}}  {str(tuple(variable.shape)):<16} {tf.as_dtype(variable.dtype).name}")
     total = sum(int(np.prod(v.shape)) for v in variables)
     trainable = sum(int(np.prod(v.shape)) for v in variables if v.trainable)

@@ -15,7 +15,8 @@ replicas for the same reason.
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import keras
 import tensorflow as tf
@@ -127,7 +128,7 @@ def make_train_step(
         data_loss_sum = tf.constant(0.0)
         reg_loss = tf.constant(0.0)
         all_logits = []
-        for part_features, part_labels, part_weight in zip(split(features), split(labels), split(sample_weight)):
+        for part_features, part_labels, part_weight in zip(split(features), split(labels), split(sample_weight), strict=True):
             with tf.GradientTape() as tape:
                 logits = call_model(model, part_features, training=True)
                 per_example = tf.cast(loss_fn(part_labels, logits), tf.float32)
@@ -143,7 +144,7 @@ def make_train_step(
             gradients = (
                 part_gradients
                 if gradients is None
-                else [g + p for g, p in zip(gradients, part_gradients)]
+                else [g + p for g, p in zip(gradients, part_gradients, strict=True)]
             )
             data_loss_sum += tf.reduce_sum(per_example)
             all_logits.append(logits)

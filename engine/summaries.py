@@ -4,7 +4,7 @@ so that TensorBoard shows train and eval as two runs on the same charts."""
 from __future__ import annotations
 
 import os
-from typing import Mapping
+from collections.abc import Mapping
 
 import tensorflow as tf
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Any, Mapping, Sequence, Union
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import keras
 import tensorflow as tf
@@ -31,7 +32,7 @@ from engine.variables import all_variables, require_trainable_variables
 
 __all__ = ["DataExhaustedError", "NonFiniteLossError", "Trainer"]  # The errors live in engine.errors.
 
-Optimizers = Union[keras.optimizers.Optimizer, Mapping[str, keras.optimizers.Optimizer]]
+Optimizers = keras.optimizers.Optimizer | Mapping[str, keras.optimizers.Optimizer]
 
 
 class Trainer:

@@ -8,8 +8,8 @@ batch is computed from its step number alone, so `start_step` costs O(1).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import numpy as np
 import tensorflow as tf

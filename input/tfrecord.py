@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import numpy as np
 import tensorflow as tf
@@ -57,7 +57,7 @@ def write_tfrecords(path: str, images: np.ndarray, labels: np.ndarray) -> None:
     if parent:
         tf.io.gfile.makedirs(parent)
     with tf.io.TFRecordWriter(path) as writer:
-        for image, label in zip(images, labels):
+        for image, label in zip(images, labels, strict=True):
             png = tf.io.encode_png(image).numpy()
             feature = {
                 "image": tf.train.Feature(bytes_list=tf.train.BytesList(value=[png])),

@@ -9,8 +9,8 @@ the Python path) and trained like the built-in models.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import keras
 

@@ -10,12 +10,12 @@ from __future__ import annotations
 import hashlib
 import os
 import re
-import threading
 import select
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 

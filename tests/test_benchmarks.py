@@ -12,7 +12,6 @@ import subprocess
 import sys
 
 import pytest
-
 from helpers import REPO
 
 pytestmark = pytest.mark.slow  # every test here starts processes

@@ -1,8 +1,9 @@
 """User hooks: called between compiled loops, able to stop training, free inside the step."""
 
+from helpers import global_batches, loss_fn, make_arrays, make_model
+
 import engine
 from engine.callbacks import Callback
-from helpers import global_batches, loss_fn, make_arrays, make_model
 
 
 class Recorder(Callback):

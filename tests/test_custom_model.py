@@ -7,7 +7,6 @@ import textwrap
 from pathlib import Path
 
 import pytest
-
 from helpers import run_main, snapshot
 
 pytestmark = pytest.mark.slow  # every test here starts processes

@@ -45,7 +45,7 @@ def new_trainer(strategy, *, model_dir=None, reset_optimizer=False, **kwargs):
 
 def assert_bitwise(a, b):
     assert len(a) == len(b)
-    for left, right in zip(a, b):
+    for left, right in zip(a, b, strict=True):
         np.testing.assert_array_equal(left, right)
 
 
@@ -58,7 +58,7 @@ def test_training_is_unchanged_and_evaluation_uses_the_averages(mirrored):
         weights = averaged.model.get_weights()
         assert_bitwise(plain.model.get_weights(), weights)
         expected = weights if expected is None else [
-            np.float32(DECAY) * e + (np.float32(1) - np.float32(DECAY)) * w for e, w in zip(expected, weights)]
+            np.float32(DECAY) * e + (np.float32(1) - np.float32(DECAY)) * w for e, w in zip(expected, weights, strict=True)]
 
     before = averaged.model.get_weights()
     ema_eval = averaged.evaluate()
@@ -66,7 +66,7 @@ def test_training_is_unchanged_and_evaluation_uses_the_averages(mirrored):
     with averaged.averaged_weights():
         held = averaged.model.get_weights()
     assert_bitwise(before, averaged.model.get_weights())
-    for got, want in zip(held, expected):
+    for got, want in zip(held, expected, strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
 
     # Evaluating a model whose weights are set to the averages gives the same numbers.
@@ -140,7 +140,7 @@ def test_cli_evaluates_exports_and_keeps_best_with_the_averages(tmp_path):
     weights = [reader.get_tensor(f"optimizer/_trainable_variables/{i}/.ATTRIBUTES/VARIABLE_VALUE")
                for i in range(len(averages))]
     assert len(averages) == len(weights) > 0
-    assert any(not np.array_equal(a, w) for a, w in zip(averages, weights))
+    assert any(not np.array_equal(a, w) for a, w in zip(averages, weights, strict=True))
 
     # The export serves the averages: equal to a model holding them.
     from models.registry import get_model_spec

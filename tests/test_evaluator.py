@@ -13,8 +13,8 @@ import threading
 import time
 
 import pytest
-
 from helpers import REPO, eval_steps
+
 FLAGS = ["--model=mlp", "--dataset=digits", "--optimizer=sgd", "--learning_rate=0.1",
          "--global_batch_size=32", "--steps_per_loop=10", "--eval_every=0"]
 

@@ -11,7 +11,6 @@ import socket
 import subprocess
 
 import pytest
-
 from helpers import REPO, kill_group
 
 # `srun` as Slurm runs a one-node step: SLURM_NTASKS copies of the command, each with its
@@ -99,7 +98,7 @@ def test_kubernetes_manifest_gives_each_pod_its_task_in_one_cluster():
         # What Kubernetes does: the annotation's value into the env, $(VAR) expanded in args.
         values = {name: str(index) for name, path in env.items()
                   if path == "metadata.annotations['batch.kubernetes.io/job-completion-index']"}
-        args = [re.sub(r"\$\((\w+)\)", lambda m: values[m.group(1)], arg) for arg in container["args"]]
+        args = [re.sub(r"\$\((\w+)\)", lambda m, values=values: values[m.group(1)], arg) for arg in container["args"]]
         assert container["command"] == ["python", "-m", "engine.main"]
         config = parse_engine_flags(engine_flags.FLAGS, RunConfig, args)
         cluster = config.multi_host_options().cluster

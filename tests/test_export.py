@@ -7,10 +7,10 @@ import sys
 import numpy as np
 import pytest
 import tensorflow as tf
+from helpers import NUM_FEATURES, REPO, global_batches, loss_fn, make_arrays, make_model, run_main
 
 import engine
 from engine.export import export_saved_model
-from helpers import NUM_FEATURES, REPO, global_batches, loss_fn, make_arrays, make_model, run_main
 
 
 class Linear(tf.Module):

@@ -13,9 +13,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tensorflow as tf
-
-from helpers import (copy_of, latest_step, one_error_line, popen_main, read_stderr_until, run_main,
-                     snapshot, stop, wait_for_checkpoint)
+from helpers import (
+    copy_of,
+    latest_step,
+    one_error_line,
+    popen_main,
+    read_stderr_until,
+    run_main,
+    snapshot,
+    stop,
+    wait_for_checkpoint,
+)
 
 pytestmark = pytest.mark.slow  # every test here starts processes
 

@@ -7,12 +7,12 @@ import os
 import numpy as np
 import pytest
 import tensorflow as tf
+from helpers import global_batches, loss_fn, make_arrays, make_model, run_main
 
 import engine
 from engine.config import RunConfig
 from engine.hooks import WeightHistograms
 from engine.hooks.from_config import hooks_from_config
-from helpers import global_batches, loss_fn, make_arrays, make_model, run_main
 
 
 def read_histograms(log_dir: str) -> dict[str, dict[int, np.ndarray]]:

@@ -10,11 +10,11 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from helpers import REPO, global_batches, kill_group, loss_fn, make_arrays, make_model, python_env
 
 import engine
 from engine.callbacks import Callback
 from engine.hooks import BestCheckpoint, EarlyStopping, ReduceLROnPlateau
-from helpers import REPO, global_batches, kill_group, loss_fn, make_arrays, make_model, python_env
 
 
 class Scripted(keras.metrics.Metric):
@@ -106,7 +106,7 @@ def test_best_checkpoint_keeps_the_best_step_across_a_restart(mirrored, tmp_path
     with mirrored.scope():
         optimizer.build(model.trainable_variables)
     tf.train.Checkpoint(model=model, optimizer=optimizer).restore(str(best / "ckpt-8")).expect_partial()
-    for a, b in zip(recorder.weights[8], model.get_weights()):
+    for a, b in zip(recorder.weights[8], model.get_weights(), strict=True):
         np.testing.assert_array_equal(a, b)
 
     hook = BestCheckpoint("score", mode="max")

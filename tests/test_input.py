@@ -38,7 +38,7 @@ def context(pipelines: int, pipeline_id: int, replicas: int) -> tf.distribute.In
 
 def assert_same_batches(actual, expected) -> None:
     assert len(actual) == len(expected)
-    for (x, y), (ex, ey) in zip(actual, expected):
+    for (x, y), (ex, ey) in zip(actual, expected, strict=True):
         np.testing.assert_array_equal(x, ex)
         np.testing.assert_array_equal(y, ey)
 

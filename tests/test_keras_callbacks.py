@@ -4,14 +4,14 @@ of `steps_per_epoch` steps, train and `val_` logs at epoch ends, and
 
 import csv
 
+import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-import keras
+from helpers import NUM_CLASSES, NUM_FEATURES, global_batches, loss_fn, make_arrays, make_model
 
 import engine
 from engine.callbacks import Callback
-from helpers import NUM_CLASSES, NUM_FEATURES, global_batches, loss_fn, make_arrays, make_model
 
 STEPS_PER_EPOCH = 5
 BATCH = 16
@@ -95,7 +95,7 @@ def test_the_seeds_callbacks_run_against_the_trainer(mirrored, tmp_path, capsys)
         loops = [(step, loop) for step, loop in engine_view.loops if end - STEPS_PER_EPOCH < step <= end]
         lengths = np.diff([end - STEPS_PER_EPOCH] + [step for step, _ in loops])
         for name in ("loss", "accuracy"):  # The epoch's mean: its loops weighted by their steps.
-            expected = sum(n * loop[name] for n, (_, loop) in zip(lengths, loops)) / STEPS_PER_EPOCH
+            expected = sum(n * loop[name] for n, (_, loop) in zip(lengths, loops, strict=True)) / STEPS_PER_EPOCH
             assert logs[name] == pytest.approx(expected, rel=1e-6)
         assert logs["val_loss"] == engine_view.evals[end]["loss"]
         assert logs["val_accuracy"] == engine_view.evals[end]["accuracy"]
@@ -104,7 +104,7 @@ def test_the_seeds_callbacks_run_against_the_trainer(mirrored, tmp_path, capsys)
     assert recorder.learning_rates[0] == 0.5
     final_rate = float(tf.convert_to_tensor(optimizer.learning_rate))
     assert final_rate < 0.5 and final_rate == pytest.approx(recorder.learning_rates[-1])
-    assert any(b < a for a, b in zip(recorder.learning_rates, recorder.learning_rates[1:]))
+    assert any(b < a for a, b in zip(recorder.learning_rates, recorder.learning_rates[1:], strict=False))
 
     printed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("Learning rate")]
     assert printed[0] == "Learning rate for epoch 1 is 0.5" and len(printed) == len(epochs)
@@ -114,7 +114,7 @@ def test_the_seeds_callbacks_run_against_the_trainer(mirrored, tmp_path, capsys)
     with open(csv_path) as handle:
         rows = list(csv.DictReader(handle))
     assert [int(row["epoch"]) for row in rows] == epochs
-    for row, (_, logs) in zip(rows, recorder.epochs):
+    for row, (_, logs) in zip(rows, recorder.epochs, strict=True):
         for name in ("loss", "accuracy", "val_loss", "val_accuracy"):
             assert float(row[name]) == pytest.approx(logs[name], rel=1e-6)
 

@@ -13,7 +13,6 @@ import sys
 
 import numpy as np
 import pytest
-
 from helpers import REPO, SMALL, eval_steps, model_weights
 
 pytestmark = pytest.mark.slow  # every test here starts processes

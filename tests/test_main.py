@@ -4,7 +4,6 @@ import json
 from pathlib import Path
 
 import pytest
-
 from helpers import run_main, snapshot
 
 pytestmark = pytest.mark.slow  # every test here starts processes

@@ -14,11 +14,19 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import (
+    copy_of,
+    one_error_line,
+    popen_main,
+    read_stderr_until,
+    run_main,
+    snapshot,
+    stop,
+    wait_for_checkpoint,
+)
 
 from engine import model_dir as model_dir_lib
 from engine.errors import UserError
-from helpers import (copy_of, one_error_line, popen_main, read_stderr_until, run_main, snapshot, stop,
-                     wait_for_checkpoint)
 
 MLP = ["--model=mlp", "--checkpoint_every=10", "--eval_every=0"]
 
@@ -436,9 +444,9 @@ def test_full_disk_is_one_line_and_the_previous_checkpoint_stays_latest(tmp_path
 
 def test_weights_that_are_not_finite_are_never_saved(tmp_path):
     import tensorflow as tf
+    from helpers import global_batches, loss_fn, make_arrays, make_model
 
     import engine
-    from helpers import global_batches, loss_fn, make_arrays, make_model
 
     strategy = tf.distribute.get_strategy()
     model, optimizer = make_model(strategy)
@@ -460,9 +468,9 @@ def test_weights_that_are_not_finite_are_never_saved(tmp_path):
 
 def test_trainer_refuses_a_model_dir_with_pattern_characters(tmp_path):
     import tensorflow as tf
+    from helpers import global_batches, loss_fn, make_arrays, make_model
 
     import engine
-    from helpers import global_batches, loss_fn, make_arrays, make_model
 
     strategy = tf.distribute.get_strategy()
     model, optimizer = make_model(strategy)

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from helpers import REPO, SMALL, free_ports, kill_group, model_weights
 
 pytestmark = pytest.mark.slow  # every test here starts processes

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 import tensorflow as tf
-
 from helpers import REPO, free_ports
 
 pytestmark = pytest.mark.slow  # every test here starts processes

@@ -3,10 +3,10 @@
 import numpy as np
 import pytest
 import tensorflow as tf
+from helpers import make_arrays, make_model
 
 import engine
 from engine.trainer import NonFiniteLossError
-from helpers import make_arrays, make_model
 
 BATCH = 16
 
@@ -59,7 +59,7 @@ def test_skip_leaves_weights_untouched_on_bad_steps_and_counts_them(mirrored, ba
     before = [w.copy() for w in model.get_weights()]
     logs = trainer.train(3)  # step 3 alone: bad
     assert logs["nonfinite_steps"] == 1
-    for a, b in zip(before, model.get_weights()):
+    for a, b in zip(before, model.get_weights(), strict=True):
         np.testing.assert_array_equal(a, b)
     logs = trainer.train(8)   # steps 4-5, 6-7 (one bad), 8
     assert trainer.step == 8 and np.isfinite(logs["loss"])

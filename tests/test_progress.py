@@ -5,10 +5,10 @@ import logging
 import re
 
 import pytest
+from helpers import global_batches, loss_fn, make_arrays, make_model
 
 import engine
 from engine.progress import Progress
-from helpers import global_batches, loss_fn, make_arrays, make_model
 
 
 @pytest.fixture

@@ -7,7 +7,6 @@ import subprocess
 import sys
 
 import pytest
-
 from helpers import REPO, snapshot
 
 pytestmark = pytest.mark.slow  # every test here starts processes

@@ -7,15 +7,14 @@ import os
 import subprocess
 import sys
 
+import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-import keras
+from helpers import NUM_CLASSES, NUM_FEATURES, REPO, global_batches, loss_fn, make_arrays, make_model
 
 import engine
 from engine.variables import all_variables, trainable_variables
-from helpers import NUM_CLASSES, NUM_FEATURES, REPO, global_batches, loss_fn, make_arrays, make_model
-
 
 
 class Wrapped(tf.Module):
@@ -32,7 +31,7 @@ class Wrapped(tf.Module):
 
 def assert_weights_equal(a, b):
     assert len(a) == len(b)
-    for left, right in zip(a, b):
+    for left, right in zip(a, b, strict=True):
         np.testing.assert_array_equal(left, right)
 
 
@@ -92,7 +91,7 @@ def test_module_wrapping_keras_trains_like_the_keras_model_and_resumes(mirrored,
     first = trainer.train(5)
     last = trainer.train(10)
     assert last["loss"] < first["loss"]
-    assert all(np.abs(a - b).max() > 0 for a, b in zip(before, model.net.get_weights()))
+    assert all(np.abs(a - b).max() > 0 for a, b in zip(before, model.net.get_weights(), strict=True))
     assert int(trainer.optimizer.iterations.numpy()) == trainer.step == 10
     assert float(model.scale.numpy()) != 1.0  # The module's own variable trains too.
     resumed, resumed_model = wrapped_trainer(seed=99)  # A different start: the checkpoint must win.
@@ -301,7 +300,7 @@ def test_sample_weights_weigh_the_loss_like_keras(mirrored):
         per_example = loss_fn()(y[16:], zeroed(x[16:])) * weight[16:]
         loss = tf.reduce_sum(per_example) / 16
     zeroed_optimizer.apply(tape.gradient(loss, variables), variables)
-    for a, b in zip(weighted.get_weights(), zeroed.get_weights()):
+    for a, b in zip(weighted.get_weights(), zeroed.get_weights(), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 

@@ -3,12 +3,12 @@ with the rate the optimizer uses written to the train summaries."""
 
 import keras
 import pytest
+from helpers import global_batches, loss_fn, make_arrays, make_model
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.util import tensor_util
 
 import engine
 from engine.schedules import learning_rate_schedule
-from helpers import global_batches, loss_fn, make_arrays, make_model
 
 
 def test_schedule_shapes():

@@ -14,9 +14,8 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
-
 import helpers
+import pytest
 from helpers import REPO
 
 pytestmark = pytest.mark.slow  # every test here starts processes

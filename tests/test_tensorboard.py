@@ -13,10 +13,10 @@ import urllib.parse
 import urllib.request
 
 import pytest
+from helpers import global_batches, loss_fn, make_arrays, make_model, run_main
 
 import engine
 from engine.hooks import BestCheckpoint, EarlyStopping, ProfileWindow, ReduceLROnPlateau, TrainGraph
-from helpers import global_batches, loss_fn, make_arrays, make_model, run_main
 
 TRAIN_STEPS = 12
 

@@ -1,13 +1,13 @@
 """The numerical promises of the Trainer: equal weights across strategies,
 loss arithmetic, exact evaluation, one trace, resume at the saved step."""
 
+import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-import keras
+from helpers import NUM_CLASSES, NUM_FEATURES, global_batches, loss_fn, make_arrays, make_model
 
 import engine
-from helpers import NUM_CLASSES, NUM_FEATURES, global_batches, loss_fn, make_arrays, make_model
 
 
 def per_replica_batches(x, y, batch):
@@ -37,7 +37,7 @@ def test_two_replicas_train_to_the_same_weights_as_one_device(default, mirrored,
     single = train_weights(default, global_batches(x, y, 16))
     assert mirrored.num_replicas_in_sync == 2
     two = train_weights(mirrored, data)
-    for a, b in zip(single, two):
+    for a, b in zip(single, two, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
     assert not np.allclose(single[0], make_model(default)[0].get_weights()[0])  # It did train.
 
@@ -47,7 +47,7 @@ def test_clipping_and_accumulation_keep_replicas_equal(default, mirrored):
     options = dict(clip_norm=0.05, grad_accum_steps=2)
     single = train_weights(default, global_batches(x, y, 16), **options)
     two = train_weights(mirrored, global_batches(x, y, 16), **options)
-    for a, b in zip(single, two):
+    for a, b in zip(single, two, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
@@ -58,7 +58,7 @@ def test_regularized_two_replicas_equal_one_device_whole_batch(default, mirrored
     x, y = make_arrays(64)
     single = train_weights(default, global_batches(x, y, 16), l2=0.05)
     two = train_weights(mirrored, global_batches(x, y, 16), l2=0.05, grad_accum_steps=grad_accum_steps)
-    for a, b in zip(single, two):
+    for a, b in zip(single, two, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
     unregularized = train_weights(default, global_batches(x, y, 16))
     assert not np.allclose(single[0], unregularized[0], rtol=1e-3, atol=1e-4)  # l2 did change the weights
@@ -68,7 +68,7 @@ def test_gradient_accumulation_equals_the_whole_batch(mirrored):
     x, y = make_arrays(64)
     whole = train_weights(mirrored, global_batches(x, y, 16))
     accumulated = train_weights(mirrored, global_batches(x, y, 16), grad_accum_steps=4)
-    for a, b in zip(whole, accumulated):
+    for a, b in zip(whole, accumulated, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
@@ -80,7 +80,7 @@ def test_clip_norm_bounds_the_global_update(mirrored):
                              train_data=global_batches(x, y, 16), global_batch_size=16,
                              loss_fn=loss_fn(), clip_norm=0.01)
     trainer.train(1)
-    update = np.sqrt(sum(((a - b) ** 2).sum() for a, b in zip(model.get_weights(), before)))
+    update = np.sqrt(sum(((a - b) ** 2).sum() for a, b in zip(model.get_weights(), before, strict=True)))
     np.testing.assert_allclose(update, 0.5 * 0.01, rtol=1e-4)  # learning rate x clip norm
 
 
@@ -160,7 +160,7 @@ def test_restart_restores_the_latest_checkpoint_and_continues(mirrored, tmp_path
     saved = first.model.get_weights()
     second = new_trainer()
     assert second.step == 6
-    for a, b in zip(saved, second.model.get_weights()):
+    for a, b in zip(saved, second.model.get_weights(), strict=True):
         np.testing.assert_array_equal(a, b)
     second.train(10)
     assert second.step == 10
@@ -188,7 +188,7 @@ def test_xla_step_trains_to_the_same_weights(mirrored):
     x, y = make_arrays(64)
     plain = train_weights(mirrored, global_batches(x, y, 16))
     compiled = train_weights(mirrored, global_batches(x, y, 16), jit_compile=True)
-    for a, b in zip(plain, compiled):
+    for a, b in zip(plain, compiled, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 
 

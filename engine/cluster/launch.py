@@ -37,7 +37,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from absl import flags
 
@@ -205,7 +205,7 @@ class Launcher:
         if not self.parameter_server:
             tasks = self.training_tasks
             codes = [task.process.poll() for task in tasks]
-            failed = [(task, code) for task, code in zip(tasks, codes) if code not in (None, 0)]
+            failed = [(task, code) for task, code in zip(tasks, codes, strict=True) if code not in (None, 0)]
             if failed:
                 # The task killed by a signal is the cause; the others failed because of it.
                 task, code = min(failed, key=lambda failure: failure[1] >= 0)

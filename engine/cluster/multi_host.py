@@ -15,7 +15,7 @@ import socket
 import subprocess
 import sys
 import urllib.parse
-from typing import Iterator
+from collections.abc import Iterator
 
 import tensorflow as tf
 from absl import logging

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 from engine.errors import UserError
 
@@ -163,7 +163,9 @@ def cluster_from_slurm(environ: Mapping[str, str], *, port_base: int) -> Cluster
     (it divides the node's GPUs among tasks with a step of 0).
     """
     from tensorflow.python.distribute.cluster_resolver.slurm_cluster_resolver import (
-        expand_hostlist, expand_tasks_per_node)
+        expand_hostlist,
+        expand_tasks_per_node,
+    )
 
     def variable(name: str, fallback: str | None = None) -> str:
         value = environ.get(f"SLURM_STEP_{name}") or (environ.get(f"SLURM_{fallback}") if fallback else None)
@@ -179,7 +181,7 @@ def cluster_from_slurm(environ: Mapping[str, str], *, port_base: int) -> Cluster
     tasks_per_node = expand_tasks_per_node(variable("TASKS_PER_NODE", "TASKS_PER_NODE"))
     addresses = [
         f"{host}:{port_base + offset}"
-        for host, count in sorted(zip(hosts, tasks_per_node))
+        for host, count in sorted(zip(hosts, tasks_per_node, strict=False))
         for offset in range(count)
     ]
     return _checked({"worker": addresses}, "worker", int(environ["SLURM_PROCID"]), source="Slurm")

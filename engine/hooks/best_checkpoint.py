@@ -16,16 +16,16 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import tensorflow as tf
 from absl import logging
 
-from engine.callbacks import Callback, TrainerView
 from engine import model_dir as model_dir_lib
+from engine.callbacks import Callback, TrainerView
 from engine.errors import UserError
 from engine.hooks.metric_watch import MetricWatch, metric_value
-
 
 BEST_SUBDIR = "best"
 BEST_FILE = "best.json"

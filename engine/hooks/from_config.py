@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from engine.config import RunConfig
 
 
-def hooks_from_config(config: "RunConfig") -> list[Callback]:
+def hooks_from_config(config: RunConfig) -> list[Callback]:
     hooks: list[Callback] = [TrainGraph()]
     window = config.profile_window()
     if window is not None:

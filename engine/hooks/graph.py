@@ -8,12 +8,12 @@ written once: a second `train()` call writes nothing.
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import tensorflow as tf
 
 from engine.callbacks import Callback, TrainerView
-
 
 GRAPH_NAME = "train_loop"
 

@@ -11,7 +11,8 @@ between them.
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import keras
 import tensorflow as tf

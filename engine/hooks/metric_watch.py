@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from absl import logging
 

@@ -10,7 +10,8 @@ runs inside a loop it was not meant for. The trace goes to
 from __future__ import annotations
 
 import os
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import tensorflow as tf
 from absl import logging
