@@ -25,9 +25,12 @@ from dataclasses import asdict, replace
 from absl import app, flags
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("out_dir", "benchmarks/out/sweep",
-                    "Where sweep.md, sweep.json and sweep.png go (default: git-ignored, beside the "
-                    "committed benchmarks/results).")
+flags.DEFINE_string(
+    "out_dir",
+    "benchmarks/out/sweep",
+    "Where sweep.md, sweep.json and sweep.png go (default: git-ignored, beside the "
+    "committed benchmarks/results).",
+)
 flags.DEFINE_string("model", "cnn", "Model to sweep.")
 flags.DEFINE_list("runners", ["engine", "raw"], "Runners in every configuration.")
 flags.DEFINE_list("steps_per_loop_values", ["1", "10", "100"], "steps_per_loop values to sweep.")
@@ -46,14 +49,34 @@ def _configs(base) -> list[tuple[str, object]]:
     configs = []
     for value in FLAGS.steps_per_loop_values:
         spl = int(value)
-        configs.append(("steps_per_loop", replace(
-            base, strategy="default", cpu_devices=1, steps_per_loop=spl,
-            steps=_round_up(base.steps, spl), warmup_steps=_round_up(max(base.warmup_steps, spl), spl))))
+        configs.append(
+            (
+                "steps_per_loop",
+                replace(
+                    base,
+                    strategy="default",
+                    cpu_devices=1,
+                    steps_per_loop=spl,
+                    steps=_round_up(base.steps, spl),
+                    warmup_steps=_round_up(max(base.warmup_steps, spl), spl),
+                ),
+            )
+        )
     for value in FLAGS.replica_values:
         spl = FLAGS.sweep_steps_per_loop
-        configs.append(("replicas", replace(
-            base, strategy="mirrored", cpu_devices=int(value), steps_per_loop=spl,
-            steps=_round_up(base.steps, spl), warmup_steps=_round_up(max(base.warmup_steps, spl), spl))))
+        configs.append(
+            (
+                "replicas",
+                replace(
+                    base,
+                    strategy="mirrored",
+                    cpu_devices=int(value),
+                    steps_per_loop=spl,
+                    steps=_round_up(base.steps, spl),
+                    warmup_steps=_round_up(max(base.warmup_steps, spl), spl),
+                ),
+            )
+        )
     return configs
 
 
@@ -91,10 +114,15 @@ def _run_children(configs, out_dir) -> list[dict]:
         completed = subprocess.run(
             [sys.executable, "-m", "benchmarks.sweep", f"--worker={job_path}"],
             cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-            timeout=FLAGS.timeout, capture_output=True, text=True,
+            timeout=FLAGS.timeout,
+            capture_output=True,
+            text=True,
         )
-        print(f"[sweep] cpu_devices={devices}: {len(indices)} config(s) in "
-              f"{time.perf_counter() - began:.0f} s", file=sys.stderr, flush=True)
+        print(
+            f"[sweep] cpu_devices={devices}: {len(indices)} config(s) in {time.perf_counter() - began:.0f} s",
+            file=sys.stderr,
+            flush=True,
+        )
         if completed.returncode != 0:
             raise RuntimeError(f"sweep child (cpu_devices={devices}) failed:\n{completed.stderr[-3000:]}")
         with open(output) as handle:
@@ -117,36 +145,63 @@ def _rows(configs, payloads):
     for (sweep, config), payload in zip(configs, payloads, strict=False):
         x = config.steps_per_loop if sweep == "steps_per_loop" else config.cpu_devices
         for row in payload["results"]:
-            records.append({
-                "sweep": sweep, "x": x, "runner": row["runner"],
-                "examples_per_second": row["examples_per_second"],
-                "min": row["min"], "max": row["max"], "replicas": row["replicas"],
-                "steps_per_loop": config.steps_per_loop, "strategy": config.strategy,
-                "error": row["error"],
-            })
+            records.append(
+                {
+                    "sweep": sweep,
+                    "x": x,
+                    "runner": row["runner"],
+                    "examples_per_second": row["examples_per_second"],
+                    "min": row["min"],
+                    "max": row["max"],
+                    "replicas": row["replicas"],
+                    "steps_per_loop": config.steps_per_loop,
+                    "strategy": config.strategy,
+                    "error": row["error"],
+                }
+            )
     return records
 
 
 def write_markdown(records, path: str, command: str) -> None:
-    lines = [f"# Engine throughput sweeps ({FLAGS.model}, global batch {FLAGS.global_batch_size})", "",
-             f"Command: `{command}`", ""]
-    for sweep, label in (("steps_per_loop", "steps_per_loop (default strategy, 1 replica)"),
-                         ("replicas", f"replicas (mirrored, logical CPUs, steps_per_loop="
-                                      f"{FLAGS.sweep_steps_per_loop})")):
-        lines += [f"## {label}", "",
-                  f"| {sweep} | runner | examples/s (median) | min | max | engine/raw |",
-                  "|---:|---|---:|---:|---:|---:|"]
+    lines = [
+        f"# Engine throughput sweeps ({FLAGS.model}, global batch {FLAGS.global_batch_size})",
+        "",
+        f"Command: `{command}`",
+        "",
+    ]
+    for sweep, label in (
+        ("steps_per_loop", "steps_per_loop (default strategy, 1 replica)"),
+        ("replicas", f"replicas (mirrored, logical CPUs, steps_per_loop={FLAGS.sweep_steps_per_loop})"),
+    ):
+        lines += [
+            f"## {label}",
+            "",
+            f"| {sweep} | runner | examples/s (median) | min | max | engine/raw |",
+            "|---:|---|---:|---:|---:|---:|",
+        ]
         chosen = [r for r in records if r["sweep"] == sweep]
         for record in chosen:
-            raw = next((r for r in chosen if r["x"] == record["x"] and r["runner"] == "raw"
-                        and not r["error"] and r["examples_per_second"] > 0), None)
+            raw = next(
+                (
+                    r
+                    for r in chosen
+                    if r["x"] == record["x"]
+                    and r["runner"] == "raw"
+                    and not r["error"]
+                    and r["examples_per_second"] > 0
+                ),
+                None,
+            )
             ratio = ""
             if record["runner"] == "engine" and raw and not record["error"]:
                 ratio = f"{record['examples_per_second'] / raw['examples_per_second']:.3f}"
-            value = (f"ERROR: {record['error'][:80]}" if record["error"]
-                     else f"{record['examples_per_second']:,.1f}")
-            lines.append(f"| {record['x']} | {record['runner']} | {value} | {record['min']:,.1f} "
-                         f"| {record['max']:,.1f} | {ratio} |")
+            value = (
+                f"ERROR: {record['error'][:80]}" if record["error"] else f"{record['examples_per_second']:,.1f}"
+            )
+            lines.append(
+                f"| {record['x']} | {record['runner']} | {value} | {record['min']:,.1f} "
+                f"| {record['max']:,.1f} | {ratio} |"
+            )
         lines.append("")
     with open(path, "w") as handle:
         handle.write("\n".join(lines))
@@ -159,17 +214,23 @@ def write_plot(records, path: str) -> bool:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("[sweep] matplotlib is not installed, so no sweep.png was written; install it with "
-              "`pip install matplotlib` (or the package's [bench] extra). sweep.md has the numbers.",
-              file=sys.stderr, flush=True)
+        print(
+            "[sweep] matplotlib is not installed, so no sweep.png was written; install it with "
+            "`pip install matplotlib` (or the package's [bench] extra). sweep.md has the numbers.",
+            file=sys.stderr,
+            flush=True,
+        )
         return False
     figure, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for axis, sweep, xlabel in ((axes[0], "steps_per_loop", "steps_per_loop"),
-                                (axes[1], "replicas", "replicas (logical CPUs)")):
+    for axis, sweep, xlabel in (
+        (axes[0], "steps_per_loop", "steps_per_loop"),
+        (axes[1], "replicas", "replicas (logical CPUs)"),
+    ):
         chosen = [r for r in records if r["sweep"] == sweep and not r["error"]]
         for runner in dict.fromkeys(r["runner"] for r in chosen):
-            points = sorted((r["x"], r["examples_per_second"], r["min"], r["max"])
-                            for r in chosen if r["runner"] == runner)
+            points = sorted(
+                (r["x"], r["examples_per_second"], r["min"], r["max"]) for r in chosen if r["runner"] == runner
+            )
             xs = [p[0] for p in points]
             ys = [p[1] for p in points]
             errors = [[p[1] - p[2] for p in points], [p[3] - p[1] for p in points]]
@@ -198,8 +259,13 @@ def main(argv) -> None:
     from benchmarks.throughput import BenchConfig
 
     base = BenchConfig(
-        model=FLAGS.model, runners=tuple(FLAGS.runners), global_batch_size=FLAGS.global_batch_size,
-        warmup_steps=FLAGS.warmup_steps, steps=FLAGS.steps, repeats=FLAGS.repeats, peak_matmul_size=0,
+        model=FLAGS.model,
+        runners=tuple(FLAGS.runners),
+        global_batch_size=FLAGS.global_batch_size,
+        warmup_steps=FLAGS.warmup_steps,
+        steps=FLAGS.steps,
+        repeats=FLAGS.repeats,
+        peak_matmul_size=0,
     )
     os.makedirs(FLAGS.out_dir, exist_ok=True)
     configs = _configs(base)

@@ -66,14 +66,20 @@ def define_flags() -> None:
     module (the sweep does) defines none."""
     flags.DEFINE_string("model", "cnn", "Model name from the models registry (cnn, resnet50, wide_mlp, ...).")
     flags.DEFINE_string("strategy", "default", "default, one_device or mirrored.")
-    flags.DEFINE_list("runners", list(RUNNER_KINDS),
-                      "Runners, in interleaving order: engine, fit, raw, each optionally with "
-                      "suffixes _bf16/_fp16/_fp32 and _jit/_nojit.")
+    flags.DEFINE_list(
+        "runners",
+        list(RUNNER_KINDS),
+        "Runners, in interleaving order: engine, fit, raw, each optionally with "
+        "suffixes _bf16/_fp16/_fp32 and _jit/_nojit.",
+    )
     flags.DEFINE_string("json", None, "Write the results as JSON to this path.")
     flags.DEFINE_integer("global_batch_size", 64, "Global batch size (all replicas).")
     flags.DEFINE_integer("steps_per_loop", 50, "Engine steps per compiled call (also the raw loop's).")
-    flags.DEFINE_integer("fit_steps_per_execution", None,
-                         "Keras fit steps_per_execution to try first (default: --steps_per_loop).")
+    flags.DEFINE_integer(
+        "fit_steps_per_execution",
+        None,
+        "Keras fit steps_per_execution to try first (default: --steps_per_loop).",
+    )
     flags.DEFINE_integer("cpu_devices", 1, "Logical CPU devices (replicas of --strategy=mirrored).")
     flags.DEFINE_boolean("jit_compile", False, "XLA-compile the forward/backward pass.")
     flags.DEFINE_enum("mixed_precision", "float32", list(PRECISION_POLICIES), "Compute precision.")
@@ -82,8 +88,9 @@ def define_flags() -> None:
     flags.DEFINE_integer("repeats", 5, "Timed windows per runner (interleaved across runners).")
     flags.DEFINE_integer("num_classes", 10, "Classes of the synthetic data.")
     flags.DEFINE_integer("seed", 42, "Seed of every model and of the data stream.")
-    flags.DEFINE_integer("peak_matmul_size", 2048, "Side of the square matmul that measures peak FLOP/s (0: skip).")
-
+    flags.DEFINE_integer(
+        "peak_matmul_size", 2048, "Side of the square matmul that measures peak FLOP/s (0: skip)."
+    )
 
 
 # --------------------------------------------------------------------- config
@@ -131,8 +138,9 @@ def parse_runner(token: str, config: BenchConfig) -> RunnerSpec:
         elif suffix == "nojit":
             jit = False
         else:
-            raise ValueError(f"unknown suffix {suffix!r} in runner {token!r}; "
-                             "use _bf16, _fp16, _fp32, _jit or _nojit")
+            raise ValueError(
+                f"unknown suffix {suffix!r} in runner {token!r}; use _bf16, _fp16, _fp32, _jit or _nojit"
+            )
     return RunnerSpec(token.strip(), kind, precision, jit)
 
 
@@ -193,14 +201,23 @@ class EngineRunner(Runner):
 
         # The CLI's default per-replica input path (engine/job.py).
         def train_data(input_context, start_step):
-            return source.train_dataset(global_batch_size=config.global_batch_size, seed=config.seed,
-                                        start_step=start_step, input_context=input_context)
+            return source.train_dataset(
+                global_batch_size=config.global_batch_size,
+                seed=config.seed,
+                start_step=start_step,
+                input_context=input_context,
+            )
 
         self.trainer = Trainer(
-            strategy=self.strategy, model=model, optimizer=optimizer, train_data=train_data,
-            global_batch_size=config.global_batch_size, loss_fn=_loss_fn(),
+            strategy=self.strategy,
+            model=model,
+            optimizer=optimizer,
+            train_data=train_data,
+            global_batch_size=config.global_batch_size,
+            loss_fn=_loss_fn(),
             metrics=[keras.metrics.SparseCategoricalAccuracy(name="accuracy")],
-            steps_per_loop=config.steps_per_loop, jit_compile=self.spec.jit_compile,
+            steps_per_loop=config.steps_per_loop,
+            jit_compile=self.spec.jit_compile,
         )
         self.trainer.train(max(1, self.config.warmup_steps))
         self.extra["steps_per_loop"] = config.steps_per_loop
@@ -234,15 +251,21 @@ class FitRunner(Runner):
                     jit_compile=jit,
                 )
                 self.dataset = self.source.train_dataset(
-                    global_batch_size=self.config.global_batch_size, seed=self.config.seed)
+                    global_batch_size=self.config.global_batch_size, seed=self.config.seed
+                )
                 warmup = max(steps_per_execution, self.config.warmup_steps)
                 model.fit(self.dataset, epochs=1, steps_per_epoch=warmup, verbose=0)
             except Exception as error:  # noqa: BLE001 -- recorded, not hidden
-                errors.append(f"steps_per_execution={steps_per_execution} jit_compile={jit}: "
-                              f"{type(error).__name__}: {_first_line(error)}")
+                errors.append(
+                    f"steps_per_execution={steps_per_execution} jit_compile={jit}: "
+                    f"{type(error).__name__}: {_first_line(error)}"
+                )
                 continue
-            self.extra.update(steps_per_execution=steps_per_execution, fit_jit_compile=jit,
-                              fallback_error=" | ".join(errors) or None)
+            self.extra.update(
+                steps_per_execution=steps_per_execution,
+                fit_jit_compile=jit,
+                fallback_error=" | ".join(errors) or None,
+            )
             self.used_jit = jit
             return
         self.error = " | ".join(errors)
@@ -270,14 +293,16 @@ class RawRunner(Runner):
         strategy, config = self.strategy, self.config
         with strategy.scope():
             optimizer.build(model.trainable_variables)
-        features, labels = next(iter(self.source.train_dataset(
-            global_batch_size=config.global_batch_size, seed=config.seed)))
+        features, labels = next(
+            iter(self.source.train_dataset(global_batch_size=config.global_batch_size, seed=config.seed))
+        )
         per_replica = config.global_batch_size // strategy.num_replicas_in_sync
 
         def shard(tensor):
             def value_fn(context):
                 first = context.replica_id_in_sync_group * per_replica
-                return tf.identity(tensor[first:first + per_replica])
+                return tf.identity(tensor[first : first + per_replica])
+
             return strategy.experimental_distribute_values_from_function(value_fn)
 
         x, y = shard(features), shard(labels)
@@ -289,7 +314,8 @@ class RawRunner(Runner):
             with tf.GradientTape() as tape:
                 logits = model(x, training=True)
                 loss = tf.nn.compute_average_loss(
-                    tf.cast(loss_fn(y, logits), tf.float32), global_batch_size=config.global_batch_size)
+                    tf.cast(loss_fn(y, logits), tf.float32), global_batch_size=config.global_batch_size
+                )
                 if uses_loss_scale:
                     loss = optimizer.scale_loss(loss)
             return tape.gradient(loss, variables)
@@ -360,7 +386,7 @@ def measure_peak_tflops(strategy, dtype: str, size: int, matmuls: int = 4, repea
 
     once()
     best = min(once() for _ in range(repeats))
-    flops = 2.0 * size ** 3 * matmuls * strategy.num_replicas_in_sync
+    flops = 2.0 * size**3 * matmuls * strategy.num_replicas_in_sync
     return flops / best / 1e12
 
 
@@ -391,9 +417,12 @@ def machine_info() -> dict[str, Any]:
             if line.startswith("model name"):
                 info["cpu_model"] = line.split(":", 1)[1].strip()
                 break
-        cpu_flags = next((line.split(":", 1)[1].split() for line in text.splitlines()
-                          if line.startswith("flags")), [])
-        info["cpu_flags"] = sorted(f for f in cpu_flags if f.startswith(("avx512f", "avx512_bf16", "amx", "avx2", "fma")))
+        cpu_flags = next(
+            (line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), []
+        )
+        info["cpu_flags"] = sorted(
+            f for f in cpu_flags if f.startswith(("avx512f", "avx512_bf16", "amx", "avx2", "fma"))
+        )
     except OSError:
         pass
     return info
@@ -413,8 +442,13 @@ def _first_line(error: BaseException) -> str:
         return ""
     text = lines[0]
     if text.endswith(":") and len(lines) > 1:
-        causes = [line for line in lines[1:] if not line.startswith(("File ", "Detected at node", "[["))
-                  and "Traceback" not in line and not line.startswith(("return ", "self.", "raise "))]
+        causes = [
+            line
+            for line in lines[1:]
+            if not line.startswith(("File ", "Detected at node", "[["))
+            and "Traceback" not in line
+            and not line.startswith(("return ", "self.", "raise "))
+        ]
         if causes:
             text += " " + max(causes, key=len)
     return text[:500]
@@ -437,21 +471,25 @@ def run_benchmark(config: BenchConfig) -> dict[str, Any]:
     strategy = build_strategy(config.strategy, cpu_devices=config.cpu_devices)
     replicas = strategy.num_replicas_in_sync
     model_spec = get_model_spec(config.model)
-    source = get_data_source("synthetic", image_shape=model_spec.default_input_shape,
-                             num_classes=config.num_classes)
+    source = get_data_source(
+        "synthetic", image_shape=model_spec.default_input_shape, num_classes=config.num_classes
+    )
 
     runners: list[Runner] = []
     for spec in specs:
-        runner = RUNNER_CLASSES[spec.kind](spec=spec, config=config, strategy=strategy,
-                                           source=source, model_spec=model_spec)
+        runner = RUNNER_CLASSES[spec.kind](
+            spec=spec, config=config, strategy=strategy, source=source, model_spec=model_spec
+        )
         began = time.perf_counter()
         try:
             runner.setup()
         except Exception as error:  # noqa: BLE001 -- a row with the error, not a crash
             runner.error = f"{type(error).__name__}: {_first_line(error)}"
         runner.extra["setup_seconds"] = round(time.perf_counter() - began, 2)
-        _log(f"set up {spec.name}: {runner.extra['setup_seconds']} s"
-             + (f"  ERROR {runner.error}" if runner.error else ""))
+        _log(
+            f"set up {spec.name}: {runner.extra['setup_seconds']} s"
+            + (f"  ERROR {runner.error}" if runner.error else "")
+        )
         runners.append(runner)
 
     windows: dict[str, list[float]] = {runner.spec.name: [] for runner in runners}
@@ -506,27 +544,29 @@ def run_benchmark(config: BenchConfig) -> dict[str, Any]:
         error = runner.error
         if not rates and error is None:
             error = "no timed window completed"
-        rows.append({
-            "runner": runner.spec.name,
-            "kind": runner.spec.kind,
-            "model": config.model,
-            "strategy": config.strategy,
-            "examples_per_second": median,
-            "min": min(rates) if rates else 0.0,
-            "max": max(rates) if rates else 0.0,
-            "windows": rates,
-            "global_batch_size": config.global_batch_size,
-            "replicas": replicas,
-            "mixed_precision": runner.spec.mixed_precision,
-            "jit_compile": bool(jit),
-            "flops_per_example": flops,
-            "train_flops_per_example": 3 * flops,
-            "achieved_tflops": achieved,
-            "peak_tflops": peak,
-            "fraction_of_peak": (achieved / peak) if peak else None,
-            "error": error,
-            **runner.extra,
-        })
+        rows.append(
+            {
+                "runner": runner.spec.name,
+                "kind": runner.spec.kind,
+                "model": config.model,
+                "strategy": config.strategy,
+                "examples_per_second": median,
+                "min": min(rates) if rates else 0.0,
+                "max": max(rates) if rates else 0.0,
+                "windows": rates,
+                "global_batch_size": config.global_batch_size,
+                "replicas": replicas,
+                "mixed_precision": runner.spec.mixed_precision,
+                "jit_compile": bool(jit),
+                "flops_per_example": flops,
+                "train_flops_per_example": 3 * flops,
+                "achieved_tflops": achieved,
+                "peak_tflops": peak,
+                "fraction_of_peak": (achieved / peak) if peak else None,
+                "error": error,
+                **runner.extra,
+            }
+        )
 
     return {
         "results": rows,
@@ -579,14 +619,20 @@ def format_table(payload: dict) -> str:
         if row["error"]:
             notes.append("ERROR: " + row["error"][:140])
         fraction = row.get("fraction_of_peak")
-        lines.append((
-            row["runner"], row["mixed_precision"], "y" if row["jit_compile"] else "n",
-            f"{row['examples_per_second']:,.1f}", f"{row['min']:,.1f}", f"{row['max']:,.1f}",
-            f"{row['achieved_tflops']:.4f}", f"{100 * fraction:.1f}" if fraction is not None else "-",
-            "; ".join(notes),
-        ))
-    widths = [max(len(h), *(len(line[i]) for line in lines)) if lines else len(h)
-              for i, h in enumerate(header)]
+        lines.append(
+            (
+                row["runner"],
+                row["mixed_precision"],
+                "y" if row["jit_compile"] else "n",
+                f"{row['examples_per_second']:,.1f}",
+                f"{row['min']:,.1f}",
+                f"{row['max']:,.1f}",
+                f"{row['achieved_tflops']:.4f}",
+                f"{100 * fraction:.1f}" if fraction is not None else "-",
+                "; ".join(notes),
+            )
+        )
+    widths = [max(len(h), *(len(line[i]) for line in lines)) if lines else len(h) for i, h in enumerate(header)]
     first = rows[0] if rows else {}
     out = [
         f"model={first.get('model')} strategy={first.get('strategy')} replicas={first.get('replicas')} "
@@ -612,12 +658,21 @@ def _log(message: str) -> None:
 
 def config_from_flags() -> BenchConfig:
     return BenchConfig(
-        model=FLAGS.model, strategy=FLAGS.strategy, runners=tuple(FLAGS.runners),
-        global_batch_size=FLAGS.global_batch_size, steps_per_loop=FLAGS.steps_per_loop,
-        fit_steps_per_execution=FLAGS.fit_steps_per_execution, cpu_devices=FLAGS.cpu_devices,
-        jit_compile=FLAGS.jit_compile, mixed_precision=FLAGS.mixed_precision,
-        warmup_steps=FLAGS.warmup_steps, steps=FLAGS.steps, repeats=FLAGS.repeats,
-        num_classes=FLAGS.num_classes, seed=FLAGS.seed, peak_matmul_size=FLAGS.peak_matmul_size,
+        model=FLAGS.model,
+        strategy=FLAGS.strategy,
+        runners=tuple(FLAGS.runners),
+        global_batch_size=FLAGS.global_batch_size,
+        steps_per_loop=FLAGS.steps_per_loop,
+        fit_steps_per_execution=FLAGS.fit_steps_per_execution,
+        cpu_devices=FLAGS.cpu_devices,
+        jit_compile=FLAGS.jit_compile,
+        mixed_precision=FLAGS.mixed_precision,
+        warmup_steps=FLAGS.warmup_steps,
+        steps=FLAGS.steps,
+        repeats=FLAGS.repeats,
+        num_classes=FLAGS.num_classes,
+        seed=FLAGS.seed,
+        peak_matmul_size=FLAGS.peak_matmul_size,
     )
 
 

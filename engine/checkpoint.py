@@ -71,24 +71,20 @@ def set_aside_unreadable(model_dir: str, *, fallback: bool) -> None:
         return
     readable = [p for p in paths if p not in unreadable]
     if not readable:
-        raise UserError(
-            f"no checkpoint in {directory} can be read (newest: {paths[-1]}); "
-            "use a new --model_dir"
-        )
+        raise UserError(f"no checkpoint in {directory} can be read (newest: {paths[-1]}); use a new --model_dir")
     aside = os.path.join(directory, UNREADABLE_SUBDIR)
     tf.io.gfile.makedirs(aside)
     prefixes = {os.path.basename(path) + "." for path in unreadable}
     for name in tf.io.gfile.listdir(directory):  # Listed, not globbed: the name may hold pattern characters.
         if any(name.startswith(prefix) for prefix in prefixes):
             tf.io.gfile.rename(os.path.join(directory, name), os.path.join(aside, name), overwrite=True)
-    tf.compat.v1.train.update_checkpoint_state(
-        directory, readable[-1], all_model_checkpoint_paths=readable
-    )
+    tf.compat.v1.train.update_checkpoint_state(directory, readable[-1], all_model_checkpoint_paths=readable)
     logging.warning("restoring %s; unreadable checkpoints moved to %s", readable[-1], aside)
 
 
-def restore_latest(manager: tf.train.CheckpointManager, *, directory: str | None = None,
-                   fresh_optimizer: bool = False) -> str | None:
+def restore_latest(
+    manager: tf.train.CheckpointManager, *, directory: str | None = None, fresh_optimizer: bool = False
+) -> str | None:
     """Restores the newest checkpoint, if any, and returns its path.
 
     `directory` is a model_dir to read from instead of the manager's own
@@ -145,15 +141,19 @@ def check_settings(model_dir: str, settings: Mapping[str, str], *, flags_may_cha
     directory = checkpoint_dir(model_dir)
     if flags_may_change or model_dir_lib.checkpoint_state(directory) is None:
         return
-    saved = model_dir_lib.read_json(os.path.join(directory, SETTINGS_FILE),
-                                    what="the settings of the checkpoints")
+    saved = model_dir_lib.read_json(
+        os.path.join(directory, SETTINGS_FILE), what="the settings of the checkpoints"
+    )
     if saved is None:
         return
     if not isinstance(saved, dict):
-        raise UserError(f"{os.path.join(directory, SETTINGS_FILE)} is damaged (not a JSON object); "
-                        "restore it or move it away")
-    changed = [(flag, saved[flag], value) for flag, value in settings.items()
-               if flag in saved and saved[flag] != value]
+        raise UserError(
+            f"{os.path.join(directory, SETTINGS_FILE)} is damaged (not a JSON object); "
+            "restore it or move it away"
+        )
+    changed = [
+        (flag, saved[flag], value) for flag, value in settings.items() if flag in saved and saved[flag] != value
+    ]
     if changed:
         flag, old, new = changed[0]
         raise UserError(
@@ -165,8 +165,9 @@ def check_settings(model_dir: str, settings: Mapping[str, str], *, flags_may_cha
 
 def recorded_settings(model_dir: str) -> dict:
     """The settings `record_settings` wrote ({} when there are none)."""
-    saved = model_dir_lib.read_json(os.path.join(checkpoint_dir(model_dir), SETTINGS_FILE),
-                                    what="the settings of the checkpoints")
+    saved = model_dir_lib.read_json(
+        os.path.join(checkpoint_dir(model_dir), SETTINGS_FILE), what="the settings of the checkpoints"
+    )
     return saved if isinstance(saved, dict) else {}
 
 

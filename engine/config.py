@@ -43,8 +43,15 @@ DEFAULT_COLLECTIVE_TIMEOUT = 300.0
 DEFAULT_STARTUP_TIMEOUT = 300.0
 
 # The settings `engine.cluster.flags` defines for `engine.server` too; `engine.flags` defines the rest.
-CLUSTER_SETTINGS = ("worker_hosts", "ps_hosts", "chief_host", "task_type", "task_index",
-                    "cluster_resolver", "slurm_port_base")
+CLUSTER_SETTINGS = (
+    "worker_hosts",
+    "ps_hosts",
+    "chief_host",
+    "task_type",
+    "task_index",
+    "cluster_resolver",
+    "slurm_port_base",
+)
 
 
 def setting(default: Any, help: str, *, choices: tuple[str, ...] | None = None) -> Any:
@@ -57,111 +64,171 @@ def setting(default: Any, help: str, *, choices: tuple[str, ...] | None = None) 
 class RunConfig:
     # Strategy and cluster.
     strategy: str = setting("default", "The tf.distribute strategy.", choices=STRATEGY_NAMES)
-    cpu_devices: int = setting(1, "Logical CPU devices to split the host CPU into; `mirrored` uses them "
-                                  "as replicas when there is no GPU.")
+    cpu_devices: int = setting(
+        1,
+        "Logical CPU devices to split the host CPU into; `mirrored` uses them as replicas when there is no GPU.",
+    )
     num_gpus: int | None = setting(None, "GPUs for mirrored/one_device (default: all visible).")
-    communication: str = setting("auto", "multi_worker_mirrored collectives: ring is gRPC, nccl needs GPUs.",
-                                 choices=COMMUNICATIONS)
+    communication: str = setting(
+        "auto", "multi_worker_mirrored collectives: ring is gRPC, nccl needs GPUs.", choices=COMMUNICATIONS
+    )
     collective_timeout: float = setting(
-        DEFAULT_COLLECTIVE_TIMEOUT, "Seconds a multi-worker collective waits for its peers before the run "
-        "fails (a dead worker becomes an error, not a hang); 0 waits forever.")
+        DEFAULT_COLLECTIVE_TIMEOUT,
+        "Seconds a multi-worker collective waits for its peers before the run "
+        "fails (a dead worker becomes an error, not a hang); 0 waits forever.",
+    )
     startup_timeout: float = setting(
-        DEFAULT_STARTUP_TIMEOUT, "Seconds a cluster task waits to reach its peers at start-up before it "
-        "exits with an error naming them; 0 waits forever.")
+        DEFAULT_STARTUP_TIMEOUT,
+        "Seconds a cluster task waits to reach its peers at start-up before it "
+        "exits with an error naming them; 0 waits forever.",
+    )
     tpu: str | None = setting(None, "--strategy=tpu: `local` (TPU VM) or grpc://HOST:PORT.")
     # Several machines (engine.cluster): these are defined by engine.cluster.flags.
     worker_hosts: list[str] | None = setting(
-        None, "Comma-separated host:port of every worker task (builds TF_CONFIG).")
+        None, "Comma-separated host:port of every worker task (builds TF_CONFIG)."
+    )
     ps_hosts: list[str] | None = setting(None, "Comma-separated host:port of every parameter-server task.")
     chief_host: str | None = setting(None, "host:port of the chief (the parameter-server coordinator).")
     task_type: str | None = setting(  # A string: engine.cluster names a bad one with its source.
-        None, "This process's task with the host flags: worker, ps, chief, or evaluator "
-        "(evaluates each new checkpoint; needs no host flags).")
+        None,
+        "This process's task with the host flags: worker, ps, chief, or evaluator "
+        "(evaluates each new checkpoint; needs no host flags).",
+    )
     task_index: int | None = setting(None, "This process's index within --task_type (default 0).")
     cluster_resolver: str = setting(
-        "tf_config", "tf_config: the host flags or the TF_CONFIG variable; slurm: SLURM_* variables.",
-        choices=RESOLVERS)
-    slurm_port_base: int = setting(DEFAULT_SLURM_PORT_BASE,
-                                   "With --cluster_resolver=slurm, a node's tasks listen on this port and up.")
+        "tf_config",
+        "tf_config: the host flags or the TF_CONFIG variable; slurm: SLURM_* variables.",
+        choices=RESOLVERS,
+    )
+    slurm_port_base: int = setting(
+        DEFAULT_SLURM_PORT_BASE, "With --cluster_resolver=slurm, a node's tasks listen on this port and up."
+    )
     # What this process does (TF Model Garden's modes).
-    mode: str = setting("train_and_eval", "train: no evaluation; eval: the latest checkpoint once; "
-                        "continuous_eval: each new checkpoint, until the final step's.",
-                        choices=MODES)
-    eval_timeout: float = setting(3600.0,
-                                  "continuous_eval: exit after this many seconds without a new checkpoint.")
+    mode: str = setting(
+        "train_and_eval",
+        "train: no evaluation; eval: the latest checkpoint once; "
+        "continuous_eval: each new checkpoint, until the final step's.",
+        choices=MODES,
+    )
+    eval_timeout: float = setting(
+        3600.0, "continuous_eval: exit after this many seconds without a new checkpoint."
+    )
     # Model and data: strings, not enums, since --model also takes package.module:function.
-    model: str = setting("cnn", "Model name (models/registry.py), or package.module:function: "
-                         "your function(input_shape, num_classes) returning a keras.Model of logits.")
+    model: str = setting(
+        "cnn",
+        "Model name (models/registry.py), or package.module:function: "
+        "your function(input_shape, num_classes) returning a keras.Model of logits.",
+    )
     dataset: str = setting("digits", "digits (offline default), mnist, synthetic or tfrecord.")
     data_dir: str | None = setting(None, "Where mnist.npz or the TFRecord files are.")
     input_pipeline: str = setting(
-        "per_replica", "per_replica: distribute_datasets_from_function (sharded, per-replica batches); "
-        "global: experimental_distribute_dataset over global batches.", choices=INPUT_PIPELINES)
+        "per_replica",
+        "per_replica: distribute_datasets_from_function (sharded, per-replica batches); "
+        "global: experimental_distribute_dataset over global batches.",
+        choices=INPUT_PIPELINES,
+    )
     # How long and how.
     global_batch_size: int = setting(64, "Examples per step over all replicas.")
     train_steps: int | None = setting(None, "Global steps to train to (alternative to --epochs).")
     epochs: float | None = setting(
-        None, f"Epochs to train (alternative to --train_steps; default {DEFAULT_EPOCHS:g} when neither is set).")
+        None, f"Epochs to train (alternative to --train_steps; default {DEFAULT_EPOCHS:g} when neither is set)."
+    )
     steps_per_loop: int = setting(DEFAULT_STEPS_PER_LOOP, "Steps per compiled call.")
-    log_every: int = setting(0, "Progress line every N steps (loops are cut to match; steps_per_loop "
-                             "stays the longest); 0: one line per compiled loop.")
+    log_every: int = setting(
+        0,
+        "Progress line every N steps (loops are cut to match; steps_per_loop "
+        "stays the longest); 0: one line per compiled loop.",
+    )
     eval_every: int = setting(100, "Evaluate every N steps; 0 evaluates only at the end.")
     optimizer: str = setting("adam", "The optimizer (momentum: SGD with momentum 0.9).", choices=OPTIMIZER_NAMES)
     learning_rate: float = setting(1e-3, "Learning rate (the peak rate of a schedule).")
-    lr_schedule: str = setting("constant", "cosine: to 0 at the last step; step: x0.1 after each third; "
-                               "warmup_cosine: linear warmup, then cosine.", choices=SCHEDULE_NAMES)
+    lr_schedule: str = setting(
+        "constant",
+        "cosine: to 0 at the last step; step: x0.1 after each third; warmup_cosine: linear warmup, then cosine.",
+        choices=SCHEDULE_NAMES,
+    )
     warmup_steps: int = setting(0, "Warmup steps of warmup_cosine (0: a tenth of the run).")
     clip_norm: float | None = setting(None, "Clip the global gradient norm to this value.")
-    grad_accum_steps: int = setting(1, "Split each replica's batch into this many micro-batches and "
-                                    "accumulate their gradients.")
-    on_nonfinite: str = setting("stop", "On a NaN/Inf loss: stop with an error (nothing saved), or skip the "
-                                "update and count it in summaries.", choices=NONFINITE_POLICIES)
+    grad_accum_steps: int = setting(
+        1, "Split each replica's batch into this many micro-batches and accumulate their gradients."
+    )
+    on_nonfinite: str = setting(
+        "stop",
+        "On a NaN/Inf loss: stop with an error (nothing saved), or skip the update and count it in summaries.",
+        choices=NONFINITE_POLICIES,
+    )
     # State on disk.
-    model_dir: str | None = setting(None, "Checkpoints, TensorBoard logs and metrics.json; restored from when "
-                                    "it holds a checkpoint (default: a new temporary directory).")
+    model_dir: str | None = setting(
+        None,
+        "Checkpoints, TensorBoard logs and metrics.json; restored from when "
+        "it holds a checkpoint (default: a new temporary directory).",
+    )
     checkpoint_every: int = setting(500, "Save every N steps (and always at the end).")
     max_checkpoints: int = setting(3, "Checkpoints to keep.")
     restore_fallback: bool = setting(
-        False, "If the latest checkpoint cannot be read, restore the newest older one that can "
-        "(the unreadable one is moved to checkpoints/unreadable/).")
-    reset_optimizer: bool = setting(False, "Resume the weights and step of the checkpoints with fresh "
-                                    "optimizer state, so that --optimizer, --lr_schedule or --mixed_precision "
-                                    "may change.")
-    ema_decay: float = setting(0.0, "Keep an exponential moving average of the weights with this decay "
-                               "(e.g. 0.999): evaluation, the best checkpoint and --export_dir use it; "
-                               "training is unchanged. 0: off.")
-    export_dir: str | None = setting(None, "After training, write the model here as a SavedModel with a "
-                                     "serving_default signature.")
+        False,
+        "If the latest checkpoint cannot be read, restore the newest older one that can "
+        "(the unreadable one is moved to checkpoints/unreadable/).",
+    )
+    reset_optimizer: bool = setting(
+        False,
+        "Resume the weights and step of the checkpoints with fresh "
+        "optimizer state, so that --optimizer, --lr_schedule or --mixed_precision "
+        "may change.",
+    )
+    ema_decay: float = setting(
+        0.0,
+        "Keep an exponential moving average of the weights with this decay "
+        "(e.g. 0.999): evaluation, the best checkpoint and --export_dir use it; "
+        "training is unchanged. 0: off.",
+    )
+    export_dir: str | None = setting(
+        None, "After training, write the model here as a SavedModel with a serving_default signature."
+    )
     # Decisions from eval metrics (loss or accuracy), made after each evaluation.
-    early_stop_metric: str | None = setting(None, "Stop when this eval metric stops improving.",
-                                            choices=EVAL_METRIC_NAMES)
+    early_stop_metric: str | None = setting(
+        None, "Stop when this eval metric stops improving.", choices=EVAL_METRIC_NAMES
+    )
     early_stop_patience: int = setting(3, "Evaluations without improvement before stopping.")
     early_stop_mode: str = setting(
-        "auto", "Whether --early_stop_metric should go down or up; auto: max for accuracy, min otherwise.",
-        choices=METRIC_MODES)
+        "auto",
+        "Whether --early_stop_metric should go down or up; auto: max for accuracy, min otherwise.",
+        choices=METRIC_MODES,
+    )
     best_checkpoint_metric: str | None = setting(
-        None, "Also keep the checkpoint with the best value of this eval metric in <model_dir>/best.",
-        choices=EVAL_METRIC_NAMES)
+        None,
+        "Also keep the checkpoint with the best value of this eval metric in <model_dir>/best.",
+        choices=EVAL_METRIC_NAMES,
+    )
     reduce_lr_metric: str | None = setting(
-        None, "Multiply the learning rate by --reduce_lr_factor when this eval metric plateaus.",
-        choices=EVAL_METRIC_NAMES)
+        None,
+        "Multiply the learning rate by --reduce_lr_factor when this eval metric plateaus.",
+        choices=EVAL_METRIC_NAMES,
+    )
     reduce_lr_patience: int = setting(2, "Evaluations without improvement before reducing.")
     reduce_lr_factor: float = setting(0.5, "Factor for reduce-on-plateau, between 0 and 1.")
     min_learning_rate: float = setting(0.0, "Reduce-on-plateau never goes below this rate.")
     # TensorBoard.
-    profile_steps: str | None = setting(None, "START,END: profile the steps from global step START to END "
-                                        "(TensorBoard's Profile tab).")
-    histogram_every: int = setting(0, "Histograms of every weight in TensorBoard's train run every N steps; "
-                                   "0: none.")
+    profile_steps: str | None = setting(
+        None, "START,END: profile the steps from global step START to END (TensorBoard's Profile tab)."
+    )
+    histogram_every: int = setting(
+        0, "Histograms of every weight in TensorBoard's train run every N steps; 0: none."
+    )
     # Numerics and speed.
     seed: int = setting(42, "Seed for weights, shuffling and dropout.")
     deterministic: bool = setting(False, "Deterministic ops: bitwise-reproducible runs, somewhat slower.")
     mixed_precision: str = setting(
-        "float32", "float16 and bfloat16 compute in that type with float32 weights; float16 scales the loss.",
-        choices=tuple(PRECISION_POLICIES))
+        "float32",
+        "float16 and bfloat16 compute in that type with float32 weights; float16 scales the loss.",
+        choices=tuple(PRECISION_POLICIES),
+    )
     jit_compile: bool = setting(False, "Compile the per-replica step with XLA.")
-    check_numerics: bool = setting(False, "tf.debugging.enable_check_numerics: fail at the first op that "
-                                   "makes a NaN or Inf, naming it (slow; for debugging).")
+    check_numerics: bool = setting(
+        False,
+        "tf.debugging.enable_check_numerics: fail at the first op that "
+        "makes a NaN or Inf, naming it (slow; for debugging).",
+    )
 
     @classmethod
     def from_flags(cls, flag_values) -> RunConfig:
@@ -189,8 +256,13 @@ class RunConfig:
         _choose("on_nonfinite", self.on_nonfinite, NONFINITE_POLICIES)
         _choose("communication", self.communication, COMMUNICATIONS)
         _choose("mixed_precision", self.mixed_precision, tuple(PRECISION_POLICIES))
-        for name in ("cpu_devices", "global_batch_size", "steps_per_loop",
-                     "grad_accum_steps", "max_checkpoints"):
+        for name in (
+            "cpu_devices",
+            "global_batch_size",
+            "steps_per_loop",
+            "grad_accum_steps",
+            "max_checkpoints",
+        ):
             _at_least(name, getattr(self, name), 1)
         for name in ("eval_every", "checkpoint_every", "log_every", "histogram_every"):
             _at_least(name, getattr(self, name), 0)
@@ -198,14 +270,19 @@ class RunConfig:
             _at_least("num_gpus", self.num_gpus, 0)
         if self.train_steps is not None and self.epochs is not None:
             raise UserError(
-                f"--train_steps={self.train_steps} and --epochs={self.epochs} are "
-                "alternatives; pass only one"
+                f"--train_steps={self.train_steps} and --epochs={self.epochs} are alternatives; pass only one"
             )
         if self.train_steps is not None:
             _at_least("train_steps", self.train_steps, 1)
         # `not x > 0` also refuses NaN, which every comparison calls False.
-        for name in ("epochs", "learning_rate", "clip_norm", "collective_timeout",
-                     "reduce_lr_factor", "min_learning_rate"):
+        for name in (
+            "epochs",
+            "learning_rate",
+            "clip_norm",
+            "collective_timeout",
+            "reduce_lr_factor",
+            "min_learning_rate",
+        ):
             value = getattr(self, name)
             if value is not None and not math.isfinite(value):
                 raise UserError(f"--{name}={value} must be a finite number")
@@ -234,11 +311,16 @@ class RunConfig:
         _choose("mode", self.mode, MODES)
         if self.eval_timeout <= 0:
             raise UserError(f"--eval_timeout={self.eval_timeout} must be positive (seconds)")
-        needs_eval = [f"--{name}={getattr(self, name)}" for name in
-                      ("early_stop_metric", "best_checkpoint_metric", "reduce_lr_metric") if getattr(self, name)]
+        needs_eval = [
+            f"--{name}={getattr(self, name)}"
+            for name in ("early_stop_metric", "best_checkpoint_metric", "reduce_lr_metric")
+            if getattr(self, name)
+        ]
         if self.mode == "train" and needs_eval:
-            raise UserError(f"--mode=train runs no evaluation but {needs_eval[0]} needs one; "
-                            "use --mode=train_and_eval or drop it")
+            raise UserError(
+                f"--mode=train runs no evaluation but {needs_eval[0]} needs one; "
+                "use --mode=train_and_eval or drop it"
+            )
         if self.mode in ("eval", "continuous_eval") and not self.model_dir:
             raise UserError(f"--mode={self.mode} evaluates the checkpoints of a --model_dir; pass one")
 
@@ -254,8 +336,10 @@ class RunConfig:
                 continue
             _choose(name, metric, EVAL_METRIC_NAMES)
             if self.eval_every == 0 and name != "best_checkpoint_metric":
-                raise UserError(f"--{name}={metric} needs evaluations during training; "
-                                "set --eval_every to a positive number of steps")
+                raise UserError(
+                    f"--{name}={metric} needs evaluations during training; "
+                    "set --eval_every to a positive number of steps"
+                )
         if not 0.0 < self.reduce_lr_factor < 1.0:
             raise UserError(f"--reduce_lr_factor={self.reduce_lr_factor} must be between 0 and 1")
         if self.min_learning_rate < 0:
@@ -277,8 +361,10 @@ class RunConfig:
         except ValueError:
             start = end = -1
         if len(parts) != 2 or not 0 <= start < end:
-            raise UserError(f"--profile_steps={self.profile_steps} must be START,END with "
-                            "0 <= START < END, e.g. --profile_steps=100,110")
+            raise UserError(
+                f"--profile_steps={self.profile_steps} must be START,END with "
+                "0 <= START < END, e.g. --profile_steps=100,110"
+            )
         return start, end
 
     def multi_host_options(self):
@@ -288,16 +374,27 @@ class RunConfig:
         from engine.cluster.multi_host import MultiHostOptions
 
         cluster = None
-        if self.strategy in ("multi_worker_mirrored", "parameter_server") or self.worker_hosts \
-                or self.ps_hosts or self.chief_host or self.task_type == "evaluator":
+        if (
+            self.strategy in ("multi_worker_mirrored", "parameter_server")
+            or self.worker_hosts
+            or self.ps_hosts
+            or self.chief_host
+            or self.task_type == "evaluator"
+        ):
             cluster = resolve_cluster(
-                worker_hosts=self.worker_hosts, ps_hosts=self.ps_hosts, chief_host=self.chief_host,
-                task_type=self.task_type, task_index=self.task_index,
-                cluster_resolver=self.cluster_resolver, slurm_port_base=self.slurm_port_base,
+                worker_hosts=self.worker_hosts,
+                ps_hosts=self.ps_hosts,
+                chief_host=self.chief_host,
+                task_type=self.task_type,
+                task_index=self.task_index,
+                cluster_resolver=self.cluster_resolver,
+                slurm_port_base=self.slurm_port_base,
             )
         return MultiHostOptions(
-            cluster=cluster, communication=self.communication,
-            collective_timeout=self.collective_timeout, tpu=self.tpu,
+            cluster=cluster,
+            communication=self.communication,
+            collective_timeout=self.collective_timeout,
+            tpu=self.tpu,
             startup_timeout=self.startup_timeout,
         )
 
@@ -306,17 +403,20 @@ class RunConfig:
         if self.train_steps is not None:
             return self.train_steps
         if num_train_examples is None:
-            raise UserError(
-                f"--dataset={self.dataset} does not know its size; pass --train_steps"
-            )
+            raise UserError(f"--dataset={self.dataset} does not know its size; pass --train_steps")
         epochs = self.epochs if self.epochs is not None else DEFAULT_EPOCHS
         return max(1, int(epochs * num_train_examples) // self.global_batch_size)
 
 
 _DEFINE_BY_TYPE = {  # A field's annotation (a string under `from __future__ import annotations`) -> its flag.
-    "str": "DEFINE_string", "str | None": "DEFINE_string", "int": "DEFINE_integer",
-    "int | None": "DEFINE_integer", "float": "DEFINE_float", "float | None": "DEFINE_float",
-    "bool": "DEFINE_boolean", "list[str] | None": "DEFINE_list",
+    "str": "DEFINE_string",
+    "str | None": "DEFINE_string",
+    "int": "DEFINE_integer",
+    "int | None": "DEFINE_integer",
+    "float": "DEFINE_float",
+    "float | None": "DEFINE_float",
+    "bool": "DEFINE_boolean",
+    "list[str] | None": "DEFINE_list",
 }
 
 

@@ -80,8 +80,11 @@ class CoordinatedTrainer(Trainer):
                 totals[name] = totals.get(name, 0.0) + steps * value
         self.global_step.assign_add(steps_run)  # Fewer than num_steps where a worker's data ran out.
         logs = {name: total / num_steps for name, total in totals.items()}
-        logs.update(nonfinite_steps=float(nonfinite_steps), first_nonfinite_index=float(first_nonfinite),
-                    steps_run=float(steps_run))
+        logs.update(
+            nonfinite_steps=float(nonfinite_steps),
+            first_nonfinite_index=float(first_nonfinite),
+            steps_run=float(steps_run),
+        )
         return logs
 
     def _run_eval_loop(self) -> bool:

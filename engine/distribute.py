@@ -70,9 +70,7 @@ def pipeline_at(
     return data(input_context).skip(start_step)
 
 
-def distribute_eval_data(
-    strategy: tf.distribute.Strategy, data: Data
-) -> tf.distribute.DistributedDataset:
+def distribute_eval_data(strategy: tf.distribute.Strategy, data: Data) -> tf.distribute.DistributedDataset:
     """Distributes a finite eval set; partial and empty batches are kept."""
     if isinstance(data, tf.data.Dataset):
         return strategy.experimental_distribute_dataset(data)

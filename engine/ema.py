@@ -56,8 +56,9 @@ class WeightAverages:
             average.assign(tf.convert_to_tensor(variable))
 
 
-def weight_averages(optimizers: Mapping[str, keras.optimizers.Optimizer],
-                    ema_decay: float | None) -> WeightAverages | None:
+def weight_averages(
+    optimizers: Mapping[str, keras.optimizers.Optimizer], ema_decay: float | None
+) -> WeightAverages | None:
     """Turns on the averages of the one optimizer (before it is built), or finds
     the ones its creator turned on (`use_ema=True`); None when there are none.
 
@@ -70,22 +71,28 @@ def weight_averages(optimizers: Mapping[str, keras.optimizers.Optimizer],
         raise UserError(f"ema_decay={ema_decay} must be between 0 and 1 (e.g. 0.999), exclusive")
     if len(optimizers) > 1:
         if ema_decay is not None:
-            raise UserError(f"ema_decay={ema_decay} averages the weights of one optimizer, got "
-                            f"{len(optimizers)} ({', '.join(optimizers)}); create those optimizers "
-                            "with use_ema=True and swap their averages in yourself")
+            raise UserError(
+                f"ema_decay={ema_decay} averages the weights of one optimizer, got "
+                f"{len(optimizers)} ({', '.join(optimizers)}); create those optimizers "
+                "with use_ema=True and swap their averages in yourself"
+            )
         return None
     (optimizer,) = optimizers.values()
     inner = getattr(optimizer, "inner_optimizer", optimizer)  # A LossScaleOptimizer applies its inner one.
     if inner.use_ema:
         if ema_decay is not None and ema_decay != inner.ema_momentum:
-            raise UserError(f"ema_decay={ema_decay} differs from the optimizer's ema_momentum="
-                            f"{inner.ema_momentum}; pass one of them")
+            raise UserError(
+                f"ema_decay={ema_decay} differs from the optimizer's ema_momentum="
+                f"{inner.ema_momentum}; pass one of them"
+            )
         return WeightAverages(inner)
     if ema_decay is None:
         return None
     if inner.built:
-        raise UserError(f"ema_decay={ema_decay} needs an optimizer that is not built yet (its averages are "
-                        f"made when it is built); create it with use_ema=True, ema_momentum={ema_decay}, "
-                        "or leave building it to the Trainer")
+        raise UserError(
+            f"ema_decay={ema_decay} needs an optimizer that is not built yet (its averages are "
+            f"made when it is built); create it with use_ema=True, ema_momentum={ema_decay}, "
+            "or leave building it to the Trainer"
+        )
     inner.use_ema, inner.ema_momentum, inner.ema_overwrite_frequency = True, ema_decay, None
     return WeightAverages(inner)

@@ -25,7 +25,6 @@ def set_precision(mixed_precision: str) -> None:
     """Sets the Keras global dtype policy; must run before models are built."""
     if mixed_precision not in PRECISION_POLICIES:
         raise UserError(
-            f"unknown --mixed_precision={mixed_precision!r}; "
-            f"choose one of: {', '.join(PRECISION_POLICIES)}"
+            f"unknown --mixed_precision={mixed_precision!r}; choose one of: {', '.join(PRECISION_POLICIES)}"
         )
     keras.mixed_precision.set_global_policy(PRECISION_POLICIES[mixed_precision])

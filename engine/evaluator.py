@@ -50,7 +50,7 @@ class CheckpointVanished(Exception):
 
 
 def evaluation_mode(config: RunConfig) -> str | None:
-    """"eval" or "continuous_eval" when this process evaluates instead of training, else None."""
+    """ "eval" or "continuous_eval" when this process evaluates instead of training, else None."""
     if config.mode in ("eval", "continuous_eval"):
         return config.mode
     cluster = config.multi_host_options().cluster
@@ -64,8 +64,10 @@ def run(config: RunConfig, mode: str) -> dict[str, Any]:
     if mode == "eval":
         path = tf.train.latest_checkpoint(checkpoint_lib.checkpoint_dir(config.model_dir))
         if path is None:
-            raise UserError(f"--mode=eval: no checkpoint in {checkpoint_lib.checkpoint_dir(config.model_dir)}; "
-                            "train first or pass the --model_dir of a trained run")
+            raise UserError(
+                f"--mode=eval: no checkpoint in {checkpoint_lib.checkpoint_dir(config.model_dir)}; "
+                "train first or pass the --model_dir of a trained run"
+            )
         step, logs = Evaluator(config).evaluate(path, strict=True)
         result = {"global_step": step, "eval": logs, "model_dir": config.model_dir}
         write_json(os.path.join(config.model_dir, METRICS_FILE), result)
@@ -78,6 +80,7 @@ class Evaluator:
 
     def __init__(self, config: RunConfig):
         from engine.job import build_optimizer
+
         input_lib, models = own_package("input"), own_package("models")
         DataError, get_data_source = input_lib.DataError, input_lib.get_data_source  # noqa: N806
         get_model_spec = models.get_model_spec
@@ -94,8 +97,9 @@ class Evaluator:
         self.strategy = build_strategy(name, cpu_devices=config.cpu_devices, num_gpus=config.num_gpus)
         spec = get_model_spec(config.model)
         try:
-            source = get_data_source(config.dataset, image_shape=spec.default_input_shape,
-                                     data_dir=config.data_dir)
+            source = get_data_source(
+                config.dataset, image_shape=spec.default_input_shape, data_dir=config.data_dir
+            )
         except DataError as error:
             raise UserError(str(error)) from None
         if source.num_eval_examples is None:
@@ -104,8 +108,9 @@ class Evaluator:
         batch = config.global_batch_size
         with self.strategy.scope():
             model = spec.build(spec.default_input_shape, source.num_classes)
-            learning_rate = learning_rate_schedule(config.lr_schedule, config.learning_rate,
-                                                   self.final_step, config.warmup_steps)
+            learning_rate = learning_rate_schedule(
+                config.lr_schedule, config.learning_rate, self.final_step, config.warmup_steps
+            )
             optimizer = build_optimizer(config.optimizer, learning_rate, config.mixed_precision)
 
         def never_trains(*args):
@@ -113,14 +118,20 @@ class Evaluator:
 
         # No model_dir: the Trainer then has no CheckpointManager and writes nothing.
         self.trainer = Trainer(
-            strategy=self.strategy, model=model, optimizer=optimizer, train_data=never_trains,
+            strategy=self.strategy,
+            model=model,
+            optimizer=optimizer,
+            train_data=never_trains,
             eval_data=lambda context: source.eval_dataset(global_batch_size=batch, input_context=context),
-            global_batch_size=batch, model_dir=None, ema_decay=_ema_decay(config),
+            global_batch_size=batch,
+            model_dir=None,
+            ema_decay=_ema_decay(config),
             loss_fn=keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None),
             metrics=[keras.metrics.SparseCategoricalAccuracy(name="accuracy")],
         )
-        self._checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer,
-                                               global_step=self.trainer.global_step)
+        self._checkpoint = tf.train.Checkpoint(
+            model=model, optimizer=optimizer, global_step=self.trainer.global_step
+        )
         self._summaries = SummaryWriters(config.model_dir)
         self._best = self._best_checkpoint(config)
 
@@ -135,8 +146,9 @@ class Evaluator:
 
     def _owner(self) -> _EvaluatorView:
         """The `TrainerView` BestCheckpoint sees: the training's model_dir and this evaluator's checkpoint."""
-        return _EvaluatorView(self.trainer, checkpoint=self._checkpoint, model_dir=self.config.model_dir,
-                              summaries=self._summaries)
+        return _EvaluatorView(
+            self.trainer, checkpoint=self._checkpoint, model_dir=self.config.model_dir, summaries=self._summaries
+        )
 
     def evaluate(self, path: str, *, strict: bool) -> tuple[int, dict[str, float]]:
         """Restores `path` (read only) and evaluates it; returns (its step, the eval logs).
@@ -150,11 +162,14 @@ class Evaluator:
             if _files_gone(path) and not strict:
                 raise CheckpointVanished(f"{path}: {type(error).__name__}") from None
             detail = one_line(error, 300)
-            if _files_gone(path) or not isinstance(error, (AssertionError, ValueError,
-                                                           tf.errors.InvalidArgumentError)):
+            if _files_gone(path) or not isinstance(
+                error, (AssertionError, ValueError, tf.errors.InvalidArgumentError)
+            ):
                 raise UserError(f"checkpoint {path} cannot be read ({type(error).__name__}: {detail})") from None
-            raise UserError(f"checkpoint {path} does not match this model ({detail}); pass the "
-                            "model and flags it was trained with") from None
+            raise UserError(
+                f"checkpoint {path} does not match this model ({detail}); pass the "
+                "model and flags it was trained with"
+            ) from None
         status.expect_partial()
         step = self.trainer.step
         logs = self.trainer.evaluate()
@@ -166,8 +181,12 @@ class Evaluator:
     def run_continuously(self) -> dict[str, Any]:
         """Evaluates each new checkpoint once until the final step's, or `eval_timeout` idle seconds."""
         config = self.config
-        logging.info("continuous evaluation of %s until step %d (or %gs without a new checkpoint)",
-                     checkpoint_lib.checkpoint_dir(config.model_dir), self.final_step, config.eval_timeout)
+        logging.info(
+            "continuous evaluation of %s until step %d (or %gs without a new checkpoint)",
+            checkpoint_lib.checkpoint_dir(config.model_dir),
+            self.final_step,
+            config.eval_timeout,
+        )
         last: tuple[int, dict[str, float]] | None = None
         self._stop = _StopFlag()
         for path in self._new_checkpoints():
@@ -224,8 +243,7 @@ class Evaluator:
                 logging.info("wrote the final evaluation to %s", path)
                 return
             time.sleep(POLL_SECONDS)
-        logging.warning("training has not written %s for step %d; left it alone",
-                        path, result["global_step"])
+        logging.warning("training has not written %s for step %d; left it alone", path, result["global_step"])
 
 
 class _StopFlag:
@@ -266,8 +284,9 @@ class _EvaluatorView:
     """A `TrainerView` of the evaluator's own (model_dir-less) trainer, with the
     training's model_dir, its summary writers and the checkpoint the evaluator restores into."""
 
-    def __init__(self, trainer: Trainer, *, checkpoint: tf.train.Checkpoint, model_dir: str,
-                 summaries: SummaryWriters):
+    def __init__(
+        self, trainer: Trainer, *, checkpoint: tf.train.Checkpoint, model_dir: str, summaries: SummaryWriters
+    ):
         self.model, self.optimizer, self.optimizers = trainer.model, trainer.optimizer, trainer.optimizers
         self.strategy, self.summaries = trainer.strategy, summaries
         self.checkpoint, self.model_dir = checkpoint, model_dir

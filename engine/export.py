@@ -23,13 +23,13 @@ SERVING_SIGNATURE = "serving_default"
 def export_saved_model(model: Any, export_dir: str, input_signature: Sequence[tf.TensorSpec]) -> str:
     """Writes `model` (inference mode) to `export_dir`; returns the directory."""
     if isinstance(model, keras.Model):
-        model.export(export_dir, format="tf_saved_model", input_signature=list(input_signature),
-                     verbose=False)
+        model.export(export_dir, format="tf_saved_model", input_signature=list(input_signature), verbose=False)
     else:
         serving = tf.Module()
         serving.model = model  # Tracks the variables.
-        serving.serve = tf.function(lambda inputs: call_model(model, inputs, training=False),
-                                    input_signature=list(input_signature))
+        serving.serve = tf.function(
+            lambda inputs: call_model(model, inputs, training=False), input_signature=list(input_signature)
+        )
         tf.saved_model.save(serving, export_dir, signatures={SERVING_SIGNATURE: serving.serve})
     logging.info("Exported SavedModel to %s (signature %r)", export_dir, SERVING_SIGNATURE)
     return export_dir

@@ -13,7 +13,9 @@ from absl import flags
 from engine.cluster import flags as cluster_flags  # noqa: F401  (--worker_hosts, --ps_hosts, --task_type, ...)
 from engine.config import CLUSTER_SETTINGS, RunConfig, define_flags
 
-define_flags([field.name for field in dataclasses.fields(RunConfig) if field.name not in CLUSTER_SETTINGS],
-             module_name=__name__)
+define_flags(
+    [field.name for field in dataclasses.fields(RunConfig) if field.name not in CLUSTER_SETTINGS],
+    module_name=__name__,
+)
 
 FLAGS = flags.FLAGS

@@ -16,8 +16,7 @@ from tensorboard.plugins.hparams import api as hp
 
 def write_hparams(model_dir: str, settings: Mapping[str, Any]) -> None:
     """Writes `settings` (unset ones are left out: HParams has no None)."""
-    values = {name: value for name, value in settings.items()
-              if isinstance(value, (bool, int, float, str))}
+    values = {name: value for name, value in settings.items() if isinstance(value, (bool, int, float, str))}
     writer = tf.summary.create_file_writer(model_dir)
     with writer.as_default():
         hp.hparams(values, trial_id=model_dir)

@@ -77,12 +77,15 @@ def run(config: RunConfig) -> dict[str, Any]:
         tf.debugging.enable_check_numerics()  # Names the first op that makes a NaN or Inf.
     seed_everything(config.seed, deterministic=config.deterministic)
     multi_host = config.multi_host_options()
-    strategy = build_strategy(config.strategy, cpu_devices=config.cpu_devices,
-                              num_gpus=config.num_gpus, multi_host=multi_host)
+    strategy = build_strategy(
+        config.strategy, cpu_devices=config.cpu_devices, num_gpus=config.num_gpus, multi_host=multi_host
+    )
     cluster = multi_host.cluster
     if config.jit_compile and not tf.config.list_logical_devices("GPU"):
-        logging.warning("--jit_compile on a host without GPUs: XLA's CPU kernels ran the cnn "
-                        "5-7x slower than TensorFlow's oneDNN kernels here (benchmarks/RESULTS.md)")
+        logging.warning(
+            "--jit_compile on a host without GPUs: XLA's CPU kernels ran the cnn "
+            "5-7x slower than TensorFlow's oneDNN kernels here (benchmarks/RESULTS.md)"
+        )
     model_spec = get_model_spec(config.model)
     image_shape = model_spec.default_input_shape
     try:
@@ -98,8 +101,9 @@ def run(config: RunConfig) -> dict[str, Any]:
     # One writer per model_dir (the chief); readers such as an evaluator take no lock.
     lock = model_dir_lib.writer_lock(model_dir) if write_dir == model_dir else contextlib.nullcontext()
     with lock:
-        return _train_and_evaluate(config, strategy, cluster, model_spec, image_shape, source,
-                                   model_dir, write_dir, total_steps)
+        return _train_and_evaluate(
+            config, strategy, cluster, model_spec, image_shape, source, model_dir, write_dir, total_steps
+        )
 
 
 def check_batch_fits(global_batch_size: int, num_train_examples: int | None, dataset: str) -> None:
@@ -112,8 +116,9 @@ def check_batch_fits(global_batch_size: int, num_train_examples: int | None, dat
         )
 
 
-def _train_and_evaluate(config, strategy, cluster, model_spec, image_shape, source,
-                        model_dir: str, write_dir: str, total_steps: int) -> dict[str, Any]:
+def _train_and_evaluate(
+    config, strategy, cluster, model_spec, image_shape, source, model_dir: str, write_dir: str, total_steps: int
+) -> dict[str, Any]:
     """The part of `run` that reads and writes model_dir: under the writer lock
     on the chief. Everything is checked before the first byte is written."""
     from engine.own_packages import own_package
@@ -125,29 +130,37 @@ def _train_and_evaluate(config, strategy, cluster, model_spec, image_shape, sour
         for directory in ("checkpoints", "best"):  # Saves cut short by kill -9 or a full disk.
             model_dir_lib.remove_orphan_temps(os.path.join(model_dir, directory))
         model_dir_lib.recover_state(checkpoint_lib.checkpoint_dir(model_dir))
-        checkpoint_lib.check_settings(model_dir, _optimizer_settings(config),
-                                      flags_may_change=config.reset_optimizer)
+        checkpoint_lib.check_settings(
+            model_dir, _optimizer_settings(config), flags_may_change=config.reset_optimizer
+        )
 
     with strategy.scope():
         try:
             model = model_spec.build(image_shape, source.num_classes)
         except own_package("models").ModelError as error:  # A user's builder returned something unusable.
             raise UserError(str(error)) from None
-        learning_rate = learning_rate_schedule(config.lr_schedule, config.learning_rate,
-                                               total_steps, config.warmup_steps)
+        learning_rate = learning_rate_schedule(
+            config.lr_schedule, config.learning_rate, total_steps, config.warmup_steps
+        )
         optimizer = build_optimizer(config.optimizer, learning_rate, config.mixed_precision)
 
     batch, seed = config.global_batch_size, config.seed
     if config.input_pipeline == "global":
+
         def train_data(start_step):
             return source.train_dataset(global_batch_size=batch, seed=seed, start_step=start_step)
+
         eval_data = source.eval_dataset(global_batch_size=batch)
     else:
+
         def train_data(input_context, start_step):
-            return source.train_dataset(global_batch_size=batch, seed=seed,
-                                        start_step=start_step, input_context=input_context)
+            return source.train_dataset(
+                global_batch_size=batch, seed=seed, start_step=start_step, input_context=input_context
+            )
+
         eval_data = None
         if source.num_eval_examples is not None:
+
             def eval_data(input_context):
                 return source.eval_dataset(global_batch_size=batch, input_context=input_context)
 
@@ -159,19 +172,30 @@ def _train_and_evaluate(config, strategy, cluster, model_spec, image_shape, sour
     if config.strategy == "parameter_server":
         from engine.coordinator import CoordinatedTrainer as trainer_class
     trainer = trainer_class(
-        strategy=strategy, model=model, optimizer=optimizer,
-        train_data=train_data, eval_data=eval_data, global_batch_size=batch,
+        strategy=strategy,
+        model=model,
+        optimizer=optimizer,
+        train_data=train_data,
+        eval_data=eval_data,
+        global_batch_size=batch,
         loss_fn=keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None),
         metrics=[keras.metrics.SparseCategoricalAccuracy(name="accuracy")],
-        model_dir=write_dir, restore_dir=model_dir if write_dir != model_dir else None,
+        model_dir=write_dir,
+        restore_dir=model_dir if write_dir != model_dir else None,
         steps_per_loop=config.steps_per_loop,
-        eval_every=config.eval_every, checkpoint_every=config.checkpoint_every,
-        max_checkpoints=config.max_checkpoints, clip_norm=config.clip_norm,
-        grad_accum_steps=config.grad_accum_steps, jit_compile=config.jit_compile,
-        on_nonfinite=config.on_nonfinite, restore_fallback=config.restore_fallback,
-        callbacks=hooks_from_config(config), log_every=config.log_every,
+        eval_every=config.eval_every,
+        checkpoint_every=config.checkpoint_every,
+        max_checkpoints=config.max_checkpoints,
+        clip_norm=config.clip_norm,
+        grad_accum_steps=config.grad_accum_steps,
+        jit_compile=config.jit_compile,
+        on_nonfinite=config.on_nonfinite,
+        restore_fallback=config.restore_fallback,
+        callbacks=hooks_from_config(config),
+        log_every=config.log_every,
         steps_per_epoch=max(1, source.num_train_examples // batch) if source.num_train_examples else None,
-        reset_optimizer=config.reset_optimizer, ema_decay=config.ema_decay or None,
+        reset_optimizer=config.reset_optimizer,
+        ema_decay=config.ema_decay or None,
     )
     for callback in trainer.callbacks:  # Hook state on disk (hooks/*.json, best/) is checked now.
         restore_state = getattr(callback, "restore_state", None)
@@ -183,8 +207,13 @@ def _train_and_evaluate(config, strategy, cluster, model_spec, image_shape, sour
     # and keeps the train part of metrics.json; everywhere else a finished run does nothing.
     if finished is not None and config.strategy != "multi_worker_mirrored":
         trainer.close()
-        logging.info("the run is already at step %d (the target is %d): nothing to do; %s left as it was; "
-                     "raise --train_steps or --epochs to continue", trainer.step, total_steps, metrics_path)
+        logging.info(
+            "the run is already at step %d (the target is %d): nothing to do; %s left as it was; "
+            "raise --train_steps or --epochs to continue",
+            trainer.step,
+            total_steps,
+            metrics_path,
+        )
         return finished
     if strategy.extended.should_checkpoint:  # Everything is checked: the first bytes written.
         write_hparams(model_dir, dataclasses.asdict(config))
@@ -193,21 +222,33 @@ def _train_and_evaluate(config, strategy, cluster, model_spec, image_shape, sour
         with stop_on_signals(trainer) as signal_record:
             try:
                 train_logs = trainer.train(total_steps)
-                eval_logs = trainer.evaluate_current() if eval_data is not None and \
-                    not trainer.stop_requested else {}
+                eval_logs = (
+                    trainer.evaluate_current() if eval_data is not None and not trainer.stop_requested else {}
+                )
             except tf.errors.InvalidArgumentError as error:
                 if "label" not in str(error):
                     raise
-                raise UserError(f"bad data in --dataset={config.dataset} --data_dir={config.data_dir}: "
-                                f"{str(error).splitlines()[0][:200]}; fix or remove that file") from None
+                raise UserError(
+                    f"bad data in --dataset={config.dataset} --data_dir={config.data_dir}: "
+                    f"{str(error).splitlines()[0][:200]}; fix or remove that file"
+                ) from None
         if trainer.stop_requested:
             trainer.close()
-            cause = (f"signal {signal_record.signum}" if signal_record.signum is not None
-                     else "a stop request from another worker")
-            logging.warning("stopped at step %d by %s; checkpoint saved in %s; rerun the same "
-                            "command to continue", trainer.step, cause, model_dir)
-            return {"global_step": trainer.step,
-                    "exit_status": signal_record.exit_status or STOPPED_BY_PEER_EXIT}
+            cause = (
+                f"signal {signal_record.signum}"
+                if signal_record.signum is not None
+                else "a stop request from another worker"
+            )
+            logging.warning(
+                "stopped at step %d by %s; checkpoint saved in %s; rerun the same command to continue",
+                trainer.step,
+                cause,
+                model_dir,
+            )
+            return {
+                "global_step": trainer.step,
+                "exit_status": signal_record.exit_status or STOPPED_BY_PEER_EXIT,
+            }
         trainer.close()
     finally:
         if write_dir != model_dir:
@@ -229,10 +270,14 @@ def _train_and_evaluate(config, strategy, cluster, model_spec, image_shape, sour
     }
     if write_dir == model_dir:
         model_dir_lib.write_json(metrics_path, result)
-    logging.info("done: step %d, eval %s, %.0f examples/s; wrote %s%s",
-                 trainer.step, eval_logs, speed or 0.0,
-                 metrics_path if write_dir == model_dir else "nothing (not the chief)",
-                 "" if cluster is None else f"; weights_digest={_weights_digest(model)}")
+    logging.info(
+        "done: step %d, eval %s, %.0f examples/s; wrote %s%s",
+        trainer.step,
+        eval_logs,
+        speed or 0.0,
+        metrics_path if write_dir == model_dir else "nothing (not the chief)",
+        "" if cluster is None else f"; weights_digest={_weights_digest(model)}",
+    )
     return result
 
 
@@ -253,18 +298,31 @@ def _log_banner(config, strategy, model, source, model_dir, total_steps, start_s
     logging.info(
         "strategy=%s replicas=%d devices=%s global_batch=%d per_replica_batch=%d "
         "model=%s params=%d dataset=%s (%s train / %s eval) steps=%d->%d model_dir=%s",
-        config.strategy, replicas, ",".join(devices), config.global_batch_size,
-        config.global_batch_size // replicas, config.model, model.count_params(),
-        config.dataset, source.num_train_examples, source.num_eval_examples,
-        start_step, total_steps, model_dir,
+        config.strategy,
+        replicas,
+        ",".join(devices),
+        config.global_batch_size,
+        config.global_batch_size // replicas,
+        config.model,
+        model.count_params(),
+        config.dataset,
+        source.num_train_examples,
+        source.num_eval_examples,
+        start_step,
+        total_steps,
+        model_dir,
     )
     logging.info("model %s:\n%s", config.model, model_summary(model))
 
 
 def _optimizer_settings(config: RunConfig) -> dict[str, str]:
     """The flags whose change makes a checkpoint's optimizer state wrong or unreadable."""
-    return {"optimizer": config.optimizer, "lr_schedule": config.lr_schedule,
-            "mixed_precision": config.mixed_precision, "ema_decay": str(config.ema_decay)}
+    return {
+        "optimizer": config.optimizer,
+        "lr_schedule": config.lr_schedule,
+        "mixed_precision": config.mixed_precision,
+        "ema_decay": str(config.ema_decay),
+    }
 
 
 def _finished_result(trainer: Trainer, total_steps: int, metrics_path: str) -> dict[str, Any] | None:

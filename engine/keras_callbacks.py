@@ -44,13 +44,16 @@ _REFUSED: dict[type, str] = {
     keras.callbacks.ModelCheckpoint: (
         "the engine saves checkpoints itself: pass model_dir= and checkpoint_every= to Trainer "
         "(--model_dir, --checkpoint_every), and engine.hooks.BestCheckpoint (--best_checkpoint_metric) "
-        "for save_best_only"),
+        "for save_best_only"
+    ),
     keras.callbacks.TensorBoard: (
         "the engine writes TensorBoard summaries itself to <model_dir>/train and <model_dir>/eval "
-        "(--histogram_every for weight histograms, --profile_steps for a profile)"),
+        "(--histogram_every for weight histograms, --profile_steps for a profile)"
+    ),
     keras.callbacks.BackupAndRestore: (
         "the engine resumes automatically from the latest checkpoint in model_dir; rerun the same "
-        "command or Trainer to continue"),
+        "command or Trainer to continue"
+    ),
 }
 
 
@@ -97,8 +100,10 @@ class KerasCallbacks(Callback):
             check_supported(callback)
         if steps_per_epoch is None:
             names = ", ".join(type(c).__name__ for c in callbacks)
-            raise UserError(f"Keras callbacks ({names}) act at epoch ends; pass steps_per_epoch= to "
-                            "Trainer (e.g. the train split's examples // global batch size)")
+            raise UserError(
+                f"Keras callbacks ({names}) act at epoch ends; pass steps_per_epoch= to "
+                "Trainer (e.g. the train split's examples // global batch size)"
+            )
         if steps_per_epoch < 1:
             raise UserError(f"steps_per_epoch={steps_per_epoch} must be at least 1")
         self.callbacks = list(callbacks)
@@ -128,8 +133,11 @@ class KerasCallbacks(Callback):
         if hasattr(trainer.model, "stop_training"):
             trainer.model.stop_training = False
         target = trainer.target_step or trainer.step
-        params = {"verbose": 0, "epochs": math.ceil(target / self.steps_per_epoch),
-                  "steps": self.steps_per_epoch}
+        params = {
+            "verbose": 0,
+            "epochs": math.ceil(target / self.steps_per_epoch),
+            "steps": self.steps_per_epoch,
+        }
         self._epoch, self._loop_start, self._pending = None, None, None
         self._sums, self._steps = {}, 0
         self._last_step = trainer.step
@@ -177,8 +185,9 @@ class KerasCallbacks(Callback):
             return
         epoch_logs = dict(self._pending[1])
         self._pending = None
-        epoch_logs.update({f"val_{name}": float(value) for name, value in logs.items()
-                           if name != "num_examples"})
+        epoch_logs.update(
+            {f"val_{name}": float(value) for name, value in logs.items() if name != "num_examples"}
+        )
         self._end_epoch(trainer, step, epoch_logs)
 
     def on_train_end(self, trainer: TrainerView, logs: Mapping[str, Any]) -> None:

@@ -83,16 +83,18 @@ def make_train_loop(
         names: list[str] = []
         run, first_size = first_batch.has_value(), tf.constant(-1, tf.int64)
         if per_replica_batch_size is not None:
-            first_size = tf.cond(run, lambda: _mismatched_size(first_batch.get_value()),
-                                 lambda: tf.constant(-1, tf.int64))
+            first_size = tf.cond(
+                run, lambda: _mismatched_size(first_batch.get_value()), lambda: tf.constant(-1, tf.int64)
+            )
             run = tf.logical_and(run, first_size < 0)
 
         def run_steps() -> dict[str, tf.Tensor]:
             outputs, finite = one_step(replica_step, first_batch.get_value())
             names.extend(outputs)
             zeros = {name: tf.zeros_like(value) for name, value in outputs.items()}
-            state = accumulate(zeros, tf.constant(0.0), tf.constant(0), tf.constant(-1),
-                               tf.constant(0), outputs, finite)
+            state = accumulate(
+                zeros, tf.constant(0.0), tf.constant(0), tf.constant(-1), tf.constant(0), outputs, finite
+            )
             steps_run = tf.constant(1)
             for index in tf.range(1, num_steps):
                 next_batch = iterator.get_next_as_optional()
@@ -103,13 +105,16 @@ def make_train_loop(
                 steps_run += 1
             totals, count, bad, first_bad = state
             means = {name: total / tf.maximum(count, 1.0) for name, total in totals.items()}
-            return {**means, "nonfinite_steps": bad, "first_nonfinite_index": first_bad,
-                    "steps_run": steps_run}
+            return {**means, "nonfinite_steps": bad, "first_nonfinite_index": first_bad, "steps_run": steps_run}
 
         def no_steps() -> dict[str, tf.Tensor]:
             # tf.cond traces run_steps first, so the step's output names are known here.
-            return {**{name: tf.constant(0.0) for name in names}, "nonfinite_steps": tf.constant(0),
-                    "first_nonfinite_index": tf.constant(-1), "steps_run": tf.constant(0)}
+            return {
+                **{name: tf.constant(0.0) for name in names},
+                "nonfinite_steps": tf.constant(0),
+                "first_nonfinite_index": tf.constant(-1),
+                "steps_run": tf.constant(0),
+            }
 
         outputs = tf.cond(run, run_steps, no_steps)
         if per_replica_batch_size is not None:
@@ -134,9 +139,7 @@ def make_train_loop(
     return train_loop
 
 
-def make_eval_loop(
-    strategy: tf.distribute.Strategy, replica_step: Callable[[Batch], None]
-) -> EvalLoop:
+def make_eval_loop(strategy: tf.distribute.Strategy, replica_step: Callable[[Batch], None]) -> EvalLoop:
     """Returns `loop(iterator, max_batches) -> exhausted`: the step over at
     most `max_batches` more batches of the iterator, and whether it ran out.
 

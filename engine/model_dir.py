@@ -90,8 +90,11 @@ def writer_lock(model_dir: str) -> Iterator[None]:
     says so and the block runs unguarded.
     """
     if is_remote(model_dir):
-        logging.warning("--model_dir=%s is not a local directory: it has no writer lock, so make sure "
-                        "no other run writes to it", model_dir)
+        logging.warning(
+            "--model_dir=%s is not a local directory: it has no writer lock, so make sure "
+            "no other run writes to it",
+            model_dir,
+        )
         yield
         return
     created = not tf.io.gfile.exists(model_dir)
@@ -123,12 +126,18 @@ def writer_lock(model_dir: str) -> Iterator[None]:
     previous = handle.read().strip()
     if previous:
         holder = _describe_holder(previous)
-        logging.warning("took over the writer lock of %s in %s: that run ended without "
-                        "releasing it (killed?)", holder, model_dir)
+        logging.warning(
+            "took over the writer lock of %s in %s: that run ended without releasing it (killed?)",
+            holder,
+            model_dir,
+        )
     handle.seek(0)
     handle.truncate()
-    handle.write(json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
-                             "since": time.strftime("%Y-%m-%dT%H:%M:%S%z")}))
+    handle.write(
+        json.dumps(
+            {"host": socket.gethostname(), "pid": os.getpid(), "since": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        )
+    )
     handle.flush()
     try:
         yield
@@ -212,8 +221,11 @@ def recover_state(directory: str) -> str | None:
     if not found:
         if state is None and tf.io.gfile.exists(state_path):  # Names nothing: set aside, start afresh.
             tf.io.gfile.rename(state_path, state_path + DAMAGED_STATE_SUFFIX, overwrite=True)
-            logging.warning("the checkpoint state file %s is damaged and there is no checkpoint; "
-                            "kept as %s", state_path, state_path + DAMAGED_STATE_SUFFIX)
+            logging.warning(
+                "the checkpoint state file %s is damaged and there is no checkpoint; kept as %s",
+                state_path,
+                state_path + DAMAGED_STATE_SUFFIX,
+            )
         return None
     readable = [path for path in found if read_problem(path) is None]
     if not readable:
@@ -227,8 +239,10 @@ def recover_state(directory: str) -> str | None:
         what = "damaged"
         tf.io.gfile.rename(state_path, state_path + DAMAGED_STATE_SUFFIX, overwrite=True)
     tf.compat.v1.train.update_checkpoint_state(directory, readable[-1], all_model_checkpoint_paths=readable)
-    message = (f"the checkpoint state file {state_path} was {what}; found {len(found)} checkpoint(s) "
-               f"by listing the directory and continue from the newest readable, {readable[-1]}")
+    message = (
+        f"the checkpoint state file {state_path} was {what}; found {len(found)} checkpoint(s) "
+        f"by listing the directory and continue from the newest readable, {readable[-1]}"
+    )
     logging.warning("%s", message)
     return message
 
@@ -248,8 +262,12 @@ def set_aside_unlisted(directory: str, number: int, *, listed: list[str]) -> Non
     for name in tf.io.gfile.listdir(directory):
         if name.startswith(prefix + "."):
             tf.io.gfile.rename(os.path.join(directory, name), os.path.join(aside, name))
-    logging.warning("%s existed but the checkpoint state did not list it; moved it to %s before saving "
-                    "a new %s", os.path.join(directory, prefix), aside, prefix)
+    logging.warning(
+        "%s existed but the checkpoint state did not list it; moved it to %s before saving a new %s",
+        os.path.join(directory, prefix),
+        aside,
+        prefix,
+    )
 
 
 def remove_orphan_temps(directory: str) -> None:
@@ -305,8 +323,9 @@ def read_json(path: str, *, what: str) -> Any | None:
         with tf.io.gfile.GFile(path, "r") as handle:
             return json.loads(handle.read())
     except (ValueError, UnicodeDecodeError, tf.errors.OpError) as error:
-        raise UserError(f"{path} ({what}) is damaged ({one_line(error, 120)}); "
-                        "restore it from a backup or move it away") from None
+        raise UserError(
+            f"{path} ({what}) is damaged ({one_line(error, 120)}); restore it from a backup or move it away"
+        ) from None
 
 
 def write_json(path: str, payload: Mapping[str, Any]) -> None:

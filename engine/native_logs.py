@@ -24,8 +24,10 @@ import sys
 import tempfile
 
 # absl's format (I0000 00:00:1796043263.123665    8024 port.cc:153] ...) and TSL's older one.
-_NATIVE_LINE = re.compile(r"^(?:([IWEF])\d{4} \d\d:\d\d:\d+\.\d+\s+\d+ \S+:\d+\]"
-                          r"|\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d+: ([IWEF]) \S+:\d+\])")
+_NATIVE_LINE = re.compile(
+    r"^(?:([IWEF])\d{4} \d\d:\d\d:\d+\.\d+\s+\d+ \S+:\d+\]"
+    r"|\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d+: ([IWEF]) \S+:\d+\])"
+)
 _BEFORE_INITIALIZE_LOG = "WARNING: All log messages before absl::InitializeLog() is called are written to STDERR"
 # The second line of cpu_feature_guard's note.
 _CONTINUATION = re.compile(r"^To enable the following instructions: .*compiler flags\.$")

@@ -64,8 +64,7 @@ def _load_beside(name: str) -> ModuleType:
 
 def _pop_tree(name: str) -> dict[str, ModuleType]:
     """Removes and returns `name` and its submodules from sys.modules."""
-    return {key: sys.modules.pop(key) for key in list(sys.modules)
-            if key == name or key.startswith(name + ".")}
+    return {key: sys.modules.pop(key) for key in list(sys.modules) if key == name or key.startswith(name + ".")}
 
 
 def _is_own(module: ModuleType) -> bool:

@@ -73,15 +73,22 @@ class _Watcher:
         name = signal.Signals(signum).name
         with self._lock:
             if self._stopping or self._trainer is None:
-                logging.warning("%s received%s: exiting now with status %d", name,
-                                " again" if self._stopping else "", 128 + signum)
+                logging.warning(
+                    "%s received%s: exiting now with status %d",
+                    name,
+                    " again" if self._stopping else "",
+                    128 + signum,
+                )
                 logging.flush()
                 sys.stderr.flush()
                 os._exit(128 + signum)
             self._stopping = True
             self._record.signum = signum
-            logging.warning("%s received: stopping after this compiled call and saving a checkpoint; "
-                            "send it again to exit at once", name)
+            logging.warning(
+                "%s received: stopping after this compiled call and saving a checkpoint; "
+                "send it again to exit at once",
+                name,
+            )
             self._trainer.request_stop()
 
     @contextlib.contextmanager
@@ -160,8 +167,9 @@ def stop_on_signals(trainer) -> Iterator[SignalRecord]:
         record.signum = signum
         for handled in HANDLED_SIGNALS:  # A second signal ends the process.
             signal.signal(handled, signal.SIG_DFL)
-        logging.warning("%s received: stopping after this loop and saving a checkpoint",
-                        signal.Signals(signum).name)
+        logging.warning(
+            "%s received: stopping after this loop and saving a checkpoint", signal.Signals(signum).name
+        )
         trainer.request_stop()
 
     for signum in HANDLED_SIGNALS:

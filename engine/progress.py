@@ -93,6 +93,5 @@ class Progress(Callback):
 
 def format_logs(logs: Mapping[str, Any]) -> str:
     return "  ".join(
-        f"{name}={value:.4g}" if isinstance(value, float) else f"{name}={value}"
-        for name, value in logs.items()
+        f"{name}={value:.4g}" if isinstance(value, float) else f"{name}={value}" for name, value in logs.items()
     )

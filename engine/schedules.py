@@ -19,9 +19,7 @@ STEP_DECAY_RATE = 0.1  # `step`: the rate drops 10x after each third of the run.
 DEFAULT_WARMUP_FRACTION = 0.1
 
 
-def learning_rate_schedule(
-    name: str, base_rate: float, total_steps: int, warmup_steps: int = 0
-) -> LearningRate:
+def learning_rate_schedule(name: str, base_rate: float, total_steps: int, warmup_steps: int = 0) -> LearningRate:
     """The learning rate (or schedule) called `name` over a run of `total_steps`.
 
     - constant: `base_rate` throughout;

@@ -42,9 +42,15 @@ def unpack_batch(batch: Batch, *, what: str = "step_fn") -> tuple[Any, tf.Tensor
     if isinstance(batch, (tuple, list)) and len(batch) in (2, 3):
         features, labels, *rest = batch
         return features, labels, (rest[0] if rest else None)
-    shape = f"a dict with keys {sorted(batch)}" if isinstance(batch, Mapping) else (
-        f"a {type(batch).__name__} of {len(batch)}" if isinstance(batch, (tuple, list))
-        else f"a {type(batch).__name__}")
+    shape = (
+        f"a dict with keys {sorted(batch)}"
+        if isinstance(batch, Mapping)
+        else (
+            f"a {type(batch).__name__} of {len(batch)}"
+            if isinstance(batch, (tuple, list))
+            else f"a {type(batch).__name__}"
+        )
+    )
     raise UserError(
         f"the standard step takes batches of (features, labels) or (features, labels, sample_weight), "
         f"got {shape}; map the dataset to that structure, or pass {what}= to take this batch yourself"
@@ -64,9 +70,7 @@ def _accepts_training(model: Any) -> bool:
         parameters = inspect.signature(model.__call__).parameters
     except (TypeError, ValueError):
         return False
-    return "training" in parameters or any(
-        p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()
-    )
+    return "training" in parameters or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
 
 
 def regularization_loss(model: Any) -> tf.Tensor:
@@ -120,24 +124,28 @@ def make_train_step(
         if structure is None or grad_accum_steps == 1:
             return [structure] * grad_accum_steps
         leaves = [tf.split(t, grad_accum_steps) for t in tf.nest.flatten(structure)]
-        return [tf.nest.pack_sequence_as(structure, [parts[i] for parts in leaves])
-                for i in range(grad_accum_steps)]
+        return [
+            tf.nest.pack_sequence_as(structure, [parts[i] for parts in leaves]) for i in range(grad_accum_steps)
+        ]
 
     def compute_gradients(features, labels: tf.Tensor, sample_weight: tf.Tensor | None):
         gradients = None
         data_loss_sum = tf.constant(0.0)
         reg_loss = tf.constant(0.0)
         all_logits = []
-        for part_features, part_labels, part_weight in zip(split(features), split(labels), split(sample_weight), strict=True):
+        for part_features, part_labels, part_weight in zip(
+            split(features), split(labels), split(sample_weight), strict=True
+        ):
             with tf.GradientTape() as tape:
                 logits = call_model(model, part_features, training=True)
                 per_example = tf.cast(loss_fn(part_labels, logits), tf.float32)
                 if part_weight is not None:
                     per_example = per_example * tf.cast(part_weight, tf.float32)
                 reg_loss = regularization_loss(model)
-                loss = tf.nn.compute_average_loss(
-                    per_example, global_batch_size=global_batch_size
-                ) + tf.nn.scale_regularization_loss(reg_loss) / grad_accum_steps
+                loss = (
+                    tf.nn.compute_average_loss(per_example, global_batch_size=global_batch_size)
+                    + tf.nn.scale_regularization_loss(reg_loss) / grad_accum_steps
+                )
                 if uses_loss_scale:
                     loss = optimizer.scale_loss(loss)
             part_gradients = tape.gradient(loss, variables)

@@ -27,9 +27,7 @@ def configure_cpu_devices(count: int) -> None:
     if existing is not None and len(existing) == count:
         return
     try:
-        tf.config.set_logical_device_configuration(
-            cpu, [tf.config.LogicalDeviceConfiguration()] * count
-        )
+        tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * count)
     except RuntimeError:
         have = len(tf.config.list_logical_devices("CPU"))
         if have >= count:
@@ -70,9 +68,7 @@ def build_strategy(
       UserError: an unknown name or an impossible device request, named.
     """
     if name not in STRATEGY_NAMES:
-        raise UserError(
-            f"unknown strategy {name!r}; choose one of: {', '.join(STRATEGY_NAMES)}"
-        )
+        raise UserError(f"unknown strategy {name!r}; choose one of: {', '.join(STRATEGY_NAMES)}")
     if name in MULTI_HOST_STRATEGIES:
         from engine.cluster.multi_host import MultiHostOptions, build_multi_host_strategy
 

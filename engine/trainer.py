@@ -123,12 +123,18 @@ class Trainer:
         if on_nonfinite not in NONFINITE_POLICIES:
             raise UserError(f"on_nonfinite={on_nonfinite!r} must be one of: {', '.join(NONFINITE_POLICIES)}")
         if step_fn is not None:
-            _refuse_standard_step_options(clip_norm=clip_norm, grad_accum_steps=grad_accum_steps,
-                                          jit_compile=jit_compile, on_nonfinite=on_nonfinite)
+            _refuse_standard_step_options(
+                clip_norm=clip_norm,
+                grad_accum_steps=grad_accum_steps,
+                jit_compile=jit_compile,
+                on_nonfinite=on_nonfinite,
+            )
         self.optimizers = _named_optimizers(optimizer)
         if step_fn is None and len(self.optimizers) > 1:
-            raise UserError(f"the standard step applies one optimizer, got {len(self.optimizers)} "
-                            f"({', '.join(self.optimizers)}); pass step_fn= to apply several")
+            raise UserError(
+                f"the standard step applies one optimizer, got {len(self.optimizers)} "
+                f"({', '.join(self.optimizers)}); pass step_fn= to apply several"
+            )
         _check_dataset_batch(train_data, global_batch_size)
         # Before the optimizer is built: Keras makes the averages when it builds it.
         self.weight_averages: WeightAverages | None = weight_averages(self.optimizers, ema_decay)
@@ -167,7 +173,10 @@ class Trainer:
             # scope before the first traced step (and before a restore).
             _build_optimizers(self.optimizers, model, variables)
             self.global_step = tf.Variable(
-                0, dtype=tf.int64, trainable=False, name="global_step",
+                0,
+                dtype=tf.int64,
+                trainable=False,
+                name="global_step",
                 aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
             )
             self.train_metrics = [_fresh_copy(m) for m in metrics]
@@ -177,37 +186,54 @@ class Trainer:
 
         if step_fn is None:
             step_fn = make_train_step(
-                model=model, optimizer=optimizer, loss_fn=loss_fn,
-                global_batch_size=global_batch_size, metrics=self.train_metrics,
-                clip_norm=clip_norm, grad_accum_steps=grad_accum_steps,
-                jit_compile=jit_compile, skip_nonfinite=on_nonfinite == "skip",
+                model=model,
+                optimizer=optimizer,
+                loss_fn=loss_fn,
+                global_batch_size=global_batch_size,
+                metrics=self.train_metrics,
+                clip_norm=clip_norm,
+                grad_accum_steps=grad_accum_steps,
+                jit_compile=jit_compile,
+                skip_nonfinite=on_nonfinite == "skip",
                 grad_norm=any(c.needs_grad_norm for c in self.callbacks),
             )
         self.replica_step = step_fn
         self.train_loop = make_train_loop(
-            strategy, step_fn, self.global_step,
+            strategy,
+            step_fn,
+            self.global_step,
             per_replica_batch_size=global_batch_size // strategy.num_replicas_in_sync,
         )
         self._stop_agreement = _make_stop_agreement(strategy)
         self.eval_loop = None
         if self._eval_data is not None:
-            self.eval_loop = make_eval_loop(strategy, make_eval_step(
-                model=model, loss_fn=loss_fn, loss_metric=self._eval_loss,
-                count_metric=self._eval_count, metrics=self.eval_metrics, eval_step_fn=eval_step_fn,
-            ))
+            self.eval_loop = make_eval_loop(
+                strategy,
+                make_eval_step(
+                    model=model,
+                    loss_fn=loss_fn,
+                    loss_metric=self._eval_loss,
+                    count_metric=self._eval_count,
+                    metrics=self.eval_metrics,
+                    eval_step_fn=eval_step_fn,
+                ),
+            )
 
         self.checkpoint_manager = None
         self._reset_optimizer = reset_optimizer
         if model_dir is not None:
             model_dir_lib.check_name(model_dir)
             # One optimizer keeps the key "optimizer" that existing checkpoints use.
-            optimizer_state = ({"optimizer": optimizer} if self.optimizer is not None
-                               else {"optimizers": dict(self.optimizers)})
+            optimizer_state = (
+                {"optimizer": optimizer} if self.optimizer is not None else {"optimizers": dict(self.optimizers)}
+            )
             checkpoint = tf.train.Checkpoint(model=model, global_step=self.global_step, **optimizer_state)
             _check_checkpointed(checkpoint, model)
             checkpoint_lib.set_aside_unreadable(model_dir, fallback=restore_fallback)
             self.checkpoint_manager = checkpoint_lib.make_manager(
-                model_dir, checkpoint, max_to_keep=max_checkpoints,
+                model_dir,
+                checkpoint,
+                max_to_keep=max_checkpoints,
                 step_counter=self.global_step,
             )
             self._restore()
@@ -222,8 +248,9 @@ class Trainer:
 
     def _restore(self) -> None:
         rates = {name: _constant_learning_rate(opt) for name, opt in self.optimizers.items()}
-        path = checkpoint_lib.restore_latest(self.checkpoint_manager, directory=self._restore_dir,
-                                             fresh_optimizer=self._reset_optimizer)
+        path = checkpoint_lib.restore_latest(
+            self.checkpoint_manager, directory=self._restore_dir, fresh_optimizer=self._reset_optimizer
+        )
         if path is None:
             return
         if self._reset_optimizer and self.weight_averages is not None:
@@ -243,10 +270,13 @@ class Trainer:
             return None
         step = self.step
         if not _all_finite(self.model):
-            raise UserError(f"the weights hold NaN or Inf at step {step}; not saved, the latest checkpoint "
-                            f"({self.checkpoint_manager.latest_checkpoint or 'none'}) is kept")
-        model_dir_lib.set_aside_unlisted(self.checkpoint_manager.directory, step,
-                                         listed=self.checkpoint_manager.checkpoints)
+            raise UserError(
+                f"the weights hold NaN or Inf at step {step}; not saved, the latest checkpoint "
+                f"({self.checkpoint_manager.latest_checkpoint or 'none'}) is kept"
+            )
+        model_dir_lib.set_aside_unlisted(
+            self.checkpoint_manager.directory, step, listed=self.checkpoint_manager.checkpoints
+        )
         try:
             path = self.checkpoint_manager.save(checkpoint_number=step)
         except (tf.errors.OpError, OSError) as error:
@@ -254,8 +284,10 @@ class Trainer:
             if message is None:
                 raise
             model_dir_lib.remove_orphan_temps(self.checkpoint_manager.directory)  # This save's ckpt-N_temp.
-            raise UserError(f"checkpoint at step {step} not saved: {message}; the latest checkpoint "
-                            f"({self.checkpoint_manager.latest_checkpoint or 'none'}) is kept") from None
+            raise UserError(
+                f"checkpoint at step {step} not saved: {message}; the latest checkpoint "
+                f"({self.checkpoint_manager.latest_checkpoint or 'none'}) is kept"
+            ) from None
         logger.info("Saved checkpoint %s", path)
         return path
 
@@ -333,12 +365,12 @@ class Trainer:
         last_saved = self.step
         self.target_step = steps
         if self.step >= steps:
-            logger.info("nothing to train: the global step %d is already at or past steps=%d",
-                        self.step, steps)
+            logger.info("nothing to train: the global step %d is already at or past steps=%d", self.step, steps)
             return logs
         if self.stop_training or self._stop_requested:
-            logger.warning("not training: a stop is in force at step %d (trainer.clear_stop() lifts it)",
-                           self.step)
+            logger.warning(
+                "not training: a stop is in force at step %d (trainer.clear_stop() lifts it)", self.step
+            )
             return logs
         for callback in self.callbacks:
             callback.on_train_begin(self)
@@ -380,8 +412,9 @@ class Trainer:
             if self._due(self.checkpoint_every):
                 self.save()
                 last_saved = self.step
-        if self.step != last_saved or (self.checkpoint_manager is not None
-                                       and self.checkpoint_manager.latest_checkpoint is None):
+        if self.step != last_saved or (
+            self.checkpoint_manager is not None and self.checkpoint_manager.latest_checkpoint is None
+        ):
             self.save()
         for callback in self.callbacks:
             callback.on_train_end(self, logs)
@@ -401,8 +434,9 @@ class Trainer:
         """Saves at the last completed step, then stops the run: training on
         would need data that is not there, and returning quietly would
         leave the caller believing the target was reached."""
-        if self.step != last_saved or (self.checkpoint_manager is not None
-                                       and self.checkpoint_manager.latest_checkpoint is None):
+        if self.step != last_saved or (
+            self.checkpoint_manager is not None and self.checkpoint_manager.latest_checkpoint is None
+        ):
             self.save()
         for callback in self.callbacks:
             callback.on_train_end(self, logs)
@@ -416,13 +450,17 @@ class Trainer:
     def _batch_size_message(self, per_replica: int) -> str:
         replicas = self.strategy.num_replicas_in_sync
         if yields_global_batches(self._train_data):
-            return (f"train_data's first batch holds {per_replica * replicas} examples but "
-                    f"global_batch_size={self.global_batch_size}; batch the dataset by "
-                    f"{self.global_batch_size} (global batches) or change global_batch_size; nothing was trained")
-        return (f"train_data's first batch holds {per_replica} examples per replica but "
-                f"global_batch_size={self.global_batch_size} over {replicas} replica(s) needs "
-                f"{self.global_batch_size // replicas}; batch by "
-                "input_context.get_per_replica_batch_size(global_batch_size); nothing was trained")
+            return (
+                f"train_data's first batch holds {per_replica * replicas} examples but "
+                f"global_batch_size={self.global_batch_size}; batch the dataset by "
+                f"{self.global_batch_size} (global batches) or change global_batch_size; nothing was trained"
+            )
+        return (
+            f"train_data's first batch holds {per_replica} examples per replica but "
+            f"global_batch_size={self.global_batch_size} over {replicas} replica(s) needs "
+            f"{self.global_batch_size // replicas}; batch by "
+            "input_context.get_per_replica_batch_size(global_batch_size); nothing was trained"
+        )
 
     def _learning_rates(self) -> dict[str, float]:
         if self.optimizer is not None:
@@ -590,16 +628,18 @@ def _refuse_standard_step_options(**options: Any) -> None:
 def _named_optimizers(optimizer: Optimizers) -> dict[str, keras.optimizers.Optimizer]:
     if isinstance(optimizer, keras.optimizers.Optimizer):
         return {"optimizer": optimizer}
-    if isinstance(optimizer, Mapping) and optimizer and all(
-        isinstance(o, keras.optimizers.Optimizer) for o in optimizer.values()
+    if (
+        isinstance(optimizer, Mapping)
+        and optimizer
+        and all(isinstance(o, keras.optimizers.Optimizer) for o in optimizer.values())
     ):
         return dict(optimizer)
-    raise UserError(f"optimizer={optimizer!r} must be a Keras optimizer or a non-empty dict of "
-                    "name -> Keras optimizer")
+    raise UserError(
+        f"optimizer={optimizer!r} must be a Keras optimizer or a non-empty dict of name -> Keras optimizer"
+    )
 
 
-def _build_optimizers(optimizers: Mapping[str, keras.optimizers.Optimizer], model: Any,
-                      variables: list) -> None:
+def _build_optimizers(optimizers: Mapping[str, keras.optimizers.Optimizer], model: Any, variables: list) -> None:
     """Builds each unbuilt optimizer on the variables it will update.
 
     One optimizer updates the whole model. A named one (several) updates

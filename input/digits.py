@@ -19,9 +19,7 @@ _SPLIT_SEED = 20240229
 def load_digits(image_shape: tuple[int, int, int], num_classes: int) -> InMemorySource:
     """1,500 train / 297 eval examples, resized once to `image_shape`."""
     if num_classes != 10:
-        raise DataError(
-            f"digits has 10 classes, got num_classes={num_classes}; use 10"
-        )
+        raise DataError(f"digits has 10 classes, got num_classes={num_classes}; use 10")
     from sklearn.datasets import load_digits as sklearn_load_digits
 
     digits = sklearn_load_digits()

@@ -25,9 +25,7 @@ from input.source import (
 _SEED_TAG = 0
 
 
-def _shuffled_positions(
-    positions: tf.Tensor, num_examples: int, seed: int
-) -> tf.Tensor:
+def _shuffled_positions(positions: tf.Tensor, num_examples: int, seed: int) -> tf.Tensor:
     """Example index at each stream position (int64 vector).
 
     One batch may span several epochs, so each position gets its own seed row.
@@ -103,13 +101,16 @@ class InMemorySource(DataSource):
                 )
             if len(images) != len(labels) or len(images) == 0:
                 raise ValueError(
-                    f"{name}: got {len(images)} images and {len(labels)} labels; "
-                    "need the same non-zero number"
+                    f"{name}: got {len(images)} images and {len(labels)} labels; need the same non-zero number"
                 )
         image_shape = tuple(int(d) for d in train[0].shape[1:])
-        eval_images, eval_labels = (None, None) if eval_split is None else (
-            _to_host_tensor(eval_split[0]),
-            _to_host_tensor(eval_split[1].astype(np.int32)),
+        eval_images, eval_labels = (
+            (None, None)
+            if eval_split is None
+            else (
+                _to_host_tensor(eval_split[0]),
+                _to_host_tensor(eval_split[1].astype(np.int32)),
+            )
         )
         return cls(
             name=name,
@@ -124,9 +125,7 @@ class InMemorySource(DataSource):
         )
 
     @staticmethod
-    def _gather_fn(
-        images: tf.Tensor, labels: tf.Tensor
-    ) -> Callable[[tf.Tensor], tuple[tf.Tensor, tf.Tensor]]:
+    def _gather_fn(images: tf.Tensor, labels: tf.Tensor) -> Callable[[tf.Tensor], tuple[tf.Tensor, tf.Tensor]]:
         """A tf.data map function turning index batches into example batches."""
 
         def gather(indices: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
@@ -153,9 +152,7 @@ class InMemorySource(DataSource):
             first = step * global_batch_size + layout.offset
             positions = first + tf.range(layout.examples_per_step, dtype=tf.int64)
             indices = _shuffled_positions(positions, num_examples, seed)
-            return tf.reshape(
-                indices, [layout.replicas_per_pipeline, layout.per_replica]
-            )
+            return tf.reshape(indices, [layout.replicas_per_pipeline, layout.per_replica])
 
         return (
             tf.data.Dataset.counter(start_step, dtype=tf.int64)
@@ -180,9 +177,7 @@ class InMemorySource(DataSource):
         layout = batch_layout(global_batch_size, input_context)
         indices = tf.data.Dataset.range(self.num_eval_examples)
         if input_context is not None:
-            indices = indices.shard(
-                input_context.num_input_pipelines, input_context.input_pipeline_id
-            )
+            indices = indices.shard(input_context.num_input_pipelines, input_context.input_pipeline_id)
         return (
             indices.batch(layout.per_replica, drop_remainder=False)
             .map(

@@ -19,9 +19,7 @@ _KEYS = ("x_train", "y_train", "x_test", "y_test")
 def _keras_cache_dir() -> str:
     """Where keras.datasets caches files; read at call time (not Keras' import
     time) so that HOME/KERAS_HOME changes are honoured."""
-    home = os.environ.get("KERAS_HOME") or os.path.join(
-        os.path.expanduser("~"), ".keras"
-    )
+    home = os.environ.get("KERAS_HOME") or os.path.join(os.path.expanduser("~"), ".keras")
     return os.path.join(home, "datasets")
 
 
@@ -30,9 +28,7 @@ def find_mnist(data_dir: str | None) -> str:
     itself) first, then the Keras cache."""
     candidates = []
     if data_dir is not None:
-        candidates.append(
-            data_dir if data_dir.endswith(".npz") else os.path.join(data_dir, FILE_NAME)
-        )
+        candidates.append(data_dir if data_dir.endswith(".npz") else os.path.join(data_dir, FILE_NAME))
     cache_dir = _keras_cache_dir()
     candidates.append(os.path.join(cache_dir, FILE_NAME))
     for path in candidates:
@@ -51,9 +47,7 @@ def _fit_uint8(images: np.ndarray, image_shape: tuple[int, int, int]) -> np.ndar
     height, width, channels = image_shape
     images = images[..., np.newaxis]
     if images.shape[1:3] != (height, width):
-        resized = fit_images(
-            tf.constant(images.astype(np.float32) / 255.0), (height, width, 1)
-        )
+        resized = fit_images(tf.constant(images.astype(np.float32) / 255.0), (height, width, 1))
         images = tf.cast(tf.round(resized * 255.0), tf.uint8).numpy()
     # Grayscale to C channels in uint8: 4x less memory traffic than in float.
     return np.repeat(images, channels, axis=-1) if channels != 1 else images
@@ -65,20 +59,24 @@ def _check_arrays(path: str, arrays: dict[str, np.ndarray], num_classes: int) ->
     for split in ("train", "test"):
         images, labels = arrays[f"x_{split}"], arrays[f"y_{split}"]
         if images.ndim != 3 or images.shape[1:] != (28, 28) or len(images) == 0 or images.dtype != np.uint8:
-            raise DataError(f"{path}: x_{split} is {images.dtype} of shape {images.shape}; expected "
-                            "(N, 28, 28) uint8 grayscale images as in keras.datasets.mnist")
+            raise DataError(
+                f"{path}: x_{split} is {images.dtype} of shape {images.shape}; expected "
+                "(N, 28, 28) uint8 grayscale images as in keras.datasets.mnist"
+            )
         if labels.shape != (len(images),) or not np.issubdtype(labels.dtype, np.integer):
-            raise DataError(f"{path}: y_{split} is {labels.dtype} of shape {labels.shape}; expected "
-                            f"{len(images)} integer labels, one per image of x_{split}")
+            raise DataError(
+                f"{path}: y_{split} is {labels.dtype} of shape {labels.shape}; expected "
+                f"{len(images)} integer labels, one per image of x_{split}"
+            )
         if labels.min() < 0 or labels.max() >= num_classes:
             bad = int(np.flatnonzero((labels < 0) | (labels >= num_classes))[0])
-            raise DataError(f"{path}: y_{split}[{bad}] = {int(labels[bad])} is not a class of "
-                            f"0..{num_classes - 1}; fix the file")
+            raise DataError(
+                f"{path}: y_{split}[{bad}] = {int(labels[bad])} is not a class of "
+                f"0..{num_classes - 1}; fix the file"
+            )
 
 
-def load_mnist(
-    image_shape: tuple[int, int, int], num_classes: int, data_dir: str | None
-) -> InMemorySource:
+def load_mnist(image_shape: tuple[int, int, int], num_classes: int, data_dir: str | None) -> InMemorySource:
     """The 60,000/10,000 split of the file."""
     if num_classes != 10:
         raise DataError(f"mnist has 10 classes, got num_classes={num_classes}; use 10")

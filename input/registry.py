@@ -38,9 +38,7 @@ def get_data_source(
     """
     loader = _LOADERS.get(name)
     if loader is None:
-        raise DataError(
-            f"unknown dataset {name!r}; choose one of: {', '.join(_LOADERS)}"
-        )
+        raise DataError(f"unknown dataset {name!r}; choose one of: {', '.join(_LOADERS)}")
     image_shape = tuple(int(d) for d in image_shape)
     if len(image_shape) != 3 or min(image_shape) < 1:
         raise DataError(

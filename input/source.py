@@ -35,14 +35,10 @@ class BatchLayout:
         return self.per_replica * self.replicas_per_pipeline
 
 
-def batch_layout(
-    global_batch_size: int, input_context: tf.distribute.InputContext | None
-) -> BatchLayout:
+def batch_layout(global_batch_size: int, input_context: tf.distribute.InputContext | None) -> BatchLayout:
     """Validate the batch size against the replicas and compute the slicing."""
     if global_batch_size < 1:
-        raise ValueError(
-            f"global_batch_size must be >= 1, got {global_batch_size}"
-        )
+        raise ValueError(f"global_batch_size must be >= 1, got {global_batch_size}")
     if input_context is None:
         return BatchLayout(global_batch_size, global_batch_size, 1, 0)
     replicas = input_context.num_replicas_in_sync

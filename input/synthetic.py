@@ -13,9 +13,7 @@ NUM_EVAL = 256
 _SEED = 12345  # fixed: the data must not change with the run's --seed
 
 
-def load_synthetic(
-    image_shape: tuple[int, int, int], num_classes: int
-) -> InMemorySource:
+def load_synthetic(image_shape: tuple[int, int, int], num_classes: int) -> InMemorySource:
     """Uniform uint8 pixels and uniform labels, generated once."""
     if num_classes < 1:
         raise DataError(f"num_classes must be >= 1, got {num_classes}")
@@ -27,6 +25,4 @@ def load_synthetic(
         return images, labels
 
     train = split(NUM_TRAIN)
-    return InMemorySource.from_arrays(
-        "synthetic", num_classes, train=train, eval_split=split(NUM_EVAL)
-    )
+    return InMemorySource.from_arrays("synthetic", num_classes, train=train, eval_split=split(NUM_EVAL))

@@ -49,10 +49,7 @@ def write_tfrecords(path: str, images: np.ndarray, labels: np.ndarray) -> None:
         )
     labels = np.asarray(labels)
     if labels.shape != (len(images),) or not np.issubdtype(labels.dtype, np.integer):
-        raise ValueError(
-            f"labels must be integers of shape ({len(images)},), got "
-            f"{labels.dtype} {labels.shape}"
-        )
+        raise ValueError(f"labels must be integers of shape ({len(images)},), got {labels.dtype} {labels.shape}")
     parent = os.path.dirname(path)
     if parent:
         tf.io.gfile.makedirs(parent)
@@ -128,9 +125,7 @@ def _check_files(files: tuple[str, ...], parser: _Parser) -> None:
             parser(first[0])
         except tf.errors.OpError as err:
             message = _op_error_text(err)
-            raise DataError(
-                f"cannot read TFRecord file {path}: {message}; {_LAYOUT_HELP}"
-            ) from None
+            raise DataError(f"cannot read TFRecord file {path}: {message}; {_LAYOUT_HELP}") from None
 
 
 def _count_records(files: tuple[str, ...]) -> int:
@@ -141,8 +136,7 @@ def _count_records(files: tuple[str, ...]) -> int:
         return int(records.reduce(tf.constant(0, tf.int64), lambda count, _: count + 1))
     except tf.errors.OpError as err:
         raise DataError(
-            f"cannot read eval TFRecord files {', '.join(files)}: "
-            f"{_op_error_text(err)}; {_LAYOUT_HELP}"
+            f"cannot read eval TFRecord files {', '.join(files)}: {_op_error_text(err)}; {_LAYOUT_HELP}"
         ) from None
 
 
@@ -169,15 +163,11 @@ class TFRecordSource(DataSource):
 
         def records(epoch: tf.Tensor) -> tf.data.Dataset:
             epoch_seed = tf.stack([tf.constant(seed, tf.int64), epoch])
-            order = tf.random.experimental.stateless_shuffle(
-                tf.range(len(files)), seed=epoch_seed
-            )
+            order = tf.random.experimental.stateless_shuffle(tf.range(len(files)), seed=epoch_seed)
             epoch_files = tf.gather(file_names, order)[shard_index::num_shards]
 
             def shuffle_block(block_index: tf.Tensor, block: tf.Tensor) -> tf.Tensor:
-                block_seed = tf.random.experimental.stateless_fold_in(
-                    epoch_seed, block_index
-                )
+                block_seed = tf.random.experimental.stateless_fold_in(epoch_seed, block_index)
                 positions = tf.random.experimental.stateless_shuffle(
                     tf.range(tf.shape(block)[0]), seed=block_seed
                 )
@@ -257,9 +247,7 @@ class TFRecordSource(DataSource):
         layout = batch_layout(global_batch_size, input_context)
         records = tf.data.TFRecordDataset(list(self._eval_files))
         if input_context is not None:
-            records = records.shard(
-                input_context.num_input_pipelines, input_context.input_pipeline_id
-            )
+            records = records.shard(input_context.num_input_pipelines, input_context.input_pipeline_id)
         return (
             records.map(self._parser, num_parallel_calls=tf.data.AUTOTUNE)
             .batch(layout.per_replica, drop_remainder=False)
@@ -268,9 +256,7 @@ class TFRecordSource(DataSource):
         )
 
 
-def load_tfrecord(
-    image_shape: tuple[int, int, int], num_classes: int, data_dir: str | None
-) -> TFRecordSource:
+def load_tfrecord(image_shape: tuple[int, int, int], num_classes: int, data_dir: str | None) -> TFRecordSource:
     """Check the files named by --data_dir; count the eval records (train
     files are not counted: that would read the whole data set)."""
     train_files, eval_files = _find_files(data_dir)

@@ -8,9 +8,7 @@ import math
 import keras
 from keras import layers
 
-_TRANSPOSED_CONVS = (
-    layers.Conv1DTranspose, layers.Conv2DTranspose, layers.Conv3DTranspose
-)
+_TRANSPOSED_CONVS = (layers.Conv1DTranspose, layers.Conv2DTranspose, layers.Conv3DTranspose)
 _SEPARABLE_CONVS = (layers.SeparableConv1D, layers.SeparableConv2D)
 _DEPTHWISE_CONVS = (layers.DepthwiseConv1D, layers.DepthwiseConv2D)
 _CONVS = (layers.Conv1D, layers.Conv2D, layers.Conv3D)

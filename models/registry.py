@@ -42,16 +42,20 @@ class ModelSpec:
 _SPECS: dict[str, ModelSpec] = {
     spec.name: spec
     for spec in (
-        ModelSpec("cnn", cnn.build, (28, 28, 1),
-                  "MNIST-tutorial CNN: 2 conv + 2 dense layers"),
-        ModelSpec("mlp", mlp.build, (28, 28, 1),
-                  "one hidden layer of 128 units"),
-        ModelSpec("resnet", resnet.build, (28, 28, 1),
-                  "ResNet-8 (CIFAR style, 3 stages of 1 block) with BatchNorm"),
-        ModelSpec("resnet50", resnet50.build, (224, 224, 3),
-                  "Keras ResNet50, random weights; throughput benchmarks only"),
-        ModelSpec("wide_mlp", wide_mlp.build, (28, 28, 1),
-                  "3 dense layers of 4096 units; matmul-heavy benchmark"),
+        ModelSpec("cnn", cnn.build, (28, 28, 1), "MNIST-tutorial CNN: 2 conv + 2 dense layers"),
+        ModelSpec("mlp", mlp.build, (28, 28, 1), "one hidden layer of 128 units"),
+        ModelSpec(
+            "resnet", resnet.build, (28, 28, 1), "ResNet-8 (CIFAR style, 3 stages of 1 block) with BatchNorm"
+        ),
+        ModelSpec(
+            "resnet50",
+            resnet50.build,
+            (224, 224, 3),
+            "Keras ResNet50, random weights; throughput benchmarks only",
+        ),
+        ModelSpec(
+            "wide_mlp", wide_mlp.build, (28, 28, 1), "3 dense layers of 4096 units; matmul-heavy benchmark"
+        ),
     )
 }
 
@@ -74,9 +78,7 @@ def get_model_spec(name: str) -> ModelSpec:
     try:
         return _SPECS[name]
     except KeyError:
-        raise ModelError(
-            f"unknown model {name!r}; choose one of: {', '.join(_SPECS)}"
-        ) from None
+        raise ModelError(f"unknown model {name!r}; choose one of: {', '.join(_SPECS)}") from None
 
 
 def _user_model_spec(name: str) -> ModelSpec:
@@ -86,12 +88,15 @@ def _user_model_spec(name: str) -> ModelSpec:
     try:
         module = importlib.import_module(module_name)
     except Exception as error:  # Any failure in the user's module (ImportError, SyntaxError, ...).
-        raise ModelError(f"--model={name}: cannot import {module_name!r}: "
-                         f"{type(error).__name__}: {_first_line(error)}") from None
+        raise ModelError(
+            f"--model={name}: cannot import {module_name!r}: {type(error).__name__}: {_first_line(error)}"
+        ) from None
     function = getattr(module, function_name, None)
     if not callable(function):
-        raise ModelError(f"--model={name}: {module_name!r} ({module.__file__}) has no function "
-                         f"{function_name!r}; define {function_name}(input_shape, num_classes) -> keras.Model")
+        raise ModelError(
+            f"--model={name}: {module_name!r} ({module.__file__}) has no function "
+            f"{function_name!r}; define {function_name}(input_shape, num_classes) -> keras.Model"
+        )
 
     def build(input_shape: tuple[int, ...], num_classes: int) -> keras.Model:
         model = function(input_shape, num_classes)
@@ -104,19 +109,25 @@ def _user_model_spec(name: str) -> ModelSpec:
 def _check_user_model(name: str, model, num_classes: int) -> None:
     """Refuses what would train silently wrong: the engine's loss takes logits of num_classes."""
     if not isinstance(model, keras.Model):
-        raise ModelError(f"--model={name} returned {type(model).__module__}.{type(model).__name__}, "
-                         "not a keras.Model; return an (uncompiled) keras.Model")
+        raise ModelError(
+            f"--model={name} returned {type(model).__module__}.{type(model).__name__}, "
+            "not a keras.Model; return an (uncompiled) keras.Model"
+        )
     try:
         outputs = model.outputs
     except (AttributeError, ValueError):  # A subclassed model: no symbolic outputs to check.
         return
     if outputs and len(outputs) == 1 and outputs[0].shape[-1] not in (None, num_classes):
-        raise ModelError(f"--model={name} outputs shape {tuple(outputs[0].shape)}; the data set has "
-                         f"{num_classes} classes: end with a Dense({num_classes}) of logits")
+        raise ModelError(
+            f"--model={name} outputs shape {tuple(outputs[0].shape)}; the data set has "
+            f"{num_classes} classes: end with a Dense({num_classes}) of logits"
+        )
     last = model.layers[-1] if model.layers else None
     if isinstance(last, keras.layers.Softmax) or getattr(last, "activation", None) is keras.activations.softmax:
-        raise ModelError(f"--model={name} ends with a softmax; the engine's loss takes logits "
-                         "(from_logits=True): drop the softmax from the last layer")
+        raise ModelError(
+            f"--model={name} ends with a softmax; the engine's loss takes logits "
+            "(from_logits=True): drop the softmax from the last layer"
+        )
 
 
 def _first_line(error: Exception) -> str:

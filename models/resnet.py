@@ -29,15 +29,12 @@ def _block(x: keras.KerasTensor, filters: int, stride: int) -> keras.KerasTensor
     return layers.Activation("relu")(layers.Add()([y, shortcut]))
 
 
-def build(
-    input_shape: tuple[int, ...], num_classes: int, blocks_per_stage: int = 1
-) -> keras.Model:
+def build(input_shape: tuple[int, ...], num_classes: int, blocks_per_stage: int = 1) -> keras.Model:
     """ResNet-(6n+2) with n = blocks_per_stage; the registry uses n=1 (ResNet-8)
     so that it trains in seconds on a CPU. n=3 gives ResNet-20."""
     if blocks_per_stage < 1:
         raise ValueError(
-            f"blocks_per_stage must be >= 1, got {blocks_per_stage}; "
-            "use 1 for ResNet-8, 3 for ResNet-20"
+            f"blocks_per_stage must be >= 1, got {blocks_per_stage}; use 1 for ResNet-8, 3 for ResNet-20"
         )
     inputs = keras.Input(shape=input_shape)
     x = layers.Conv2D(STAGE_FILTERS[0], 3, padding="same", use_bias=False)(inputs)

@@ -15,10 +15,6 @@ def build(input_shape: tuple[int, ...], num_classes: int) -> keras.Model:
     GlobalAveragePooling + Dense, computed in float32.
     """
     inputs = keras.Input(shape=input_shape)
-    backbone = keras.applications.ResNet50(
-        include_top=False, weights=None, input_tensor=inputs, pooling="avg"
-    )
-    outputs = layers.Dense(num_classes, dtype="float32", name="predictions")(
-        backbone.output
-    )
+    backbone = keras.applications.ResNet50(include_top=False, weights=None, input_tensor=inputs, pooling="avg")
+    outputs = layers.Dense(num_classes, dtype="float32", name="predictions")(backbone.output)
     return keras.Model(inputs, outputs, name="resnet50")

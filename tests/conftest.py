@@ -11,9 +11,7 @@ import tensorflow as tf  # noqa: E402
 TEST_CPU_DEVICES = 2
 
 _cpu = tf.config.list_physical_devices("CPU")[0]
-tf.config.set_logical_device_configuration(
-    _cpu, [tf.config.LogicalDeviceConfiguration()] * TEST_CPU_DEVICES
-)
+tf.config.set_logical_device_configuration(_cpu, [tf.config.LogicalDeviceConfiguration()] * TEST_CPU_DEVICES)
 
 
 import pytest  # noqa: E402

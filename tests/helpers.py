@@ -35,17 +35,30 @@ def python_env(**extra: str) -> dict[str, str]:
 # ------------------------------------------------------------------ the command line
 
 
-def run_main(*flags: str, cwd: Path | None = None, timeout: int = 240,
-             env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "engine.main", *flags], cwd=cwd or REPO,
-                          env=python_env(**(env or {})), capture_output=True, text=True, timeout=timeout)
+def run_main(
+    *flags: str, cwd: Path | None = None, timeout: int = 240, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "engine.main", *flags],
+        cwd=cwd or REPO,
+        env=python_env(**(env or {})),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def popen_main(*flags: str) -> subprocess.Popen:
     """`engine.main` in its own process group (so `stop` ends whatever it started)."""
-    return subprocess.Popen([sys.executable, "-m", "engine.main", *flags], cwd=REPO, env=python_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "engine.main", *flags],
+        cwd=REPO,
+        env=python_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
 
 
 def kill_group(process: subprocess.Popen) -> None:
@@ -109,8 +122,14 @@ def free_ports(count: int) -> list[int]:
 
 # ---------------------------------------------------------------- clusters on localhost
 
-SMALL = ["--model=mlp", "--dataset=synthetic", "--optimizer=sgd", "--learning_rate=0.1",
-         "--global_batch_size=32", "--eval_every=0"]
+SMALL = [
+    "--model=mlp",
+    "--dataset=synthetic",
+    "--optimizer=sgd",
+    "--learning_rate=0.1",
+    "--global_batch_size=32",
+    "--eval_every=0",
+]
 
 
 class Launched:
@@ -118,9 +137,13 @@ class Launched:
 
     def __init__(self, *args: str, env: dict[str, str] | None = None):
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "engine.launch", *args], cwd=REPO,
+            [sys.executable, "-m", "engine.launch", *args],
+            cwd=REPO,
             env=dict(os.environ, PYTHONPATH=str(REPO), TF_CPP_MIN_LOG_LEVEL="2", **(env or {})),
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
         )
         self.lines: list[str] = []
         self._reader = threading.Thread(target=self._read, daemon=True)
@@ -138,8 +161,12 @@ class Launched:
     def output_without_grpc_noise(self) -> str:
         """The output less TF's per-call gRPC complaints about a dead peer,
         which otherwise bury the line that says what went wrong."""
-        noise = ("Failed to remove function remotely", "Additional GRPC error information",
-                 "Error received from peer", "This could happen if the remote target")
+        noise = (
+            "Failed to remove function remotely",
+            "Additional GRPC error information",
+            "Error received from peer",
+            "This could happen if the remote target",
+        )
         return "\n".join(line for line in self.lines if not any(n in line for n in noise))
 
     def wait_for(self, pattern: str, timeout: float) -> re.Match:
@@ -193,8 +220,11 @@ class Launched:
 
 
 def snapshot(directory: Path) -> dict[str, str]:
-    return {str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(directory.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(directory.rglob("*"))
+        if p.is_file()
+    }
 
 
 def copy_of(source: Path, destination: Path) -> Path:
@@ -212,8 +242,9 @@ def latest_step(model_dir: Path) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def wait_for_checkpoint(model_dir: Path, process: subprocess.Popen, timeout: float = 240,
-                        beyond: int = -1) -> int:
+def wait_for_checkpoint(
+    model_dir: Path, process: subprocess.Popen, timeout: float = 240, beyond: int = -1
+) -> int:
     """Waits until the latest checkpoint's step is past `beyond` (any step by
     default) while the process still runs; returns that step."""
     deadline = time.monotonic() + timeout
@@ -227,8 +258,11 @@ def wait_for_checkpoint(model_dir: Path, process: subprocess.Popen, timeout: flo
 def model_weights(model_dir: Path, step: int) -> dict[str, np.ndarray]:
     reader = tf.train.load_checkpoint(str(model_dir / "checkpoints" / f"ckpt-{step}"))
     # The model's weights are saved once, under the optimizer that tracks them too.
-    return {name: reader.get_tensor(name) for name in reader.get_variable_to_shape_map()
-            if name.startswith(("optimizer/_trainable_variables/", "global_step/"))}
+    return {
+        name: reader.get_tensor(name)
+        for name in reader.get_variable_to_shape_map()
+        if name.startswith(("optimizer/_trainable_variables/", "global_step/"))
+    }
 
 
 def eval_steps(model_dir: Path) -> list[int]:
@@ -256,11 +290,13 @@ def make_arrays(n: int, seed: int = 0):
 def make_model(strategy, seed: int = 3, l2: float = 0.0):
     with strategy.scope():
         regularizer = keras.regularizers.L2(l2) if l2 else None
-        model = keras.Sequential([
-            keras.Input((NUM_FEATURES,)),
-            keras.layers.Dense(16, activation="relu", kernel_regularizer=regularizer),
-            keras.layers.Dense(NUM_CLASSES),
-        ])
+        model = keras.Sequential(
+            [
+                keras.Input((NUM_FEATURES,)),
+                keras.layers.Dense(16, activation="relu", kernel_regularizer=regularizer),
+                keras.layers.Dense(NUM_CLASSES),
+            ]
+        )
         optimizer = keras.optimizers.SGD(0.5)
     rng = np.random.RandomState(seed)  # Same start for every strategy.
     model.set_weights([rng.normal(0, 0.5, w.shape).astype("float32") for w in model.get_weights()])

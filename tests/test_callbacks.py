@@ -34,13 +34,28 @@ def test_hooks_run_in_order_and_a_plain_callable_can_stop_training(tmp_path, mir
 
     model, optimizer = make_model(strategy)
     eval_data = global_batches(x, y, 16).take(2)
-    trainer = engine.Trainer(strategy=strategy, model=model, optimizer=optimizer,
-                             train_data=global_batches(x, y, 16), global_batch_size=16,
-                             loss_fn=loss_fn(), eval_data=eval_data, eval_every=4, steps_per_loop=4,
-                             callbacks=[recorder, stop_at_eight], model_dir=str(tmp_path))
+    trainer = engine.Trainer(
+        strategy=strategy,
+        model=model,
+        optimizer=optimizer,
+        train_data=global_batches(x, y, 16),
+        global_batch_size=16,
+        loss_fn=loss_fn(),
+        eval_data=eval_data,
+        eval_every=4,
+        steps_per_loop=4,
+        callbacks=[recorder, stop_at_eight],
+        model_dir=str(tmp_path),
+    )
     trainer.train(100)
     assert trainer.step == 8
-    assert recorder.events == [("begin", 0), ("loop", 4), ("eval", 4, 32), ("loop", 8),
-                               ("eval", 8, 32), ("end", 8)]
+    assert recorder.events == [
+        ("begin", 0),
+        ("loop", 4),
+        ("eval", 4, 32),
+        ("loop", 8),
+        ("eval", 8, 32),
+        ("end", 8),
+    ]
     assert trainer.checkpoint_manager.latest_checkpoint.endswith("ckpt-8")
     assert trainer.train_loop.experimental_get_tracing_count() == 1

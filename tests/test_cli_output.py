@@ -23,8 +23,9 @@ HELP_SECONDS = 4.0
 def python(*args: str, env: dict[str, str] | None = None, timeout: float = 240) -> subprocess.CompletedProcess:
     environment = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
     environment.update(PYTHONPATH=str(REPO), **(env or {}))
-    return subprocess.run([sys.executable, *args], cwd=REPO, env=environment, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, *args], cwd=REPO, env=environment, capture_output=True, text=True, timeout=timeout
+    )
 
 
 @pytest.mark.slow
@@ -56,16 +57,21 @@ def test_a_run_prints_no_native_start_up_lines_unless_asked():
 
 
 def test_only_native_log_lines_are_held_back():
-    text = ("WARNING: All log messages before absl::InitializeLog() is called are written to STDERR\n"
-            "I0000 00:00:1796043263.123665    8024 cpu_feature_guard.cc:227] This TensorFlow binary ...\n"
-            "To enable the following instructions: AVX2 FMA, in other operations, rebuild TensorFlow with the "
-            "appropriate compiler flags.\n"
-            "E0000 00:00:1796043271.934405    8024 cuda_platform.cc:52] failed call to cuInit: UNKNOWN ERROR (303)\n"
-            "/x.py:3: UserWarning: a Python warning\n"
-            "Traceback (most recent call last):\n")
+    text = (
+        "WARNING: All log messages before absl::InitializeLog() is called are written to STDERR\n"
+        "I0000 00:00:1796043263.123665    8024 cpu_feature_guard.cc:227] This TensorFlow binary ...\n"
+        "To enable the following instructions: AVX2 FMA, in other operations, rebuild TensorFlow with the "
+        "appropriate compiler flags.\n"
+        "E0000 00:00:1796043271.934405    8024 cuda_platform.cc:52] failed call to cuInit: UNKNOWN ERROR (303)\n"
+        "/x.py:3: UserWarning: a Python warning\n"
+        "Traceback (most recent call last):\n"
+    )
     python_lines = "/x.py:3: UserWarning: a Python warning\nTraceback (most recent call last):\n"
     assert kept_lines(text, 2) == python_lines
-    assert kept_lines(text, 1) == text.splitlines(keepends=True)[0] + text.splitlines(keepends=True)[3] + python_lines
+    assert (
+        kept_lines(text, 1)
+        == text.splitlines(keepends=True)[0] + text.splitlines(keepends=True)[3] + python_lines
+    )
     assert kept_lines(text, 0) == text
 
 
@@ -85,9 +91,21 @@ def test_the_launcher_checks_engine_main_flags_without_importing_tensorflow():
 @pytest.mark.timeout(300)
 def test_a_launched_cluster_prints_no_native_start_up_lines(tmp_path):
     """engine.server's ps and worker tasks hold them back too (and EMA runs under parameter servers)."""
-    result = python("-m", "engine.launch", "--num_workers=1", "--num_ps=1", "--", "--strategy=parameter_server",
-                    "--model=mlp", "--train_steps=20", "--steps_per_loop=10", "--eval_every=10",
-                    "--ema_decay=0.9", f"--model_dir={tmp_path}", timeout=280)
+    result = python(
+        "-m",
+        "engine.launch",
+        "--num_workers=1",
+        "--num_ps=1",
+        "--",
+        "--strategy=parameter_server",
+        "--model=mlp",
+        "--train_steps=20",
+        "--steps_per_loop=10",
+        "--eval_every=10",
+        "--ema_decay=0.9",
+        f"--model_dir={tmp_path}",
+        timeout=280,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     output = result.stdout + result.stderr
     assert "[ps:0]" in output and "[worker:0]" in output and "eval at step 20" in output

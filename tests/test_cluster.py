@@ -11,12 +11,20 @@ WORKERS = ["a:2222", "b:2222"]
 
 
 def test_flags_build_the_same_tf_config_tensorflow_reads():
-    cluster = resolve_cluster(worker_hosts=WORKERS, ps_hosts=["p:2222"], chief_host="c:2222",
-                              task_type="worker", task_index=1, environ={})
+    cluster = resolve_cluster(
+        worker_hosts=WORKERS,
+        ps_hosts=["p:2222"],
+        chief_host="c:2222",
+        task_type="worker",
+        task_index=1,
+        environ={},
+    )
     assert cluster.address == "b:2222" and not cluster.is_chief and cluster.num_workers == 2
     config = json.loads(cluster.tf_config())
-    assert config == {"cluster": {"worker": WORKERS, "ps": ["p:2222"], "chief": ["c:2222"]},
-                      "task": {"type": "worker", "index": 1}}
+    assert config == {
+        "cluster": {"worker": WORKERS, "ps": ["p:2222"], "chief": ["c:2222"]},
+        "task": {"type": "worker", "index": 1},
+    }
     resolver = cluster.resolver()
     assert resolver.cluster_spec().as_dict()["worker"] == WORKERS
     assert (resolver.task_type, resolver.task_id) == ("worker", 1)
@@ -36,11 +44,15 @@ def test_no_cluster_means_one_host():
 
 BAD = [
     (dict(environ={"TF_CONFIG": "{not json"}), "TF_CONFIG is not valid JSON"),
-    (dict(environ={"TF_CONFIG": '{"cluster": {"boss": ["a:1"]}, "task": {"type": "boss"}}'}),
-     "unknown task type 'boss' in TF_CONFIG"),
-    (dict(environ={"TF_CONFIG": '{"cluster": {"worker": ["a:1"]}, "task": {"type": "worker", "index": 3}}'}),
-     "task index 3 from TF_CONFIG is out of range: job 'worker' has 1 task(s), so use 0..0"),
-    (dict(environ={"TF_CONFIG": '{"cluster": {"worker": ["a:1"]}}'}), "TF_CONFIG needs a \"task\""),
+    (
+        dict(environ={"TF_CONFIG": '{"cluster": {"boss": ["a:1"]}, "task": {"type": "boss"}}'}),
+        "unknown task type 'boss' in TF_CONFIG",
+    ),
+    (
+        dict(environ={"TF_CONFIG": '{"cluster": {"worker": ["a:1"]}, "task": {"type": "worker", "index": 3}}'}),
+        "task index 3 from TF_CONFIG is out of range: job 'worker' has 1 task(s), so use 0..0",
+    ),
+    (dict(environ={"TF_CONFIG": '{"cluster": {"worker": ["a:1"]}}'}), 'TF_CONFIG needs a "task"'),
     (dict(worker_hosts=["a"], task_type="worker", environ={}), "worker address 'a' has no port"),
     (dict(worker_hosts=["a:http"], task_type="worker", environ={}), "bad port 'http'"),
     (dict(worker_hosts=["a:1", "a:1"], task_type="worker", environ={}), "a:1 used by more than one task"),
@@ -85,7 +97,9 @@ def test_an_evaluator_is_outside_the_training_cluster():
     # TensorFlow's training tasks never wait for (or all-reduce with) the evaluator.
     assert "evaluator" not in worker.resolver().cluster_spec().as_dict()
     assert ("evaluator:0", "e:1") not in worker.peers() and ("chief:0", "c:1") in worker.peers()
-    evaluator = resolve_cluster(environ={"TF_CONFIG": json.dumps({"cluster": spec, "task": {"type": "evaluator"}})})
+    evaluator = resolve_cluster(
+        environ={"TF_CONFIG": json.dumps({"cluster": spec, "task": {"type": "evaluator"}})}
+    )
     assert evaluator.is_evaluator and not evaluator.is_chief
     for strategy in ("parameter_server", "multi_worker_mirrored", "default"):
         check_strategy_cluster(strategy, evaluator)  # it evaluates alone, whatever the cluster trains with

@@ -11,7 +11,7 @@ from helpers import run_main, snapshot
 
 pytestmark = pytest.mark.slow  # every test here starts processes
 
-USER_NET = '''
+USER_NET = """
 import keras
 import models  # The user's own models.py and input.py, not the engine's packages.
 import input as user_input
@@ -36,7 +36,7 @@ def with_softmax(input_shape, num_classes):
 
 def wrong_classes(input_shape, num_classes):
     return keras.Sequential([keras.Input(input_shape), keras.layers.Flatten(), keras.layers.Dense(3)])
-'''
+"""
 
 
 def user_project(directory: Path) -> Path:
@@ -52,8 +52,9 @@ def user_project(directory: Path) -> Path:
 
 def test_a_users_model_trains_from_the_cli_beside_their_models_and_input_py(tmp_path):
     project = user_project(tmp_path)
-    result = run_main("--model=nets.small:build", "--train_steps=30", "--eval_every=0",
-                      "--model_dir=run", cwd=project)
+    result = run_main(
+        "--model=nets.small:build", "--train_steps=30", "--eval_every=0", "--model_dir=run", cwd=project
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     metrics = json.loads((project / "run" / "metrics.json").read_text())
     assert metrics["global_step"] == 30
@@ -63,13 +64,17 @@ def test_a_users_model_trains_from_the_cli_beside_their_models_and_input_py(tmp_
     assert "user_hidden (Dense)" in result.stderr and "Total params: 19,090" in result.stderr
     # The checkpoint holds the user's model: its 28*28 -> 24 hidden layer is in no built-in model.
     import tensorflow as tf
+
     shapes = [shape for _, shape in tf.train.list_variables(str(project / "run" / "checkpoints"))]
     assert [28 * 28, 24] in shapes and [24, 10] in shapes, shapes
 
 
 BAD_MODELS = [
-    ("broken:build", "--model=broken:build: cannot import 'broken': ModuleNotFoundError: "
-                     "No module named 'not_installed_anywhere'"),
+    (
+        "broken:build",
+        "--model=broken:build: cannot import 'broken': ModuleNotFoundError: "
+        "No module named 'not_installed_anywhere'",
+    ),
     ("nets.missing:build", "cannot import 'nets.missing'"),
     ("nets.small:nothing", "has no function 'nothing'"),
     ("nets.small:not_a_model", "--model=nets.small:not_a_model returned builtins.str, not a keras.Model"),

@@ -27,20 +27,27 @@ def arrays(n: int, seed: int = 0):
 
 def new_trainer(strategy, *, model_dir=None, reset_optimizer=False, **kwargs):
     with strategy.scope():
-        model = keras.Sequential([keras.Input((FEATURES,)), keras.layers.Dense(8, activation="relu"),
-                                  keras.layers.Dense(CLASSES)])
+        model = keras.Sequential(
+            [keras.Input((FEATURES,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(CLASSES)]
+        )
         optimizer = keras.optimizers.SGD(0.5, momentum=0.5)
     rng = np.random.RandomState(3)
     model.set_weights([rng.normal(0, 0.5, w.shape).astype("float32") for w in model.get_weights()])
     x, y = arrays(64)
     ex, ey = arrays(40, seed=1)
     return engine.Trainer(
-        strategy=strategy, model=model, optimizer=optimizer, global_batch_size=BATCH,
+        strategy=strategy,
+        model=model,
+        optimizer=optimizer,
+        global_batch_size=BATCH,
         train_data=tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(BATCH, drop_remainder=True),
         eval_data=tf.data.Dataset.from_tensor_slices((ex, ey)).batch(BATCH),
         loss_fn=keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None),
         metrics=[keras.metrics.SparseCategoricalAccuracy(name="accuracy")],
-        model_dir=model_dir, reset_optimizer=reset_optimizer, **kwargs)
+        model_dir=model_dir,
+        reset_optimizer=reset_optimizer,
+        **kwargs,
+    )
 
 
 def assert_bitwise(a, b):
@@ -57,8 +64,14 @@ def test_training_is_unchanged_and_evaluation_uses_the_averages(mirrored):
         assert plain.train(step)["loss"] == averaged.train(step)["loss"]
         weights = averaged.model.get_weights()
         assert_bitwise(plain.model.get_weights(), weights)
-        expected = weights if expected is None else [
-            np.float32(DECAY) * e + (np.float32(1) - np.float32(DECAY)) * w for e, w in zip(expected, weights, strict=True)]
+        expected = (
+            weights
+            if expected is None
+            else [
+                np.float32(DECAY) * e + (np.float32(1) - np.float32(DECAY)) * w
+                for e, w in zip(expected, weights, strict=True)
+            ]
+        )
 
     before = averaged.model.get_weights()
     ema_eval = averaged.evaluate()
@@ -107,50 +120,81 @@ def test_bad_ema_settings_are_refused(default):
         built.build(model.trainable_variables)
     x, y = arrays(32)
     with pytest.raises(UserError, match="needs an optimizer that is not built yet"):
-        engine.Trainer(strategy=default, model=model, optimizer=built, global_batch_size=BATCH,
-                       train_data=tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH),
-                       loss_fn=keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None),
-                       ema_decay=0.9)
+        engine.Trainer(
+            strategy=default,
+            model=model,
+            optimizer=built,
+            global_batch_size=BATCH,
+            train_data=tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH),
+            loss_fn=keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None),
+            ema_decay=0.9,
+        )
 
 
-CLI = ["--model=mlp", "--dataset=digits", "--optimizer=sgd", "--learning_rate=0.1", "--global_batch_size=32",
-       "--steps_per_loop=10", "--eval_every=10", "--train_steps=30"]
+CLI = [
+    "--model=mlp",
+    "--dataset=digits",
+    "--optimizer=sgd",
+    "--learning_rate=0.1",
+    "--global_batch_size=32",
+    "--steps_per_loop=10",
+    "--eval_every=10",
+    "--train_steps=30",
+]
 
 
 def engine_main(*flags: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "engine.main", *CLI, *flags], cwd=REPO, capture_output=True,
-                          text=True, env=dict(os.environ, PYTHONPATH=str(REPO), TF_CPP_MIN_LOG_LEVEL="2"),
-                          timeout=200)
+    return subprocess.run(
+        [sys.executable, "-m", "engine.main", *CLI, *flags],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=str(REPO), TF_CPP_MIN_LOG_LEVEL="2"),
+        timeout=200,
+    )
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_cli_evaluates_exports_and_keeps_best_with_the_averages(tmp_path):
-    run = engine_main("--ema_decay=0.9", f"--model_dir={tmp_path}", f"--export_dir={tmp_path / 'export'}",
-                      "--best_checkpoint_metric=loss")
+    run = engine_main(
+        "--ema_decay=0.9",
+        f"--model_dir={tmp_path}",
+        f"--export_dir={tmp_path / 'export'}",
+        "--best_checkpoint_metric=loss",
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     final = json.loads((tmp_path / "metrics.json").read_text())["eval"]
 
     # The averages as the last checkpoint holds them (SGD has no slots: its variables 2.. are they;
     # 0 and 1, the iteration count and the rate, are saved under their own names).
     reader = tf.train.load_checkpoint(str(tmp_path / "checkpoints" / "ckpt-30"))
-    keys = sorted((k for k in reader.get_variable_to_shape_map() if k.startswith("optimizer/_variables/")),
-                  key=lambda k: int(k.split("/")[2]))
+    keys = sorted(
+        (k for k in reader.get_variable_to_shape_map() if k.startswith("optimizer/_variables/")),
+        key=lambda k: int(k.split("/")[2]),
+    )
     averages = [reader.get_tensor(k) for k in keys]
-    weights = [reader.get_tensor(f"optimizer/_trainable_variables/{i}/.ATTRIBUTES/VARIABLE_VALUE")
-               for i in range(len(averages))]
+    weights = [
+        reader.get_tensor(f"optimizer/_trainable_variables/{i}/.ATTRIBUTES/VARIABLE_VALUE")
+        for i in range(len(averages))
+    ]
     assert len(averages) == len(weights) > 0
     assert any(not np.array_equal(a, w) for a, w in zip(averages, weights, strict=True))
 
     # The export serves the averages: equal to a model holding them.
     from models.registry import get_model_spec
+
     spec = get_model_spec("mlp")
     model = spec.build(spec.default_input_shape, 10)
     model.set_weights(averages)  # The optimizer was built on the model's trainable variables, in order.
     inputs = np.random.RandomState(0).rand(5, *spec.default_input_shape).astype("float32")
     served = tf.saved_model.load(str(tmp_path / "export")).signatures["serving_default"]
-    np.testing.assert_allclose(list(served(tf.constant(inputs)).values())[0].numpy(),
-                               model(inputs, training=False).numpy(), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        list(served(tf.constant(inputs)).values())[0].numpy(),
+        model(inputs, training=False).numpy(),
+        rtol=1e-5,
+        atol=1e-6,
+    )
 
     # --mode=eval without the flag evaluates the averages, as the run's own final evaluation did.
     evaluated = engine_main("--mode=eval", f"--model_dir={tmp_path}")
@@ -165,9 +209,10 @@ def test_cli_evaluates_exports_and_keeps_best_with_the_averages(tmp_path):
     best_averages = [k for k in best_reader.get_variable_to_shape_map() if k.startswith("optimizer/_variables/")]
     for key in best_model:
         index = int(key.split("/")[2])
-        np.testing.assert_array_equal(best_reader.get_tensor(key),
-                                      best_reader.get_tensor(f"optimizer/_variables/{index + 2}/.ATTRIBUTES/"
-                                                             "VARIABLE_VALUE"))
+        np.testing.assert_array_equal(
+            best_reader.get_tensor(key),
+            best_reader.get_tensor(f"optimizer/_variables/{index + 2}/.ATTRIBUTES/VARIABLE_VALUE"),
+        )
     assert best_averages
 
     # A resume with EMA turned off is refused, naming the flag.

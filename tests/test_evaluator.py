@@ -15,14 +15,26 @@ import time
 import pytest
 from helpers import REPO, eval_steps
 
-FLAGS = ["--model=mlp", "--dataset=digits", "--optimizer=sgd", "--learning_rate=0.1",
-         "--global_batch_size=32", "--steps_per_loop=10", "--eval_every=0"]
+FLAGS = [
+    "--model=mlp",
+    "--dataset=digits",
+    "--optimizer=sgd",
+    "--learning_rate=0.1",
+    "--global_batch_size=32",
+    "--steps_per_loop=10",
+    "--eval_every=0",
+]
 
 
 def engine_main(*flags: str, timeout: float = 150) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "engine.main", *flags], cwd=REPO, capture_output=True,
-                          text=True, env=dict(os.environ, PYTHONPATH=str(REPO), TF_CPP_MIN_LOG_LEVEL="2"),
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "engine.main", *flags],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=str(REPO), TF_CPP_MIN_LOG_LEVEL="2"),
+        timeout=timeout,
+    )
 
 
 @pytest.mark.slow
@@ -65,12 +77,17 @@ class Evaluator:
 
     def __init__(self, *flags: str):
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "engine.main", *flags], cwd=REPO, text=True,
+            [sys.executable, "-m", "engine.main", *flags],
+            cwd=REPO,
+            text=True,
             env=dict(os.environ, PYTHONPATH=str(REPO), TF_CPP_MIN_LOG_LEVEL="2"),
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
         self.lines: list[str] = []
-        threading.Thread(target=lambda: self.lines.extend(line.rstrip() for line in self.process.stdout),
-                         daemon=True).start()
+        threading.Thread(
+            target=lambda: self.lines.extend(line.rstrip() for line in self.process.stdout), daemon=True
+        ).start()
 
     def wait_for(self, text: str, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -92,15 +109,22 @@ def evaluators():
 @pytest.mark.slow
 @pytest.mark.timeout(700)
 def test_an_evaluator_started_before_training_evaluates_each_checkpoint_once(tmp_path, evaluators):
-    evaluator = evaluators(*FLAGS, "--train_steps=60", "--mode=continuous_eval", "--eval_timeout=200",
-                           "--best_checkpoint_metric=loss", f"--model_dir={tmp_path}")
+    evaluator = evaluators(
+        *FLAGS,
+        "--train_steps=60",
+        "--mode=continuous_eval",
+        "--eval_timeout=200",
+        "--best_checkpoint_metric=loss",
+        f"--model_dir={tmp_path}",
+    )
     evaluator.wait_for("continuous evaluation of", timeout=240)
     first = engine_main(*FLAGS, "--train_steps=30", "--mode=train", f"--model_dir={tmp_path}")
     assert first.returncode == 0, first.stderr[-3000:]
     evaluator.wait_for("eval at step 30", timeout=240)
     assert evaluator.process.poll() is None  # 30 is not the final step: it waits on
-    second = engine_main(*FLAGS, "--train_steps=60", "--mode=train", "--checkpoint_every=10",
-                         f"--model_dir={tmp_path}")
+    second = engine_main(
+        *FLAGS, "--train_steps=60", "--mode=train", "--checkpoint_every=10", f"--model_dir={tmp_path}"
+    )
     assert second.returncode == 0, second.stderr[-3000:]
     assert evaluator.process.wait(timeout=240) == 0, "\n".join(evaluator.lines[-40:])
     steps = eval_steps(tmp_path)
@@ -111,14 +135,22 @@ def test_an_evaluator_started_before_training_evaluates_each_checkpoint_once(tmp
     assert best["metric"] == "loss" and best["step"] in steps and best["value"] <= metrics["eval"]["loss"]
     assert (tmp_path / "best" / f"ckpt-{best['step']}.index").exists()
     assert sorted(p.name for p in (tmp_path / "checkpoints").glob("*.index")) == [  # the trainer's, untouched
-        "ckpt-40.index", "ckpt-50.index", "ckpt-60.index"]
+        "ckpt-40.index",
+        "ckpt-50.index",
+        "ckpt-60.index",
+    ]
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_continuous_eval_gives_up_after_eval_timeout_and_ends_on_sigterm(tmp_path, evaluators):
-    idle = evaluators(*FLAGS, "--train_steps=60", "--mode=continuous_eval", "--eval_timeout=3",
-                      f"--model_dir={tmp_path / 'idle'}")
+    idle = evaluators(
+        *FLAGS,
+        "--train_steps=60",
+        "--mode=continuous_eval",
+        "--eval_timeout=3",
+        f"--model_dir={tmp_path / 'idle'}",
+    )
     assert idle.process.wait(timeout=240) == 0, "\n".join(idle.lines[-20:])
     assert any("no new checkpoint for 3s" in line for line in idle.lines)
     assert not (tmp_path / "idle" / "metrics.json").exists()
@@ -136,17 +168,28 @@ def test_a_checkpoint_deleted_while_read_is_skipped_not_fatal(tmp_path, monkeypa
     from engine import evaluator as evaluator_lib
     from engine.config import RunConfig
 
-    trained = engine_main(*FLAGS, "--train_steps=20", "--checkpoint_every=10", "--mode=train",
-                          f"--model_dir={tmp_path}")
+    trained = engine_main(
+        *FLAGS, "--train_steps=20", "--checkpoint_every=10", "--mode=train", f"--model_dir={tmp_path}"
+    )
     assert trained.returncode == 0, trained.stderr[-3000:]
     rotated = tmp_path / "checkpoints" / "ckpt-10"
     (tmp_path / "checkpoints" / f"ckpt-10.{deleted}").unlink()  # rotation, half done
-    config = RunConfig(model="mlp", dataset="digits", optimizer="sgd", learning_rate=0.1, global_batch_size=32,
-                       steps_per_loop=10, train_steps=20, mode="continuous_eval", model_dir=str(tmp_path))
+    config = RunConfig(
+        model="mlp",
+        dataset="digits",
+        optimizer="sgd",
+        learning_rate=0.1,
+        global_batch_size=32,
+        steps_per_loop=10,
+        train_steps=20,
+        mode="continuous_eval",
+        model_dir=str(tmp_path),
+    )
     evaluator = evaluator_lib.Evaluator(config)
     # Both checkpoints as the evaluator's poll would find them, the first gone by the time it is read.
-    monkeypatch.setattr(evaluator, "_new_checkpoints",
-                        lambda: iter([str(rotated), str(tmp_path / "checkpoints" / "ckpt-20")]))
+    monkeypatch.setattr(
+        evaluator, "_new_checkpoints", lambda: iter([str(rotated), str(tmp_path / "checkpoints" / "ckpt-20")])
+    )
     result = evaluator.run_continuously()
     assert result["global_step"] == 20 and result["eval"]["num_examples"] == 297, result
     assert eval_steps(tmp_path) == [20]
@@ -155,13 +198,22 @@ def test_a_checkpoint_deleted_while_read_is_skipped_not_fatal(tmp_path, monkeypa
         evaluator.evaluate(str(rotated), strict=True)
 
 
-@pytest.mark.parametrize("flags,message", [
-    (dict(mode="serve"), "unknown --mode='serve'; choose one of: train, eval, train_and_eval, continuous_eval"),
-    (dict(mode="train", early_stop_metric="loss"), "--mode=train runs no evaluation but --early_stop_metric=loss"),
-    (dict(mode="continuous_eval", model_dir=None), "--mode=continuous_eval evaluates the checkpoints of a"),
-    (dict(mode="eval", eval_timeout=0), "--eval_timeout=0 must be positive"),
-    (dict(startup_timeout=-1), "--startup_timeout=-1 must be >= 0"),
-])
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (
+            dict(mode="serve"),
+            "unknown --mode='serve'; choose one of: train, eval, train_and_eval, continuous_eval",
+        ),
+        (
+            dict(mode="train", early_stop_metric="loss"),
+            "--mode=train runs no evaluation but --early_stop_metric=loss",
+        ),
+        (dict(mode="continuous_eval", model_dir=None), "--mode=continuous_eval evaluates the checkpoints of a"),
+        (dict(mode="eval", eval_timeout=0), "--eval_timeout=0 must be positive"),
+        (dict(startup_timeout=-1), "--startup_timeout=-1 must be >= 0"),
+    ],
+)
 def test_bad_mode_flags_are_one_line_user_errors(tmp_path, flags, message):
     from engine.config import RunConfig
     from engine.errors import UserError

@@ -53,14 +53,38 @@ def test_slurm_batch_script_trains_two_workers_under_srun(tmp_path):
     shims.mkdir()
     (shims / "srun").write_text(SRUN_SHIM)
     (shims / "srun").chmod(0o755)
-    env = dict(os.environ, PATH=f"{shims}:{os.environ['PATH']}", PYTHONPATH=str(REPO), TF_CPP_MIN_LOG_LEVEL="2",
-               SLURM_JOB_NAME="engine-train", SLURM_JOB_ID="1", SLURM_NTASKS="2", SLURM_JOB_NODELIST="localhost",
-               SLURM_SUBMIT_DIR=str(REPO), MODEL_DIR=str(tmp_path / "run"), PORT_BASE=str(consecutive_free_ports(2)))
+    env = dict(
+        os.environ,
+        PATH=f"{shims}:{os.environ['PATH']}",
+        PYTHONPATH=str(REPO),
+        TF_CPP_MIN_LOG_LEVEL="2",
+        SLURM_JOB_NAME="engine-train",
+        SLURM_JOB_ID="1",
+        SLURM_NTASKS="2",
+        SLURM_JOB_NODELIST="localhost",
+        SLURM_SUBMIT_DIR=str(REPO),
+        MODEL_DIR=str(tmp_path / "run"),
+        PORT_BASE=str(consecutive_free_ports(2)),
+    )
     env.pop("TF_CONFIG", None)
     process = subprocess.Popen(
-        ["bash", str(REPO / "examples" / "slurm" / "train.sbatch"), "--model=mlp", "--dataset=synthetic",
-         "--optimizer=sgd", "--global_batch_size=32", "--train_steps=12", "--steps_per_loop=4", "--eval_every=0"],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        [
+            "bash",
+            str(REPO / "examples" / "slurm" / "train.sbatch"),
+            "--model=mlp",
+            "--dataset=synthetic",
+            "--optimizer=sgd",
+            "--global_batch_size=32",
+            "--train_steps=12",
+            "--steps_per_loop=4",
+            "--eval_every=0",
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         stdout, stderr = process.communicate(timeout=420)
     finally:
@@ -88,7 +112,7 @@ def test_kubernetes_manifest_gives_each_pod_its_task_in_one_cluster():
     assert train["spec"]["completionMode"] == "Indexed"
     workers = train["spec"]["completions"]
     assert train["spec"]["parallelism"] == workers  # all at once: they wait for each other
-    container, = pod["spec"]["containers"]
+    (container,) = pod["spec"]["containers"]
     port = container["ports"][0]["containerPort"]
     assert port == service["spec"]["ports"][0]["port"]
     env = {e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"] for e in container["env"]}
@@ -96,9 +120,14 @@ def test_kubernetes_manifest_gives_each_pod_its_task_in_one_cluster():
     clusters = []
     for index in range(workers):
         # What Kubernetes does: the annotation's value into the env, $(VAR) expanded in args.
-        values = {name: str(index) for name, path in env.items()
-                  if path == "metadata.annotations['batch.kubernetes.io/job-completion-index']"}
-        args = [re.sub(r"\$\((\w+)\)", lambda m, values=values: values[m.group(1)], arg) for arg in container["args"]]
+        values = {
+            name: str(index)
+            for name, path in env.items()
+            if path == "metadata.annotations['batch.kubernetes.io/job-completion-index']"
+        }
+        args = [
+            re.sub(r"\$\((\w+)\)", lambda m, values=values: values[m.group(1)], arg) for arg in container["args"]
+        ]
         assert container["command"] == ["python", "-m", "engine.main"]
         config = parse_engine_flags(engine_flags.FLAGS, RunConfig, args)
         cluster = config.multi_host_options().cluster
@@ -108,7 +137,7 @@ def test_kubernetes_manifest_gives_each_pod_its_task_in_one_cluster():
         clusters.append(cluster.spec)
     assert all(spec == clusters[0] for spec in clusters)  # every pod joins the same cluster
 
-    evaluator, = by_kind[("Job", "engine-eval")]["spec"]["template"]["spec"]["containers"]
+    (evaluator,) = by_kind[("Job", "engine-eval")]["spec"]["template"]["spec"]["containers"]
     config = parse_engine_flags(engine_flags.FLAGS, RunConfig, evaluator["args"])
     assert config.multi_host_options().cluster.is_evaluator
     assert config.model_dir == parse_engine_flags(engine_flags.FLAGS, RunConfig, args).model_dir

@@ -34,8 +34,14 @@ def test_exported_saved_model_reproduces_predictions(tmp_path, kind):
     else:
         with strategy.scope():
             model, optimizer = Linear(), tf.keras.optimizers.SGD(0.1)
-    trainer = engine.Trainer(strategy=strategy, model=model, optimizer=optimizer,
-                             train_data=global_batches(x, y, 16), global_batch_size=16, loss_fn=loss_fn())
+    trainer = engine.Trainer(
+        strategy=strategy,
+        model=model,
+        optimizer=optimizer,
+        train_data=global_batches(x, y, 16),
+        global_batch_size=16,
+        loss_fn=loss_fn(),
+    )
     trainer.train(5)
     export_dir = str(tmp_path / "export")
     export_saved_model(model, export_dir, [tf.TensorSpec([None, NUM_FEATURES], tf.float32)])
@@ -48,8 +54,9 @@ def test_exported_saved_model_reproduces_predictions(tmp_path, kind):
 @pytest.mark.slow
 def test_cli_exports_a_servable_model(tmp_path):
     export_dir = tmp_path / "export"
-    result = run_main("--model=mlp", "--train_steps=5", f"--model_dir={tmp_path / 'run'}",
-                      f"--export_dir={export_dir}")
+    result = run_main(
+        "--model=mlp", "--train_steps=5", f"--model_dir={tmp_path / 'run'}", f"--export_dir={export_dir}"
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     loaded = tf.saved_model.load(str(export_dir))
     serving = loaded.signatures["serving_default"]
@@ -77,9 +84,14 @@ engine.Trainer(strategy=strategy, model=model, optimizer=optimizer, train_data=d
 
 @pytest.mark.slow
 def test_check_numerics_names_the_op_that_made_a_nan(tmp_path):
-    result = subprocess.run([sys.executable, "-c", NAN_SCRIPT], cwd=tmp_path, capture_output=True, text=True,
-                            env={"PYTHONPATH": str(REPO), "TF_CPP_MIN_LOG_LEVEL": "2", "PATH": "/usr/bin:/bin"},
-                            timeout=240)
+    result = subprocess.run(
+        [sys.executable, "-c", NAN_SCRIPT],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env={"PYTHONPATH": str(REPO), "TF_CPP_MIN_LOG_LEVEL": "2", "PATH": "/usr/bin:/bin"},
+        timeout=240,
+    )
     assert result.returncode != 0
     assert "Tensor had NaN values" in result.stderr, result.stderr[-3000:]
     assert "Log/CheckNumerics" in result.stderr and "bad_loss" in result.stderr  # the op and its line
@@ -87,7 +99,13 @@ def test_check_numerics_names_the_op_that_made_a_nan(tmp_path):
 
 @pytest.mark.slow
 def test_cli_check_numerics_fails_at_the_first_op_with_inf(tmp_path):
-    result = run_main("--model=mlp", "--optimizer=sgd", "--learning_rate=1e30", "--train_steps=5",
-                      "--check_numerics", f"--model_dir={tmp_path}")
+    result = run_main(
+        "--model=mlp",
+        "--optimizer=sgd",
+        "--learning_rate=1e30",
+        "--train_steps=5",
+        "--check_numerics",
+        f"--model_dir={tmp_path}",
+    )
     assert result.returncode != 0
     assert "CheckNumericsV2" in result.stderr and "MatMul" in result.stderr, result.stderr[-3000:]

@@ -27,16 +27,26 @@ from helpers import (
 
 pytestmark = pytest.mark.slow  # every test here starts processes
 
-RESUME_FLAGS = ["--model=mlp", "--deterministic", "--optimizer=adam", "--eval_every=0",
-                "--steps_per_loop=7", "--checkpoint_every=10", "--seed=7"]
+RESUME_FLAGS = [
+    "--model=mlp",
+    "--deterministic",
+    "--optimizer=adam",
+    "--eval_every=0",
+    "--steps_per_loop=7",
+    "--checkpoint_every=10",
+    "--seed=7",
+]
 
 
 def final_state(model_dir: Path) -> dict[str, np.ndarray]:
     """Every tensor of the latest checkpoint: weights, optimizer slots, step."""
     path = tf.train.latest_checkpoint(str(model_dir / "checkpoints"))
     reader = tf.train.load_checkpoint(path)
-    return {name: reader.get_tensor(name) for name in reader.get_variable_to_shape_map()
-            if not name.startswith("save_counter")}  # bookkeeping of how many saves ran
+    return {
+        name: reader.get_tensor(name)
+        for name in reader.get_variable_to_shape_map()
+        if not name.startswith("save_counter")
+    }  # bookkeeping of how many saves ran
 
 
 def assert_bitwise_equal(a: dict, b: dict) -> None:
@@ -47,9 +57,9 @@ def assert_bitwise_equal(a: dict, b: dict) -> None:
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("strategy", [["--strategy=default"],
-                                      ["--strategy=mirrored", "--cpu_devices=2"]],
-                         ids=["default", "mirrored"])
+@pytest.mark.parametrize(
+    "strategy", [["--strategy=default"], ["--strategy=mirrored", "--cpu_devices=2"]], ids=["default", "mirrored"]
+)
 def test_interrupted_run_resumes_bitwise_equal(tmp_path, strategy):
     whole, halves = tmp_path / "whole", tmp_path / "halves"
     assert run_main(*strategy, *RESUME_FLAGS, "--train_steps=40", f"--model_dir={whole}").returncode == 0
@@ -90,8 +100,14 @@ def test_kill_9_at_random_moments_then_resume_bitwise_equal(tmp_path):
 @pytest.mark.timeout(480)
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_signal_saves_and_exits_then_restart_continues(tmp_path, signum):
-    flags = ["--model=mlp", "--train_steps=1000000", "--steps_per_loop=20", "--eval_every=0",
-             "--checkpoint_every=1000000", f"--model_dir={tmp_path}"]
+    flags = [
+        "--model=mlp",
+        "--train_steps=1000000",
+        "--steps_per_loop=20",
+        "--eval_every=0",
+        "--checkpoint_every=1000000",
+        f"--model_dir={tmp_path}",
+    ]
     process = popen_main(*flags)
     try:
         read_stderr_until(process, "step 20/", timeout=240)  # training is under way
@@ -106,8 +122,9 @@ def test_signal_saves_and_exits_then_restart_continues(tmp_path, signum):
     assert saved is not None
     step = int(saved.rsplit("-", 1)[1])
     assert step > 0 and step % 20 == 0 and f"stopped at step {step}" in stderr
-    restarted = run_main("--model=mlp", f"--train_steps={step + 20}", "--eval_every=0",
-                         f"--model_dir={tmp_path}")
+    restarted = run_main(
+        "--model=mlp", f"--train_steps={step + 20}", "--eval_every=0", f"--model_dir={tmp_path}"
+    )
     assert restarted.returncode == 0, restarted.stderr[-3000:]
     assert f"steps={step}->{step + 20}" in restarted.stderr
 
@@ -116,8 +133,9 @@ def test_signal_saves_and_exits_then_restart_continues(tmp_path, signum):
 def trained_mlp_dir(tmp_path_factory) -> Path:
     """A model_dir with mlp checkpoints at steps 10 and 20."""
     model_dir = tmp_path_factory.mktemp("trained") / "run"
-    result = run_main("--model=mlp", "--train_steps=20", "--checkpoint_every=10", "--eval_every=0",
-                      f"--model_dir={model_dir}")
+    result = run_main(
+        "--model=mlp", "--train_steps=20", "--checkpoint_every=10", "--eval_every=0", f"--model_dir={model_dir}"
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     return model_dir
 
@@ -136,8 +154,13 @@ def test_truncated_checkpoint_is_named_and_fallback_restores_the_previous(traine
     truncated = data_file.read_bytes()[:50]
     data_file.write_bytes(truncated)
     before = snapshot(model_dir)
-    common = ["--model=mlp", "--train_steps=30", "--checkpoint_every=10", "--eval_every=0",
-              f"--model_dir={model_dir}"]
+    common = [
+        "--model=mlp",
+        "--train_steps=30",
+        "--checkpoint_every=10",
+        "--eval_every=0",
+        f"--model_dir={model_dir}",
+    ]
     line = one_error_line(run_main(*common))
     assert "ckpt-20 cannot be read" in line and "--restore_fallback" in line
     assert snapshot(model_dir) == before
@@ -157,15 +180,17 @@ def test_bad_data_is_named_and_model_dir_left_alone(trained_mlp_dir, tmp_path):
     before = snapshot(model_dir)
     empty = tmp_path / "empty"
     empty.mkdir()
-    line = one_error_line(run_main("--model=mlp", "--dataset=tfrecord", f"--data_dir={empty}",
-                                   f"--model_dir={model_dir}"))
+    line = one_error_line(
+        run_main("--model=mlp", "--dataset=tfrecord", f"--data_dir={empty}", f"--model_dir={model_dir}")
+    )
     assert str(empty) in line
     records = tmp_path / "records"
     records.mkdir()
     images = np.zeros((4, 28, 28, 1), np.uint8)
     write_tfrecords(str(records / "train-0.tfrecord"), images, np.arange(4))
     (records / "train-1.tfrecord").write_bytes(os.urandom(300))
-    line = one_error_line(run_main("--model=mlp", "--dataset=tfrecord", f"--data_dir={records}",
-                                   f"--model_dir={model_dir}"))
+    line = one_error_line(
+        run_main("--model=mlp", "--dataset=tfrecord", f"--data_dir={records}", f"--model_dir={model_dir}")
+    )
     assert "train-1.tfrecord" in line
     assert snapshot(model_dir) == before

@@ -29,9 +29,17 @@ def read_histograms(log_dir: str) -> dict[str, dict[int, np.ndarray]]:
 def test_every_weight_is_written_every_n_steps_without_a_retrace(mirrored, tmp_path):
     x, y = make_arrays(64)
     model, optimizer = make_model(mirrored)
-    trainer = engine.Trainer(strategy=mirrored, model=model, optimizer=optimizer,
-                             train_data=global_batches(x, y, 16), global_batch_size=16, loss_fn=loss_fn(),
-                             model_dir=str(tmp_path), steps_per_loop=3, callbacks=[WeightHistograms(4)])
+    trainer = engine.Trainer(
+        strategy=mirrored,
+        model=model,
+        optimizer=optimizer,
+        train_data=global_batches(x, y, 16),
+        global_batch_size=16,
+        loss_fn=loss_fn(),
+        model_dir=str(tmp_path),
+        steps_per_loop=3,
+        callbacks=[WeightHistograms(4)],
+    )
     trainer.train(12)
     assert trainer.train_loop.experimental_get_tracing_count() == 1
 
@@ -49,8 +57,9 @@ def test_every_weight_is_written_every_n_steps_without_a_retrace(mirrored, tmp_p
 
 
 def test_the_flag_builds_the_hook_and_is_validated():
-    assert any(isinstance(h, WeightHistograms) and h.every == 7
-               for h in hooks_from_config(RunConfig(histogram_every=7)))
+    assert any(
+        isinstance(h, WeightHistograms) and h.every == 7 for h in hooks_from_config(RunConfig(histogram_every=7))
+    )
     assert not any(isinstance(h, WeightHistograms) for h in hooks_from_config(RunConfig()))
     with pytest.raises(engine.UserError, match="--histogram_every=-1 must be at least 0"):
         RunConfig(histogram_every=-1).validate()
@@ -58,8 +67,9 @@ def test_the_flag_builds_the_hook_and_is_validated():
 
 @pytest.mark.slow
 def test_histograms_from_the_command_line(tmp_path):
-    result = run_main("--model=mlp", "--train_steps=10", "--histogram_every=5", "--eval_every=0",
-                      f"--model_dir={tmp_path}")
+    result = run_main(
+        "--model=mlp", "--train_steps=10", "--histogram_every=5", "--eval_every=0", f"--model_dir={tmp_path}"
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     histograms = read_histograms(str(tmp_path / "train"))
     assert len(histograms) == 4  # mlp: two Dense layers' kernels and biases.
@@ -88,10 +98,18 @@ def test_the_global_gradient_norm_is_written_beside_the_histograms(mirrored, def
     x, y = make_arrays(64)
     model, optimizer = make_model(mirrored)
     reference, _ = make_model(default)  # The same start on one device, stepped by hand.
-    trainer = engine.Trainer(strategy=mirrored, model=model, optimizer=optimizer,
-                             train_data=global_batches(x, y, 16), global_batch_size=16, loss_fn=loss_fn(),
-                             model_dir=str(tmp_path), steps_per_loop=1, clip_norm=clip_norm,
-                             callbacks=[WeightHistograms(2)])
+    trainer = engine.Trainer(
+        strategy=mirrored,
+        model=model,
+        optimizer=optimizer,
+        train_data=global_batches(x, y, 16),
+        global_batch_size=16,
+        loss_fn=loss_fn(),
+        model_dir=str(tmp_path),
+        steps_per_loop=1,
+        clip_norm=clip_norm,
+        callbacks=[WeightHistograms(2)],
+    )
     expected = {}
     for step in range(1, 4):
         batch = slice((step - 1) * 16, step * 16)
@@ -110,6 +128,12 @@ def test_the_global_gradient_norm_is_written_beside_the_histograms(mirrored, def
 def test_no_gradient_norm_without_histograms(default):
     x, y = make_arrays(32)
     model, optimizer = make_model(default)
-    trainer = engine.Trainer(strategy=default, model=model, optimizer=optimizer,
-                             train_data=global_batches(x, y, 16), global_batch_size=16, loss_fn=loss_fn())
+    trainer = engine.Trainer(
+        strategy=default,
+        model=model,
+        optimizer=optimizer,
+        train_data=global_batches(x, y, 16),
+        global_batch_size=16,
+        loss_fn=loss_fn(),
+    )
     assert "grad_norm" not in trainer.train(2)

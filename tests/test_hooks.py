@@ -43,9 +43,17 @@ def scripted_trainer(strategy, model_dir, values, hooks, learning_rate=0.5):
     model, optimizer = make_model(strategy)
     optimizer.learning_rate = learning_rate
     return engine.Trainer(
-        strategy=strategy, model=model, optimizer=optimizer, train_data=global_batches(x, y, 16),
-        global_batch_size=16, loss_fn=loss_fn(), eval_data=global_batches(x, y, 16).take(1),
-        metrics=[Scripted(values)], eval_every=2, steps_per_loop=2, model_dir=str(model_dir),
+        strategy=strategy,
+        model=model,
+        optimizer=optimizer,
+        train_data=global_batches(x, y, 16),
+        global_batch_size=16,
+        loss_fn=loss_fn(),
+        eval_data=global_batches(x, y, 16).take(1),
+        metrics=[Scripted(values)],
+        eval_every=2,
+        steps_per_loop=2,
+        model_dir=str(model_dir),
         callbacks=hooks,
     )
 
@@ -94,12 +102,18 @@ class WeightsAt(Callback):
 
 def test_best_checkpoint_keeps_the_best_step_across_a_restart(mirrored, tmp_path):
     recorder = WeightsAt()
-    trainer = scripted_trainer(mirrored, tmp_path, [0.5, 0.7, 0.6, 0.9, 0.8],
-                               [BestCheckpoint("score", mode="max"), recorder])
+    trainer = scripted_trainer(
+        mirrored, tmp_path, [0.5, 0.7, 0.6, 0.9, 0.8], [BestCheckpoint("score", mode="max"), recorder]
+    )
     trainer.train(10)
     best = tmp_path / "best"
     assert json.loads((best / "best.json").read_text()) == {
-        "metric": "score", "mode": "max", "value": 0.9, "step": 8, "checkpoint": "ckpt-8"}
+        "metric": "score",
+        "mode": "max",
+        "value": 0.9,
+        "step": 8,
+        "checkpoint": "ckpt-8",
+    }
     assert sorted(p.name for p in best.glob("ckpt-*.index")) == ["ckpt-8.index"]
 
     model, optimizer = make_model(mirrored, seed=7)
@@ -149,7 +163,9 @@ def test_plateau_refuses_a_scheduled_learning_rate(mirrored, tmp_path):
 
 def test_a_missing_metric_names_the_reported_ones(mirrored, tmp_path):
     trainer = scripted_trainer(mirrored, tmp_path, [1.0], [EarlyStopping("acuracy", patience=1)])
-    with pytest.raises(engine.UserError, match="'acuracy' is not reported; choose one of: loss, num_examples, score"):
+    with pytest.raises(
+        engine.UserError, match="'acuracy' is not reported; choose one of: loss, num_examples, score"
+    ):
         trainer.train(2)
 
 
@@ -167,14 +183,30 @@ def test_two_real_workers_take_the_same_early_stopping_decision(tmp_path):
     are all-reduced, so both stop at the same step (a worker that stopped alone
     would leave its peer in a collective until --collective_timeout)."""
     log = tmp_path / "launch.log"
-    flags = ["--strategy=multi_worker_mirrored", "--model=mlp", "--dataset=synthetic", "--optimizer=sgd",
-             "--learning_rate=0.5", "--global_batch_size=32", "--steps_per_loop=5", "--eval_every=5",
-             "--train_steps=2000", "--early_stop_metric=loss", "--early_stop_patience=2",
-             "--collective_timeout=60", f"--model_dir={tmp_path / 'run'}"]
+    flags = [
+        "--strategy=multi_worker_mirrored",
+        "--model=mlp",
+        "--dataset=synthetic",
+        "--optimizer=sgd",
+        "--learning_rate=0.5",
+        "--global_batch_size=32",
+        "--steps_per_loop=5",
+        "--eval_every=5",
+        "--train_steps=2000",
+        "--early_stop_metric=loss",
+        "--early_stop_patience=2",
+        "--collective_timeout=60",
+        f"--model_dir={tmp_path / 'run'}",
+    ]
     with open(log, "w") as output:
-        process = subprocess.Popen([sys.executable, "-m", "engine.launch", "--num_workers=2", "--", *flags],
-                                   cwd=REPO, stdout=output, stderr=subprocess.STDOUT, start_new_session=True,
-                                   env=python_env())
+        process = subprocess.Popen(
+            [sys.executable, "-m", "engine.launch", "--num_workers=2", "--", *flags],
+            cwd=REPO,
+            stdout=output,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env=python_env(),
+        )
     try:
         code = process.wait(timeout=540)
     finally:
@@ -193,12 +225,20 @@ def test_flags_build_the_hooks_and_refuse_bad_combinations():
     from engine.config import RunConfig
     from engine.hooks.from_config import hooks_from_config
 
-    config = RunConfig(early_stop_metric="accuracy", best_checkpoint_metric="loss",
-                       reduce_lr_metric="loss", reduce_lr_factor=0.2)
+    config = RunConfig(
+        early_stop_metric="accuracy",
+        best_checkpoint_metric="loss",
+        reduce_lr_metric="loss",
+        reduce_lr_factor=0.2,
+    )
     config.validate()
     hooks = hooks_from_config(config)
     assert [type(h).__name__ for h in hooks] == [
-        "TrainGraph", "BestCheckpoint", "ReduceLROnPlateau", "EarlyStopping"]
+        "TrainGraph",
+        "BestCheckpoint",
+        "ReduceLROnPlateau",
+        "EarlyStopping",
+    ]
     assert hooks[-1].watch.mode == "max" and hooks[1].watch.mode == "min"
     bad = [
         (dict(early_stop_metric="acc"), "unknown --early_stop_metric='acc'; choose one of: loss, accuracy"),

@@ -102,7 +102,7 @@ def test_each_epoch_is_a_new_permutation_of_all_examples(synthetic: DataSource) 
 def test_resume_far_ahead_is_o1(digits: DataSource) -> None:
     # Step 10**9 is ~4e7 epochs in: replaying would never finish.
     dataset = digits.train_dataset(global_batch_size=64, seed=1, start_step=10**9)
-    (images, labels), = take(dataset, 1)
+    ((images, labels),) = take(dataset, 1)
     assert images.shape == (64, 28, 28, 1) and labels.shape == (64,)
 
 
@@ -110,20 +110,20 @@ def test_resume_far_ahead_is_o1(digits: DataSource) -> None:
 
 
 @pytest.mark.parametrize("replicas", [2, 4])
-def test_one_pipeline_yields_slices_of_the_global_batch(
-    digits: DataSource, replicas: int
-) -> None:
+def test_one_pipeline_yields_slices_of_the_global_batch(digits: DataSource, replicas: int) -> None:
     global_batches = take(digits.train_dataset(global_batch_size=64, seed=5, start_step=21), 4)
     per_replica = take(
         digits.train_dataset(
-            global_batch_size=64, seed=5, start_step=21,
+            global_batch_size=64,
+            seed=5,
+            start_step=21,
             input_context=context(1, 0, replicas),
         ),
         4 * replicas,
     )
     assert all(x.shape[0] == 64 // replicas for x, _ in per_replica)
     for step, (images, labels) in enumerate(global_batches):
-        step_slices = per_replica[step * replicas:(step + 1) * replicas]
+        step_slices = per_replica[step * replicas : (step + 1) * replicas]
         np.testing.assert_array_equal(np.concatenate([x for x, _ in step_slices]), images)
         np.testing.assert_array_equal(np.concatenate([y for _, y in step_slices]), labels)
 
@@ -133,15 +133,13 @@ def test_two_pipelines_interleave_back_to_the_global_batch(digits: DataSource) -
     global_batches = take(digits.train_dataset(global_batch_size=64, seed=5, start_step=22), 3)
     pipelines = [
         take(
-            digits.train_dataset(
-                global_batch_size=64, seed=5, start_step=22, input_context=context(2, p, 4)
-            ),
+            digits.train_dataset(global_batch_size=64, seed=5, start_step=22, input_context=context(2, p, 4)),
             6,
         )
         for p in range(2)
     ]
     for step, (images, _) in enumerate(global_batches):
-        slices = [b for p in range(2) for b in pipelines[p][2 * step:2 * step + 2]]
+        slices = [b for p in range(2) for b in pipelines[p][2 * step : 2 * step + 2]]
         np.testing.assert_array_equal(np.concatenate([x for x, _ in slices]), images)
 
 
@@ -154,9 +152,7 @@ def test_batch_not_divisible_by_replicas_is_refused(digits: DataSource) -> None:
 
 
 @pytest.mark.parametrize("batch_size", [32, 64])
-def test_eval_covers_every_example_once_with_partial_last_batch(
-    digits: DataSource, batch_size: int
-) -> None:
+def test_eval_covers_every_example_once_with_partial_last_batch(digits: DataSource, batch_size: int) -> None:
     batches = take(digits.eval_dataset(global_batch_size=batch_size), -1)
     sizes = [len(y) for _, y in batches]
     assert sizes == [batch_size] * (297 // batch_size) + [297 % batch_size]
@@ -216,7 +212,7 @@ def test_mnist_loads_a_local_npz_from_data_dir(tmp_path, monkeypatch) -> None:
     np.savez(tmp_path / "mnist.npz", **arrays)
     source = get_data_source("mnist", image_shape=MNIST_SHAPE, data_dir=str(tmp_path))
     assert (source.num_train_examples, source.num_eval_examples) == (50, 20)
-    (images, labels), = take(source.eval_dataset(global_batch_size=20), 1)
+    ((images, labels),) = take(source.eval_dataset(global_batch_size=20), 1)
     np.testing.assert_array_equal(images[..., 0], arrays["x_test"] / np.float32(255))
     np.testing.assert_array_equal(labels, arrays["y_test"])
 
@@ -255,13 +251,9 @@ def test_tfrecord_round_trip(record_dir) -> None:
     assert sorted(rows(epoch0)) == sorted(rows(images[:80]))
     assert not np.array_equal(epoch0, images[:80])  # shuffled
     # Resume (by skipping records) gives the same batches.
-    assert_same_batches(
-        take(source.train_dataset(global_batch_size=16, seed=1, start_step=4), 6), train[4:]
-    )
+    assert_same_batches(take(source.train_dataset(global_batch_size=16, seed=1, start_step=4), 6), train[4:])
     # One pipeline, 2 replicas: consecutive halves of each global batch.
-    halves = take(
-        source.train_dataset(global_batch_size=16, seed=1, input_context=context(1, 0, 2)), 6
-    )
+    halves = take(source.train_dataset(global_batch_size=16, seed=1, input_context=context(1, 0, 2)), 6)
     for step in range(3):
         np.testing.assert_array_equal(
             np.concatenate([halves[2 * step][0], halves[2 * step + 1][0]]), train[step][0]
@@ -304,9 +296,7 @@ def test_tfrecord_corrupt_file_is_named(tmp_path, record_dir) -> None:
 
 def test_tfrecord_glob_pattern_selects_train_files_only(record_dir) -> None:
     directory, _, _ = record_dir
-    source = get_data_source(
-        "tfrecord", image_shape=(8, 8, 1), data_dir=os.path.join(directory, "train-1*")
-    )
+    source = get_data_source("tfrecord", image_shape=(8, 8, 1), data_dir=os.path.join(directory, "train-1*"))
     assert source.eval_dataset(global_batch_size=8) is None
     assert source.num_eval_examples is None
 
@@ -318,9 +308,7 @@ def test_unknown_dataset_lists_choices() -> None:
     assert dataset_names() == ["digits", "mnist", "synthetic", "tfrecord"]
     with pytest.raises(DataError) as error:
         get_data_source("cifar10", image_shape=(32, 32, 3))
-    assert str(error.value) == (
-        "unknown dataset 'cifar10'; choose one of: digits, mnist, synthetic, tfrecord"
-    )
+    assert str(error.value) == ("unknown dataset 'cifar10'; choose one of: digits, mnist, synthetic, tfrecord")
 
 
 def test_synthetic_has_any_shape_and_class_count() -> None:

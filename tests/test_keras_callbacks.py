@@ -69,13 +69,19 @@ def test_the_seeds_callbacks_run_against_the_trainer(mirrored, tmp_path, capsys)
     csv_path = tmp_path / "log.csv"
     engine_view = EngineRecorder()
     trainer = engine.Trainer(
-        strategy=mirrored, model=model, optimizer=optimizer, train_data=train_data,
-        eval_data=eval_data, global_batch_size=BATCH, loss_fn=loss_fn(),
+        strategy=mirrored,
+        model=model,
+        optimizer=optimizer,
+        train_data=train_data,
+        eval_data=eval_data,
+        global_batch_size=BATCH,
+        loss_fn=loss_fn(),
         metrics=[keras.metrics.SparseCategoricalAccuracy(name="accuracy")],
-        model_dir=str(tmp_path / "run"), steps_per_loop=3, eval_every=STEPS_PER_EPOCH,
+        model_dir=str(tmp_path / "run"),
+        steps_per_loop=3,
+        eval_every=STEPS_PER_EPOCH,
         steps_per_epoch=STEPS_PER_EPOCH,
-        callbacks=[early, plateau, recorder, PrintLR(), keras.callbacks.CSVLogger(str(csv_path)),
-                   engine_view],
+        callbacks=[early, plateau, recorder, PrintLR(), keras.callbacks.CSVLogger(str(csv_path)), engine_view],
     )
     target = 40 * STEPS_PER_EPOCH
     trainer.train(target)
@@ -147,8 +153,14 @@ def test_a_tf_module_model_gets_epochs_batches_and_a_stop(mirrored, tmp_path):
     events = []
     stopper = StopAtEpoch(2)
     trainer = engine.Trainer(
-        strategy=mirrored, model=model, optimizer=optimizer, train_data=global_batches(x, y, BATCH),
-        global_batch_size=BATCH, loss_fn=loss_fn(), model_dir=str(tmp_path), steps_per_loop=3,
+        strategy=mirrored,
+        model=model,
+        optimizer=optimizer,
+        train_data=global_batches(x, y, BATCH),
+        global_batch_size=BATCH,
+        loss_fn=loss_fn(),
+        model_dir=str(tmp_path),
+        steps_per_loop=3,
         steps_per_epoch=STEPS_PER_EPOCH,
         callbacks=[
             keras.callbacks.TerminateOnNaN(),
@@ -165,8 +177,15 @@ def test_a_tf_module_model_gets_epochs_batches_and_a_stop(mirrored, tmp_path):
     assert trainer.step == 3 * STEPS_PER_EPOCH
     assert stopper.seen_optimizer is optimizer
     one_epoch = [("batch_begin", 0), ("batch_end", 2, True), ("batch_begin", 3), ("batch_end", 4, True)]
-    assert events == [("epoch_begin", 0), *one_epoch, ("epoch_begin", 1), *one_epoch,
-                      ("epoch_begin", 2), *one_epoch, ("train_end", ["loss"])]
+    assert events == [
+        ("epoch_begin", 0),
+        *one_epoch,
+        ("epoch_begin", 1),
+        *one_epoch,
+        ("epoch_begin", 2),
+        *one_epoch,
+        ("train_end", ["loss"]),
+    ]
 
     # A restarted trainer continues the epoch count from the restored step.
     events.clear()
@@ -174,34 +193,59 @@ def test_a_tf_module_model_gets_epochs_batches_and_a_stop(mirrored, tmp_path):
         restarted = SoftmaxRegression()
         optimizer = keras.optimizers.SGD(0.1)
     trainer = engine.Trainer(
-        strategy=mirrored, model=restarted, optimizer=optimizer, train_data=global_batches(x, y, BATCH),
-        global_batch_size=BATCH, loss_fn=loss_fn(), model_dir=str(tmp_path), steps_per_loop=3,
+        strategy=mirrored,
+        model=restarted,
+        optimizer=optimizer,
+        train_data=global_batches(x, y, BATCH),
+        global_batch_size=BATCH,
+        loss_fn=loss_fn(),
+        model_dir=str(tmp_path),
+        steps_per_loop=3,
         steps_per_epoch=STEPS_PER_EPOCH,
-        callbacks=[keras.callbacks.LambdaCallback(
-            on_epoch_begin=lambda epoch, logs: events.append(("epoch_begin", epoch)))],
+        callbacks=[
+            keras.callbacks.LambdaCallback(
+                on_epoch_begin=lambda epoch, logs: events.append(("epoch_begin", epoch))
+            )
+        ],
     )
     trainer.train(5 * STEPS_PER_EPOCH)
     assert events == [("epoch_begin", 3), ("epoch_begin", 4)]
 
 
-@pytest.mark.parametrize("callback, equivalent", [
-    (keras.callbacks.ModelCheckpoint("/tmp/never.keras"), "checkpoint_every"),
-    (keras.callbacks.TensorBoard("/tmp/never"), "TensorBoard summaries itself"),
-    (keras.callbacks.BackupAndRestore("/tmp/never"), "resumes automatically"),
-])
+@pytest.mark.parametrize(
+    "callback, equivalent",
+    [
+        (keras.callbacks.ModelCheckpoint("/tmp/never.keras"), "checkpoint_every"),
+        (keras.callbacks.TensorBoard("/tmp/never"), "TensorBoard summaries itself"),
+        (keras.callbacks.BackupAndRestore("/tmp/never"), "resumes automatically"),
+    ],
+)
 def test_callbacks_the_engine_replaces_are_refused_naming_its_equivalent(mirrored, callback, equivalent):
     model, optimizer = make_model(mirrored)
     x, y = make_arrays(32)
     with pytest.raises(engine.UserError, match=f"{type(callback).__name__} cannot run.*{equivalent}"):
-        engine.Trainer(strategy=mirrored, model=model, optimizer=optimizer,
-                       train_data=global_batches(x, y, BATCH), global_batch_size=BATCH, loss_fn=loss_fn(),
-                       steps_per_epoch=STEPS_PER_EPOCH, callbacks=[callback])
+        engine.Trainer(
+            strategy=mirrored,
+            model=model,
+            optimizer=optimizer,
+            train_data=global_batches(x, y, BATCH),
+            global_batch_size=BATCH,
+            loss_fn=loss_fn(),
+            steps_per_epoch=STEPS_PER_EPOCH,
+            callbacks=[callback],
+        )
 
 
 def test_keras_callbacks_without_steps_per_epoch_are_refused(mirrored):
     model, optimizer = make_model(mirrored)
     x, y = make_arrays(32)
     with pytest.raises(engine.UserError, match="EarlyStopping.*steps_per_epoch="):
-        engine.Trainer(strategy=mirrored, model=model, optimizer=optimizer,
-                       train_data=global_batches(x, y, BATCH), global_batch_size=BATCH, loss_fn=loss_fn(),
-                       callbacks=[keras.callbacks.EarlyStopping()])
+        engine.Trainer(
+            strategy=mirrored,
+            model=model,
+            optimizer=optimizer,
+            train_data=global_batches(x, y, BATCH),
+            global_batch_size=BATCH,
+            loss_fn=loss_fn(),
+            callbacks=[keras.callbacks.EarlyStopping()],
+        )

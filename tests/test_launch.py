@@ -47,8 +47,17 @@ def test_a_killed_worker_restarts_the_cluster_and_ends_with_the_uninterrupted_we
 @pytest.mark.timeout(500)
 def test_an_evaluator_task_evaluates_beside_a_launched_cluster(tmp_path, launch):
     # --mode=train: the workers do not evaluate, so every eval summary is the evaluator's.
-    run = launch("--num_workers=2", "--evaluator", "--", *MWM, "--train_steps=200", "--checkpoint_every=50",
-                 "--mode=train", "--eval_timeout=120", f"--model_dir={tmp_path}")
+    run = launch(
+        "--num_workers=2",
+        "--evaluator",
+        "--",
+        *MWM,
+        "--train_steps=200",
+        "--checkpoint_every=50",
+        "--mode=train",
+        "--eval_timeout=120",
+        f"--model_dir={tmp_path}",
+    )
     assert run.wait(timeout=400) == 0, run.output[-5000:]
     assert re.search(r"started evaluator:0 .*engine.main", run.output)
     assert re.search(r"\[evaluator:0\].*eval at step 200", run.output), run.output[-3000:]
@@ -69,9 +78,14 @@ def test_sigterm_to_the_launcher_exits_143_and_a_flag_error_exits_2(tmp_path, la
     assert run.wait(timeout=120) == 143, run.output[-3000:]
     run.assert_nothing_left()
 
-    result = subprocess.run([sys.executable, "-m", "engine.launch", "--num_workers=2", "--", "--train_stepz=3"],
-                            cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)), capture_output=True,
-                            text=True, timeout=150)
+    result = subprocess.run(
+        [sys.executable, "-m", "engine.launch", "--num_workers=2", "--", "--train_stepz=3"],
+        cwd=REPO,
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
+        capture_output=True,
+        text=True,
+        timeout=150,
+    )
     assert result.returncode == 2, result.stderr[-2000:]
     assert "engine.launch: error: the flags after -- are not engine.main's" in result.stderr
     assert "train_stepz" in result.stderr and "started" not in result.stderr

@@ -37,8 +37,14 @@ def test_default_job_reaches_the_accuracy_bar_offline(tmp_path):
 
 
 def test_two_replicas_global_pipeline_and_restart_continues(tmp_path):
-    common = ["--strategy=mirrored", "--cpu_devices=2", "--input_pipeline=global",
-              "--model=mlp", f"--model_dir={tmp_path}", "--steps_per_loop=7"]
+    common = [
+        "--strategy=mirrored",
+        "--cpu_devices=2",
+        "--input_pipeline=global",
+        "--model=mlp",
+        f"--model_dir={tmp_path}",
+        "--steps_per_loop=7",
+    ]
     first = run_main(*common, "--train_steps=20")
     assert first.returncode == 0, first.stderr[-3000:]
     assert "replicas=2" in first.stderr
@@ -61,15 +67,32 @@ def test_flagfile_is_read(tmp_path):
 BAD_FLAGS = [
     (["--strategy=mirrorred"], "unknown --strategy='mirrorred'; choose one of: default"),
     (["--strategy=parameter_server"], "--strategy=parameter_server needs a cluster with chief, worker and ps"),
-    (["--strategy=multi_worker_mirrored", "--worker_hosts=localhost,localhost:2223", "--task_type=worker"],
-     "worker address 'localhost' has no port; write host:port"),
-    (["--strategy=multi_worker_mirrored", "--worker_hosts=localhost:2222,localhost:2223",
-      "--task_type=worker", "--task_index=2"],
-     "task index 2 from the cluster flags is out of range: job 'worker' has 2 task(s)"),
-    (["--strategy=multi_worker_mirrored", "--worker_hosts=localhost:2222", "--task_type=boss"],
-     "unknown task type 'boss' in the cluster flags"),
-    (["--strategy=parameter_server", "--worker_hosts=localhost:2222", "--ps_hosts=localhost:2223",
-      "--task_type=worker"], "needs chief task(s) in the cluster"),
+    (
+        ["--strategy=multi_worker_mirrored", "--worker_hosts=localhost,localhost:2223", "--task_type=worker"],
+        "worker address 'localhost' has no port; write host:port",
+    ),
+    (
+        [
+            "--strategy=multi_worker_mirrored",
+            "--worker_hosts=localhost:2222,localhost:2223",
+            "--task_type=worker",
+            "--task_index=2",
+        ],
+        "task index 2 from the cluster flags is out of range: job 'worker' has 2 task(s)",
+    ),
+    (
+        ["--strategy=multi_worker_mirrored", "--worker_hosts=localhost:2222", "--task_type=boss"],
+        "unknown task type 'boss' in the cluster flags",
+    ),
+    (
+        [
+            "--strategy=parameter_server",
+            "--worker_hosts=localhost:2222",
+            "--ps_hosts=localhost:2223",
+            "--task_type=worker",
+        ],
+        "needs chief task(s) in the cluster",
+    ),
     (["--strategy=tpu", "--tpu=local"], "--tpu=local but this machine has no TPU devices"),
     (["--strategy=tpu", "--tpu=grpc://localhost:1"], "--tpu=grpc://localhost:1: nothing answers at localhost:1"),
     (["--strategy=tpu"], "--strategy=tpu needs --tpu=local"),
@@ -79,8 +102,10 @@ BAD_FLAGS = [
     (["--train_steps=-5"], "--train_steps=-5 must be at least 1"),
     (["--global_batch_size=0"], "--global_batch_size=0 must be at least 1"),
     (["--train_steps=10", "--epochs=2"], "alternatives; pass only one"),
-    (["--strategy=mirrored", "--cpu_devices=2", "--global_batch_size=63"],
-     "global batch size 63 is not divisible by 2 replica(s)"),
+    (
+        ["--strategy=mirrored", "--cpu_devices=2", "--global_batch_size=63"],
+        "global batch size 63 is not divisible by 2 replica(s)",
+    ),
     (["--dataset=mnist", "--data_dir=/nonexistent"], "--dataset=digits"),
     (["extra_argument"], "unexpected arguments"),
 ]
@@ -92,8 +117,13 @@ def test_bad_flags_fail_with_one_line_and_leave_model_dir_alone(tmp_path, flags,
     model_dir.mkdir()
     (model_dir / "notes.txt").write_text("an earlier run's files")
     before = snapshot(model_dir)
-    result = run_main(*flags, f"--model_dir={model_dir}", "--train_steps=3" if "--epochs=2" not in flags
-                      and not any(f.startswith("--train_steps") for f in flags) else "--seed=1")
+    result = run_main(
+        *flags,
+        f"--model_dir={model_dir}",
+        "--train_steps=3"
+        if "--epochs=2" not in flags and not any(f.startswith("--train_steps") for f in flags)
+        else "--seed=1",
+    )
     assert result.returncode == 2, result.stderr[-2000:]
     assert "Traceback" not in result.stderr
     error_lines = [line for line in result.stderr.splitlines() if line.startswith("engine.main: error:")]
@@ -111,8 +141,12 @@ def test_model_dir_that_is_a_file_is_refused(tmp_path):
 
 
 def test_bad_tf_config_is_one_line(tmp_path):
-    result = run_main("--strategy=multi_worker_mirrored", f"--model_dir={tmp_path}", "--train_steps=3",
-                      env={"TF_CONFIG": '{"cluster": {"worker": ["localhost:2222"]}, "task": '})
+    result = run_main(
+        "--strategy=multi_worker_mirrored",
+        f"--model_dir={tmp_path}",
+        "--train_steps=3",
+        env={"TF_CONFIG": '{"cluster": {"worker": ["localhost:2222"]}, "task": '},
+    )
     assert result.returncode == 2, result.stderr[-2000:]
     assert "Traceback" not in result.stderr
     assert "engine.main: error: TF_CONFIG is not valid JSON" in result.stderr

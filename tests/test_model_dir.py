@@ -33,8 +33,11 @@ MLP = ["--model=mlp", "--checkpoint_every=10", "--eval_every=0"]
 
 def checkpoint_files(model_dir: Path) -> dict[str, tuple[bytes, int]]:
     """Bytes and mtime of every ckpt-* file: what must never be overwritten."""
-    return {p.name: (p.read_bytes(), p.stat().st_mtime_ns)
-            for p in sorted((model_dir / "checkpoints").glob("ckpt-*")) if p.is_file()}
+    return {
+        p.name: (p.read_bytes(), p.stat().st_mtime_ns)
+        for p in sorted((model_dir / "checkpoints").glob("ckpt-*"))
+        if p.is_file()
+    }
 
 
 @pytest.fixture(scope="module")
@@ -42,15 +45,28 @@ def trained(tmp_path_factory) -> Path:
     """An mlp model_dir with checkpoints at steps 10 and 20, an early-stopping
     history and a best checkpoint by accuracy."""
     model_dir = tmp_path_factory.mktemp("trained") / "run"
-    result = run_main("--model=mlp", "--train_steps=20", "--checkpoint_every=10", "--eval_every=10",
-                      "--early_stop_metric=loss", "--early_stop_patience=5",
-                      "--best_checkpoint_metric=accuracy", f"--model_dir={model_dir}")
+    result = run_main(
+        "--model=mlp",
+        "--train_steps=20",
+        "--checkpoint_every=10",
+        "--eval_every=10",
+        "--early_stop_metric=loss",
+        "--early_stop_patience=5",
+        "--best_checkpoint_metric=accuracy",
+        f"--model_dir={model_dir}",
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     return model_dir
 
 
-TRAINED_FLAGS = ["--model=mlp", "--checkpoint_every=10", "--eval_every=10", "--early_stop_metric=loss",
-                 "--early_stop_patience=5", "--best_checkpoint_metric=accuracy"]
+TRAINED_FLAGS = [
+    "--model=mlp",
+    "--checkpoint_every=10",
+    "--eval_every=10",
+    "--early_stop_metric=loss",
+    "--early_stop_patience=5",
+    "--best_checkpoint_metric=accuracy",
+]
 
 
 # ----------------------------------------------------------------- the lock
@@ -74,8 +90,14 @@ def test_writer_lock_is_exclusive_and_leaves_nothing_behind(tmp_path):
 @pytest.mark.timeout(420)
 def test_second_run_on_a_model_dir_exits_2_naming_the_holder(tmp_path):
     model_dir = tmp_path / "run"
-    first = popen_main("--model=mlp", "--train_steps=1000000", "--steps_per_loop=20", "--eval_every=0",
-                       "--checkpoint_every=200", f"--model_dir={model_dir}")
+    first = popen_main(
+        "--model=mlp",
+        "--train_steps=1000000",
+        "--steps_per_loop=20",
+        "--eval_every=0",
+        "--checkpoint_every=200",
+        f"--model_dir={model_dir}",
+    )
     try:
         wait_for_checkpoint(model_dir, first)
         assert model_dir_lib.holder_pid(str(model_dir)) == first.pid
@@ -218,8 +240,9 @@ def test_reset_optimizer_keeps_the_weights_and_starts_fresh_optimizer_state(trai
     import tensorflow as tf
 
     model_dir = copy_of(trained, tmp_path / "run")
-    result = run_main(*TRAINED_FLAGS, "--train_steps=30", "--optimizer=sgd", "--reset_optimizer",
-                      f"--model_dir={model_dir}")
+    result = run_main(
+        *TRAINED_FLAGS, "--train_steps=30", "--optimizer=sgd", "--reset_optimizer", f"--model_dir={model_dir}"
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "steps=20->30" in result.stderr
     reader = tf.train.load_checkpoint(str(model_dir / "checkpoints" / "ckpt-30"))
@@ -275,23 +298,39 @@ def test_changed_best_checkpoint_metric_is_refused(trained, tmp_path):
     model_dir = copy_of(trained, tmp_path / "run")
     before = snapshot(model_dir)
     flags = [f for f in TRAINED_FLAGS if not f.startswith("--best_checkpoint_metric")]
-    line = one_error_line(run_main(*flags, "--best_checkpoint_metric=loss", "--train_steps=30",
-                                   f"--model_dir={model_dir}"))
+    line = one_error_line(
+        run_main(*flags, "--best_checkpoint_metric=loss", "--train_steps=30", f"--model_dir={model_dir}")
+    )
     assert "by accuracy (max), not by loss (min)" in line
     assert snapshot(model_dir) == before
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("flag", [
-    "--epochs=nan", "--epochs=inf", "--seed=-1", f"--seed={2**40}", "--learning_rate=nan",
-    "--learning_rate=inf", "--clip_norm=nan", "--clip_norm=inf", "--global_batch_size=1000000000",
-    "--no_such_flag=1", "--train_steps=ten", "--flagfile=/nonexistent/flags.txt",
-])
+@pytest.mark.parametrize(
+    "flag",
+    [
+        "--epochs=nan",
+        "--epochs=inf",
+        "--seed=-1",
+        f"--seed={2**40}",
+        "--learning_rate=nan",
+        "--learning_rate=inf",
+        "--clip_norm=nan",
+        "--clip_norm=inf",
+        "--global_batch_size=1000000000",
+        "--no_such_flag=1",
+        "--train_steps=ten",
+        "--flagfile=/nonexistent/flags.txt",
+    ],
+)
 def test_bad_flags_are_one_line_and_exit_2_with_the_model_dir_left_alone(trained, tmp_path, flag):
     model_dir = copy_of(trained, tmp_path / "run")
     before = snapshot(model_dir)
-    line = one_error_line(run_main(*[f for f in TRAINED_FLAGS if not f.startswith(flag.split("=")[0])],
-                                   flag, f"--model_dir={model_dir}"))
+    line = one_error_line(
+        run_main(
+            *[f for f in TRAINED_FLAGS if not f.startswith(flag.split("=")[0])], flag, f"--model_dir={model_dir}"
+        )
+    )
     assert flag.split("=")[0].lstrip("-") in line or flag.split("=")[1] in line, line
     assert snapshot(model_dir) == before
 
@@ -309,10 +348,12 @@ def test_metrics_json_as_a_directory_is_refused_before_training(trained, tmp_pat
 
 def _fake_mnist(path: Path, **override) -> Path:
     rng = np.random.default_rng(0)
-    arrays = {"x_train": rng.integers(0, 256, (256, 28, 28), dtype=np.uint8),
-              "y_train": rng.integers(0, 10, 256).astype(np.uint8),
-              "x_test": rng.integers(0, 256, (64, 28, 28), dtype=np.uint8),
-              "y_test": rng.integers(0, 10, 64).astype(np.uint8)}
+    arrays = {
+        "x_train": rng.integers(0, 256, (256, 28, 28), dtype=np.uint8),
+        "y_train": rng.integers(0, 10, 256).astype(np.uint8),
+        "x_test": rng.integers(0, 256, (64, 28, 28), dtype=np.uint8),
+        "y_test": rng.integers(0, 10, 64).astype(np.uint8),
+    }
     arrays.update(override)
     path.mkdir(parents=True, exist_ok=True)
     np.savez(path / "mnist.npz", **arrays)
@@ -320,17 +361,27 @@ def _fake_mnist(path: Path, **override) -> Path:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("override, expected", [
-    ({"x_train": np.zeros((256, 32, 32), np.uint8)}, "x_train is uint8 of shape (256, 32, 32)"),
-    ({"y_test": np.zeros((63,), np.uint8)}, "y_test is uint8 of shape (63,)"),
-    ({"y_train": np.r_[np.zeros(200, np.uint8), [10], np.zeros(55, np.uint8)]}, "y_train[200] = 10"),
-])
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ({"x_train": np.zeros((256, 32, 32), np.uint8)}, "x_train is uint8 of shape (256, 32, 32)"),
+        ({"y_test": np.zeros((63,), np.uint8)}, "y_test is uint8 of shape (63,)"),
+        ({"y_train": np.r_[np.zeros(200, np.uint8), [10], np.zeros(55, np.uint8)]}, "y_train[200] = 10"),
+    ],
+)
 def test_bad_mnist_file_is_one_line(trained, tmp_path, override, expected):
     model_dir = copy_of(trained, tmp_path / "run")
     before = snapshot(model_dir)
     data_dir = _fake_mnist(tmp_path / "mnist", **override)
-    line = one_error_line(run_main(*TRAINED_FLAGS, "--dataset=mnist", f"--data_dir={data_dir}",
-                                   "--train_steps=30", f"--model_dir={model_dir}"))
+    line = one_error_line(
+        run_main(
+            *TRAINED_FLAGS,
+            "--dataset=mnist",
+            f"--data_dir={data_dir}",
+            "--train_steps=30",
+            f"--model_dir={model_dir}",
+        )
+    )
     assert expected in line, line
     assert snapshot(model_dir) == before
 
@@ -346,9 +397,17 @@ def test_out_of_range_label_late_in_a_tfrecord_file_is_one_line(tmp_path):
     labels[250] = 12
     write_tfrecords(str(records / "train-0.tfrecord"), images, labels)
     write_tfrecords(str(records / "eval-0.tfrecord"), images[:10], labels[:10])
-    line = one_error_line(run_main("--model=mlp", "--dataset=tfrecord", f"--data_dir={records}",
-                                   "--train_steps=20", "--eval_every=0", "--global_batch_size=32",
-                                   f"--model_dir={tmp_path / 'run'}"))
+    line = one_error_line(
+        run_main(
+            "--model=mlp",
+            "--dataset=tfrecord",
+            f"--data_dir={records}",
+            "--train_steps=20",
+            "--eval_every=0",
+            "--global_batch_size=32",
+            f"--model_dir={tmp_path / 'run'}",
+        )
+    )
     assert "label" in line and str(records) in line
 
 
@@ -360,12 +419,20 @@ def test_out_of_range_label_late_in_a_tfrecord_file_is_one_line(tmp_path):
 def test_sigterm_during_a_large_evaluation_stops_within_one_chunk(tmp_path):
     """60,000 eval images through wide_mlp take about a minute on 2 cores; the
     stop must come after one chunk of --steps_per_loop batches instead."""
-    data_dir = _fake_mnist(tmp_path / "mnist", x_test=np.zeros((60000, 28, 28), np.uint8),
-                           y_test=np.zeros(60000, np.uint8))
+    data_dir = _fake_mnist(
+        tmp_path / "mnist", x_test=np.zeros((60000, 28, 28), np.uint8), y_test=np.zeros(60000, np.uint8)
+    )
     model_dir = tmp_path / "run"
-    process = popen_main("--model=wide_mlp", "--dataset=mnist", f"--data_dir={data_dir}",
-                         "--global_batch_size=64", "--steps_per_loop=4", "--eval_every=4",
-                         "--train_steps=1000", f"--model_dir={model_dir}")
+    process = popen_main(
+        "--model=wide_mlp",
+        "--dataset=mnist",
+        f"--data_dir={data_dir}",
+        "--global_batch_size=64",
+        "--steps_per_loop=4",
+        "--eval_every=4",
+        "--train_steps=1000",
+        f"--model_dir={model_dir}",
+    )
     try:
         read_stderr_until(process, "step 4/", timeout=240)  # the first evaluation starts right after step 4
         time.sleep(3)  # well inside the evaluation
@@ -387,9 +454,17 @@ def test_second_signal_ends_the_process_at_once(tmp_path):
     data_dir = _fake_mnist(tmp_path / "mnist")
     model_dir = tmp_path / "run"
     # One compiled loop of 5,000 wide_mlp steps: the first signal alone would wait for all of it.
-    process = popen_main("--model=wide_mlp", "--dataset=mnist", f"--data_dir={data_dir}",
-                         "--global_batch_size=64", "--steps_per_loop=5000", "--eval_every=0",
-                         "--checkpoint_every=100000", "--train_steps=100000", f"--model_dir={model_dir}")
+    process = popen_main(
+        "--model=wide_mlp",
+        "--dataset=mnist",
+        f"--data_dir={data_dir}",
+        "--global_batch_size=64",
+        "--steps_per_loop=5000",
+        "--eval_every=0",
+        "--checkpoint_every=100000",
+        "--train_steps=100000",
+        f"--model_dir={model_dir}",
+    )
     try:
         read_stderr_until(process, "steps=0->", timeout=240)  # the banner: training starts next
         time.sleep(5)
@@ -411,8 +486,9 @@ def test_second_signal_ends_the_process_at_once(tmp_path):
 
 def _mount_tmpfs(path: Path, size: str) -> bool:
     path.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
-                             capture_output=True)
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True
+    )
     return mounted.returncode == 0
 
 
@@ -428,8 +504,14 @@ def test_full_disk_is_one_line_and_the_previous_checkpoint_stays_latest(tmp_path
         model_dir = disk / "run"
         # An mlp checkpoint is 1.2 MB (weights + Adam slots) beside 0.4 MB of TensorBoard
         # graph: the first checkpoint fits on the 2 MB disk, the second does not.
-        flags = ["--model=mlp", "--steps_per_loop=2", "--checkpoint_every=2", "--eval_every=0",
-                 "--train_steps=6", f"--model_dir={model_dir}"]
+        flags = [
+            "--model=mlp",
+            "--steps_per_loop=2",
+            "--checkpoint_every=2",
+            "--eval_every=0",
+            "--train_steps=6",
+            f"--model_dir={model_dir}",
+        ]
         line = one_error_line(run_main(*flags))
         assert "is full" in line and str(model_dir) in line, line
         latest = tf.train.latest_checkpoint(str(model_dir / "checkpoints"))
@@ -450,9 +532,16 @@ def test_weights_that_are_not_finite_are_never_saved(tmp_path):
 
     strategy = tf.distribute.get_strategy()
     model, optimizer = make_model(strategy)
-    trainer = engine.Trainer(strategy=strategy, model=model, optimizer=optimizer,
-                             train_data=global_batches(*make_arrays(64), 16), global_batch_size=16,
-                             loss_fn=loss_fn(), steps_per_loop=2, model_dir=str(tmp_path))
+    trainer = engine.Trainer(
+        strategy=strategy,
+        model=model,
+        optimizer=optimizer,
+        train_data=global_batches(*make_arrays(64), 16),
+        global_batch_size=16,
+        loss_fn=loss_fn(),
+        steps_per_loop=2,
+        model_dir=str(tmp_path),
+    )
     trainer.train(2)
     saved = trainer.checkpoint_manager.latest_checkpoint
     assert saved.endswith("ckpt-2")
@@ -475,9 +564,15 @@ def test_trainer_refuses_a_model_dir_with_pattern_characters(tmp_path):
     strategy = tf.distribute.get_strategy()
     model, optimizer = make_model(strategy)
     with pytest.raises(UserError, match=r"contains '\[\]'"):
-        engine.Trainer(strategy=strategy, model=model, optimizer=optimizer,
-                       train_data=global_batches(*make_arrays(64), 16), global_batch_size=16,
-                       loss_fn=loss_fn(), model_dir=str(tmp_path / "run[0]"))
+        engine.Trainer(
+            strategy=strategy,
+            model=model,
+            optimizer=optimizer,
+            train_data=global_batches(*make_arrays(64), 16),
+            global_batch_size=16,
+            loss_fn=loss_fn(),
+            model_dir=str(tmp_path / "run[0]"),
+        )
     assert list(tmp_path.iterdir()) == []
 
 
@@ -489,8 +584,9 @@ def test_checkpoint_files_the_state_does_not_list_are_moved_aside_not_overwritte
     checkpoints = model_dir / "checkpoints"
     old = {name: content for name, (content, _) in checkpoint_files(model_dir).items() if "ckpt-20" in name}
     # An older state file put back: it names ckpt-10 only, while ckpt-20 is on disk.
-    tf.compat.v1.train.update_checkpoint_state(str(checkpoints), str(checkpoints / "ckpt-10"),
-                                               all_model_checkpoint_paths=[str(checkpoints / "ckpt-10")])
+    tf.compat.v1.train.update_checkpoint_state(
+        str(checkpoints), str(checkpoints / "ckpt-10"), all_model_checkpoint_paths=[str(checkpoints / "ckpt-10")]
+    )
     result = run_main(*TRAINED_FLAGS, "--train_steps=30", f"--model_dir={model_dir}")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "steps=10->30" in result.stderr and "did not list it" in result.stderr

@@ -28,5 +28,7 @@ def test_a_tf_module_lists_its_variables_and_their_count():
     assert lines[0] == "Research (tf.Module): 4 variables"
     assert any(line.split()[:1] == ["w"] and "(6, 3)" in line and "float32" in line for line in lines)
     assert any(line.split()[:1] == ["steps"] and "int32" in line for line in lines)
-    assert any(line.split()[:1] == ["head/kernel"] and "(3, 2)" in line for line in lines)  # A Keras layer inside.
+    assert any(
+        line.split()[:1] == ["head/kernel"] and "(3, 2)" in line for line in lines
+    )  # A Keras layer inside.
     assert lines[-1] == " Total params: 27 (trainable: 26)"

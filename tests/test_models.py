@@ -69,9 +69,7 @@ def test_registry_lists_models_and_rejects_unknown_names() -> None:
     assert isinstance(spec, ModelSpec) and spec.default_input_shape == (28, 28, 1)
     with pytest.raises(ValueError) as error:
         get_model_spec("vgg")
-    assert str(error.value) == (
-        "unknown model 'vgg'; choose one of: cnn, mlp, resnet, resnet50, wide_mlp"
-    )
+    assert str(error.value) == ("unknown model 'vgg'; choose one of: cnn, mlp, resnet, resnet50, wide_mlp")
 
 
 def test_cnn_flops_match_hand_count() -> None:

@@ -22,8 +22,12 @@ pytestmark = pytest.mark.slow  # every test here starts processes
 
 def run_single_process(*flags: str) -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "engine.main", *flags], cwd=REPO, capture_output=True, text=True,
-        env=dict(os.environ, PYTHONPATH=str(REPO), TF_CPP_MIN_LOG_LEVEL="2"), timeout=300,
+        [sys.executable, "-m", "engine.main", *flags],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=str(REPO), TF_CPP_MIN_LOG_LEVEL="2"),
+        timeout=300,
     )
     assert result.returncode == 0, result.stderr[-3000:]
 
@@ -31,7 +35,14 @@ def run_single_process(*flags: str) -> None:
 @pytest.mark.timeout(600)
 def test_two_mirrored_workers_equal_one_process_and_resume(tmp_path, launch):
     flags = [*SMALL, "--steps_per_loop=4"]
-    first = launch("--num_workers=2", "--", "--strategy=multi_worker_mirrored", *flags, "--train_steps=12", f"--model_dir={tmp_path / 'mw'}")
+    first = launch(
+        "--num_workers=2",
+        "--",
+        "--strategy=multi_worker_mirrored",
+        *flags,
+        "--train_steps=12",
+        f"--model_dir={tmp_path / 'mw'}",
+    )
     assert first.wait(timeout=240) == 0, first.output[-4000:]
     first.assert_nothing_left()
     digests = re.findall(r"\[worker:(\d)\].*done: step 12.*weights_digest=(\w+)", first.output)
@@ -46,7 +57,14 @@ def test_two_mirrored_workers_equal_one_process_and_resume(tmp_path, launch):
     assert metrics["global_step"] == 12 and metrics["eval"]["num_examples"] == 256
     assert not (tmp_path / "mw" / ".workertemp").exists()
 
-    second = launch("--num_workers=2", "--", "--strategy=multi_worker_mirrored", *flags, "--train_steps=16", f"--model_dir={tmp_path / 'mw'}")
+    second = launch(
+        "--num_workers=2",
+        "--",
+        "--strategy=multi_worker_mirrored",
+        *flags,
+        "--train_steps=16",
+        f"--model_dir={tmp_path / 'mw'}",
+    )
     assert second.wait(timeout=240) == 0, second.output[-4000:]
     for worker in (0, 1):  # Both restore the chief's checkpoint, so they stay in step.
         second.wait_for(rf"\[worker:{worker}\].*steps=12->16", timeout=1)
@@ -57,8 +75,15 @@ def test_two_mirrored_workers_equal_one_process_and_resume(tmp_path, launch):
 
 @pytest.mark.timeout(400)
 def test_a_dead_mirrored_worker_fails_the_run_and_stops_the_rest(tmp_path, launch):
-    run = launch("--num_workers=2", "--", "--strategy=multi_worker_mirrored", *SMALL,
-                 "--train_steps=100000", "--steps_per_loop=10", f"--model_dir={tmp_path}")
+    run = launch(
+        "--num_workers=2",
+        "--",
+        "--strategy=multi_worker_mirrored",
+        *SMALL,
+        "--train_steps=100000",
+        "--steps_per_loop=10",
+        f"--model_dir={tmp_path}",
+    )
     run.wait_for(r"\[worker:0\].*step 10/", timeout=240)
     pid = int(run.wait_for(r"started worker:1 \(pid (\d+)\)", timeout=1).group(1))
     os.kill(pid, signal.SIGKILL)
@@ -78,8 +103,13 @@ def workers(tmp_path):
         log = tmp_path / f"task{len(started)}.log"
         with open(log, "w") as output:
             process = subprocess.Popen(
-                [sys.executable, "-m", "engine.main", *flags], cwd=REPO, stdout=output, stderr=subprocess.STDOUT,
-                env=dict(os.environ, PYTHONPATH=str(REPO), TF_CPP_MIN_LOG_LEVEL="2"), start_new_session=True)
+                [sys.executable, "-m", "engine.main", *flags],
+                cwd=REPO,
+                stdout=output,
+                stderr=subprocess.STDOUT,
+                env=dict(os.environ, PYTHONPATH=str(REPO), TF_CPP_MIN_LOG_LEVEL="2"),
+                start_new_session=True,
+            )
         started.append((process, log))
         return started[-1]
 
@@ -91,8 +121,9 @@ def workers(tmp_path):
 def wait_for_text(log: Path, pattern: str, process: subprocess.Popen, timeout: float) -> re.Match:
     deadline = time.monotonic() + timeout
     while not (match := re.search(pattern, log.read_text())):
-        assert process.poll() is None, (f"exited {process.returncode} before {pattern!r}:\n"
-                                        f"{log.read_text()[-3000:]}")
+        assert process.poll() is None, (
+            f"exited {process.returncode} before {pattern!r}:\n{log.read_text()[-3000:]}"
+        )
         assert time.monotonic() < deadline, f"no {pattern!r} in {timeout} s:\n{log.read_text()[-3000:]}"
         time.sleep(0.1)
     return match
@@ -104,9 +135,16 @@ def test_a_dead_workers_peer_fails_within_the_collective_timeout_without_a_launc
     latest after --collective_timeout seconds. No launcher here to stop the survivor."""
     collective_timeout = 60
     hosts = ",".join(f"localhost:{port}" for port in free_ports(2))
-    common = ["--strategy=multi_worker_mirrored", *SMALL, "--train_steps=100000", "--steps_per_loop=10",
-              f"--collective_timeout={collective_timeout}", f"--worker_hosts={hosts}", "--task_type=worker",
-              f"--model_dir={tmp_path / 'run'}"]
+    common = [
+        "--strategy=multi_worker_mirrored",
+        *SMALL,
+        "--train_steps=100000",
+        "--steps_per_loop=10",
+        f"--collective_timeout={collective_timeout}",
+        f"--worker_hosts={hosts}",
+        "--task_type=worker",
+        f"--model_dir={tmp_path / 'run'}",
+    ]
     survivor, survivor_log = workers(*common, "--task_index=0")
     doomed, doomed_log = workers(*common, "--task_index=1")
     wait_for_text(survivor_log, r"step 10/", survivor, timeout=400)  # both are training in lockstep
@@ -117,17 +155,31 @@ def test_a_dead_workers_peer_fails_within_the_collective_timeout_without_a_launc
     try:
         code = survivor.wait(timeout=collective_timeout + margin)
     except subprocess.TimeoutExpired:
-        raise AssertionError(f"the survivor still runs {collective_timeout + margin} s after its peer died:\n"
-                             f"{survivor_log.read_text()[-3000:]}") from None
+        raise AssertionError(
+            f"the survivor still runs {collective_timeout + margin} s after its peer died:\n"
+            f"{survivor_log.read_text()[-3000:]}"
+        ) from None
     assert code != 0, survivor_log.read_text()[-3000:]
     print(f"survivor exited {code} {time.monotonic() - killed:.1f} s after its peer's kill -9")
 
 
 @pytest.mark.timeout(480)
 def test_parameter_server_cluster_trains_to_the_step_and_lowers_the_loss(tmp_path, launch):
-    run = launch("--num_workers=2", "--num_ps=1", "--", "--strategy=parameter_server", "--model=mlp",
-                 "--dataset=digits", "--optimizer=sgd", "--learning_rate=0.1", "--global_batch_size=32",
-                 "--train_steps=60", "--steps_per_loop=20", "--eval_every=0", f"--model_dir={tmp_path}")
+    run = launch(
+        "--num_workers=2",
+        "--num_ps=1",
+        "--",
+        "--strategy=parameter_server",
+        "--model=mlp",
+        "--dataset=digits",
+        "--optimizer=sgd",
+        "--learning_rate=0.1",
+        "--global_batch_size=32",
+        "--train_steps=60",
+        "--steps_per_loop=20",
+        "--eval_every=0",
+        f"--model_dir={tmp_path}",
+    )
     assert run.wait(timeout=400) == 0, run.output[-4000:]
     run.assert_nothing_left()
     losses = [float(loss) for loss in re.findall(r"\[chief:0\].*step \d+/60 +loss=([\d.]+)", run.output)]
@@ -141,8 +193,16 @@ def test_parameter_server_cluster_trains_to_the_step_and_lowers_the_loss(tmp_pat
 
 @pytest.mark.timeout(600)
 def test_parameter_server_survives_a_killed_worker(tmp_path, launch):
-    run = launch("--num_workers=2", "--num_ps=1", "--", "--strategy=parameter_server", *SMALL,
-                 "--train_steps=400", "--steps_per_loop=20", f"--model_dir={tmp_path}")
+    run = launch(
+        "--num_workers=2",
+        "--num_ps=1",
+        "--",
+        "--strategy=parameter_server",
+        *SMALL,
+        "--train_steps=400",
+        "--steps_per_loop=20",
+        f"--model_dir={tmp_path}",
+    )
     run.wait_for(r"\[chief:0\].*step 20/400", timeout=240)
     pid = int(run.wait_for(r"started worker:1 \(pid (\d+)\)", timeout=1).group(1))
     os.kill(pid, signal.SIGKILL)
@@ -155,8 +215,15 @@ def test_parameter_server_survives_a_killed_worker(tmp_path, launch):
 
 @pytest.mark.timeout(300)
 def test_ctrl_c_ends_every_task(tmp_path, launch):
-    run = launch("--num_workers=1", "--num_ps=1", "--", "--strategy=parameter_server", *SMALL,
-                 "--train_steps=100000", f"--model_dir={tmp_path}")
+    run = launch(
+        "--num_workers=1",
+        "--num_ps=1",
+        "--",
+        "--strategy=parameter_server",
+        *SMALL,
+        "--train_steps=100000",
+        f"--model_dir={tmp_path}",
+    )
     run.wait_for(r"\[ps:0\].*serving at", timeout=180)
     run.process.send_signal(signal.SIGINT)  # The launcher alone, unlike a terminal's Ctrl-C.
     assert run.wait(timeout=60) == 130, run.output[-3000:]
@@ -165,8 +232,13 @@ def test_ctrl_c_ends_every_task(tmp_path, launch):
 
 @pytest.mark.timeout(180)
 def test_server_without_a_cluster_is_a_one_line_error():
-    result = subprocess.run([sys.executable, "-m", "engine.server", "--task_type=chief"], cwd=REPO,
-                            env=dict(os.environ, PYTHONPATH=str(REPO)), capture_output=True, text=True,
-                            timeout=150)
+    result = subprocess.run(
+        [sys.executable, "-m", "engine.server", "--task_type=chief"],
+        cwd=REPO,
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
+        capture_output=True,
+        text=True,
+        timeout=150,
+    )
     assert result.returncode == 2
     assert "engine.server: error: --task_type=chief / --task_index=None given without a cluster" in result.stderr

@@ -16,9 +16,17 @@ import tensorflow as tf
 from helpers import REPO, free_ports
 
 pytestmark = pytest.mark.slow  # every test here starts processes
-FLAGS = ["--strategy=multi_worker_mirrored", "--model=mlp", "--dataset=synthetic",
-         "--optimizer=sgd", "--global_batch_size=32", "--eval_every=0", "--steps_per_loop=10",
-         "--checkpoint_every=1000000", "--collective_timeout=60"]
+FLAGS = [
+    "--strategy=multi_worker_mirrored",
+    "--model=mlp",
+    "--dataset=synthetic",
+    "--optimizer=sgd",
+    "--global_batch_size=32",
+    "--eval_every=0",
+    "--steps_per_loop=10",
+    "--checkpoint_every=1000000",
+    "--collective_timeout=60",
+]
 
 
 class Workers:
@@ -35,12 +43,23 @@ class Workers:
         self.processes, self.logs = [], []
         for index in range(2):
             log = self.tmp_path / f"worker{index}-{time.monotonic_ns()}.log"
-            env = dict(os.environ, PYTHONPATH=str(REPO), TF_CPP_MIN_LOG_LEVEL="2",
-                       TF_CONFIG=json.dumps({"cluster": cluster, "task": {"type": "worker", "index": index}}))
+            env = dict(
+                os.environ,
+                PYTHONPATH=str(REPO),
+                TF_CPP_MIN_LOG_LEVEL="2",
+                TF_CONFIG=json.dumps({"cluster": cluster, "task": {"type": "worker", "index": index}}),
+            )
             with open(log, "w") as handle:
-                self.processes.append(subprocess.Popen(
-                    [sys.executable, "-m", "engine.main", *FLAGS, *flags], cwd=REPO, env=env,
-                    stdout=handle, stderr=subprocess.STDOUT, start_new_session=True))
+                self.processes.append(
+                    subprocess.Popen(
+                        [sys.executable, "-m", "engine.main", *FLAGS, *flags],
+                        cwd=REPO,
+                        env=env,
+                        stdout=handle,
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,
+                    )
+                )
             self.logs.append(log)
 
     def log(self, index: int) -> str:

@@ -27,16 +27,23 @@ def poisoned_batches(bad_steps, bad_rows=slice(None)):
     """Global batches whose 1-based steps in `bad_steps` give a NaN loss."""
     x, y = make_arrays(BATCH * 40)
     for step in bad_steps:
-        y[(step - 1) * BATCH:step * BATCH][bad_rows] = -1
+        y[(step - 1) * BATCH : step * BATCH][bad_rows] = -1
     return tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH, drop_remainder=True)
 
 
 def test_stop_names_the_step_and_keeps_the_last_good_checkpoint(mirrored, tmp_path):
     model, optimizer = make_model(mirrored)
-    trainer = engine.Trainer(strategy=mirrored, model=model, optimizer=optimizer,
-                             train_data=poisoned_batches([7]), global_batch_size=BATCH,
-                             loss_fn=loss_fn(), steps_per_loop=4, checkpoint_every=4,
-                             model_dir=str(tmp_path))
+    trainer = engine.Trainer(
+        strategy=mirrored,
+        model=model,
+        optimizer=optimizer,
+        train_data=poisoned_batches([7]),
+        global_batch_size=BATCH,
+        loss_fn=loss_fn(),
+        steps_per_loop=4,
+        checkpoint_every=4,
+        model_dir=str(tmp_path),
+    )
     with pytest.raises(NonFiniteLossError, match=r"non-finite loss at step 7; .*ckpt-4"):
         trainer.train(12)
     state = tf.train.get_checkpoint_state(str(tmp_path / "checkpoints"))
@@ -52,16 +59,23 @@ def test_stop_names_the_step_and_keeps_the_last_good_checkpoint(mirrored, tmp_pa
 @pytest.mark.parametrize("bad_rows", [slice(None), slice(0, 1)], ids=["whole_batch", "one_replica"])
 def test_skip_leaves_weights_untouched_on_bad_steps_and_counts_them(mirrored, bad_rows):
     model, optimizer = make_model(mirrored)
-    trainer = engine.Trainer(strategy=mirrored, model=model, optimizer=optimizer,
-                             train_data=poisoned_batches([3, 6], bad_rows), global_batch_size=BATCH,
-                             loss_fn=loss_fn(), steps_per_loop=2, on_nonfinite="skip")
+    trainer = engine.Trainer(
+        strategy=mirrored,
+        model=model,
+        optimizer=optimizer,
+        train_data=poisoned_batches([3, 6], bad_rows),
+        global_batch_size=BATCH,
+        loss_fn=loss_fn(),
+        steps_per_loop=2,
+        on_nonfinite="skip",
+    )
     trainer.train(2)
     before = [w.copy() for w in model.get_weights()]
     logs = trainer.train(3)  # step 3 alone: bad
     assert logs["nonfinite_steps"] == 1
     for a, b in zip(before, model.get_weights(), strict=True):
         np.testing.assert_array_equal(a, b)
-    logs = trainer.train(8)   # steps 4-5, 6-7 (one bad), 8
+    logs = trainer.train(8)  # steps 4-5, 6-7 (one bad), 8
     assert trainer.step == 8 and np.isfinite(logs["loss"])
     for variable in model.trainable_variables:  # every replica made the same choice
         first, second = mirrored.experimental_local_results(variable.value)

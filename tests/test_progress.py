@@ -28,16 +28,26 @@ def test_log_every_cuts_loops_and_logs_at_its_multiples(log_lines):
     x, y = make_arrays(32)
     model, optimizer = make_model(strategy)
     loops = []
-    trainer = engine.Trainer(strategy=strategy, model=model, optimizer=optimizer,
-                             train_data=global_batches(x, y, 16), global_batch_size=16,
-                             loss_fn=loss_fn(), steps_per_loop=4, log_every=6,
-                             callbacks=[lambda trainer, step, logs: loops.append(step)])
+    trainer = engine.Trainer(
+        strategy=strategy,
+        model=model,
+        optimizer=optimizer,
+        train_data=global_batches(x, y, 16),
+        global_batch_size=16,
+        loss_fn=loss_fn(),
+        steps_per_loop=4,
+        log_every=6,
+        callbacks=[lambda trainer, step, logs: loops.append(step)],
+    )
     trainer.train(15)
     assert loops == [4, 6, 10, 12, 15]  # steps_per_loop is the longest loop; cut at 6 and 12
     progress = [line for line in log_lines if line.startswith("step ")]
     assert [line.split()[1] for line in progress] == ["6/15", "12/15", "15/15"]
-    assert re.search(r"loss=\S+  steps_per_second=\S+  examples_per_second=\S+  "
-                     r"learning_rate=0.5  eta=\d+:\d\d:\d\d$", progress[0]), progress[0]
+    assert re.search(
+        r"loss=\S+  steps_per_second=\S+  examples_per_second=\S+  "
+        r"learning_rate=0.5  eta=\d+:\d\d:\d\d$",
+        progress[0],
+    ), progress[0]
     assert trainer.train_loop.experimental_get_tracing_count() == 1
 
 

@@ -21,12 +21,14 @@ def readme_example(name: str) -> str:
 
 @pytest.mark.timeout(600)
 def test_readme_research_example_runs(tmp_path):
-    script = "\n".join(readme_example(name) for name in
-                        ("research", "step_fn", "callbacks", "wrapped", "two_optimizers"))
+    script = "\n".join(
+        readme_example(name) for name in ("research", "step_fn", "callbacks", "wrapped", "two_optimizers")
+    )
     (tmp_path / "example.py").write_text(script)
     env = dict(os.environ, PYTHONPATH=str(REPO), TF_CPP_MIN_LOG_LEVEL="2")
-    result = subprocess.run([sys.executable, "example.py"], cwd=tmp_path, env=env,
-                            capture_output=True, text=True, timeout=240)
+    result = subprocess.run(
+        [sys.executable, "example.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "'num_examples': 200" in result.stdout
     assert (tmp_path / "runs" / "research" / "checkpoints" / "checkpoint").exists()
@@ -38,15 +40,16 @@ def test_readme_research_example_runs(tmp_path):
     assert "5" in lines  # The wrapped module's variables, found through its Keras models.
     for prefix, run in (("wrapped: ", "research-wrapped"), ("two optimizers: ", "research-two-optimizers")):
         [evaluation] = [line for line in lines if line.startswith(prefix)]
-        logs = ast.literal_eval(evaluation[len(prefix):])
+        logs = ast.literal_eval(evaluation[len(prefix) :])
         assert logs["num_examples"] == 200 and logs["accuracy"] > 0.9, evaluation
         assert (tmp_path / "runs" / run / "checkpoints" / "ckpt-200.index").exists()
     assert "['learning_rate/encoder', 'learning_rate/head']" in lines
     # A rerun restores step 300, has nothing left to train, and evaluates
     # the restored weights to the very same figures.
     checkpoints = {run.name: snapshot(run / "checkpoints") for run in (tmp_path / "runs").iterdir()}
-    rerun = subprocess.run([sys.executable, "example.py"], cwd=tmp_path, env=env,
-                           capture_output=True, text=True, timeout=240)
+    rerun = subprocess.run(
+        [sys.executable, "example.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240
+    )
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     restored = re.search(r"Restored \S*runs/research/checkpoints/ckpt-300 at step 300", rerun.stderr)
     assert restored, rerun.stderr[-3000:]
@@ -55,5 +58,6 @@ def test_readme_research_example_runs(tmp_path):
     assert {run.name: snapshot(run / "checkpoints") for run in (tmp_path / "runs").iterdir()} == checkpoints
     assert rerun.stdout.splitlines()[0] == result.stdout.splitlines()[0]
     evaluations = [line for line in lines if line.startswith(("wrapped: ", "two optimizers: "))]
-    assert [line for line in rerun.stdout.splitlines()
-            if line.startswith(("wrapped: ", "two optimizers: "))] == evaluations
+    assert [
+        line for line in rerun.stdout.splitlines() if line.startswith(("wrapped: ", "two optimizers: "))
+    ] == evaluations

@@ -26,18 +26,25 @@ def make_trainer(model_dir, *, seed, callbacks=(), restore_fallback=False):
     """A small Trainer whose start weights depend on `seed`, so that a resumed run that did not
     restore ends with other weights than the uninterrupted one."""
     strategy = tf.distribute.get_strategy()
-    model = keras.Sequential([keras.Input((NUM_FEATURES,)), keras.layers.Dense(8, activation="relu"),
-                              keras.layers.Dense(NUM_CLASSES)])
+    model = keras.Sequential(
+        [keras.Input((NUM_FEATURES,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(NUM_CLASSES)]
+    )
     rng = np.random.RandomState(seed)
     model.set_weights([rng.normal(0, 0.5, w.shape).astype("float32") for w in model.get_weights()])
     x, y = arrays()
     return engine.Trainer(
-        strategy=strategy, model=model, optimizer=keras.optimizers.Adam(0.01),
+        strategy=strategy,
+        model=model,
+        optimizer=keras.optimizers.Adam(0.01),
         train_data=tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(BATCH, drop_remainder=True),
         eval_data=tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH),
         global_batch_size=BATCH,
         loss_fn=keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None),
-        model_dir=model_dir, steps_per_loop=3, checkpoint_every=3, eval_every=3, callbacks=callbacks,
+        model_dir=model_dir,
+        steps_per_loop=3,
+        checkpoint_every=3,
+        eval_every=3,
+        callbacks=callbacks,
         restore_fallback=restore_fallback,
     )
 
@@ -64,8 +71,9 @@ def test_a_trainer_restarts_and_resumes_on_ram_with_its_hooks_files_there(ram_di
     del first
 
     # A restart: new objects, other start weights; everything comes back from ram://.
-    second = make_trainer(ram_dir, seed=2,
-                          callbacks=[BestCheckpoint("loss"), EarlyStopping("loss", patience=100)])
+    second = make_trainer(
+        ram_dir, seed=2, callbacks=[BestCheckpoint("loss"), EarlyStopping("loss", patience=100)]
+    )
     assert second.step == 6
     second.train(12)
     expected = uninterrupted_weights(12)
@@ -94,8 +102,7 @@ def test_an_unreadable_checkpoint_on_ram_is_set_aside_and_the_older_one_resumed(
         make_trainer(ram_dir, seed=2)
     resumed = make_trainer(ram_dir, seed=2, restore_fallback=True)
     assert resumed.step == 3
-    assert sorted(tf.io.gfile.listdir(f"{ram_dir}/checkpoints/unreadable")) == sorted(
-        ["ckpt-6.index", data[0]])
+    assert sorted(tf.io.gfile.listdir(f"{ram_dir}/checkpoints/unreadable")) == sorted(["ckpt-6.index", data[0]])
     resumed.train(12)
     for got, want in zip(resumed.model.get_weights(), uninterrupted_weights(12), strict=True):
         np.testing.assert_array_equal(got, want)

@@ -41,12 +41,14 @@ def weights(variables):
 
 # ---------------------------------------------------------------- variables
 
+
 def test_variables_are_found_through_module_and_keras_nesting():
     class KerasHoldingModule(keras.Model):
         def __init__(self):
             super().__init__()
-            self.inner = Wrapped(keras.Sequential([keras.Input((3,)), keras.layers.Dense(2),
-                                                   keras.layers.BatchNormalization()]))
+            self.inner = Wrapped(
+                keras.Sequential([keras.Input((3,)), keras.layers.Dense(2), keras.layers.BatchNormalization()])
+            )
             self.head = keras.layers.Dense(1)
 
         def call(self, x):
@@ -69,8 +71,14 @@ def test_a_model_without_trainable_variables_is_refused(mirrored):
         optimizer = keras.optimizers.SGD(0.1)
     x, y = make_arrays(16)
     with pytest.raises(engine.UserError, match=r"model \(Wrapped\) has no trainable variables"):
-        engine.Trainer(strategy=mirrored, model=model, optimizer=optimizer, loss_fn=loss_fn(),
-                       train_data=global_batches(x, y, 8), global_batch_size=8)
+        engine.Trainer(
+            strategy=mirrored,
+            model=model,
+            optimizer=optimizer,
+            loss_fn=loss_fn(),
+            train_data=global_batches(x, y, 8),
+            global_batch_size=8,
+        )
 
 
 def test_module_wrapping_keras_trains_like_the_keras_model_and_resumes(mirrored, tmp_path):
@@ -81,9 +89,16 @@ def test_module_wrapping_keras_trains_like_the_keras_model_and_resumes(mirrored,
         net, optimizer = make_model(mirrored, seed=seed)
         with mirrored.scope():
             model = Wrapped(net)
-        trainer = engine.Trainer(strategy=mirrored, model=model, optimizer=optimizer, train_data=data,
-                                 global_batch_size=16, loss_fn=loss_fn(), steps_per_loop=5,
-                                 model_dir=str(tmp_path))
+        trainer = engine.Trainer(
+            strategy=mirrored,
+            model=model,
+            optimizer=optimizer,
+            train_data=data,
+            global_batch_size=16,
+            loss_fn=loss_fn(),
+            steps_per_loop=5,
+            model_dir=str(tmp_path),
+        )
         return trainer, model
 
     trainer, model = wrapped_trainer(seed=3)
@@ -117,9 +132,15 @@ def test_module_wrapping_keras_equals_the_keras_model_step_for_step(mirrored):
         net, optimizer = make_model(mirrored)
         with mirrored.scope():
             model = Holder(net) if wrap else net
-        trainer = engine.Trainer(strategy=mirrored, model=model, optimizer=optimizer,
-                                 train_data=global_batches(x, y, 16), global_batch_size=16,
-                                 loss_fn=loss_fn(), steps_per_loop=4)
+        trainer = engine.Trainer(
+            strategy=mirrored,
+            model=model,
+            optimizer=optimizer,
+            train_data=global_batches(x, y, 16),
+            global_batch_size=16,
+            loss_fn=loss_fn(),
+            steps_per_loop=4,
+        )
         logs = trainer.train(8)
         results.append((net.get_weights(), logs["loss"]))
     assert_weights_equal(results[0][0], results[1][0])
@@ -127,6 +148,7 @@ def test_module_wrapping_keras_equals_the_keras_model_step_for_step(mirrored):
 
 
 # --------------------------------------------------------------- optimizers
+
 
 class EncoderDecoder(tf.Module):
     def __init__(self):
@@ -153,9 +175,16 @@ def two_optimizer_trainer(strategy, model_dir, seed=0):
             optimizers[name].apply(tape.gradient(loss, variables), variables)
         return {"loss": tf.reduce_mean(per_example)}
 
-    trainer = engine.Trainer(strategy=strategy, model=model, optimizer=optimizers, step_fn=replica_step,
-                             train_data=tf.data.Dataset.from_tensor_slices(x).repeat().batch(16),
-                             global_batch_size=16, steps_per_loop=3, model_dir=str(model_dir))
+    trainer = engine.Trainer(
+        strategy=strategy,
+        model=model,
+        optimizer=optimizers,
+        step_fn=replica_step,
+        train_data=tf.data.Dataset.from_tensor_slices(x).repeat().batch(16),
+        global_batch_size=16,
+        steps_per_loop=3,
+        model_dir=str(model_dir),
+    )
     return trainer, model, optimizers
 
 
@@ -180,28 +209,48 @@ def test_an_unbuilt_optimizer_the_engine_cannot_place_is_named(mirrored):
         optimizers = {"encoder": keras.optimizers.Adam(0.01), "critic": keras.optimizers.SGD(0.1)}
     x, _ = make_arrays(16)
     with pytest.raises(engine.UserError, match=r"optimizer 'critic' is not built .*optimizer.build"):
-        engine.Trainer(strategy=mirrored, model=model, optimizer=optimizers, step_fn=lambda b: {},
-                       train_data=tf.data.Dataset.from_tensor_slices(x).batch(8), global_batch_size=8)
+        engine.Trainer(
+            strategy=mirrored,
+            model=model,
+            optimizer=optimizers,
+            step_fn=lambda b: {},
+            train_data=tf.data.Dataset.from_tensor_slices(x).batch(8),
+            global_batch_size=8,
+        )
 
 
 def test_several_optimizers_need_a_step_fn(mirrored):
     model, optimizer = make_model(mirrored)
     x, y = make_arrays(16)
     with pytest.raises(engine.UserError, match=r"standard step applies one optimizer.*step_fn"):
-        engine.Trainer(strategy=mirrored, model=model, optimizer={"a": optimizer, "b": optimizer},
-                       loss_fn=loss_fn(), train_data=global_batches(x, y, 8), global_batch_size=8)
+        engine.Trainer(
+            strategy=mirrored,
+            model=model,
+            optimizer={"a": optimizer, "b": optimizer},
+            loss_fn=loss_fn(),
+            train_data=global_batches(x, y, 8),
+            global_batch_size=8,
+        )
 
 
 # -------------------------------------------------------------- finite data
+
 
 @pytest.mark.parametrize("steps_per_loop", [4, 5])  # Runs out inside a loop / exactly at a loop's start.
 def test_finite_data_stops_at_the_last_update_with_a_checkpoint(mirrored, tmp_path, steps_per_loop):
     x, y = make_arrays(160)
     finite = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)  # 10 batches.
     model, optimizer = make_model(mirrored)
-    trainer = engine.Trainer(strategy=mirrored, model=model, optimizer=optimizer, train_data=finite,
-                             global_batch_size=16, loss_fn=loss_fn(), steps_per_loop=steps_per_loop,
-                             model_dir=str(tmp_path))
+    trainer = engine.Trainer(
+        strategy=mirrored,
+        model=model,
+        optimizer=optimizer,
+        train_data=finite,
+        global_batch_size=16,
+        loss_fn=loss_fn(),
+        steps_per_loop=steps_per_loop,
+        model_dir=str(tmp_path),
+    )
     with pytest.raises(engine.DataExhaustedError, match=r"ran out after step 10 of 25.*\.repeat\(\)") as caught:
         trainer.train(25)
     assert caught.value.step == trainer.step == 10
@@ -211,9 +260,15 @@ def test_finite_data_stops_at_the_last_update_with_a_checkpoint(mirrored, tmp_pa
     assert reader.get_tensor("global_step/.ATTRIBUTES/VARIABLE_VALUE") == 10
 
     repeated, repeated_optimizer = make_model(mirrored)
-    engine.Trainer(strategy=mirrored, model=repeated, optimizer=repeated_optimizer,
-                   train_data=finite.repeat(), global_batch_size=16, loss_fn=loss_fn(),
-                   steps_per_loop=steps_per_loop).train(10)
+    engine.Trainer(
+        strategy=mirrored,
+        model=repeated,
+        optimizer=repeated_optimizer,
+        train_data=finite.repeat(),
+        global_batch_size=16,
+        loss_fn=loss_fn(),
+        steps_per_loop=steps_per_loop,
+    ).train(10)
     assert_weights_equal(model.get_weights(), repeated.get_weights())
     with pytest.raises(engine.DataExhaustedError):  # Asking again cannot pretend to train.
         trainer.train(25)
@@ -222,12 +277,20 @@ def test_finite_data_stops_at_the_last_update_with_a_checkpoint(mirrored, tmp_pa
 
 # --------------------------------------------------------------- batch size
 
+
 def test_a_static_batch_of_the_wrong_size_is_refused_at_construction(mirrored, tmp_path):
     x, y = make_arrays(64)
     model, optimizer = make_model(mirrored)
     with pytest.raises(engine.UserError, match=r"batches of 32 examples but global_batch_size=64"):
-        engine.Trainer(strategy=mirrored, model=model, optimizer=optimizer, loss_fn=loss_fn(),
-                       train_data=global_batches(x, y, 32), global_batch_size=64, model_dir=str(tmp_path))
+        engine.Trainer(
+            strategy=mirrored,
+            model=model,
+            optimizer=optimizer,
+            loss_fn=loss_fn(),
+            train_data=global_batches(x, y, 32),
+            global_batch_size=64,
+            model_dir=str(tmp_path),
+        )
     assert not any(tmp_path.iterdir())
 
 
@@ -238,13 +301,22 @@ def test_a_dynamic_batch_of_the_wrong_size_is_refused_before_any_update(mirrored
         data = tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(32)
         expected = r"first batch holds 32 examples but global_batch_size=64"
     else:  # Batched by the global size instead of input_context.get_per_replica_batch_size.
+
         def data(input_context):
             return tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(64)
+
         expected = r"first batch holds 64 examples per replica but global_batch_size=64 over 2 .* needs 32"
     model, optimizer = make_model(mirrored)
     before = model.get_weights()
-    trainer = engine.Trainer(strategy=mirrored, model=model, optimizer=optimizer, loss_fn=loss_fn(),
-                             train_data=data, global_batch_size=64, model_dir=str(tmp_path))
+    trainer = engine.Trainer(
+        strategy=mirrored,
+        model=model,
+        optimizer=optimizer,
+        loss_fn=loss_fn(),
+        train_data=data,
+        global_batch_size=64,
+        model_dir=str(tmp_path),
+    )
     with pytest.raises(engine.UserError, match=expected):
         trainer.train(4)
     assert trainer.step == 0 and int(optimizer.iterations.numpy()) == 0
@@ -253,6 +325,7 @@ def test_a_dynamic_batch_of_the_wrong_size_is_refused_before_any_update(mirrored
 
 
 # ----------------------------------------------------------- batch structure
+
 
 def multi_input_model(strategy):
     with strategy.scope():
@@ -269,10 +342,17 @@ def test_multi_input_model_trains_and_evaluates_on_dict_features(mirrored):
     features = {"first": x, "second": x[:, :2] * 2}
     data = tf.data.Dataset.from_tensor_slices((features, y))
     model, optimizer = multi_input_model(mirrored)
-    trainer = engine.Trainer(strategy=mirrored, model=model, optimizer=optimizer, loss_fn=loss_fn(),
-                             train_data=data.repeat().batch(16, drop_remainder=True),
-                             eval_data=data.batch(24), global_batch_size=16, steps_per_loop=4,
-                             metrics=[keras.metrics.SparseCategoricalAccuracy(name="accuracy")])
+    trainer = engine.Trainer(
+        strategy=mirrored,
+        model=model,
+        optimizer=optimizer,
+        loss_fn=loss_fn(),
+        train_data=data.repeat().batch(16, drop_remainder=True),
+        eval_data=data.batch(24),
+        global_batch_size=16,
+        steps_per_loop=4,
+        metrics=[keras.metrics.SparseCategoricalAccuracy(name="accuracy")],
+    )
     first = trainer.train(4)
     assert trainer.train(40)["loss"] < first["loss"]
     results = trainer.evaluate()
@@ -286,9 +366,15 @@ def test_sample_weights_weigh_the_loss_like_keras(mirrored):
     x, y = make_arrays(32)
     weight = np.where(np.arange(32) % 2 == 0, 1.0, 0.0).astype("float32")
     weighted, optimizer = make_model(mirrored)
-    engine.Trainer(strategy=mirrored, model=weighted, optimizer=optimizer, loss_fn=loss_fn(),
-                   train_data=tf.data.Dataset.from_tensor_slices((x, y, weight)).batch(16),
-                   global_batch_size=16, steps_per_loop=2).train(2)
+    engine.Trainer(
+        strategy=mirrored,
+        model=weighted,
+        optimizer=optimizer,
+        loss_fn=loss_fn(),
+        train_data=tf.data.Dataset.from_tensor_slices((x, y, weight)).batch(16),
+        global_batch_size=16,
+        steps_per_loop=2,
+    ).train(2)
     # By hand, as Keras weighs: sum(weight * loss) / batch size; odd examples count for nothing.
     zeroed, zeroed_optimizer = make_model(mirrored)
     with tf.GradientTape() as tape:
@@ -307,11 +393,19 @@ def test_sample_weights_weigh_the_loss_like_keras(mirrored):
 def test_a_dict_batch_is_refused_with_a_pointer_to_step_fn(mirrored):
     x, y = make_arrays(32)
     model, optimizer = make_model(mirrored)
-    trainer = engine.Trainer(strategy=mirrored, model=model, optimizer=optimizer, loss_fn=loss_fn(),
-                             train_data=tf.data.Dataset.from_tensor_slices({"x": x, "y": y}).repeat().batch(16),
-                             global_batch_size=16)
-    with pytest.raises(engine.UserError, match=r"takes batches of \(features, labels\).*got a dict with "
-                                               r"keys \['x', 'y'\].*step_fn="):
+    trainer = engine.Trainer(
+        strategy=mirrored,
+        model=model,
+        optimizer=optimizer,
+        loss_fn=loss_fn(),
+        train_data=tf.data.Dataset.from_tensor_slices({"x": x, "y": y}).repeat().batch(16),
+        global_batch_size=16,
+    )
+    with pytest.raises(
+        engine.UserError,
+        match=r"takes batches of \(features, labels\).*got a dict with "
+        r"keys \['x', 'y'\].*step_fn=",
+    ):
         trainer.train(2)
     assert trainer.step == 0
 
@@ -324,9 +418,16 @@ def test_eval_step_fn_evaluates_dict_batches(mirrored):
     def eval_step(batch):
         return batch["y"], model(batch["x"])
 
-    trainer = engine.Trainer(strategy=mirrored, model=model, optimizer=optimizer, loss_fn=loss_fn(),
-                             train_data=global_batches(x, y, 16), eval_data=dict_data,
-                             eval_step_fn=eval_step, global_batch_size=16)
+    trainer = engine.Trainer(
+        strategy=mirrored,
+        model=model,
+        optimizer=optimizer,
+        loss_fn=loss_fn(),
+        train_data=global_batches(x, y, 16),
+        eval_data=dict_data,
+        eval_step_fn=eval_step,
+        global_batch_size=16,
+    )
     results = trainer.evaluate()
     expected = keras.losses.SparseCategoricalCrossentropy(from_logits=True)(y, model(tf.constant(x)))
     assert results["num_examples"] == 48
@@ -335,24 +436,45 @@ def test_eval_step_fn_evaluates_dict_batches(mirrored):
 
 # --------------------------------------------------------- step_fn options
 
+
 def test_step_fn_with_options_it_cannot_honour_is_refused(mirrored):
     x, y = make_arrays(16)
     model, optimizer = make_model(mirrored)
-    with pytest.raises(engine.UserError, match=r"step_fn cannot honour clip_norm=1.0, grad_accum_steps=2, "
-                                               r"jit_compile=True, on_nonfinite='skip'"):
-        engine.Trainer(strategy=mirrored, model=model, optimizer=optimizer, step_fn=lambda batch: {},
-                       train_data=global_batches(x, y, 8), global_batch_size=8, clip_norm=1.0,
-                       grad_accum_steps=2, jit_compile=True, on_nonfinite="skip")
+    with pytest.raises(
+        engine.UserError,
+        match=r"step_fn cannot honour clip_norm=1.0, grad_accum_steps=2, "
+        r"jit_compile=True, on_nonfinite='skip'",
+    ):
+        engine.Trainer(
+            strategy=mirrored,
+            model=model,
+            optimizer=optimizer,
+            step_fn=lambda batch: {},
+            train_data=global_batches(x, y, 8),
+            global_batch_size=8,
+            clip_norm=1.0,
+            grad_accum_steps=2,
+            jit_compile=True,
+            on_nonfinite="skip",
+        )
 
 
 # ---------------------------------------------------------------- stopping
+
 
 def test_a_stop_stays_in_force_until_cleared_and_reaching_the_target_says_so(mirrored, caplog):
     caplog.set_level(logging.INFO, logger="engine")
     x, y = make_arrays(32)
     model, optimizer = make_model(mirrored)
-    trainer = engine.Trainer(strategy=mirrored, model=model, optimizer=optimizer, loss_fn=loss_fn(),
-                             train_data=global_batches(x, y, 16), global_batch_size=16, steps_per_loop=2)
+    trainer = engine.Trainer(
+        strategy=mirrored,
+        model=model,
+        optimizer=optimizer,
+        loss_fn=loss_fn(),
+        train_data=global_batches(x, y, 16),
+        global_batch_size=16,
+        steps_per_loop=2,
+    )
     trainer.train(4)
     for stop in (trainer.request_stop, lambda: setattr(trainer, "stop_training", True)):
         stop()
@@ -369,6 +491,7 @@ def test_a_stop_stays_in_force_until_cleared_and_reaching_the_target_says_so(mir
 
 # ------------------------------------------------------- defaults and names
 
+
 def test_one_steps_per_loop_default_for_the_trainer_and_the_cli():
     import inspect
 
@@ -383,13 +506,16 @@ def test_one_steps_per_loop_default_for_the_trainer_and_the_cli():
 def run_script(tmp_path, source: str) -> subprocess.CompletedProcess:
     (tmp_path / "script.py").write_text(source)
     env = dict(os.environ, PYTHONPATH=str(REPO), TF_CPP_MIN_LOG_LEVEL="2")
-    return subprocess.run([sys.executable, "script.py"], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=240)
+    return subprocess.run(
+        [sys.executable, "script.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240
+    )
 
 
 @pytest.mark.slow
 def test_public_names_work_after_import_engine_alone(tmp_path):
-    result = run_script(tmp_path, """
+    result = run_script(
+        tmp_path,
+        """
 import engine
 assert callable(engine.export.export_saved_model)
 assert engine.callbacks.Callback is engine.Callback
@@ -399,7 +525,8 @@ assert issubclass(engine.DataExhaustedError, engine.UserError)
 from engine.trainer import NonFiniteLossError
 assert NonFiniteLossError is engine.NonFiniteLossError
 print("ok")
-""")
+""",
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip() == "ok"
 
@@ -429,7 +556,9 @@ def test_progress_reaches_an_embedded_user_without_tensorflow_info_logs(tmp_path
     progress = [line for line in shown.stderr.splitlines() if " engine] step " in line]
     assert [line.split(" step ")[1].split()[0] for line in progress] == ["2/4", "4/4"]
     assert "Collective" not in shown.stderr and "INFO:tensorflow" not in shown.stderr
-    silenced = run_script(tmp_path, EMBEDDED.format(silence='logging.getLogger("engine").setLevel(logging.WARNING)'))
+    silenced = run_script(
+        tmp_path, EMBEDDED.format(silence='logging.getLogger("engine").setLevel(logging.WARNING)')
+    )
     assert silenced.returncode == 0, silenced.stderr[-3000:]
     assert " engine] " not in silenced.stderr
 
@@ -439,8 +568,13 @@ def test_float16_with_a_schedule_reruns_in_the_same_model_dir(tmp_path):
     """A LossScaleOptimizer's own `_learning_rate` is not the rate: the restore must not reset a schedule."""
     from helpers import run_main
 
-    common = ["--model=mlp", "--mixed_precision=float16", "--lr_schedule=cosine", "--steps_per_loop=2",
-              f"--model_dir={tmp_path}"]
+    common = [
+        "--model=mlp",
+        "--mixed_precision=float16",
+        "--lr_schedule=cosine",
+        "--steps_per_loop=2",
+        f"--model_dir={tmp_path}",
+    ]
     first = run_main(*common, "--train_steps=4")
     assert first.returncode == 0, first.stderr[-3000:]
     rerun = run_main(*common, "--train_steps=8")
@@ -450,8 +584,11 @@ def test_float16_with_a_schedule_reruns_in_the_same_model_dir(tmp_path):
 
 def test_a_layer_built_lazily_in_the_first_step_is_refused(mirrored):
     with mirrored.scope():
-        model = Wrapped(keras.Sequential([keras.Input((NUM_FEATURES,)), keras.layers.Dense(4),
-                                          keras.layers.Dense(NUM_CLASSES)]))
+        model = Wrapped(
+            keras.Sequential(
+                [keras.Input((NUM_FEATURES,)), keras.layers.Dense(4), keras.layers.Dense(NUM_CLASSES)]
+            )
+        )
         model.extra = keras.layers.Dense(NUM_CLASSES)  # Unbuilt: its kernel appears in the first call.
         optimizer = keras.optimizers.SGD(0.1)
 
@@ -466,8 +603,14 @@ def test_a_layer_built_lazily_in_the_first_step_is_refused(mirrored):
     with mirrored.scope():
         lazy = Lazy()
     x, y = make_arrays(16)
-    trainer = engine.Trainer(strategy=mirrored, model=lazy, optimizer=optimizer, loss_fn=loss_fn(),
-                             train_data=global_batches(x, y, 8), global_batch_size=8)
+    trainer = engine.Trainer(
+        strategy=mirrored,
+        model=lazy,
+        optimizer=optimizer,
+        loss_fn=loss_fn(),
+        train_data=global_batches(x, y, 8),
+        global_batch_size=8,
+    )
     with pytest.raises(engine.UserError, match=r"model \(Lazy\) created variables in its first call"):
         trainer.train(1)
     assert trainer.step == 0

@@ -28,8 +28,9 @@ def test_schedule_shapes():
 def summary_values(log_dir, tag):
     accumulator = EventAccumulator(str(log_dir), size_guidance={"tensors": 0})
     accumulator.Reload()
-    return {event.step: float(tensor_util.make_ndarray(event.tensor_proto))
-            for event in accumulator.Tensors(tag)}
+    return {
+        event.step: float(tensor_util.make_ndarray(event.tensor_proto)) for event in accumulator.Tensors(tag)
+    }
 
 
 def test_learning_rate_in_summaries_follows_the_schedule_across_a_restart(tmp_path):
@@ -41,9 +42,16 @@ def test_learning_rate_in_summaries_follows_the_schedule_across_a_restart(tmp_pa
         model, _ = make_model(strategy)
         with strategy.scope():
             optimizer = keras.optimizers.SGD(schedule)
-        return engine.Trainer(strategy=strategy, model=model, optimizer=optimizer,
-                              train_data=global_batches(x, y, 16), global_batch_size=16,
-                              loss_fn=loss_fn(), steps_per_loop=3, model_dir=str(tmp_path))
+        return engine.Trainer(
+            strategy=strategy,
+            model=model,
+            optimizer=optimizer,
+            train_data=global_batches(x, y, 16),
+            global_batch_size=16,
+            loss_fn=loss_fn(),
+            steps_per_loop=3,
+            model_dir=str(tmp_path),
+        )
 
     first = new_trainer()
     first.train(9)

@@ -30,9 +30,13 @@ def lone_worker(index: int, *flags: str, model_dir: Path) -> tuple[subprocess.Po
         addresses = [f"localhost:{s.getsockname()[1]}" for s in (first, second)]
     tf_config = json.dumps({"cluster": {"worker": addresses}, "task": {"type": "worker", "index": index}})
     process = subprocess.Popen(
-        [sys.executable, "-m", "engine.main", *FLAGS, *flags, f"--model_dir={model_dir}"], cwd=REPO,
+        [sys.executable, "-m", "engine.main", *FLAGS, *flags, f"--model_dir={model_dir}"],
+        cwd=REPO,
         env=dict(os.environ, PYTHONPATH=str(REPO), TF_CPP_MIN_LOG_LEVEL="2", TF_CONFIG=tf_config),
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     return process, addresses[1 - index]
 
 
@@ -63,8 +67,10 @@ def test_a_lone_worker_exits_after_startup_timeout_naming_its_peer(tmp_path, rea
     assert 9 <= waited <= 10 + 15, waited  # the timeout, a short grace, and a loaded machine
     errors = [line for line in output.splitlines() if "error:" in line and "startup_timeout" in line]
     assert len(errors) == 1, output[-3000:]
-    assert errors[0].startswith(f"engine.main: error: worker:{index} could not reach its peers within "
-                                f"--startup_timeout=10s; waited for worker:{1 - index} ({peer})"), errors
+    assert errors[0].startswith(
+        f"engine.main: error: worker:{index} could not reach its peers within "
+        f"--startup_timeout=10s; waited for worker:{1 - index} ({peer})"
+    ), errors
     assert not any(tmp_path.iterdir())  # nothing written
 
 

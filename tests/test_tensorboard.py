@@ -26,12 +26,21 @@ def finished_run(tmp_path_factory):
     """One CLI run with every new flag; the tests below read what it left."""
     root = tmp_path_factory.mktemp("tb")
     model_dir, export_dir = root / "run", root / "export"
-    result = run_main("--model=mlp", f"--train_steps={TRAIN_STEPS}", "--steps_per_loop=6",
-                      "--log_every=4", "--eval_every=4", "--profile_steps=4,8",
-                      "--lr_schedule=cosine", "--learning_rate=0.01",
-                      "--early_stop_metric=loss", "--early_stop_patience=5",
-                      "--best_checkpoint_metric=accuracy", f"--model_dir={model_dir}",
-                      f"--export_dir={export_dir}")
+    result = run_main(
+        "--model=mlp",
+        f"--train_steps={TRAIN_STEPS}",
+        "--steps_per_loop=6",
+        "--log_every=4",
+        "--eval_every=4",
+        "--profile_steps=4,8",
+        "--lr_schedule=cosine",
+        "--learning_rate=0.01",
+        "--early_stop_metric=loss",
+        "--early_stop_patience=5",
+        "--best_checkpoint_metric=accuracy",
+        f"--model_dir={model_dir}",
+        f"--export_dir={export_dir}",
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     return model_dir, result.stderr
 
@@ -46,8 +55,15 @@ def test_cli_run_logs_profiles_and_keeps_the_best(finished_run):
     assert len(traces) == 1 and traces[0].stat().st_size > 0
     best = json.loads((model_dir / "best" / "best.json").read_text())
     assert best["metric"] == "accuracy" and best["step"] in (4, 8, 12)
-    for banner_part in ("strategy=default", "replicas=1", "devices=", "global_batch=64",
-                        "per_replica_batch=64", "params=", f"model_dir={model_dir}"):
+    for banner_part in (
+        "strategy=default",
+        "replicas=1",
+        "devices=",
+        "global_batch=64",
+        "per_replica_batch=64",
+        "params=",
+        f"model_dir={model_dir}",
+    ):
         assert banner_part in stderr
 
 
@@ -69,9 +85,22 @@ def test_tensorboard_server_shows_train_and_eval_scalars(finished_run):
     model_dir, _ = finished_run
     port = free_port()
     server = subprocess.Popen(
-        [sys.executable, "-m", "tensorboard.main", "--logdir", str(model_dir), "--host", "127.0.0.1",
-         "--port", str(port), "--load_fast=false", "--reload_interval=1"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        [
+            sys.executable,
+            "-m",
+            "tensorboard.main",
+            "--logdir",
+            str(model_dir),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--load_fast=false",
+            "--reload_interval=1",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
         env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"),
     )
     base = f"http://127.0.0.1:{port}"
@@ -87,7 +116,9 @@ def test_tensorboard_server_shows_train_and_eval_scalars(finished_run):
             if "loss" in tags.get("train", {}) and "loss" in tags.get("eval", {}):
                 break
             time.sleep(0.5)
-        assert {"loss", "accuracy", "learning_rate", "examples_per_second", "steps_per_second"} <= set(tags["train"])
+        assert {"loss", "accuracy", "learning_rate", "examples_per_second", "steps_per_second"} <= set(
+            tags["train"]
+        )
         assert {"loss", "accuracy", "num_examples"} <= set(tags["eval"])
 
         def scalars(run, tag):
@@ -116,18 +147,39 @@ def test_profiler_window_and_hooks_cost_nothing_in_the_compiled_step(mirrored, t
     x, y = make_arrays(32)
     tracing_counts = []
     loops = []
-    for hooks in ([], [TrainGraph(), ProfileWindow(3, 5), EarlyStopping("loss", patience=9),
-                       BestCheckpoint("loss"), ReduceLROnPlateau("loss", patience=9),
-                       lambda trainer, step, logs: loops.append(step)]):
+    for hooks in (
+        [],
+        [
+            TrainGraph(),
+            ProfileWindow(3, 5),
+            EarlyStopping("loss", patience=9),
+            BestCheckpoint("loss"),
+            ReduceLROnPlateau("loss", patience=9),
+            lambda trainer, step, logs: loops.append(step),
+        ],
+    ):
         model, optimizer = make_model(mirrored)
-        trainer = engine.Trainer(strategy=mirrored, model=model, optimizer=optimizer,
-                                 train_data=global_batches(x, y, 16), global_batch_size=16,
-                                 loss_fn=loss_fn(), eval_data=global_batches(x, y, 16).take(1),
-                                 eval_every=4, steps_per_loop=4, log_every=2, callbacks=hooks,
-                                 model_dir=str(tmp_path / str(len(hooks))))
+        trainer = engine.Trainer(
+            strategy=mirrored,
+            model=model,
+            optimizer=optimizer,
+            train_data=global_batches(x, y, 16),
+            global_batch_size=16,
+            loss_fn=loss_fn(),
+            eval_data=global_batches(x, y, 16).take(1),
+            eval_every=4,
+            steps_per_loop=4,
+            log_every=2,
+            callbacks=hooks,
+            model_dir=str(tmp_path / str(len(hooks))),
+        )
         trainer.train(10)
-        tracing_counts.append((trainer.train_loop.experimental_get_tracing_count(),
-                               trainer.eval_loop.experimental_get_tracing_count()))
+        tracing_counts.append(
+            (
+                trainer.train_loop.experimental_get_tracing_count(),
+                trainer.eval_loop.experimental_get_tracing_count(),
+            )
+        )
     assert tracing_counts == [(1, 1), (1, 1)]
     assert loops == [2, 3, 4, 5, 6, 8, 10]  # cut at the window's ends, log_every and eval_every
     traces = list((tmp_path / "6" / "train" / "plugins" / "profile").glob("*/*.xplane.pb"))

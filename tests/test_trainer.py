@@ -13,17 +13,25 @@ import engine
 def per_replica_batches(x, y, batch):
     """fn(input_context) whose replica r at step k gets the same examples as
     replica r of the split global batch (one input pipeline)."""
+
     def dataset_fn(input_context):
         per_replica = input_context.get_per_replica_batch_size(batch)
         return tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(per_replica, drop_remainder=True)
+
     return dataset_fn
 
 
 def train_weights(strategy, data, *, batch=16, steps=12, l2=0.0, **trainer_kwargs):
     model, optimizer = make_model(strategy, l2=l2)
     trainer = engine.Trainer(
-        strategy=strategy, model=model, optimizer=optimizer, train_data=data,
-        global_batch_size=batch, loss_fn=loss_fn(), steps_per_loop=5, **trainer_kwargs,
+        strategy=strategy,
+        model=model,
+        optimizer=optimizer,
+        train_data=data,
+        global_batch_size=batch,
+        loss_fn=loss_fn(),
+        steps_per_loop=5,
+        **trainer_kwargs,
     )
     trainer.train(steps)
     assert trainer.step == steps
@@ -76,9 +84,15 @@ def test_clip_norm_bounds_the_global_update(mirrored):
     x, y = make_arrays(16)
     model, optimizer = make_model(mirrored)
     before = [w.copy() for w in model.get_weights()]
-    trainer = engine.Trainer(strategy=mirrored, model=model, optimizer=optimizer,
-                             train_data=global_batches(x, y, 16), global_batch_size=16,
-                             loss_fn=loss_fn(), clip_norm=0.01)
+    trainer = engine.Trainer(
+        strategy=mirrored,
+        model=model,
+        optimizer=optimizer,
+        train_data=global_batches(x, y, 16),
+        global_batch_size=16,
+        loss_fn=loss_fn(),
+        clip_norm=0.01,
+    )
     trainer.train(1)
     update = np.sqrt(sum(((a - b) ** 2).sum() for a, b in zip(model.get_weights(), before, strict=True)))
     np.testing.assert_allclose(update, 0.5 * 0.01, rtol=1e-4)  # learning rate x clip norm
@@ -97,10 +111,15 @@ def test_reported_loss_equals_a_hand_computation(strategy_name, request):
     model, optimizer = make_model(strategy, l2=0.01)
     w1, b1, w2, b2 = model.get_weights()
     logits = np.maximum(x @ w1 + b1, 0) @ w2 + b2
-    expected = softmax_cross_entropy(logits, y).mean() + 0.01 * (w1 ** 2).sum()
-    trainer = engine.Trainer(strategy=strategy, model=model, optimizer=optimizer,
-                             train_data=global_batches(x, y, 16), global_batch_size=16,
-                             loss_fn=loss_fn())
+    expected = softmax_cross_entropy(logits, y).mean() + 0.01 * (w1**2).sum()
+    trainer = engine.Trainer(
+        strategy=strategy,
+        model=model,
+        optimizer=optimizer,
+        train_data=global_batches(x, y, 16),
+        global_batch_size=16,
+        loss_fn=loss_fn(),
+    )
     logs = trainer.train(1)  # The loss is computed before the one update.
     np.testing.assert_allclose(logs["loss"], expected, rtol=1e-5)
 
@@ -113,12 +132,19 @@ def test_eval_counts_every_example_once_and_metrics_are_exact(mirrored, num_exam
     if input_form == "global_dataset":
         eval_data = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
     else:
+
         def eval_data(input_context):
             batch = input_context.get_per_replica_batch_size(16)
             return tf.data.Dataset.from_tensor_slices((x, y)).batch(batch)
+
     trainer = engine.Trainer(
-        strategy=mirrored, model=model, optimizer=optimizer, train_data=global_batches(x, y, 16),
-        global_batch_size=16, loss_fn=loss_fn(), eval_data=eval_data,
+        strategy=mirrored,
+        model=model,
+        optimizer=optimizer,
+        train_data=global_batches(x, y, 16),
+        global_batch_size=16,
+        loss_fn=loss_fn(),
+        eval_data=eval_data,
         metrics=[keras.metrics.SparseCategoricalAccuracy(name="accuracy")],
     )
     logs = trainer.evaluate()
@@ -133,11 +159,17 @@ def test_train_and_eval_loops_are_traced_once(mirrored):
     x, y = make_arrays(64)
     model, optimizer = make_model(mirrored)
     trainer = engine.Trainer(
-        strategy=mirrored, model=model, optimizer=optimizer, train_data=global_batches(x, y, 16),
-        global_batch_size=16, loss_fn=loss_fn(), steps_per_loop=4,
-        eval_data=tf.data.Dataset.from_tensor_slices((x, y)).batch(16), eval_every=6,
+        strategy=mirrored,
+        model=model,
+        optimizer=optimizer,
+        train_data=global_batches(x, y, 16),
+        global_batch_size=16,
+        loss_fn=loss_fn(),
+        steps_per_loop=4,
+        eval_data=tf.data.Dataset.from_tensor_slices((x, y)).batch(16),
+        eval_every=6,
     )
-    trainer.train(7)   # loops of 4, 2 (cut by eval), 1
+    trainer.train(7)  # loops of 4, 2 (cut by eval), 1
     trainer.train(20)  # loops of 4 and 1 .. of various lengths
     trainer.evaluate()
     assert trainer.step == 20
@@ -151,9 +183,17 @@ def test_restart_restores_the_latest_checkpoint_and_continues(mirrored, tmp_path
 
     def new_trainer():
         model, optimizer = make_model(mirrored, seed=99)  # Different start: the checkpoint must win.
-        return engine.Trainer(strategy=mirrored, model=model, optimizer=optimizer, train_data=data,
-                              global_batch_size=16, loss_fn=loss_fn(), model_dir=str(tmp_path),
-                              checkpoint_every=4, max_checkpoints=2)
+        return engine.Trainer(
+            strategy=mirrored,
+            model=model,
+            optimizer=optimizer,
+            train_data=data,
+            global_batch_size=16,
+            loss_fn=loss_fn(),
+            model_dir=str(tmp_path),
+            checkpoint_every=4,
+            max_checkpoints=2,
+        )
 
     first = new_trainer()
     first.train(6)
@@ -172,16 +212,28 @@ def test_variables_created_outside_the_scope_are_refused(mirrored):
     x, y = make_arrays(16)
     model, optimizer = make_model(tf.distribute.get_strategy())
     with pytest.raises(engine.UserError, match="strategy.scope"):
-        engine.Trainer(strategy=mirrored, model=model, optimizer=optimizer,
-                       train_data=global_batches(x, y, 16), global_batch_size=16, loss_fn=loss_fn())
+        engine.Trainer(
+            strategy=mirrored,
+            model=model,
+            optimizer=optimizer,
+            train_data=global_batches(x, y, 16),
+            global_batch_size=16,
+            loss_fn=loss_fn(),
+        )
 
 
 def test_batch_not_divisible_by_replicas_is_refused(mirrored):
     x, y = make_arrays(16)
     model, optimizer = make_model(mirrored)
     with pytest.raises(engine.UserError, match="not divisible by 2 replica"):
-        engine.Trainer(strategy=mirrored, model=model, optimizer=optimizer,
-                       train_data=global_batches(x, y, 15), global_batch_size=15, loss_fn=loss_fn())
+        engine.Trainer(
+            strategy=mirrored,
+            model=model,
+            optimizer=optimizer,
+            train_data=global_batches(x, y, 15),
+            global_batch_size=15,
+            loss_fn=loss_fn(),
+        )
 
 
 def test_xla_step_trains_to_the_same_weights(mirrored):
@@ -198,14 +250,26 @@ def test_mixed_precision_trains_with_two_replicas(mirrored, policy):
     keras.mixed_precision.set_global_policy(policy)
     try:
         with mirrored.scope():
-            model = keras.Sequential([keras.Input((NUM_FEATURES,)), keras.layers.Dense(32, activation="relu"),
-                                      keras.layers.Dense(NUM_CLASSES, dtype="float32")])
+            model = keras.Sequential(
+                [
+                    keras.Input((NUM_FEATURES,)),
+                    keras.layers.Dense(32, activation="relu"),
+                    keras.layers.Dense(NUM_CLASSES, dtype="float32"),
+                ]
+            )
             optimizer = keras.optimizers.SGD(0.5)
             if policy == "mixed_float16":
                 optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
-        trainer = engine.Trainer(strategy=mirrored, model=model, optimizer=optimizer,
-                                 train_data=global_batches(x, y, 32), global_batch_size=32,
-                                 loss_fn=loss_fn(), steps_per_loop=20, clip_norm=10.0)
+        trainer = engine.Trainer(
+            strategy=mirrored,
+            model=model,
+            optimizer=optimizer,
+            train_data=global_batches(x, y, 32),
+            global_batch_size=32,
+            loss_fn=loss_fn(),
+            steps_per_loop=20,
+            clip_norm=10.0,
+        )
         first = trainer.train(20)["loss"]
         last = trainer.train(200)["loss"]
     finally:

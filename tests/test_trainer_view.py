@@ -55,22 +55,45 @@ class ThroughTheView(Callback):
 
 
 def test_every_built_in_hook_needs_only_the_trainer_view(tmp_path):
-    assert {"step", "target_step", "model", "optimizer", "optimizers", "strategy", "model_dir", "summaries",
-            "checkpoint", "stop_training", "evaluates_after", "averaged_weights"} == VIEW
+    assert {
+        "step",
+        "target_step",
+        "model",
+        "optimizer",
+        "optimizers",
+        "strategy",
+        "model_dir",
+        "summaries",
+        "checkpoint",
+        "stop_training",
+        "evaluates_after",
+        "averaged_weights",
+    } == VIEW
     rng = np.random.RandomState(0)
     x = rng.rand(64, 4).astype("float32")
     y = (x[:, 0] > 0.5).astype("int32")
     strategy = tf.distribute.get_strategy()
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
-    hooks = [BestCheckpoint("loss"), EarlyStopping("loss", patience=1, min_delta=10.0),
-             ReduceLROnPlateau("loss", patience=1, min_delta=10.0), TrainGraph(), WeightHistograms(2),
-             KerasCallbacks([keras.callbacks.History()], steps_per_epoch=4)]
+    hooks = [
+        BestCheckpoint("loss"),
+        EarlyStopping("loss", patience=1, min_delta=10.0),
+        ReduceLROnPlateau("loss", patience=1, min_delta=10.0),
+        TrainGraph(),
+        WeightHistograms(2),
+        KerasCallbacks([keras.callbacks.History()], steps_per_epoch=4),
+    ]
     trainer = engine.Trainer(
-        strategy=strategy, model=model, optimizer=keras.optimizers.SGD(0.1),
+        strategy=strategy,
+        model=model,
+        optimizer=keras.optimizers.SGD(0.1),
         train_data=tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(16, drop_remainder=True),
-        eval_data=tf.data.Dataset.from_tensor_slices((x, y)).batch(16), global_batch_size=16,
+        eval_data=tf.data.Dataset.from_tensor_slices((x, y)).batch(16),
+        global_batch_size=16,
         loss_fn=keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None),
-        model_dir=str(tmp_path), steps_per_loop=2, eval_every=2, checkpoint_every=2,
+        model_dir=str(tmp_path),
+        steps_per_loop=2,
+        eval_every=2,
+        checkpoint_every=2,
         callbacks=[ThroughTheView(hook) for hook in hooks],
     )
     trainer.train(8)

@@ -22,6 +22,12 @@ from engine.cluster.resolve import (
 )
 
 __all__ = [
-    "DEFAULT_SLURM_PORT_BASE", "RESOLVERS", "TASK_TYPES", "Cluster", "check_strategy_cluster",
-    "resolve_cluster", "security_warning", "task_model_dir",
+    "DEFAULT_SLURM_PORT_BASE",
+    "RESOLVERS",
+    "TASK_TYPES",
+    "Cluster",
+    "check_strategy_cluster",
+    "resolve_cluster",
+    "security_warning",
+    "task_model_dir",
 ]

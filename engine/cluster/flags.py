@@ -16,8 +16,11 @@ def cluster_from_flags(flag_values=FLAGS):
     from engine.cluster import resolve_cluster
 
     return resolve_cluster(
-        worker_hosts=flag_values.worker_hosts, ps_hosts=flag_values.ps_hosts,
-        chief_host=flag_values.chief_host, task_type=flag_values.task_type,
-        task_index=flag_values.task_index, cluster_resolver=flag_values.cluster_resolver,
+        worker_hosts=flag_values.worker_hosts,
+        ps_hosts=flag_values.ps_hosts,
+        chief_host=flag_values.chief_host,
+        task_type=flag_values.task_type,
+        task_index=flag_values.task_index,
+        cluster_resolver=flag_values.cluster_resolver,
         slurm_port_base=flag_values.slurm_port_base,
     )

@@ -47,13 +47,18 @@ from engine.errors import USER_ERROR_EXIT
 flags.DEFINE_integer("num_workers", 2, "Worker tasks.")
 flags.DEFINE_integer("num_ps", 0, "Parameter-server tasks; > 0 adds a chief (the coordinator).")
 flags.DEFINE_string("host", "localhost", "Host name the tasks use to reach each other.")
-flags.DEFINE_integer("max_worker_restarts", 3,
-                     "With ps tasks: how often a dead worker is restarted before the run fails.")
-flags.DEFINE_integer("max_restarts", 0,
-                     "Without ps tasks (multi_worker_mirrored): how often the whole cluster is started "
-                     "again, on fresh ports and from the latest checkpoint, after a task dies.")
-flags.DEFINE_boolean("evaluator", False,
-                     "Add an evaluator task: engine.main evaluating each new checkpoint beside training.")
+flags.DEFINE_integer(
+    "max_worker_restarts", 3, "With ps tasks: how often a dead worker is restarted before the run fails."
+)
+flags.DEFINE_integer(
+    "max_restarts",
+    0,
+    "Without ps tasks (multi_worker_mirrored): how often the whole cluster is started "
+    "again, on fresh ports and from the latest checkpoint, after a task dies.",
+)
+flags.DEFINE_boolean(
+    "evaluator", False, "Add an evaluator task: engine.main evaluating each new checkpoint beside training."
+)
 FLAGS = flags.FLAGS
 
 PROGRAM = "engine.launch"
@@ -92,8 +97,9 @@ def free_ports(count: int, host: str = "localhost") -> list[int]:
         return [sock.getsockname()[1] for sock in sockets]
 
 
-def cluster_spec(num_workers: int, num_ps: int, host: str, ports: Sequence[int],
-                 evaluator: bool = False) -> dict[str, tuple[str, ...]]:
+def cluster_spec(
+    num_workers: int, num_ps: int, host: str, ports: Sequence[int], evaluator: bool = False
+) -> dict[str, tuple[str, ...]]:
     """chief (with ps tasks only), workers, ps tasks and the evaluator on consecutive ports."""
     addresses = iter(f"{host}:{port}" for port in ports)
     spec: dict[str, tuple[str, ...]] = {}
@@ -136,8 +142,14 @@ class Launcher:
     ports) for a restart under `max_restarts`; the evaluator is kept.
     """
 
-    def __init__(self, tasks: list[Task], *, max_worker_restarts: int = 0, max_restarts: int = 0,
-                 new_training_tasks: Callable[[], list[Task]] | None = None):
+    def __init__(
+        self,
+        tasks: list[Task],
+        *,
+        max_worker_restarts: int = 0,
+        max_restarts: int = 0,
+        new_training_tasks: Callable[[], list[Task]] | None = None,
+    ):
         self.tasks = tasks
         self.max_worker_restarts = max_worker_restarts
         self.max_restarts = max_restarts
@@ -161,13 +173,18 @@ class Launcher:
             env.setdefault("GRPC_FAIL_FAST", "use_caller")
         env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
         task.process = subprocess.Popen(
-            task.argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT, preexec_fn=_die_with_parent,
+            task.argv,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            preexec_fn=_die_with_parent,
         )
         task.reader = threading.Thread(target=self._relay, args=(task, task.process), daemon=True)
         task.reader.start()
-        _say(f"started {task.name} (pid {task.process.pid}) at {task.cluster.address}: "
-             f"{' '.join(task.argv[2:4])}")
+        _say(
+            f"started {task.name} (pid {task.process.pid}) at {task.cluster.address}: {' '.join(task.argv[2:4])}"
+        )
 
     def _relay(self, task: Task, process: subprocess.Popen) -> None:
         for raw in iter(process.stdout.readline, b""):
@@ -185,8 +202,9 @@ class Launcher:
             self._watch_evaluator()
             if status is None:
                 status = self._check()
-            if status is not None and (status != 0 or self._evaluator_status is not None
-                                       or self.evaluator is None):
+            if status is not None and (
+                status != 0 or self._evaluator_status is not None or self.evaluator is None
+            ):
                 return status or self._evaluator_status or 0
             time.sleep(POLL_SECONDS)
 
@@ -213,8 +231,10 @@ class Launcher:
                     _say(f"{task.name} failed with exit status {code}; stopping the other tasks")
                     return _exit_status(code)
                 self.restarts += 1
-                _say(f"restarting the cluster ({self.restarts}/{self.max_restarts}): {task.name} "
-                     f"{_describe(code)}")
+                _say(
+                    f"restarting the cluster ({self.restarts}/{self.max_restarts}): {task.name} "
+                    f"{_describe(code)}"
+                )
                 self._restart_training()
                 return None
             return 0 if all(code == 0 for code in codes) else None
@@ -227,8 +247,10 @@ class Launcher:
                 return _exit_status(code)
             if task.cluster.task_type == "worker" and task.restarts < self.max_worker_restarts:
                 task.restarts += 1
-                _say(f"{task.name} exited with status {code}; restarting it "
-                     f"({task.restarts}/{self.max_worker_restarts}); the coordinator reschedules its work")
+                _say(
+                    f"{task.name} exited with status {code}; restarting it "
+                    f"({task.restarts}/{self.max_worker_restarts}); the coordinator reschedules its work"
+                )
                 task.reader.join(timeout=5)
                 self.start(task)
                 continue
@@ -318,8 +340,11 @@ def main(argv: list[str]) -> int:
             print(f"{PROGRAM}: error: --{name}={FLAGS[name].value} must be >= 0", file=sys.stderr)
             return USER_ERROR_EXIT
     if FLAGS.max_restarts and FLAGS.num_ps:
-        print(f"{PROGRAM}: error: --max_restarts={FLAGS.max_restarts} restarts a multi_worker_mirrored "
-              "cluster; with ps tasks use --max_worker_restarts", file=sys.stderr)
+        print(
+            f"{PROGRAM}: error: --max_restarts={FLAGS.max_restarts} restarts a multi_worker_mirrored "
+            "cluster; with ps tasks use --max_worker_restarts",
+            file=sys.stderr,
+        )
         return USER_ERROR_EXIT
     problem = check_main_flags(main_flags)
     if problem:
@@ -337,8 +362,12 @@ def main(argv: list[str]) -> int:
         spec = cluster_spec(num_workers, num_ps, host, fresh, evaluator)
         return [t for t in make_tasks(spec, main_flags) if not t.is_evaluator]
 
-    launcher = Launcher(tasks, max_worker_restarts=FLAGS.max_worker_restarts if num_ps else 0,
-                        max_restarts=FLAGS.max_restarts, new_training_tasks=new_training_tasks)
+    launcher = Launcher(
+        tasks,
+        max_worker_restarts=FLAGS.max_worker_restarts if num_ps else 0,
+        max_restarts=FLAGS.max_restarts,
+        new_training_tasks=new_training_tasks,
+    )
     # Explicitly: a process started from a background shell job inherits
     # SIGINT *ignored*, and Python then installs no KeyboardInterrupt handler.
     signal.signal(signal.SIGINT, _raise_interrupt)

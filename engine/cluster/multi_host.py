@@ -92,14 +92,25 @@ def bounded_startup(cluster: Cluster | None, timeout: float) -> Iterator[None]:
     if cluster is None:
         yield
         return
-    logging.info("%s:%d connecting to %s (--startup_timeout=%gs)", cluster.task_type, cluster.task_index,
-                 ", ".join(f"{name} at {address}" for name, address in cluster.peers()) or "no peer", timeout)
+    logging.info(
+        "%s:%d connecting to %s (--startup_timeout=%gs)",
+        cluster.task_type,
+        cluster.task_index,
+        ", ".join(f"{name} at {address}" for name, address in cluster.peers()) or "no peer",
+        timeout,
+    )
     previous = signal.pthread_sigmask(signal.SIG_BLOCK, _STARTUP_SIGNALS)
     # The watchdog gives TF's own registration timeout (a clean one-line error) a head start.
     watchdog = subprocess.Popen(
-        [sys.executable, os.path.join(os.path.dirname(__file__), "startup_watchdog.py"),
-         str(os.getpid()), f"{timeout + WATCHDOG_GRACE_SECONDS if timeout else 0:g}", f"{timeout:g}", f"{cluster.task_type}:{cluster.task_index}",
-         *(f"{name}={address}" for name, address in cluster.peers())],
+        [
+            sys.executable,
+            os.path.join(os.path.dirname(__file__), "startup_watchdog.py"),
+            str(os.getpid()),
+            f"{timeout + WATCHDOG_GRACE_SECONDS if timeout else 0:g}",
+            f"{timeout:g}",
+            f"{cluster.task_type}:{cluster.task_index}",
+            *(f"{name}={address}" for name, address in cluster.peers()),
+        ],
         stdin=subprocess.PIPE,
     )
     try:
@@ -124,22 +135,28 @@ def _configure_coordination(cluster: Cluster, timeout: float) -> None:
     if context.context().coordination_service is not None or cluster.task_type not in ("chief", "worker"):
         return
     spec = tf.train.ClusterSpec({job: list(hosts) for job, hosts in cluster.training_spec().items()})
-    jobs = [coordination_config_pb2.CoordinatedJob(name=job, num_tasks=spec.num_tasks(job))
-            for job in ("chief", "worker") if job in spec.jobs]
+    jobs = [
+        coordination_config_pb2.CoordinatedJob(name=job, num_tasks=spec.num_tasks(job))
+        for job in ("chief", "worker")
+        if job in spec.jobs
+    ]
     context.context().configure_coordination_service(
-        service_type="standalone", service_leader=multi_worker_util.coordination_leader(spec),
-        coordinated_jobs=jobs, cluster_register_timeout_in_ms=int(timeout * 1000),
+        service_type="standalone",
+        service_leader=multi_worker_util.coordination_leader(spec),
+        coordinated_jobs=jobs,
+        cluster_register_timeout_in_ms=int(timeout * 1000),
     )
 
 
 def _startup_timeout_message(cluster: Cluster, timeout: float) -> str:
     peers = cluster.peers()
     silent = [task for task, address in peers if not _answers(address)]
-    waited_for = ", ".join(f"{task} ({address})" for task, address in peers
-                           if task in silent or not silent)
-    return (f"{cluster.task_type}:{cluster.task_index} could not reach its peers within "
-            f"--startup_timeout={timeout:g}s; waited for {waited_for}; start every task of the "
-            "cluster, check their addresses, or raise --startup_timeout")
+    waited_for = ", ".join(f"{task} ({address})" for task, address in peers if task in silent or not silent)
+    return (
+        f"{cluster.task_type}:{cluster.task_index} could not reach its peers within "
+        f"--startup_timeout={timeout:g}s; waited for {waited_for}; start every task of the "
+        "cluster, check their addresses, or raise --startup_timeout"
+    )
 
 
 def _answers(address: str, timeout: float = 1.0) -> bool:
@@ -181,9 +198,7 @@ def _parameter_server(options: MultiHostOptions) -> tf.distribute.Strategy:
     verbosity = logging.get_verbosity()
     logging.set_verbosity(logging.WARNING)  # It logs its whole session config at INFO.
     try:
-        return tf.distribute.experimental.ParameterServerStrategy(
-            options.cluster.resolver()
-        )
+        return tf.distribute.experimental.ParameterServerStrategy(options.cluster.resolver())
     finally:
         logging.set_verbosity(verbosity)
 

@@ -60,16 +60,21 @@ class Cluster:
 
     def peers(self) -> list[tuple[str, str]]:
         """("type:index", address) of every other training task."""
-        return [(f"{job}:{index}", address) for job, hosts in self.training_spec().items()
-                for index, address in enumerate(hosts)
-                if (job, index) != (self.task_type, self.task_index)]
+        return [
+            (f"{job}:{index}", address)
+            for job, hosts in self.training_spec().items()
+            for index, address in enumerate(hosts)
+            if (job, index) != (self.task_type, self.task_index)
+        ]
 
     def tf_config(self) -> str:
         """The TF_CONFIG JSON of this task."""
-        return json.dumps({
-            "cluster": {job: list(hosts) for job, hosts in self.spec.items()},
-            "task": {"type": self.task_type, "index": self.task_index},
-        })
+        return json.dumps(
+            {
+                "cluster": {job: list(hosts) for job, hosts in self.spec.items()},
+                "task": {"type": self.task_type, "index": self.task_index},
+            }
+        )
 
     def resolver(self):
         """A `SimpleClusterResolver` for tf.distribute (imports TensorFlow)."""
@@ -77,7 +82,9 @@ class Cluster:
 
         return tf.distribute.cluster_resolver.SimpleClusterResolver(
             tf.train.ClusterSpec({job: list(hosts) for job, hosts in self.training_spec().items()}),
-            task_type=self.task_type, task_id=self.task_index, rpc_layer="grpc",
+            task_type=self.task_type,
+            task_id=self.task_index,
+            rpc_layer="grpc",
         )
 
 
@@ -110,19 +117,27 @@ def resolve_cluster(
     if task_type == "evaluator" and not environ.get("TF_CONFIG"):
         # A sidecar evaluator reads the model_dir only; the hosts, if given, are not contacted.
         spec = {"worker": worker_hosts or (), "ps": ps_hosts or (), "chief": [chief_host] if chief_host else ()}
-        return _checked({job: hosts for job, hosts in spec.items() if hosts}, task_type,
-                        0 if task_index is None else task_index, source="the cluster flags")
+        return _checked(
+            {job: hosts for job, hosts in spec.items() if hosts},
+            task_type,
+            0 if task_index is None else task_index,
+            source="the cluster flags",
+        )
     if from_flags:
         spec = {"worker": worker_hosts or (), "ps": ps_hosts or (), "chief": [chief_host] if chief_host else ()}
         if task_type is None:
             raise UserError("cluster flags need --task_type (worker, ps or chief) and --task_index")
-        return _checked({job: hosts for job, hosts in spec.items() if hosts},
-                        task_type, 0 if task_index is None else task_index, source="the cluster flags")
+        return _checked(
+            {job: hosts for job, hosts in spec.items() if hosts},
+            task_type,
+            0 if task_index is None else task_index,
+            source="the cluster flags",
+        )
     if environ.get("TF_CONFIG"):
         if task_type is not None or task_index is not None:
             raise UserError(
                 "--task_type/--task_index are set but the cluster comes from TF_CONFIG, "
-                "whose \"task\" entry says which task this is; drop the flags or unset TF_CONFIG"
+                'whose "task" entry says which task this is; drop the flags or unset TF_CONFIG'
             )
         return cluster_from_tf_config(environ["TF_CONFIG"])
     if task_type is not None or task_index is not None:
@@ -140,14 +155,11 @@ def cluster_from_tf_config(text: str) -> Cluster:
     except json.JSONDecodeError as error:
         raise UserError(f"TF_CONFIG is not valid JSON ({error}): {text[:200]!r}") from None
     if not isinstance(config, dict) or not isinstance(config.get("cluster"), dict):
-        raise UserError(
-            f"TF_CONFIG needs a \"cluster\" object of job -> [\"host:port\", ...]; got {text[:200]!r}"
-        )
+        raise UserError(f'TF_CONFIG needs a "cluster" object of job -> ["host:port", ...]; got {text[:200]!r}')
     task = config.get("task")
     if not isinstance(task, dict) or "type" not in task:
         raise UserError(
-            f"TF_CONFIG needs a \"task\" object such as {{\"type\": \"worker\", \"index\": 0}}; "
-            f"got {task!r}"
+            f'TF_CONFIG needs a "task" object such as {{"type": "worker", "index": 0}}; got {task!r}'
         )
     index = task.get("index", 0)
     if not isinstance(index, int) or isinstance(index, bool):
@@ -170,9 +182,7 @@ def cluster_from_slurm(environ: Mapping[str, str], *, port_base: int) -> Cluster
     def variable(name: str, fallback: str | None = None) -> str:
         value = environ.get(f"SLURM_STEP_{name}") or (environ.get(f"SLURM_{fallback}") if fallback else None)
         if not value:
-            raise UserError(
-                f"--cluster_resolver=slurm but SLURM_STEP_{name} is not set; run inside `srun`"
-            )
+            raise UserError(f"--cluster_resolver=slurm but SLURM_STEP_{name} is not set; run inside `srun`")
         return value
 
     if "SLURM_PROCID" not in environ:
@@ -252,11 +262,9 @@ def _checked(spec: Mapping[str, object], task_type: object, task_index: int, *, 
     clean: dict[str, tuple[str, ...]] = {}
     for job, hosts in spec.items():
         if job not in TASK_TYPES:
-            raise UserError(
-                f"unknown task type {job!r} in {source}; use {', '.join(TASK_TYPES)}"
-            )
+            raise UserError(f"unknown task type {job!r} in {source}; use {', '.join(TASK_TYPES)}")
         if isinstance(hosts, str) or not isinstance(hosts, (list, tuple)) or not hosts:
-            raise UserError(f"{source}: job {job!r} needs a non-empty list of \"host:port\", got {hosts!r}")
+            raise UserError(f'{source}: job {job!r} needs a non-empty list of "host:port", got {hosts!r}')
         clean[job] = tuple(_check_address(str(host), job, source) for host in hosts)
     if "chief" in clean and len(clean["chief"]) != 1:
         raise UserError(f"{source}: a cluster has one chief, got {len(clean['chief'])}")
@@ -276,8 +284,9 @@ def _checked(spec: Mapping[str, object], task_type: object, task_index: int, *, 
             f"task index {task_index} from {source} is out of range: job {task_type!r} has "
             f"{len(clean[task_type])} task(s), so use 0..{len(clean[task_type]) - 1}"
         )
-    duplicates = {a for hosts in clean.values() for a in hosts
-                  if sum(h == a for hs in clean.values() for h in hs) > 1}
+    duplicates = {
+        a for hosts in clean.values() for a in hosts if sum(h == a for hs in clean.values() for h in hs) > 1
+    }
     if duplicates:
         raise UserError(f"{source}: address(es) {', '.join(sorted(duplicates))} used by more than one task")
     return Cluster(clean, str(task_type), task_index)

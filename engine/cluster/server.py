@@ -49,16 +49,22 @@ def serve() -> None:
     resolver = cluster.resolver()
     try:
         server = tf.distribute.Server(
-            resolver.cluster_spec(), job_name=cluster.task_type, task_index=cluster.task_index,
-            protocol="grpc", start=True,
+            resolver.cluster_spec(),
+            job_name=cluster.task_type,
+            task_index=cluster.task_index,
+            protocol="grpc",
+            start=True,
         )
     except tf.errors.OpError as error:
         raise UserError(
             f"cannot start the gRPC server of {cluster.task_type}:{cluster.task_index} at "
             f"{cluster.address} ({one_line(error.message)}); is the port in use by another process?"
         ) from None
-    print(f"engine.server: {cluster.task_type}:{cluster.task_index} serving at {server.target}",
-          file=sys.stderr, flush=True)
+    print(
+        f"engine.server: {cluster.task_type}:{cluster.task_index} serving at {server.target}",
+        file=sys.stderr,
+        flush=True,
+    )
     server.join()
 
 

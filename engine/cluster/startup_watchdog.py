@@ -42,14 +42,22 @@ def main(argv: list[str]) -> int:
             return 0
         signum = pending_stop_signal(pid)
         if signum:
-            print(f"engine.main: {signal.Signals(signum).name} during the start-up of {task}; "
-                  "ending it (nothing was written)", file=sys.stderr, flush=True)
+            print(
+                f"engine.main: {signal.Signals(signum).name} during the start-up of {task}; "
+                "ending it (nothing was written)",
+                file=sys.stderr,
+                flush=True,
+            )
             kill(pid)
             return 0
     silent = [(name, address) for name, address in peers if not answers(address)] or peers
-    print(f"engine.main: error: {task} could not reach its peers within --startup_timeout={flag}s; "
-          f"waited for {', '.join(f'{name} ({address})' for name, address in silent)}; start every task "
-          "of the cluster, check their addresses, or raise --startup_timeout", file=sys.stderr, flush=True)
+    print(
+        f"engine.main: error: {task} could not reach its peers within --startup_timeout={flag}s; "
+        f"waited for {', '.join(f'{name} ({address})' for name, address in silent)}; start every task "
+        "of the cluster, check their addresses, or raise --startup_timeout",
+        file=sys.stderr,
+        flush=True,
+    )
     kill(pid)
     return 0
 

@@ -8,4 +8,11 @@ from engine.hooks.histograms import WeightHistograms
 from engine.hooks.plateau import ReduceLROnPlateau
 from engine.hooks.profiler import ProfileWindow
 
-__all__ = ["BestCheckpoint", "EarlyStopping", "ProfileWindow", "ReduceLROnPlateau", "TrainGraph", "WeightHistograms"]
+__all__ = [
+    "BestCheckpoint",
+    "EarlyStopping",
+    "ProfileWindow",
+    "ReduceLROnPlateau",
+    "TrainGraph",
+    "WeightHistograms",
+]

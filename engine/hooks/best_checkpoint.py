@@ -68,10 +68,16 @@ class BestCheckpoint(Callback):
             return  # Only the chief writes; every worker tracks the same best.
         # The value first: a crash before the save leaves the older, worse checkpoint
         # recorded as better than it is (it is kept longer), never the reverse.
-        model_dir_lib.write_json(os.path.join(self._manager.directory, BEST_FILE), {
-            "metric": self.metric, "mode": self.watch.mode, "value": value, "step": step,
-            "checkpoint": f"ckpt-{step}",
-        })
+        model_dir_lib.write_json(
+            os.path.join(self._manager.directory, BEST_FILE),
+            {
+                "metric": self.metric,
+                "mode": self.watch.mode,
+                "value": value,
+                "step": step,
+                "checkpoint": f"ckpt-{step}",
+            },
+        )
         # With a moving average the model is saved holding the averages it was judged by.
         with trainer.averaged_weights():
             path = self._manager.save(checkpoint_number=step)
@@ -94,8 +100,10 @@ class BestCheckpoint(Callback):
         except (TypeError, KeyError, ValueError):
             metric = mode = value = step = None
         if value is None or math.isnan(value):
-            raise UserError(f"{path} is damaged (expected metric, mode, value and step, got "
-                            f"{str(state)[:100]}); restore it or move {directory} away")
+            raise UserError(
+                f"{path} is damaged (expected metric, mode, value and step, got "
+                f"{str(state)[:100]}); restore it or move {directory} away"
+            )
         if (metric, mode) != (self.metric, self.watch.mode):
             raise UserError(
                 f"{directory} keeps the best checkpoint by {metric} ({mode}), not by {self.metric} "

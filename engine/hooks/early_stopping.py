@@ -23,13 +23,22 @@ class EarlyStopping(PatienceHook):
         if replaying:
             return  # on_train_begin decides from the state after the whole replay.
         trainer.stop_training = True
-        logging.info("early stopping at step %d: eval %s has not improved on %.6g for %d evaluations",
-                     step, self.metric, self.watch.best, self.watch.wait)
+        logging.info(
+            "early stopping at step %d: eval %s has not improved on %.6g for %d evaluations",
+            step,
+            self.metric,
+            self.watch.best,
+            self.watch.wait,
+        )
 
     def on_train_begin(self, trainer: TrainerView) -> None:
         super().on_train_begin(trainer)
         if self.watch.wait >= self.patience:
             trainer.stop_training = True
-            logging.info("early stopping: the restored run already stopped (eval %s best %.6g, "
-                         "%d evaluations without improvement); raise the patience to continue",
-                         self.metric, self.watch.best, self.watch.wait)
+            logging.info(
+                "early stopping: the restored run already stopped (eval %s best %.6g, "
+                "%d evaluations without improvement); raise the patience to continue",
+                self.metric,
+                self.watch.best,
+                self.watch.wait,
+            )

@@ -26,11 +26,18 @@ def hooks_from_config(config: RunConfig) -> list[Callback]:
     if config.best_checkpoint_metric:
         hooks.append(BestCheckpoint(config.best_checkpoint_metric))
     if config.reduce_lr_metric:
-        hooks.append(ReduceLROnPlateau(
-            config.reduce_lr_metric, patience=config.reduce_lr_patience,
-            factor=config.reduce_lr_factor, min_rate=config.min_learning_rate,
-        ))
+        hooks.append(
+            ReduceLROnPlateau(
+                config.reduce_lr_metric,
+                patience=config.reduce_lr_patience,
+                factor=config.reduce_lr_factor,
+                min_rate=config.min_learning_rate,
+            )
+        )
     if config.early_stop_metric:  # Last: the others still see the evaluation that stops training.
-        hooks.append(EarlyStopping(config.early_stop_metric, patience=config.early_stop_patience,
-                                   mode=config.early_stop_mode))
+        hooks.append(
+            EarlyStopping(
+                config.early_stop_metric, patience=config.early_stop_patience, mode=config.early_stop_mode
+            )
+        )
     return hooks

@@ -38,9 +38,7 @@ def resolve_mode(metric: str, mode: str) -> str:
 
 def metric_value(logs: Mapping[str, Any], metric: str) -> float:
     if metric not in logs:
-        raise UserError(
-            f"eval metric {metric!r} is not reported; choose one of: {', '.join(sorted(logs))}"
-        )
+        raise UserError(f"eval metric {metric!r} is not reported; choose one of: {', '.join(sorted(logs))}")
     return float(logs[metric])
 
 
@@ -136,8 +134,10 @@ class PatienceHook(Callback):
         except (TypeError, KeyError, ValueError):
             history = None
         if history is None or any(math.isnan(v) for _, v in history):
-            raise UserError(f"{self._path} is damaged (expected a metric and a history of [step, value]); "
-                            "restore it or move it away")
+            raise UserError(
+                f"{self._path} is damaged (expected a metric and a history of [step, value]); "
+                "restore it or move it away"
+            )
         if metric != self.metric:
             logging.info("%s: ignoring %s, it watched %r, not %r", self.name, self._path, metric, self.metric)
             return []

@@ -24,8 +24,16 @@ class ReduceLROnPlateau(PatienceHook):
     name = "reduce_lr_on_plateau"
     owns_learning_rate = True
 
-    def __init__(self, metric: str, *, patience: int = 2, factor: float = 0.5, min_rate: float = 0.0,
-                 mode: str = "auto", min_delta: float = 0.0):
+    def __init__(
+        self,
+        metric: str,
+        *,
+        patience: int = 2,
+        factor: float = 0.5,
+        min_rate: float = 0.0,
+        mode: str = "auto",
+        min_delta: float = 0.0,
+    ):
         super().__init__(metric, patience=patience, mode=mode, min_delta=min_delta)
         if not 0.0 < factor < 1.0:
             raise UserError(f"reduce-on-plateau factor={factor} must be between 0 and 1 (exclusive)")
@@ -50,5 +58,11 @@ class ReduceLROnPlateau(PatienceHook):
         new = max(old * self.factor, self.min_rate)
         if new < old:
             trainer.optimizer.learning_rate = new
-            logging.info("reduce lr on plateau at step %d: eval %s stuck at best %.6g; "
-                         "learning rate %.4g -> %.4g", step, self.metric, self.watch.best, old, new)
+            logging.info(
+                "reduce lr on plateau at step %d: eval %s stuck at best %.6g; learning rate %.4g -> %.4g",
+                step,
+                self.metric,
+                self.watch.best,
+                old,
+                new,
+            )
