@@ -636,7 +636,8 @@ def format_table(payload: dict) -> str:
     first = rows[0] if rows else {}
     out = [
         f"model={first.get('model')} strategy={first.get('strategy')} replicas={first.get('replicas')} "
-        f"global_batch={first.get('global_batch_size')} flops/example(fwd)={first.get('flops_per_example', 0):,} "
+        f"global_batch={first.get('global_batch_size')} "
+        f"flops/example(fwd)={first.get('flops_per_example', 0):,} "
         f"peak TFLOP/s=" + ", ".join(f"{k} {v:.3f}" for k, v in payload.get("peak_tflops_by_dtype", {}).items()),
         "  ".join(h.ljust(w) for h, w in zip(header, widths, strict=False)),
         "  ".join("-" * w for w in widths),
