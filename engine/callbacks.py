@@ -40,11 +40,18 @@ class TrainerView(Protocol):
 
     model: Any  # The keras.Model (or tf.Module) being trained.
     optimizer: keras.optimizers.Optimizer | None  # The optimizer; None when there are several.
-    optimizers: Mapping[str, keras.optimizers.Optimizer]  # Every optimizer by name.
     strategy: tf.distribute.Strategy
-    model_dir: str | None  # Where this task writes; None: nothing is written.
     target_step: int | None  # The step the current `train()` call trains to (None before one).
     stop_training: bool  # Set it to True to stop after this loop, with a checkpoint.
+
+    # Read-only to a hook (properties, so that a trainer's dict or an evaluator's str satisfies them).
+    @property
+    def optimizers(self) -> Mapping[str, keras.optimizers.Optimizer]:
+        """Every optimizer by name."""
+
+    @property
+    def model_dir(self) -> str | None:
+        """Where this task writes; None: nothing is written."""
 
     @property
     def step(self) -> int:

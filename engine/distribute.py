@@ -22,11 +22,12 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
+from typing import TypeAlias
 
 import tensorflow as tf
 
 DatasetFn = Callable[..., tf.data.Dataset]
-Data = tf.data.Dataset | DatasetFn
+Data: TypeAlias = tf.data.Dataset | DatasetFn
 
 
 def _parameter_names(dataset_fn: DatasetFn) -> list[str]:

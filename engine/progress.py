@@ -20,15 +20,12 @@ import logging
 import sys
 import time
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import keras
 
-from engine.callbacks import Callback
+from engine.callbacks import Callback, TrainerView
 from engine.errors import UserError
-
-if TYPE_CHECKING:
-    from engine.trainer import Trainer
 
 
 def _make_logger() -> logging.Logger:
@@ -58,16 +55,16 @@ class Progress(Callback):
         self._bar: keras.utils.Progbar | None = None
         self._rate_since: tuple[int, float] | None = None  # (step, time) after the first loop
 
-    def loop_limit(self, trainer: Trainer, step: int) -> int | None:
+    def loop_limit(self, trainer: TrainerView, step: int) -> int | None:
         if self.log_every is None:
             return None
         return self.log_every - step % self.log_every
 
-    def on_train_begin(self, trainer: Trainer) -> None:
+    def on_train_begin(self, trainer: TrainerView) -> None:
         self._rate_since = None
         self._bar = None
 
-    def on_loop_end(self, trainer: Trainer, step: int, logs: Mapping[str, Any]) -> None:
+    def on_loop_end(self, trainer: TrainerView, step: int, logs: Mapping[str, Any]) -> None:
         target = trainer.target_step or step
         eta = self._eta(step, target, logs)
         if self._progress_bar:

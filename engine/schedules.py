@@ -8,12 +8,14 @@ float (the optimizer keeps it in a checkpointed variable).
 
 from __future__ import annotations
 
+from typing import TypeAlias
+
 import keras
 
 from engine.config import SCHEDULE_NAMES
 from engine.errors import UserError
 
-LearningRate = float | keras.optimizers.schedules.LearningRateSchedule
+LearningRate: TypeAlias = float | keras.optimizers.schedules.LearningRateSchedule
 
 STEP_DECAY_RATE = 0.1  # `step`: the rate drops 10x after each third of the run.
 DEFAULT_WARMUP_FRACTION = 0.1

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeAlias
 
 import keras
 import tensorflow as tf
@@ -32,7 +32,7 @@ from engine.variables import all_variables, require_trainable_variables
 
 __all__ = ["DataExhaustedError", "NonFiniteLossError", "Trainer"]  # The errors live in engine.errors.
 
-Optimizers = keras.optimizers.Optimizer | Mapping[str, keras.optimizers.Optimizer]
+Optimizers: TypeAlias = keras.optimizers.Optimizer | Mapping[str, keras.optimizers.Optimizer]
 
 
 class Trainer:
@@ -185,6 +185,7 @@ class Trainer:
             self._eval_count = keras.metrics.Sum(name="num_examples")
 
         if step_fn is None:
+            assert loss_fn is not None, "checked above: loss_fn or step_fn"
             step_fn = make_train_step(
                 model=model,
                 optimizer=optimizer,
@@ -205,8 +206,9 @@ class Trainer:
             per_replica_batch_size=global_batch_size // strategy.num_replicas_in_sync,
         )
         self._stop_agreement = _make_stop_agreement(strategy)
-        self.eval_loop = None
+        self.eval_loop: Callable[[Any, tf.Tensor], tf.Tensor] | None = None
         if self._eval_data is not None:
+            assert loss_fn is not None, "checked above: eval_data needs loss_fn"
             self.eval_loop = make_eval_loop(
                 strategy,
                 make_eval_step(
@@ -485,11 +487,11 @@ class Trainer:
         return length
 
     def _due(self, every: int | None) -> bool:
-        return bool(every) and self.step % every == 0
+        return bool(every and self.step % every == 0)
 
     def evaluates_after(self, step: int) -> bool:
         """Whether the loop that ends at `step` is followed by an evaluation (`TrainerView`)."""
-        return bool(self.eval_every) and step % self.eval_every == 0 and self.eval_loop is not None
+        return bool(self.eval_every and step % self.eval_every == 0) and self.eval_loop is not None
 
     def _train_iterator(self, start_step: int):
         if self._iterator is None or self._iterator_step != start_step:
@@ -568,6 +570,7 @@ class Trainer:
     def _run_eval_chunks(self, iterator) -> bool:
         """Evaluates in compiled calls of `steps_per_loop` batches, checking for a
         stop request between them; False when one cut the evaluation short."""
+        assert self.eval_loop is not None, "only called with eval_data"
         chunk = tf.constant(self.steps_per_loop, tf.int32)
         while not bool(self.eval_loop(iterator, chunk)):
             # Several workers must run the same chunks (each batch is agreed by all-reduce).

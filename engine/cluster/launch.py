@@ -82,6 +82,12 @@ class Task:
         return f"{self.cluster.task_type}:{self.cluster.task_index}"
 
     @property
+    def started(self) -> subprocess.Popen:
+        """The process, for a task `Launcher.start` has started (every one before it is watched)."""
+        assert self.process is not None, f"{self.name} was never started"
+        return self.process
+
+    @property
     def is_evaluator(self) -> bool:
         return self.cluster.task_type == "evaluator"
 
@@ -187,6 +193,7 @@ class Launcher:
         )
 
     def _relay(self, task: Task, process: subprocess.Popen) -> None:
+        assert process.stdout is not None, "started with stdout=PIPE"
         for raw in iter(process.stdout.readline, b""):
             line = raw.decode(errors="replace").rstrip("\n")
             with self._print_lock:
@@ -213,16 +220,17 @@ class Launcher:
         evaluator = self.evaluator
         if evaluator is None or self._evaluator_status is not None:
             return
-        code = evaluator.process.poll()
+        code = evaluator.started.poll()
         if code is not None:
             self._evaluator_status = _exit_status(code)
             _say(f"{evaluator.name} finished with exit status {self._evaluator_status}")
 
     def _check(self) -> int | None:
         """None while the training goes on, else its exit status."""
+        code: int | None
         if not self.parameter_server:
             tasks = self.training_tasks
-            codes = [task.process.poll() for task in tasks]
+            codes = [task.started.poll() for task in tasks]
             failed = [(task, code) for task, code in zip(tasks, codes, strict=True) if code not in (None, 0)]
             if failed:
                 # The task killed by a signal is the cause; the others failed because of it.
@@ -239,7 +247,7 @@ class Launcher:
                 return None
             return 0 if all(code == 0 for code in codes) else None
         for task in self.training_tasks:
-            code = task.process.poll()
+            code = task.started.poll()
             if code is None:
                 continue
             if task.cluster.task_type == "chief":
@@ -251,7 +259,8 @@ class Launcher:
                     f"{task.name} exited with status {code}; restarting it "
                     f"({task.restarts}/{self.max_worker_restarts}); the coordinator reschedules its work"
                 )
-                task.reader.join(timeout=5)
+                if task.reader is not None:
+                    task.reader.join(timeout=5)
                 self.start(task)
                 continue
             _say(f"{task.name} exited with status {code}; the cluster cannot go on, stopping it")
@@ -265,6 +274,7 @@ class Launcher:
         for task in old:
             if task.reader is not None:
                 task.reader.join(timeout=5)
+        assert self._new_training_tasks is not None, "max_restarts > 0 comes with new_training_tasks"
         fresh = self._new_training_tasks()
         self.tasks = [t for t in self.tasks if t.is_evaluator] + fresh
         for task in fresh:
@@ -332,12 +342,14 @@ def check_main_flags(main_flags: Sequence[str]) -> str | None:
 def main(argv: list[str]) -> int:
     main_flags = argv[1:]
     for name in ("num_workers",):
-        if FLAGS[name].value < 1:
-            print(f"{PROGRAM}: error: --{name}={FLAGS[name].value} must be at least 1", file=sys.stderr)
+        value = getattr(FLAGS, name)  # An integer flag with a default: never None.
+        if value < 1:
+            print(f"{PROGRAM}: error: --{name}={value} must be at least 1", file=sys.stderr)
             return USER_ERROR_EXIT
     for name in ("num_ps", "max_restarts", "max_worker_restarts"):
-        if FLAGS[name].value < 0:
-            print(f"{PROGRAM}: error: --{name}={FLAGS[name].value} must be >= 0", file=sys.stderr)
+        value = getattr(FLAGS, name)
+        if value < 0:
+            print(f"{PROGRAM}: error: --{name}={value} must be >= 0", file=sys.stderr)
             return USER_ERROR_EXIT
     if FLAGS.max_restarts and FLAGS.num_ps:
         print(

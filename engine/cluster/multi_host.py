@@ -71,6 +71,7 @@ def build_multi_host_strategy(name: str, options: MultiHostOptions) -> tf.distri
     if name == "parameter_server":
         with bounded_startup(options.cluster, options.startup_timeout):
             return _parameter_server(options)
+    assert options.tpu, "options.check: --strategy=tpu needs --tpu"
     return _tpu(options.tpu)
 
 
@@ -120,6 +121,7 @@ def bounded_startup(cluster: Cluster | None, timeout: float) -> Iterator[None]:
         logging.warning("start-up failed: %s", one_line(error, 500))
         raise UserError(_startup_timeout_message(cluster, timeout)) from None
     finally:
+        assert watchdog.stdin is not None, "started with stdin=PIPE"
         watchdog.stdin.close()
         watchdog.wait()
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
@@ -197,6 +199,7 @@ def _parameter_server(options: MultiHostOptions) -> tf.distribute.Strategy:
     os.environ.setdefault("GRPC_FAIL_FAST", "use_caller")
     verbosity = logging.get_verbosity()
     logging.set_verbosity(logging.WARNING)  # It logs its whole session config at INFO.
+    assert options.cluster is not None, "options.check: parameter_server needs a cluster"
     try:
         return tf.distribute.experimental.ParameterServerStrategy(options.cluster.resolver())
     finally:

@@ -66,6 +66,7 @@ class BestCheckpoint(Callback):
         self.watch.best, self.best_step = value, step
         if not trainer.strategy.extended.should_checkpoint:
             return  # Only the chief writes; every worker tracks the same best.
+        assert self._manager is not None, "on_train_begin made it (a chief with a model_dir)"
         # The value first: a crash before the save leaves the older, worse checkpoint
         # recorded as better than it is (it is kept longer), never the reverse.
         model_dir_lib.write_json(
@@ -95,6 +96,8 @@ class BestCheckpoint(Callback):
                     f"or move {directory} away"
                 )
             return
+        value: float | None
+        step: int | None
         try:
             metric, mode, value, step = state["metric"], state["mode"], float(state["value"]), int(state["step"])
         except (TypeError, KeyError, ValueError):

@@ -36,6 +36,7 @@ class TrainGraph(Callback):
             return
         self._tracing, self._written = False, True
         writer = trainer.summaries.writer("train")
+        assert writer is not None, "tracing starts only with a model_dir"
         with writer.as_default(step=step):
             tf.summary.trace_export(GRAPH_NAME)
         writer.flush()

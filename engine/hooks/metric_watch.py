@@ -103,7 +103,7 @@ class PatienceHook(Callback):
         model_dir = trainer.model_dir
         if model_dir and self._path is None:
             self._path = os.path.join(model_dir, STATE_SUBDIR, f"{self.name}.json")
-            self.history = self._load()
+            self.history = self._load(self._path)
 
     def on_train_begin(self, trainer: TrainerView) -> None:
         self.restore_state(trainer)
@@ -124,8 +124,8 @@ class PatienceHook(Callback):
         if self.watch.wait >= self.patience:
             self.on_patience_exhausted(trainer, step, replaying)
 
-    def _load(self) -> list[tuple[int, float]]:
-        state = model_dir_lib.read_json(self._path, what=f"the eval history of {self.name}")
+    def _load(self, path: str) -> list[tuple[int, float]]:
+        state = model_dir_lib.read_json(path, what=f"the eval history of {self.name}")
         if state is None:
             return []
         try:
@@ -135,11 +135,11 @@ class PatienceHook(Callback):
             history = None
         if history is None or any(math.isnan(v) for _, v in history):
             raise UserError(
-                f"{self._path} is damaged (expected a metric and a history of [step, value]); "
+                f"{path} is damaged (expected a metric and a history of [step, value]); "
                 "restore it or move it away"
             )
         if metric != self.metric:
-            logging.info("%s: ignoring %s, it watched %r, not %r", self.name, self._path, metric, self.metric)
+            logging.info("%s: ignoring %s, it watched %r, not %r", self.name, path, metric, self.metric)
             return []
         return history
 

@@ -54,10 +54,12 @@ class ReduceLROnPlateau(PatienceHook):
         self.watch.wait = 0
         if replaying:
             return  # The checkpoint already holds the rate this reduction produced.
-        old = float(tf.convert_to_tensor(trainer.optimizer.learning_rate))
+        optimizer = trainer.optimizer
+        assert optimizer is not None, "ReduceLROnPlateau is for a trainer with one optimizer"
+        old = float(tf.convert_to_tensor(optimizer.learning_rate))
         new = max(old * self.factor, self.min_rate)
         if new < old:
-            trainer.optimizer.learning_rate = new
+            optimizer.learning_rate = new
             logging.info(
                 "reduce lr on plateau at step %d: eval %s stuck at best %.6g; learning rate %.4g -> %.4g",
                 step,
