@@ -433,6 +433,7 @@ def define_flags(names: Sequence[str], *, module_name: str, flag_values=None) ->
             define = getattr(flags, _DEFINE_BY_TYPE[str(field.type)])
             define(name, field.default, field.metadata["help"], flag_values=flag_values, module_name=module_name)
             continue
+        assert field.default is not dataclasses.MISSING, f"the choice field {name} needs a default"
         flag = flags.EnumFlag(name, field.default, field.metadata["help"], choices)
         flag.parser = _ChoiceParser(name, choices)
         flags.DEFINE_flag(flag, flag_values=flag_values, module_name=module_name)

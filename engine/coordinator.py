@@ -90,6 +90,7 @@ class CoordinatedTrainer(Trainer):
     def _run_eval_loop(self) -> bool:
         """Exact evaluation on the coordinator: reads the weights from the ps tasks."""
         data = self._eval_data
+        assert data is not None, "only called with eval_data"
         if not isinstance(data, tf.data.Dataset):
             data = data(tf.distribute.InputContext())  # One pipeline, one replica: global batches.
         with _quiet_tf_warnings():  # "invoked without ClusterCoordinator.schedule": intended here.

@@ -59,18 +59,25 @@ def evaluation_mode(config: RunConfig) -> str | None:
     return None
 
 
+def _model_dir(config: RunConfig) -> str:
+    """The model_dir an evaluator reads; RunConfig.validate requires one for both eval modes."""
+    assert config.model_dir, "validated: --mode=eval/continuous_eval needs --model_dir"
+    return config.model_dir
+
+
 def run(config: RunConfig, mode: str) -> dict[str, Any]:
     """Evaluates as `mode` says; returns what metrics.json holds (or would)."""
     if mode == "eval":
-        path = tf.train.latest_checkpoint(checkpoint_lib.checkpoint_dir(config.model_dir))
+        model_dir = _model_dir(config)
+        path = tf.train.latest_checkpoint(checkpoint_lib.checkpoint_dir(model_dir))
         if path is None:
             raise UserError(
-                f"--mode=eval: no checkpoint in {checkpoint_lib.checkpoint_dir(config.model_dir)}; "
+                f"--mode=eval: no checkpoint in {checkpoint_lib.checkpoint_dir(model_dir)}; "
                 "train first or pass the --model_dir of a trained run"
             )
         step, logs = Evaluator(config).evaluate(path, strict=True)
         result = {"global_step": step, "eval": logs, "model_dir": config.model_dir}
-        write_json(os.path.join(config.model_dir, METRICS_FILE), result)
+        write_json(os.path.join(model_dir, METRICS_FILE), result)
         return result
     return Evaluator(config).run_continuously()
 
@@ -91,6 +98,7 @@ class Evaluator:
         set_precision(config.mixed_precision)
         seed_everything(config.seed, deterministic=config.deterministic)
         self.config = config
+        self.model_dir = _model_dir(config)
         # The cluster's strategy needs its peers; an evaluator reads alone on this host.
         local = "mirrored" if config.cpu_devices > 1 or config.num_gpus else "default"
         name = config.strategy if config.strategy in ("default", "one_device", "mirrored") else local
@@ -147,7 +155,7 @@ class Evaluator:
     def _owner(self) -> _EvaluatorView:
         """The `TrainerView` BestCheckpoint sees: the training's model_dir and this evaluator's checkpoint."""
         return _EvaluatorView(
-            self.trainer, checkpoint=self._checkpoint, model_dir=self.config.model_dir, summaries=self._summaries
+            self.trainer, checkpoint=self._checkpoint, model_dir=self.model_dir, summaries=self._summaries
         )
 
     def evaluate(self, path: str, *, strict: bool) -> tuple[int, dict[str, float]]:
@@ -183,7 +191,7 @@ class Evaluator:
         config = self.config
         logging.info(
             "continuous evaluation of %s until step %d (or %gs without a new checkpoint)",
-            checkpoint_lib.checkpoint_dir(config.model_dir),
+            checkpoint_lib.checkpoint_dir(self.model_dir),
             self.final_step,
             config.eval_timeout,
         )
@@ -211,7 +219,7 @@ class Evaluator:
     def _new_checkpoints(self) -> Iterator[str]:
         """Paths of checkpoints newer than the last one yielded; ends after eval_timeout idle
         seconds or on SIGTERM/SIGINT (between evaluations)."""
-        directory = checkpoint_lib.checkpoint_dir(self.config.model_dir)
+        directory = checkpoint_lib.checkpoint_dir(self.model_dir)
         seen = -1
         idle_since = time.monotonic()
         while not self._stop.signum:
@@ -230,7 +238,7 @@ class Evaluator:
 
     def _merge_into_trainer_metrics(self, result: dict[str, Any]) -> None:
         """metrics.json is the trainer's until it finished: wait for its final version, then add eval."""
-        path = os.path.join(self.config.model_dir, METRICS_FILE)
+        path = os.path.join(self.model_dir, METRICS_FILE)
         deadline = time.monotonic() + TRAINER_FINISH_SECONDS
         while time.monotonic() < deadline:
             try:
@@ -263,7 +271,7 @@ class _StopFlag:
 def _ema_decay(config: RunConfig) -> float | None:
     """The --ema_decay the checkpoints were trained with (their averages are what is evaluated),
     else this command's."""
-    recorded = checkpoint_lib.recorded_settings(config.model_dir).get("ema_decay")
+    recorded = checkpoint_lib.recorded_settings(_model_dir(config)).get("ema_decay")
     decay = float(recorded) if recorded is not None else config.ema_decay
     if decay != config.ema_decay:
         logging.info("evaluating with --ema_decay=%s, as the checkpoints were trained", decay)

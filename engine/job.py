@@ -11,6 +11,7 @@ import dataclasses
 import hashlib
 import os
 import tempfile
+from collections.abc import Callable
 from typing import Any
 
 import keras
@@ -147,16 +148,21 @@ def _train_and_evaluate(
     batch, seed = config.global_batch_size, config.seed
     if config.input_pipeline == "global":
 
-        def train_data(start_step):
+        def global_train_data(start_step):
             return source.train_dataset(global_batch_size=batch, seed=seed, start_step=start_step)
+
+        # The trainer tells the two kinds apart by their parameters (input_context or not).
+        train_data: Callable[..., tf.data.Dataset] = global_train_data
 
         eval_data = source.eval_dataset(global_batch_size=batch)
     else:
 
-        def train_data(input_context, start_step):
+        def per_worker_train_data(input_context, start_step):
             return source.train_dataset(
                 global_batch_size=batch, seed=seed, start_step=start_step, input_context=input_context
             )
+
+        train_data = per_worker_train_data
 
         eval_data = None
         if source.num_eval_examples is not None:

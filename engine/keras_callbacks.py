@@ -213,6 +213,7 @@ class KerasCallbacks(Callback):
 
     def _apply_stop(self, trainer: TrainerView) -> None:
         """`model.stop_training = True` (on the view, or on a Keras model itself) stops the trainer."""
+        assert self.view is not None, "on_train_begin made it"
         if self.view.stop_training or getattr(trainer.model, "stop_training", False) is True:
             trainer.stop_training = True
 

@@ -68,7 +68,15 @@ def make_train_loop(
         finite = tf.reduce_all([tf.math.is_finite(v) for v in reduced.values()] or [True])
         return reduced, finite
 
-    def accumulate(totals, count, bad, first_bad, index, outputs, finite):
+    def accumulate(
+        totals: dict[str, tf.Tensor],
+        count: tf.Tensor,
+        bad: tf.Tensor,
+        first_bad: tf.Tensor,
+        index: tf.Tensor,
+        outputs: dict[str, tf.Tensor],
+        finite: tf.Tensor,
+    ) -> tuple[dict[str, tf.Tensor], tf.Tensor, tf.Tensor, tf.Tensor]:
         totals = {n: totals[n] + tf.where(finite, outputs[n], 0.0) for n in totals}
         first_bad = tf.where(tf.logical_or(finite, first_bad >= 0), first_bad, index)
         return totals, count + tf.cast(finite, tf.float32), bad + 1 - tf.cast(finite, tf.int32), first_bad

@@ -83,6 +83,7 @@ class _Watcher:
                 sys.stderr.flush()
                 os._exit(128 + signum)
             self._stopping = True
+            assert self._record is not None, "registered together with the trainer"
             self._record.signum = signum
             logging.warning(
                 "%s received: stopping after this compiled call and saving a checkpoint; "

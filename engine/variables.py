@@ -11,6 +11,7 @@ step, the scope check, optimizer building and the checkpoint all ask here.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import keras
@@ -83,6 +84,7 @@ def _walk(node: Any, trainable_only: bool, found: dict[int, Variable], seen: set
 
 
 def _walk_children(node: Any, trainable_only: bool, found: dict[int, Variable], seen: set[int]) -> None:
+    children: Iterable[Any]
     if isinstance(node, dict):
         children = node.values()
     elif isinstance(node, (list, tuple)):

@@ -103,7 +103,7 @@ class InMemorySource(DataSource):
                 raise ValueError(
                     f"{name}: got {len(images)} images and {len(labels)} labels; need the same non-zero number"
                 )
-        image_shape = tuple(int(d) for d in train[0].shape[1:])
+        height, width, channels = (int(d) for d in train[0].shape[1:])  # ndim 4, checked above
         eval_images, eval_labels = (
             (None, None)
             if eval_split is None
@@ -115,7 +115,7 @@ class InMemorySource(DataSource):
         return cls(
             name=name,
             num_classes=num_classes,
-            image_shape=image_shape,
+            image_shape=(height, width, channels),
             num_train_examples=len(train[0]),
             num_eval_examples=None if eval_split is None else len(eval_split[0]),
             _train_images=_to_host_tensor(train[0]),
@@ -147,6 +147,7 @@ class InMemorySource(DataSource):
         check_stream_args(seed, start_step)
         layout = batch_layout(global_batch_size, input_context)
         num_examples = self.num_train_examples
+        assert num_examples is not None, "from_arrays sets it: the arrays are in memory"
 
         def step_indices(step: tf.Tensor) -> tf.Tensor:
             first = step * global_batch_size + layout.offset

@@ -39,10 +39,11 @@ def get_data_source(
     loader = _LOADERS.get(name)
     if loader is None:
         raise DataError(f"unknown dataset {name!r}; choose one of: {', '.join(_LOADERS)}")
-    image_shape = tuple(int(d) for d in image_shape)
-    if len(image_shape) != 3 or min(image_shape) < 1:
+    shape = tuple(int(d) for d in image_shape)
+    if len(shape) != 3 or min(shape) < 1:
         raise DataError(
             f"image_shape must be (height, width, channels) of positive sizes, "
-            f"got {image_shape}; models with a flat input cannot take images"
+            f"got {shape}; models with a flat input cannot take images"
         )
-    return loader(image_shape, num_classes, data_dir)
+    height, width, channels = shape
+    return loader((height, width, channels), num_classes, data_dir)

@@ -201,7 +201,9 @@ class TFRecordSource(DataSource):
         layout = batch_layout(global_batch_size, input_context)
         pipelines = 1 if input_context is None else input_context.num_input_pipelines
         shard_files = pipelines > 1 and len(self._train_files) >= pipelines
-        shard = (pipelines, input_context.input_pipeline_id) if shard_files else (1, 0)
+        shard = (1, 0)
+        if input_context is not None and shard_files:
+            shard = (pipelines, input_context.input_pipeline_id)
         records = tf.data.Dataset.counter(dtype=tf.int64).flat_map(
             self._epoch_records(seed, self._train_files, shard)
         )

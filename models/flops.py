@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import math
+from typing import cast
 
 import keras
 from keras import layers
@@ -17,7 +18,7 @@ _CONVS = (layers.Conv1D, layers.Conv2D, layers.Conv3D)
 def _spatial_size(shape: tuple[int | None, ...], data_format: str) -> int:
     """Number of output positions of a conv (its shape without batch and channels)."""
     spatial = shape[1:-1] if data_format == "channels_last" else shape[2:]
-    return math.prod(spatial)
+    return math.prod(cast(tuple[int, ...], spatial))  # Built: only the batch dimension is None.
 
 
 def _size(variable: keras.Variable) -> int:
@@ -59,7 +60,7 @@ def _layer_macs(layer: keras.layers.Layer) -> int:
         return positions * _size(layer.kernel)
     if isinstance(layer, layers.Dense):
         # A Dense on a rank>2 input applies its kernel at every leading position.
-        positions = math.prod(_called_shape(layer, "output")[1:-1])
+        positions = math.prod(cast(tuple[int, ...], _called_shape(layer, "output")[1:-1]))  # Batch: [0].
         return positions * _size(layer.kernel)
     return 0
 
