@@ -10,10 +10,11 @@ that drift of a shared machine hits every runner alike.
 
 Runners:
 
-- `engine`: `engine.Trainer` as users run it: the `input` package's
-  synthetic source through the normal per-replica input path, per-example
-  sparse cross-entropy, an accuracy metric, no model_dir, no eval. A window
-  is the wall time of `trainer.train(target)`.
+- `engine`: `engine.Trainer` as the CLI runs it: the `input` package's
+  synthetic source kept on the replicas' devices (`ResidentData`; with the
+  `_stream` suffix, through the per-replica tf.data path instead),
+  per-example sparse cross-entropy, an accuracy metric, no model_dir, no
+  eval. A window is the wall time of `trainer.train(target)`.
 - `fit`: `model.fit` under the same strategy, with `steps_per_execution`
   = `--fit_steps_per_execution` (default: `--steps_per_loop`); when that
   fails (Keras 3 + MirroredStrategy: the unbuilt-optimizer placeholder bug,
@@ -121,6 +122,7 @@ class RunnerSpec:
     kind: str  # engine | fit | raw
     mixed_precision: str
     jit_compile: bool
+    streamed: bool = False  # engine only: batches through the tf.data iterator, not kept on the devices
 
 
 def parse_runner(token: str, config: BenchConfig) -> RunnerSpec:
@@ -129,7 +131,7 @@ def parse_runner(token: str, config: BenchConfig) -> RunnerSpec:
     kind, suffixes = parts[0], parts[1:]
     if kind not in RUNNER_KINDS:
         raise ValueError(f"unknown runner {token!r}; the name must start with one of {RUNNER_KINDS}")
-    precision, jit = config.mixed_precision, config.jit_compile
+    precision, jit, streamed = config.mixed_precision, config.jit_compile, False
     for suffix in suffixes:
         if suffix in _PRECISION_SUFFIXES:
             precision = _PRECISION_SUFFIXES[suffix]
@@ -137,11 +139,14 @@ def parse_runner(token: str, config: BenchConfig) -> RunnerSpec:
             jit = True
         elif suffix == "nojit":
             jit = False
+        elif suffix == "stream" and kind == "engine":
+            streamed = True
         else:
             raise ValueError(
-                f"unknown suffix {suffix!r} in runner {token!r}; use _bf16, _fp16, _fp32, _jit or _nojit"
+                f"unknown suffix {suffix!r} in runner {token!r}; use _bf16, _fp16, _fp32, _jit, _nojit "
+                "or (engine only) _stream"
             )
-    return RunnerSpec(token.strip(), kind, precision, jit)
+    return RunnerSpec(token.strip(), kind, precision, jit, streamed)
 
 
 # -------------------------------------------------------------------- runners
@@ -199,14 +204,19 @@ class EngineRunner(Runner):
         model, optimizer = self._build()
         config, source = self.config, self.source
 
-        # The CLI's default per-replica input path (engine/job.py).
-        def train_data(input_context, start_step):
+        # The CLI's input paths (engine/job.py): an in-memory split kept on the
+        # devices by default, the per-replica tf.data pipeline with `_stream`.
+        def streamed(input_context, start_step):
             return source.train_dataset(
                 global_batch_size=config.global_batch_size,
                 seed=config.seed,
                 start_step=start_step,
                 input_context=input_context,
             )
+
+        train_data = streamed
+        if not self.spec.streamed:
+            train_data = source.resident_train_data(global_batch_size=config.global_batch_size, seed=config.seed)
 
         self.trainer = Trainer(
             strategy=self.strategy,
@@ -221,6 +231,7 @@ class EngineRunner(Runner):
         )
         self.trainer.train(max(1, self.config.warmup_steps))
         self.extra["steps_per_loop"] = config.steps_per_loop
+        self.extra["input"] = "resident" if self.trainer.keeps_data_on_devices else "tf.data"
 
     def window(self, steps: int) -> float:
         target = self.trainer.step + steps

@@ -17,6 +17,7 @@ from engine.errors import DataExhaustedError, NonFiniteLossError, UserError
 _SUBMODULES = ("callbacks", "export", "hooks", "schedules", "variables")
 _LAZY = {
     "Callback": "engine.callbacks",
+    "ResidentData": "engine.resident",
     "Trainer": "engine.trainer",
     "TrainerView": "engine.callbacks",
     "build_strategy": "engine.strategy",
@@ -30,6 +31,7 @@ __all__ = [
     "Callback",
     "DataExhaustedError",
     "NonFiniteLossError",
+    "ResidentData",
     "Trainer",
     "TrainerView",
     "UserError",

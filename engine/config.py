@@ -41,6 +41,8 @@ DEFAULT_EPOCHS = 20.0
 DEFAULT_STEPS_PER_LOOP = 50
 DEFAULT_COLLECTIVE_TIMEOUT = 300.0
 DEFAULT_STARTUP_TIMEOUT = 300.0
+# Per-device memory (MiB) up to which an in-memory train split is kept on the replicas' devices.
+DEFAULT_DEVICE_DATA_MB = 1024
 
 # The settings `engine.cluster.flags` defines for `engine.server` too; `engine.flags` defines the rest.
 CLUSTER_SETTINGS = (
@@ -126,6 +128,13 @@ class RunConfig:
         "per_replica: distribute_datasets_from_function (sharded, per-replica batches); "
         "global: experimental_distribute_dataset over global batches.",
         choices=INPUT_PIPELINES,
+    )
+    device_data_mb: int = setting(
+        DEFAULT_DEVICE_DATA_MB,
+        "An in-memory train split (digits, mnist, synthetic) up to this many MiB is copied to every "
+        "replica's device and batches are gathered inside the compiled loop (same batches, no tf.data "
+        "iterator; not under parameter_server or tpu); larger splits, or 0, stream through "
+        "--input_pipeline.",
     )
     # How long and how.
     global_batch_size: int = setting(64, "Examples per step over all replicas.")
@@ -264,7 +273,7 @@ class RunConfig:
             "max_checkpoints",
         ):
             _at_least(name, getattr(self, name), 1)
-        for name in ("eval_every", "checkpoint_every", "log_every", "histogram_every"):
+        for name in ("eval_every", "checkpoint_every", "log_every", "histogram_every", "device_data_mb"):
             _at_least(name, getattr(self, name), 0)
         if self.num_gpus is not None:
             _at_least("num_gpus", self.num_gpus, 0)

@@ -51,7 +51,7 @@ class CoordinatedTrainer(Trainer):
         # The same replica step and loop as on one host, minus the in-loop step count.
         self.train_loop = make_train_loop(strategy, self.replica_step, global_step=None)
 
-    def _train_iterator(self, start_step: int):
+    def _train_input(self, start_step: int):
         """Per-worker iterators, built once: the workers' streams run on by themselves."""
         if self._iterator is None:
             dataset_fn = per_worker_dataset_fn(self.strategy, self._train_data, start_step, self.num_workers)

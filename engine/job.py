@@ -29,6 +29,7 @@ from engine.hooks.from_config import hooks_from_config
 from engine.hparams import write_hparams
 from engine.model_summary import model_summary
 from engine.preemption import stop_on_signals
+from engine.resident import ResidentData
 from engine.schedules import LearningRate, learning_rate_schedule
 from engine.strategy import build_strategy, configure_cpu_devices
 from engine.trainer import Trainer
@@ -152,7 +153,7 @@ def _train_and_evaluate(
             return source.train_dataset(global_batch_size=batch, seed=seed, start_step=start_step)
 
         # The trainer tells the two kinds apart by their parameters (input_context or not).
-        train_data: Callable[..., tf.data.Dataset] = global_train_data
+        train_data: Callable[..., tf.data.Dataset] | ResidentData = global_train_data
 
         eval_data = source.eval_dataset(global_batch_size=batch)
     else:
@@ -170,6 +171,9 @@ def _train_and_evaluate(
             def eval_data(input_context):
                 return source.eval_dataset(global_batch_size=batch, input_context=input_context)
 
+    resident = resident_train_data(source, config, host_data=train_data)
+    if resident is not None:
+        train_data = resident
     if config.mode == "train":
         eval_data = None
     if write_dir != model_dir:  # A restarted worker's scratch from the run it died in.
@@ -207,7 +211,7 @@ def _train_and_evaluate(
         restore_state = getattr(callback, "restore_state", None)
         if restore_state is not None:
             restore_state(trainer)
-    _log_banner(config, strategy, model, source, model_dir, total_steps, trainer.step)
+    _log_banner(config, strategy, model, source, model_dir, total_steps, trainer)
     finished = _finished_result(trainer, total_steps, metrics_path) if write_dir == model_dir else None
     # Synchronous workers evaluate together, so there the chief evaluates again with them
     # and keeps the train part of metrics.json; everywhere else a finished run does nothing.
@@ -287,6 +291,24 @@ def _train_and_evaluate(
     return result
 
 
+def resident_train_data(source, config: RunConfig, *, host_data: Any) -> ResidentData | None:
+    """The train split as `ResidentData` (kept on every replica's device) where the
+    source holds it in memory and one copy fits in --device_data_mb; None otherwise."""
+    make = getattr(source, "resident_train_data", None)
+    if make is None or config.device_data_mb == 0:
+        return None
+    size_mb = source.train_num_bytes / 2**20
+    if size_mb > config.device_data_mb:
+        logging.info(
+            "train split of %.0f MiB > --device_data_mb=%d: streaming it through tf.data",
+            size_mb,
+            config.device_data_mb,
+        )
+        return None
+    resident = make(global_batch_size=config.global_batch_size, seed=config.seed)
+    return dataclasses.replace(resident, host_data=host_data)
+
+
 def _weights_digest(model) -> str:
     """A fingerprint of the weights: equal on every worker of a synchronous run."""
     digest = hashlib.sha256()
@@ -295,7 +317,7 @@ def _weights_digest(model) -> str:
     return digest.hexdigest()[:16]
 
 
-def _log_banner(config, strategy, model, source, model_dir, total_steps, start_step) -> None:
+def _log_banner(config, strategy, model, source, model_dir, total_steps, trainer: Trainer) -> None:
     replicas = strategy.num_replicas_in_sync
     try:
         devices = strategy.extended.worker_devices
@@ -303,7 +325,7 @@ def _log_banner(config, strategy, model, source, model_dir, total_steps, start_s
         devices = ("default device",)
     logging.info(
         "strategy=%s replicas=%d devices=%s global_batch=%d per_replica_batch=%d "
-        "model=%s params=%d dataset=%s (%s train / %s eval) steps=%d->%d model_dir=%s",
+        "model=%s params=%d dataset=%s (%s train / %s eval, %s) steps=%d->%d model_dir=%s",
         config.strategy,
         replicas,
         ",".join(devices),
@@ -314,7 +336,8 @@ def _log_banner(config, strategy, model, source, model_dir, total_steps, start_s
         config.dataset,
         source.num_train_examples,
         source.num_eval_examples,
-        start_step,
+        "kept on the devices" if trainer.keeps_data_on_devices else "tf.data",
+        trainer.step,
         total_steps,
         model_dir,
     )

@@ -9,12 +9,15 @@ per-call Python overhead is paid once per loop instead of once per step.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import tensorflow as tf
 
+from engine.resident import ResidentData
 from engine.steps import Batch, ReplicaStep
 
-TrainLoop = Callable[[tf.distribute.DistributedIterator, tf.Tensor], dict]
+# loop(where the batches come from: an iterator, or resident tensors and a start step; num_steps).
+TrainLoop = Callable[[Any, tf.Tensor], dict]
 
 
 class BatchSizeMismatch(Exception):
@@ -26,6 +29,43 @@ class BatchSizeMismatch(Exception):
 
 
 EvalLoop = Callable[[tf.distribute.DistributedIterator, tf.Tensor], tf.Tensor]
+
+
+def _reduce_step_outputs(strategy: tf.distribute.Strategy, outputs) -> tuple[dict[str, tf.Tensor], tf.Tensor]:
+    """One step's outputs averaged over replicas, and whether all of them are finite."""
+    reduced = {
+        name: tf.cast(strategy.reduce(tf.distribute.ReduceOp.MEAN, value, axis=None), tf.float32)
+        for name, value in (outputs or {}).items()
+    }
+    finite = tf.reduce_all([tf.math.is_finite(v) for v in reduced.values()] or [True])
+    return reduced, finite
+
+
+# A loop's running state: (sums of finite step outputs, finite steps, non-finite steps, first non-finite index).
+LoopState = tuple[dict[str, tf.Tensor], tf.Tensor, tf.Tensor, tf.Tensor]
+
+
+def _accumulate(
+    state: LoopState, index: tf.Tensor, outputs: dict[str, tf.Tensor], finite: tf.Tensor
+) -> LoopState:
+    """Adds step `index` to the loop's running sums of finite outputs and its non-finite count."""
+    totals, count, bad, first_bad = state
+    totals = {n: totals[n] + tf.where(finite, outputs[n], 0.0) for n in totals}
+    first_bad = tf.where(tf.logical_or(finite, first_bad >= 0), first_bad, index)
+    return totals, count + tf.cast(finite, tf.float32), bad + 1 - tf.cast(finite, tf.int32), first_bad
+
+
+def _first_state(outputs: dict[str, tf.Tensor], finite: tf.Tensor) -> LoopState:
+    """The running state after the loop's first step (index 0)."""
+    zeros = {name: tf.zeros_like(value) for name, value in outputs.items()}
+    empty: LoopState = (zeros, tf.constant(0.0), tf.constant(0), tf.constant(-1))
+    return _accumulate(empty, tf.constant(0), outputs, finite)
+
+
+def _loop_outputs(state: LoopState, steps_run: tf.Tensor) -> dict[str, tf.Tensor]:
+    totals, count, bad, first_bad = state
+    means = {name: total / tf.maximum(count, 1.0) for name, total in totals.items()}
+    return {**means, "nonfinite_steps": bad, "first_nonfinite_index": first_bad, "steps_run": steps_run}
 
 
 def make_train_loop(
@@ -61,25 +101,7 @@ def make_train_loop(
         outputs = strategy.run(step_fn, args=(batch,))
         if global_step is not None:
             global_step.assign_add(1)
-        reduced = {
-            name: tf.cast(strategy.reduce(tf.distribute.ReduceOp.MEAN, value, axis=None), tf.float32)
-            for name, value in (outputs or {}).items()
-        }
-        finite = tf.reduce_all([tf.math.is_finite(v) for v in reduced.values()] or [True])
-        return reduced, finite
-
-    def accumulate(
-        totals: dict[str, tf.Tensor],
-        count: tf.Tensor,
-        bad: tf.Tensor,
-        first_bad: tf.Tensor,
-        index: tf.Tensor,
-        outputs: dict[str, tf.Tensor],
-        finite: tf.Tensor,
-    ) -> tuple[dict[str, tf.Tensor], tf.Tensor, tf.Tensor, tf.Tensor]:
-        totals = {n: totals[n] + tf.where(finite, outputs[n], 0.0) for n in totals}
-        first_bad = tf.where(tf.logical_or(finite, first_bad >= 0), first_bad, index)
-        return totals, count + tf.cast(finite, tf.float32), bad + 1 - tf.cast(finite, tf.int32), first_bad
+        return _reduce_step_outputs(strategy, outputs)
 
     @tf.function
     def train_loop(iterator, num_steps: tf.Tensor) -> dict[str, tf.Tensor]:
@@ -99,21 +121,16 @@ def make_train_loop(
         def run_steps() -> dict[str, tf.Tensor]:
             outputs, finite = one_step(replica_step, first_batch.get_value())
             names.extend(outputs)
-            zeros = {name: tf.zeros_like(value) for name, value in outputs.items()}
-            state = accumulate(
-                zeros, tf.constant(0.0), tf.constant(0), tf.constant(-1), tf.constant(0), outputs, finite
-            )
+            state = _first_state(outputs, finite)
             steps_run = tf.constant(1)
             for index in tf.range(1, num_steps):
                 next_batch = iterator.get_next_as_optional()
                 if not next_batch.has_value():
                     break
                 outputs, finite = one_step(replica_step, next_batch.get_value())
-                state = accumulate(*state, index, outputs, finite)
+                state = _accumulate(state, index, outputs, finite)
                 steps_run += 1
-            totals, count, bad, first_bad = state
-            means = {name: total / tf.maximum(count, 1.0) for name, total in totals.items()}
-            return {**means, "nonfinite_steps": bad, "first_nonfinite_index": first_bad, "steps_run": steps_run}
+            return _loop_outputs(state, steps_run)
 
         def no_steps() -> dict[str, tf.Tensor]:
             # tf.cond traces run_steps first, so the step's output names are known here.
@@ -143,6 +160,43 @@ def make_train_loop(
         sizes = tf.stack(sizes)
         wrong = tf.not_equal(sizes, per_replica_batch_size)
         return tf.where(tf.reduce_any(wrong), tf.gather(sizes, tf.argmax(tf.cast(wrong, tf.int32))), -1)
+
+    return train_loop
+
+
+def make_resident_train_loop(
+    strategy: tf.distribute.Strategy,
+    replica_step: ReplicaStep,
+    global_step: tf.Variable,
+    data: ResidentData,
+    *,
+    global_batch_size: int,
+) -> TrainLoop:
+    """Returns `loop((replica_tensors, start_step), num_steps)`, with the outputs of
+    `make_train_loop`'s loop, for training data kept on the replicas' devices.
+
+    Each replica gathers its batch of global step `start_step + i` from its own
+    copy of the data (`ResidentData.batch_at`): no iterator, no host work per
+    step. The stream never ends, so `steps_run` is always `num_steps`.
+    """
+
+    def resident_step(replica_tensors, step: tf.Tensor):
+        return replica_step(data.batch_at(replica_tensors, step, global_batch_size=global_batch_size))
+
+    def one_step(replica_tensors, step: tf.Tensor) -> tuple[dict[str, tf.Tensor], tf.Tensor]:
+        outputs = strategy.run(resident_step, args=(replica_tensors, step))
+        global_step.assign_add(1)
+        return _reduce_step_outputs(strategy, outputs)
+
+    @tf.function
+    def train_loop(inputs, num_steps: tf.Tensor) -> dict[str, tf.Tensor]:
+        replica_tensors, start_step = inputs
+        # The first step is peeled off so that the accumulators take the step's output structure.
+        state = _first_state(*one_step(replica_tensors, start_step))
+        for index in tf.range(1, num_steps):
+            outputs, finite = one_step(replica_tensors, start_step + tf.cast(index, tf.int64))
+            state = _accumulate(state, index, outputs, finite)
+        return _loop_outputs(state, num_steps)
 
     return train_loop
 

@@ -23,8 +23,9 @@ from engine.config import DEFAULT_STEPS_PER_LOOP, NONFINITE_POLICIES
 from engine.distribute import Data, distribute_eval_data, distribute_train_data, yields_global_batches
 from engine.ema import WeightAverages, weight_averages
 from engine.errors import DataExhaustedError, NonFiniteLossError, UserError
-from engine.loop import BatchSizeMismatch, make_eval_loop, make_train_loop
+from engine.loop import BatchSizeMismatch, make_eval_loop, make_resident_train_loop, make_train_loop
 from engine.progress import Progress, format_logs, logger
+from engine.resident import ResidentData, keeps_on_devices, place_on_replicas
 from engine.schedules import is_scheduled
 from engine.steps import EvalStep, PerExampleLoss, ReplicaStep, make_eval_step, make_train_step
 from engine.summaries import SummaryWriters
@@ -60,7 +61,9 @@ class Trainer:
       train_data: a `tf.data.Dataset` of global batches, `fn(input_context)`
         of per-replica batches (optionally with a `start_step` parameter),
         or `fn(start_step)` of global batches. A finite dataset ends
-        training with `DataExhaustedError`.
+        training with `DataExhaustedError`. Or `engine.ResidentData`: arrays
+        kept on every replica's device, batches gathered inside the compiled
+        loop (no iterator; its `host_data` under parameter-server and TPU).
       global_batch_size: examples per step over all replicas; the first
         batch is checked against it before any update.
       loss_fn: per-example losses `fn(labels, logits)`, for the standard
@@ -135,6 +138,13 @@ class Trainer:
                 f"the standard step applies one optimizer, got {len(self.optimizers)} "
                 f"({', '.join(self.optimizers)}); pass step_fn= to apply several"
             )
+        self._resident: ResidentData | None = None
+        if isinstance(train_data, ResidentData):
+            if keeps_on_devices(strategy):
+                self._resident = train_data
+            else:
+                logger.info("%s trains from ResidentData.host_data (tf.data)", type(strategy).__name__)
+                train_data = train_data.host_data
         _check_dataset_batch(train_data, global_batch_size)
         # Before the optimizer is built: Keras makes the averages when it builds it.
         self.weight_averages: WeightAverages | None = weight_averages(self.optimizers, ema_decay)
@@ -156,6 +166,7 @@ class Trainer:
         self._summaries = SummaryWriters(model_dir)
         self._iterator = None
         self._iterator_step = -1
+        self._replica_tensors = None  # ResidentData's copies on the replicas, made at the first loop.
         self._steady_seconds = 0.0
         self._steady_steps = 0
         self._compiled_once = False
@@ -199,12 +210,17 @@ class Trainer:
                 grad_norm=any(c.needs_grad_norm for c in self.callbacks),
             )
         self.replica_step = step_fn
-        self.train_loop = make_train_loop(
-            strategy,
-            step_fn,
-            self.global_step,
-            per_replica_batch_size=global_batch_size // strategy.num_replicas_in_sync,
-        )
+        if self._resident is not None:
+            self.train_loop = make_resident_train_loop(
+                strategy, step_fn, self.global_step, self._resident, global_batch_size=global_batch_size
+            )
+        else:
+            self.train_loop = make_train_loop(
+                strategy,
+                step_fn,
+                self.global_step,
+                per_replica_batch_size=global_batch_size // strategy.num_replicas_in_sync,
+            )
         self._stop_agreement = _make_stop_agreement(strategy)
         self.eval_loop: Callable[[Any, tf.Tensor], tf.Tensor] | None = None
         if self._eval_data is not None:
@@ -247,6 +263,12 @@ class Trainer:
         """The global step: the number of updates applied (equal to each optimizer's `iterations`
         for the standard step)."""
         return int(self.global_step.numpy())
+
+    @property
+    def keeps_data_on_devices(self) -> bool:
+        """Whether training batches are gathered on the replicas' devices (`ResidentData`)
+        rather than read through a tf.data iterator."""
+        return self._resident is not None
 
     def _restore(self) -> None:
         rates = {name: _constant_learning_rate(opt) for name, opt in self.optimizers.items()}
@@ -379,7 +401,7 @@ class Trainer:
         while self.step < steps and not self._should_stop():
             start = self.step
             num_steps = self._next_loop_length(start, steps)
-            iterator = self._train_iterator(start)
+            iterator = self._train_input(start)
             for metric in self.train_metrics:
                 metric.reset_state()
             began = time.perf_counter()
@@ -493,7 +515,13 @@ class Trainer:
         """Whether the loop that ends at `step` is followed by an evaluation (`TrainerView`)."""
         return bool(self.eval_every and step % self.eval_every == 0) and self.eval_loop is not None
 
-    def _train_iterator(self, start_step: int):
+    def _train_input(self, start_step: int):
+        """Where the next loop's batches come from: an iterator positioned at
+        `start_step`, or (resident tensors, start step) for `ResidentData`."""
+        if self._resident is not None:
+            if self._replica_tensors is None:
+                self._replica_tensors = place_on_replicas(self.strategy, self._resident)
+            return self._replica_tensors, tf.constant(start_step, tf.int64)
         if self._iterator is None or self._iterator_step != start_step:
             dataset = distribute_train_data(self.strategy, self._train_data, start_step=start_step)
             self._iterator = iter(dataset)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import tensorflow as tf
@@ -20,6 +21,9 @@ from input.source import (
     check_stream_args,
     deterministic_options,
 )
+
+if TYPE_CHECKING:
+    from engine.resident import ResidentData
 
 # Third word of the [seed, epoch, tag] key of each epoch's permutation.
 _SEED_TAG = 0
@@ -64,6 +68,14 @@ def _light_pipeline_options() -> tf.data.Options:
     options.threading.private_threadpool_size = 1
     options.threading.max_intra_op_parallelism = 1
     return options
+
+
+def _scaled(batch: tuple[tf.Tensor, tf.Tensor]) -> tuple[tf.Tensor, tf.Tensor]:
+    """uint8 pixels to float32 in [0, 1]; float32 images as they are."""
+    images, labels = batch
+    if images.dtype == tf.uint8:
+        images = tf.cast(images, tf.float32) / 255.0
+    return images, labels
 
 
 def _to_host_tensor(array: np.ndarray) -> tf.Tensor:
@@ -129,12 +141,39 @@ class InMemorySource(DataSource):
         """A tf.data map function turning index batches into example batches."""
 
         def gather(indices: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
-            batch = tf.gather(images, indices)
-            if batch.dtype == tf.uint8:
-                batch = tf.cast(batch, tf.float32) / 255.0
-            return batch, tf.gather(labels, indices)
+            return _scaled((tf.gather(images, indices), tf.gather(labels, indices)))
 
         return gather
+
+    @property
+    def train_num_bytes(self) -> int:
+        """Memory the train split takes (one copy)."""
+        return sum(int(tf.size(t)) * t.dtype.size for t in (self._train_images, self._train_labels))
+
+    def resident_train_data(self, *, global_batch_size: int, seed: int) -> ResidentData:
+        """The training stream of `train_dataset`, as `engine.ResidentData`: the
+        split is kept on every replica's device and each batch is gathered there,
+        inside the compiled loop, from the same (seed, step) permutation."""
+        from engine.resident import ResidentData  # The engine's type; input does not need it otherwise.
+
+        check_stream_args(seed, 0)
+        num_examples = self.num_train_examples
+        assert num_examples is not None, "from_arrays sets it: the arrays are in memory"
+
+        def host_data(input_context: tf.distribute.InputContext, start_step: int) -> tf.data.Dataset:
+            return self.train_dataset(
+                global_batch_size=global_batch_size,
+                seed=seed,
+                start_step=start_step,
+                input_context=input_context,
+            )
+
+        return ResidentData(
+            tensors=(self._train_images, self._train_labels),
+            indices=lambda positions: _shuffled_positions(positions, num_examples, seed),
+            host_data=host_data,
+            transform=_scaled,
+        )
 
     def train_dataset(
         self,
