@@ -49,6 +49,36 @@ class ResidentData:
     host_data: Any
     transform: Callable[[Any], Any] | None = field(default=None)
 
+    @classmethod
+    def shuffled(
+        cls,
+        tensors: Any,
+        *,
+        seed: int,
+        global_batch_size: int,
+        transform: Callable[[Any], Any] | None = None,
+    ) -> ResidentData:
+        """Arrays (features, labels, ...) drawn in a new seeded order every epoch.
+
+        Stream position i is example `epoch_permutation(seed, i // n)[i % n]`:
+        epochs concatenated, a batch may span two. `host_data` is the same stream
+        through tf.data, for strategies that cannot keep the arrays on devices.
+        """
+        if isinstance(seed, bool) or not isinstance(seed, int) or not -(2**63) <= seed < 2**63:
+            raise ValueError(f"seed must be a Python int that fits in int64, got {seed!r}")
+        host = tf.nest.map_structure(_host_tensor, tensors)
+        num_examples = int(tf.nest.flatten(host)[0].shape[0])
+
+        def indices(positions: tf.Tensor) -> tf.Tensor:
+            return epoch_shuffled(positions, num_examples, seed)
+
+        return cls(
+            tensors=host,
+            indices=indices,
+            host_data=_host_stream(host, indices, transform, global_batch_size),
+            transform=transform,
+        )
+
     def __post_init__(self) -> None:
         sizes = {int(tf.convert_to_tensor(t).shape[0]) for t in tf.nest.flatten(self.tensors)}
         if len(sizes) != 1 or 0 in sizes:
@@ -70,6 +100,91 @@ class ResidentData:
         indices = self.indices(first + tf.range(per_replica, dtype=tf.int64))
         batch = tf.nest.map_structure(lambda tensor: tf.gather(tensor, indices), replica_tensors)
         return batch if self.transform is None else self.transform(batch)
+
+
+def epoch_shuffled(positions: tf.Tensor, num_examples: int, seed: int) -> tf.Tensor:
+    """Example index at each stream position (int64 vector): every epoch its own
+    stateless permutation, keyed by (seed, epoch), so any position is computed in O(1).
+
+    One batch may span several epochs, so each position gets its own seed row.
+    The raw op is used because tf.random.experimental.index_shuffle pads a
+    batched [n, 2] seed along the wrong axis in TF 2.21 and the op rejects it.
+    """
+    epochs = positions // num_examples
+    offsets = positions % num_examples
+    seeds = tf.stack(
+        [
+            tf.fill(tf.shape(positions), tf.constant(seed, tf.int64)),
+            epochs,
+            tf.zeros_like(positions),  # A third key word, fixed: streams made before it existed stay the same.
+        ],
+        axis=1,
+    )
+    return tf.raw_ops.RandomIndexShuffle(
+        index=offsets, seed=seeds, max_index=tf.constant(num_examples - 1, tf.int64), rounds=4
+    )
+
+
+def gather_pipeline_options() -> tf.data.Options:
+    """Deterministic, and one tf.data thread with single-threaded ops.
+
+    A gather-by-index pipeline needs ~0.2 ms of CPU a batch; with tf.data's
+    default thread pools its threads contend with the training step for the
+    cores. Measured with the cnn in bfloat16 on 2 cores (default strategy,
+    4 interleaved windows of 300 steps): 8,719 examples/s with the default
+    pools, 11,611 with these options, 11,933 feeding one fixed in-memory
+    batch (no pipeline at all).
+    """
+    options = tf.data.Options()
+    options.deterministic = True
+    options.threading.private_threadpool_size = 1
+    options.threading.max_intra_op_parallelism = 1
+    return options
+
+
+def _host_tensor(value: Any) -> tf.Tensor:
+    """In host memory even where a GPU is the default device: tf.data reads it there."""
+    with tf.device("/cpu:0"):
+        return tf.convert_to_tensor(value)
+
+
+def _host_stream(
+    tensors: Any,
+    indices: Callable[[tf.Tensor], tf.Tensor],
+    transform: Callable[[Any], Any] | None,
+    global_batch_size: int,
+) -> Callable[[tf.distribute.InputContext, int], tf.data.Dataset]:
+    """The resident stream as `fn(input_context, start_step)` of per-replica batches:
+    pipeline p yields, step after step, the batches of its replicas in replica order."""
+
+    def pipeline(input_context: tf.distribute.InputContext, start_step: int) -> tf.data.Dataset:
+        replicas, pipelines = input_context.num_replicas_in_sync, input_context.num_input_pipelines
+        if global_batch_size % replicas or replicas % pipelines:
+            raise ValueError(
+                f"global_batch_size {global_batch_size} must split evenly over {replicas} replicas "
+                f"and they over {pipelines} input pipelines"
+            )
+        per_replica, own = global_batch_size // replicas, replicas // pipelines
+        offset = input_context.input_pipeline_id * own * per_replica
+
+        def step_indices(step: tf.Tensor) -> tf.Tensor:
+            positions = step * global_batch_size + offset + tf.range(own * per_replica, dtype=tf.int64)
+            return tf.reshape(indices(positions), [own, per_replica])
+
+        def gather(batch_indices: tf.Tensor) -> Any:
+            batch = tf.nest.map_structure(lambda tensor: tf.gather(tensor, batch_indices), tensors)
+            return batch if transform is None else transform(batch)
+
+        return (
+            tf.data.Dataset.counter(start_step, dtype=tf.int64)
+            .map(step_indices)
+            .unbatch()
+            .map(gather)
+            .prefetch(tf.data.AUTOTUNE)
+            .with_options(gather_pipeline_options())
+        )
+
+    return pipeline
 
 
 def keeps_on_devices(strategy: tf.distribute.Strategy) -> bool:

@@ -10,64 +10,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import numpy as np
 import tensorflow as tf
 
+from engine.resident import ResidentData, epoch_shuffled, gather_pipeline_options
 from input.source import (
     DataSource,
     batch_layout,
     check_stream_args,
-    deterministic_options,
 )
-
-if TYPE_CHECKING:
-    from engine.resident import ResidentData
-
-# Third word of the [seed, epoch, tag] key of each epoch's permutation.
-_SEED_TAG = 0
-
-
-def _shuffled_positions(positions: tf.Tensor, num_examples: int, seed: int) -> tf.Tensor:
-    """Example index at each stream position (int64 vector).
-
-    One batch may span several epochs, so each position gets its own seed row.
-    The raw op is used because tf.random.experimental.index_shuffle pads a
-    batched [n, 2] seed along the wrong axis in TF 2.21 and the op rejects it.
-    """
-    epochs = positions // num_examples
-    offsets = positions % num_examples
-    seeds = tf.stack(
-        [
-            tf.fill(tf.shape(positions), tf.constant(seed, tf.int64)),
-            epochs,
-            tf.fill(tf.shape(positions), tf.constant(_SEED_TAG, tf.int64)),
-        ],
-        axis=1,
-    )
-    return tf.raw_ops.RandomIndexShuffle(
-        index=offsets,
-        seed=seeds,
-        max_index=tf.constant(num_examples - 1, tf.int64),
-        rounds=4,
-    )
-
-
-def _light_pipeline_options() -> tf.data.Options:
-    """Deterministic, and one tf.data thread with single-threaded ops.
-
-    A gather-by-index pipeline needs ~0.2 ms of CPU a batch; with tf.data's
-    default thread pools its threads contend with the training step for the
-    cores. Measured with the cnn in bfloat16 on 2 cores (default strategy,
-    4 interleaved windows of 300 steps): 8,719 examples/s with the default
-    pools, 11,611 with these options, 11,933 feeding one fixed in-memory
-    batch (no pipeline at all).
-    """
-    options = deterministic_options()
-    options.threading.private_threadpool_size = 1
-    options.threading.max_intra_op_parallelism = 1
-    return options
 
 
 def _scaled(batch: tuple[tf.Tensor, tf.Tensor]) -> tuple[tf.Tensor, tf.Tensor]:
@@ -154,8 +106,6 @@ class InMemorySource(DataSource):
         """The training stream of `train_dataset`, as `engine.ResidentData`: the
         split is kept on every replica's device and each batch is gathered there,
         inside the compiled loop, from the same (seed, step) permutation."""
-        from engine.resident import ResidentData  # The engine's type; input does not need it otherwise.
-
         check_stream_args(seed, 0)
         num_examples = self.num_train_examples
         assert num_examples is not None, "from_arrays sets it: the arrays are in memory"
@@ -170,7 +120,7 @@ class InMemorySource(DataSource):
 
         return ResidentData(
             tensors=(self._train_images, self._train_labels),
-            indices=lambda positions: _shuffled_positions(positions, num_examples, seed),
+            indices=lambda positions: epoch_shuffled(positions, num_examples, seed),
             host_data=host_data,
             transform=_scaled,
         )
@@ -191,7 +141,7 @@ class InMemorySource(DataSource):
         def step_indices(step: tf.Tensor) -> tf.Tensor:
             first = step * global_batch_size + layout.offset
             positions = first + tf.range(layout.examples_per_step, dtype=tf.int64)
-            indices = _shuffled_positions(positions, num_examples, seed)
+            indices = epoch_shuffled(positions, num_examples, seed)
             return tf.reshape(indices, [layout.replicas_per_pipeline, layout.per_replica])
 
         return (
@@ -203,7 +153,7 @@ class InMemorySource(DataSource):
                 num_parallel_calls=tf.data.AUTOTUNE,
             )
             .prefetch(tf.data.AUTOTUNE)
-            .with_options(_light_pipeline_options())
+            .with_options(gather_pipeline_options())
         )
 
     def eval_dataset(
@@ -225,5 +175,5 @@ class InMemorySource(DataSource):
                 num_parallel_calls=tf.data.AUTOTUNE,
             )
             .prefetch(tf.data.AUTOTUNE)
-            .with_options(_light_pipeline_options())
+            .with_options(gather_pipeline_options())
         )

@@ -51,12 +51,9 @@ def test_resident_batches_equal_the_tf_data_path(strategy, digits):
     data = digits.resident_train_data(global_batch_size=BATCH, seed=5)
     for start in (0, 90):  # 90: the batches of steps 93 and 94 span the end of the first epoch.
         expected = iterator_batches(strategy, data.host_data, start, 6)
-        got = resident_batches(strategy, data, range(start, start + 6))
-        for step_expected, step_got in zip(expected, got, strict=True):
-            for part_expected, part_got in zip(step_expected, step_got, strict=True):  # images, labels
-                assert len(part_got) == strategy.num_replicas_in_sync
-                for replica_expected, replica_got in zip(part_expected, part_got, strict=True):
-                    np.testing.assert_array_equal(replica_got.numpy(), replica_expected.numpy())
+        assert_same_batches(
+            expected, resident_batches(strategy, data, range(start, start + 6)), strategy.num_replicas_in_sync
+        )
 
 
 def cnn_trainer(strategy, train_data, model_dir=None):
@@ -113,6 +110,30 @@ def test_training_on_resident_data_equals_the_tf_data_path_and_resumes_bitwise(s
     resumed.train(100)
     for got, want in zip(resumed_model.get_weights(), resident_weights, strict=True):
         np.testing.assert_array_equal(got, want)
+
+
+def assert_same_batches(expected, got, replicas):
+    for step_expected, step_got in zip(expected, got, strict=True):
+        for part_expected, part_got in zip(step_expected, step_got, strict=True):  # images, labels
+            assert len(part_got) == replicas
+            for replica_expected, replica_got in zip(part_expected, part_got, strict=True):
+                np.testing.assert_array_equal(replica_got.numpy(), replica_expected.numpy())
+
+
+def test_shuffled_arrays_every_epoch_a_new_order_same_batches_either_way(strategy):
+    x = np.arange(100 * 3, dtype=np.float32).reshape(100, 3)
+    y = np.arange(100, dtype=np.int32)
+    data = engine.ResidentData.shuffled((x, y), seed=9, global_batch_size=BATCH)
+    got = resident_batches(strategy, data, range(0, 13))  # 13 x 16 = 208 examples: two epochs and a bit.
+    assert_same_batches(iterator_batches(strategy, data.host_data, 0, 13), got, strategy.num_replicas_in_sync)
+    assert_same_batches(
+        iterator_batches(strategy, data.host_data, 5, 3), got[5:8], strategy.num_replicas_in_sync
+    )
+    labels = np.concatenate([np.concatenate([r.numpy() for r in step[1]]) for step in got])
+    first, second = labels[:100], labels[100:200]
+    assert sorted(first) == list(range(100)) and sorted(second) == list(range(100))  # Each epoch: all once.
+    assert list(first) != list(second) and list(first) != list(range(100))  # Shuffled, anew each epoch.
+    np.testing.assert_array_equal(np.concatenate([r.numpy() for r in got[0][0]]), x[labels[:BATCH]])
 
 
 def test_resident_data_refuses_tensors_of_different_lengths():
