@@ -101,6 +101,7 @@ BAD_FLAGS = [
     (["--optimizer=lamb"], "unknown --optimizer='lamb'"),
     (["--train_steps=-5"], "--train_steps=-5 must be at least 1"),
     (["--global_batch_size=0"], "--global_batch_size=0 must be at least 1"),
+    (["--device_data_mb=-1"], "--device_data_mb=-1 must be at least 0"),
     (["--train_steps=10", "--epochs=2"], "alternatives; pass only one"),
     (
         ["--strategy=mirrored", "--cpu_devices=2", "--global_batch_size=63"],

@@ -22,7 +22,8 @@ def readme_example(name: str) -> str:
 @pytest.mark.timeout(600)
 def test_readme_research_example_runs(tmp_path):
     script = "\n".join(
-        readme_example(name) for name in ("research", "step_fn", "callbacks", "wrapped", "two_optimizers")
+        readme_example(name)
+        for name in ("research", "step_fn", "resident", "callbacks", "wrapped", "two_optimizers")
     )
     (tmp_path / "example.py").write_text(script)
     env = dict(os.environ, PYTHONPATH=str(REPO), TF_CPP_MIN_LOG_LEVEL="2")
@@ -38,7 +39,11 @@ def test_readme_research_example_runs(tmp_path):
     assert (tmp_path / "runs" / "research-callbacks" / "best" / "best.json").exists()
     lines = result.stdout.splitlines()
     assert "5" in lines  # The wrapped module's variables, found through its Keras models.
-    for prefix, run in (("wrapped: ", "research-wrapped"), ("two optimizers: ", "research-two-optimizers")):
+    for prefix, run in (
+        ("resident: ", "research-resident"),  # Arrays kept on the devices (ResidentData).
+        ("wrapped: ", "research-wrapped"),
+        ("two optimizers: ", "research-two-optimizers"),
+    ):
         [evaluation] = [line for line in lines if line.startswith(prefix)]
         logs = ast.literal_eval(evaluation[len(prefix) :])
         assert logs["num_examples"] == 200 and logs["accuracy"] > 0.9, evaluation
@@ -57,7 +62,9 @@ def test_readme_research_example_runs(tmp_path):
     # Nothing was trained again: every checkpoint directory is byte for byte as the first run left it.
     assert {run.name: snapshot(run / "checkpoints") for run in (tmp_path / "runs").iterdir()} == checkpoints
     assert rerun.stdout.splitlines()[0] == result.stdout.splitlines()[0]
-    evaluations = [line for line in lines if line.startswith(("wrapped: ", "two optimizers: "))]
+    evaluations = [line for line in lines if line.startswith(("resident: ", "wrapped: ", "two optimizers: "))]
     assert [
-        line for line in rerun.stdout.splitlines() if line.startswith(("wrapped: ", "two optimizers: "))
+        line
+        for line in rerun.stdout.splitlines()
+        if line.startswith(("resident: ", "wrapped: ", "two optimizers: "))
     ] == evaluations

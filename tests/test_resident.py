@@ -139,3 +139,21 @@ def test_shuffled_arrays_every_epoch_a_new_order_same_batches_either_way(strateg
 def test_resident_data_refuses_tensors_of_different_lengths():
     with pytest.raises(ValueError, match=r"one non-zero first dimension.*\[3, 4\]"):
         engine.ResidentData(tensors=(np.zeros((3, 2)), np.zeros(4)), indices=tf.identity, host_data=None)
+
+
+@pytest.mark.slow
+def test_cli_keeps_digits_on_the_devices_and_trains_as_through_tf_data(tmp_path):
+    from helpers import model_weights, run_main
+
+    common = ("--model=mlp", "--train_steps=120", "--steps_per_loop=25", "--eval_every=0", "--seed=4")
+    resident = run_main(*common, f"--model_dir={tmp_path / 'resident'}")
+    streamed = run_main(*common, "--device_data_mb=0", f"--model_dir={tmp_path / 'streamed'}")
+    assert resident.returncode == 0 and streamed.returncode == 0, (
+        resident.stderr[-2000:] + streamed.stderr[-2000:]
+    )
+    assert "1500 train / 297 eval, kept on the devices" in resident.stderr
+    assert "1500 train / 297 eval, tf.data" in streamed.stderr
+    got, want = model_weights(tmp_path / "resident", 120), model_weights(tmp_path / "streamed", 120)
+    assert got.keys() == want.keys() and len(got) > 1
+    for name, value in want.items():
+        np.testing.assert_array_equal(got[name], value, err_msg=name)
