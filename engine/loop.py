@@ -175,26 +175,31 @@ def make_resident_train_loop(
     """Returns `loop((replica_tensors, start_step), num_steps)`, with the outputs of
     `make_train_loop`'s loop, for training data kept on the replicas' devices.
 
-    Each replica gathers its batch of global step `start_step + i` from its own
-    copy of the data (`ResidentData.batch_at`): no iterator, no host work per
-    step. The stream never ends, so `steps_run` is always `num_steps`.
+    Each replica computes the example indices of all the loop's steps at its
+    start (`ResidentData.replica_indices`), then gathers each step's batch
+    from its own copy of the data: no iterator, no host work per step. The
+    stream never ends, so `steps_run` is always `num_steps`.
     """
 
-    def resident_step(replica_tensors, step: tf.Tensor):
-        return replica_step(data.batch_at(replica_tensors, step, global_batch_size=global_batch_size))
+    def loop_indices(first_step: tf.Tensor, num_steps: tf.Tensor) -> tf.Tensor:
+        return data.replica_indices(first_step, num_steps, global_batch_size=global_batch_size)
 
-    def one_step(replica_tensors, step: tf.Tensor) -> tuple[dict[str, tf.Tensor], tf.Tensor]:
-        outputs = strategy.run(resident_step, args=(replica_tensors, step))
+    def resident_step(replica_tensors, indices: tf.Tensor, index: tf.Tensor):
+        return replica_step(data.gather(replica_tensors, indices[index]))
+
+    def one_step(replica_tensors, indices, index: tf.Tensor) -> tuple[dict[str, tf.Tensor], tf.Tensor]:
+        outputs = strategy.run(resident_step, args=(replica_tensors, indices, index))
         global_step.assign_add(1)
         return _reduce_step_outputs(strategy, outputs)
 
     @tf.function
     def train_loop(inputs, num_steps: tf.Tensor) -> dict[str, tf.Tensor]:
         replica_tensors, start_step = inputs
+        indices = strategy.run(loop_indices, args=(start_step, num_steps))  # Every step's, on each replica.
         # The first step is peeled off so that the accumulators take the step's output structure.
-        state = _first_state(*one_step(replica_tensors, start_step))
+        state = _first_state(*one_step(replica_tensors, indices, tf.constant(0)))
         for index in tf.range(1, num_steps):
-            outputs, finite = one_step(replica_tensors, start_step + tf.cast(index, tf.int64))
+            outputs, finite = one_step(replica_tensors, indices, index)
             state = _accumulate(state, index, outputs, finite)
         return _loop_outputs(state, num_steps)
 

@@ -91,15 +91,31 @@ class ResidentData:
         """Bytes one replica's copy takes."""
         return sum(int(tf.size(t)) * tf.as_dtype(t.dtype).size for t in tf.nest.flatten(self.tensors))
 
-    def batch_at(self, replica_tensors: Any, step: tf.Tensor, *, global_batch_size: int) -> Any:
-        """This replica's batch of global step `step`; called inside `strategy.run`."""
-        replicas = tf.distribute.get_replica_context().num_replicas_in_sync
-        per_replica = global_batch_size // replicas
-        replica = tf.cast(tf.distribute.get_replica_context().replica_id_in_sync_group, tf.int64)
-        first = tf.cast(step, tf.int64) * global_batch_size + replica * per_replica
-        indices = self.indices(first + tf.range(per_replica, dtype=tf.int64))
+    def replica_indices(
+        self, first_step: tf.Tensor, num_steps: tf.Tensor, *, global_batch_size: int
+    ) -> tf.Tensor:
+        """Example indices of this replica's batches of steps [first_step, first_step + num_steps),
+        shape (num_steps, per-replica batch); called inside `strategy.run`. One call a loop
+        keeps the index arithmetic off the per-step path."""
+        context = tf.distribute.get_replica_context()
+        per_replica = global_batch_size // context.num_replicas_in_sync
+        replica = tf.cast(context.replica_id_in_sync_group, tf.int64)
+        steps = tf.cast(first_step, tf.int64) + tf.range(tf.cast(num_steps, tf.int64))
+        positions = (steps * global_batch_size + replica * per_replica)[:, None] + tf.range(
+            per_replica, dtype=tf.int64
+        )
+        return tf.reshape(self.indices(tf.reshape(positions, [-1])), [-1, per_replica])
+
+    def gather(self, replica_tensors: Any, indices: tf.Tensor) -> Any:
+        """The batch of the examples at `indices`, from this replica's copy, transformed."""
         batch = tf.nest.map_structure(lambda tensor: tf.gather(tensor, indices), replica_tensors)
         return batch if self.transform is None else self.transform(batch)
+
+    def batch_at(self, replica_tensors: Any, step: tf.Tensor, *, global_batch_size: int) -> Any:
+        """This replica's batch of global step `step`; called inside `strategy.run`."""
+        return self.gather(
+            replica_tensors, self.replica_indices(step, 1, global_batch_size=global_batch_size)[0]
+        )
 
 
 def epoch_shuffled(positions: tf.Tensor, num_examples: int, seed: int) -> tf.Tensor:
