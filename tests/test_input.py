@@ -275,14 +275,15 @@ def test_tfrecord_pipelines_shard_files_when_there_are_enough(record_dir) -> Non
     assert seen[0] | seen[1] == set(rows(images[:80]))
 
 
-def test_tfrecord_batches_hold_each_record_decoded_alone(tmp_path) -> None:
+@pytest.mark.parametrize("sides", [(8, 8, 8), (8, 12, 6)], ids=["model_size", "mixed_sizes"])
+def test_tfrecord_batches_hold_each_record_decoded_alone(tmp_path, sides) -> None:
     """Records are parsed a batch at a time; every example must still be its
-    record decoded on its own (PNGs of mixed sizes, resized; RGB to gray),
+    record decoded on its own (RGB to gray; PNGs of mixed sizes resized),
     with its own label, on 1 and 2 replicas and on sharded files."""
     from input.images import fit_images
 
     rng = np.random.RandomState(3)
-    for index, side in enumerate((8, 12, 6)):
+    for index, side in enumerate(sides):
         images = rng.randint(0, 256, (24, side, side, 3), dtype=np.uint8)
         write_tfrecords(str(tmp_path / f"train-{index}"), images, rng.randint(0, 10, 24))
     shape = (8, 8, 1)
