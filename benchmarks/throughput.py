@@ -643,8 +643,9 @@ def _records_directory(directory: str | None) -> Iterator[str]:
 def prepare_records(config: BenchConfig, image_shape: tuple[int, ...], directory: str) -> dict[str, Any]:
     """Writes the record files into `directory`, or reuses those a run with
     the same data settings wrote there (its manifest says so); returns the
-    payload's `data` fields. Refuses a directory with train* files of its own:
-    they would be read with ours, and ours would overwrite them."""
+    payload's `data` fields. Refuses a directory with train* or eval* files
+    of its own: the tfrecord source would read them with ours, and writing
+    ours would overwrite them."""
     import numpy as np
 
     from input import write_tfrecords
@@ -663,7 +664,10 @@ def prepare_records(config: BenchConfig, image_shape: tuple[int, ...], directory
     previous = None
     if os.path.exists(manifest):
         with open(manifest) as handle:
-            previous = json.load(handle)
+            try:
+                previous = json.load(handle)
+            except ValueError:  # Cut short while written: its files count as not ours.
+                previous = None
     present = {name for name in os.listdir(directory) if name.startswith(("train", "eval"))}
     if previous == settings and present == set(settings["file_names"]):
         _log(f"reusing {count} record files in {directory}")
