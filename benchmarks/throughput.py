@@ -26,6 +26,23 @@ Runners:
 - `raw`: the smallest compiled loop: one `tf.function` with a `tf.range`
   loop over `strategy.run(step)` on one in-memory batch (reused every step),
   no metric: the ceiling the engine's overhead is measured against.
+- `tfdata` (with `--data=tfrecord` only): the peer on files. A plain tf.data
+  reader of the same TFRecord files, tuned the way a user would tune it
+  (parallel interleave, shuffle buffer, parallel map, batch, prefetch, all
+  AUTOTUNE and non-deterministic), distributed with
+  `strategy.experimental_distribute_dataset` and trained by the raw loop's
+  compiled step (no metric).
+
+Data (`--data`):
+
+- `synthetic` (default): the `input` package's in-memory synthetic source.
+- `tfrecord`: `--tfrecord_examples` synthetic images at the model's input
+  shape, PNG-encoded into `--tfrecord_files` files train-00000-of-000NN of
+  tf.train.Example records (`input.write_tfrecords`), read by every runner:
+  the engine through the `tfrecord` source exactly as `--dataset=tfrecord`
+  does, fit through the same source, raw from one batch of it. The files go
+  to `--tfrecord_dir` (kept, and reused by later runs with the same data
+  settings) or to a temporary directory removed at the end.
 
 A runner name may carry suffixes that override the global flags for that
 runner alone: `_bf16`, `_fp16`, `_fp32` (mixed precision) and `_jit`,
@@ -39,13 +56,17 @@ when any runner uses it) on the same devices, measured in the same run.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import platform
+import shutil
 import statistics
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,7 +76,12 @@ from absl import app, flags  # noqa: E402
 
 from engine.config import PRECISION_POLICIES  # noqa: E402  (pure Python: no TensorFlow yet)
 
-RUNNER_KINDS = ("engine", "fit", "raw")
+RUNNER_KINDS = ("engine", "fit", "raw", "tfdata")
+DEFAULT_RUNNERS = ("engine", "fit", "raw")
+DATA_MODES = ("synthetic", "tfrecord")
+# Written last into --tfrecord_dir: the data settings of the files beside it.
+RECORDS_MANIFEST = "benchmark_records.json"
+_RECORDS_SEED = 12345  # fixed, like the synthetic source's: the data must not change with --seed
 _PRECISION_SUFFIXES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 LEARNING_RATE = 1e-3
 
@@ -69,10 +95,19 @@ def define_flags() -> None:
     flags.DEFINE_string("strategy", "default", "default, one_device or mirrored.")
     flags.DEFINE_list(
         "runners",
-        list(RUNNER_KINDS),
-        "Runners, in interleaving order: engine, fit, raw, each optionally with "
-        "suffixes _bf16/_fp16/_fp32 and _jit/_nojit.",
+        list(DEFAULT_RUNNERS),
+        "Runners, in interleaving order: engine, fit, raw, tfdata (--data=tfrecord), each "
+        "optionally with suffixes _bf16/_fp16/_fp32 and _jit/_nojit.",
     )
+    flags.DEFINE_enum("data", "synthetic", list(DATA_MODES), "In-memory synthetic data or TFRecord files of it.")
+    flags.DEFINE_string(
+        "tfrecord_dir",
+        None,
+        "--data=tfrecord: where the record files are written (kept and reused by later runs with "
+        "the same data settings); default: a temporary directory removed at the end.",
+    )
+    flags.DEFINE_integer("tfrecord_examples", 4096, "--data=tfrecord: train records to write.")
+    flags.DEFINE_integer("tfrecord_files", 8, "--data=tfrecord: files the records are split into.")
     flags.DEFINE_string("json", None, "Write the results as JSON to this path.")
     flags.DEFINE_integer("global_batch_size", 64, "Global batch size (all replicas).")
     flags.DEFINE_integer("steps_per_loop", 50, "Engine steps per compiled call (also the raw loop's).")
@@ -101,7 +136,7 @@ def define_flags() -> None:
 class BenchConfig:
     model: str = "cnn"
     strategy: str = "default"
-    runners: tuple[str, ...] = RUNNER_KINDS
+    runners: tuple[str, ...] = DEFAULT_RUNNERS
     global_batch_size: int = 64
     steps_per_loop: int = 50
     fit_steps_per_execution: int | None = None
@@ -114,12 +149,36 @@ class BenchConfig:
     num_classes: int = 10
     seed: int = 42
     peak_matmul_size: int = 2048
+    data: str = "synthetic"
+    tfrecord_dir: str | None = None
+    tfrecord_examples: int = 4096
+    tfrecord_files: int = 8
+
+
+def check_config(config: BenchConfig) -> None:
+    """Fail on a typo or an impossible combination before minutes of set-up."""
+    if config.data not in DATA_MODES:
+        raise ValueError(f"unknown data mode {config.data!r}; use one of {DATA_MODES}")
+    specs = [parse_runner(token, config) for token in config.runners]
+    if config.data != "tfrecord" and any(spec.kind == "tfdata" for spec in specs):
+        raise ValueError("the tfdata runner reads TFRecord files: add --data=tfrecord")
+    if config.data == "tfrecord":
+        if config.tfrecord_files < 1 or config.tfrecord_examples < config.tfrecord_files:
+            raise ValueError(
+                f"--tfrecord_files={config.tfrecord_files} and --tfrecord_examples="
+                f"{config.tfrecord_examples}: need at least one file and one record per file"
+            )
+        if config.tfrecord_examples < config.global_batch_size:
+            raise ValueError(
+                f"--tfrecord_examples={config.tfrecord_examples} is smaller than "
+                f"--global_batch_size={config.global_batch_size}; write at least one batch"
+            )
 
 
 @dataclass(frozen=True)
 class RunnerSpec:
     name: str  # as given on the command line, e.g. "engine_bf16_jit"
-    kind: str  # engine | fit | raw
+    kind: str  # engine | fit | raw | tfdata
     mixed_precision: str
     jit_compile: bool
     streamed: bool = False  # engine only: batches through the tf.data iterator, not kept on the devices
@@ -161,6 +220,7 @@ class Runner:
     strategy: Any
     source: Any
     model_spec: Any
+    files: tuple[str, ...] = ()  # --data=tfrecord: the train record files
     model: Any = None
     error: str | None = None
     extra: dict = field(default_factory=dict)
@@ -296,14 +356,59 @@ class FitRunner(Runner):
         return timer.seconds
 
 
+def _raw_step(runner: Runner, model, optimizer):
+    """The bare per-replica step of the raw and tfdata runners: forward,
+    per-example loss averaged over the global batch, apply; no metric."""
+    import tensorflow as tf
+
+    config = runner.config
+    with runner.strategy.scope():
+        optimizer.build(model.trainable_variables)
+    loss_fn = _loss_fn()
+    variables = model.trainable_variables
+    uses_loss_scale = runner.spec.mixed_precision == "float16"
+
+    def gradients(x, y):
+        with tf.GradientTape() as tape:
+            logits = model(x, training=True)
+            loss = tf.nn.compute_average_loss(
+                tf.cast(loss_fn(y, logits), tf.float32), global_batch_size=config.global_batch_size
+            )
+            if uses_loss_scale:
+                loss = optimizer.scale_loss(loss)
+        return tape.gradient(loss, variables)
+
+    if runner.spec.jit_compile:  # Same split as the engine: XLA for forward/backward only.
+        gradients = tf.function(gradients, jit_compile=True)
+
+    def step(x, y):
+        optimizer.apply(gradients(x, y), variables)
+
+    return step
+
+
+def _time_loop(loop, optimizer, steps: int, steps_per_loop: int, *args) -> float:
+    """Seconds for `steps` steps of `loop(*args, num_steps)`, in calls of at
+    most `steps_per_loop` steps, until the last update has landed."""
+    import tensorflow as tf
+
+    began = time.perf_counter()
+    done = 0
+    while done < steps:
+        length = min(steps_per_loop, steps - done)
+        loop(*args, tf.constant(length, tf.int32))
+        done += length
+    int(optimizer.iterations.numpy())  # Wait for the last update.
+    return time.perf_counter() - began
+
+
 class RawRunner(Runner):
     def setup(self) -> None:
         import tensorflow as tf
 
         model, optimizer = self._build()
         strategy, config = self.strategy, self.config
-        with strategy.scope():
-            optimizer.build(model.trainable_variables)
+        step = _raw_step(self, model, optimizer)
         features, labels = next(
             iter(self.source.train_dataset(global_batch_size=config.global_batch_size, seed=config.seed))
         )
@@ -317,25 +422,6 @@ class RawRunner(Runner):
             return strategy.experimental_distribute_values_from_function(value_fn)
 
         x, y = shard(features), shard(labels)
-        loss_fn = _loss_fn()
-        variables = model.trainable_variables
-        uses_loss_scale = self.spec.mixed_precision == "float16"
-
-        def gradients(x, y):
-            with tf.GradientTape() as tape:
-                logits = model(x, training=True)
-                loss = tf.nn.compute_average_loss(
-                    tf.cast(loss_fn(y, logits), tf.float32), global_batch_size=config.global_batch_size
-                )
-                if uses_loss_scale:
-                    loss = optimizer.scale_loss(loss)
-            return tape.gradient(loss, variables)
-
-        if self.spec.jit_compile:  # Same split as the engine: XLA for forward/backward only.
-            gradients = tf.function(gradients, jit_compile=True)
-
-        def step(x, y):
-            optimizer.apply(gradients(x, y), variables)
 
         @tf.function
         def loop(num_steps):
@@ -347,20 +433,79 @@ class RawRunner(Runner):
         self.extra["steps_per_loop"] = config.steps_per_loop
 
     def window(self, steps: int) -> float:
+        return _time_loop(self.loop, self.optimizer, steps, self.config.steps_per_loop)
+
+
+TFDATA_CYCLE_LENGTH = 4  # files read at once
+TFDATA_SHUFFLE_BUFFER = 1024
+
+
+def tuned_tfrecord_dataset(files, image_shape: tuple[int, int, int], global_batch_size: int, seed: int):
+    """Global batches of the record files, read the way a tuned tf.data user
+    would: everything parallel, AUTOTUNEd and free to reorder."""
+    import tensorflow as tf
+
+    features = {
+        "image": tf.io.FixedLenFeature([], tf.string),
+        "label": tf.io.FixedLenFeature([], tf.int64),
+    }
+
+    def parse(record):
+        example = tf.io.parse_single_example(record, features)
+        image = tf.io.decode_png(example["image"], channels=image_shape[-1])
+        image = tf.ensure_shape(tf.image.convert_image_dtype(image, tf.float32), image_shape)
+        return image, tf.cast(example["label"], tf.int32)
+
+    return (
+        tf.data.Dataset.from_tensor_slices(list(files))
+        .shuffle(len(files), seed=seed)
+        .interleave(
+            tf.data.TFRecordDataset,
+            cycle_length=min(TFDATA_CYCLE_LENGTH, len(files)),
+            num_parallel_calls=tf.data.AUTOTUNE,
+            deterministic=False,
+        )
+        .shuffle(TFDATA_SHUFFLE_BUFFER, seed=seed)
+        .repeat()
+        .map(parse, num_parallel_calls=tf.data.AUTOTUNE, deterministic=False)
+        .batch(global_batch_size, drop_remainder=True)
+        .prefetch(tf.data.AUTOTUNE)
+    )
+
+
+class TFDataRunner(Runner):
+    """The hand-tuned tf.data reader of the record files, trained by the raw
+    runner's compiled step and loop."""
+
+    def setup(self) -> None:
         import tensorflow as tf
 
-        chunk = self.config.steps_per_loop
-        began = time.perf_counter()
-        done = 0
-        while done < steps:
-            length = min(chunk, steps - done)
-            self.loop(tf.constant(length, tf.int32))
-            done += length
-        int(self.optimizer.iterations.numpy())  # Wait for the last update.
-        return time.perf_counter() - began
+        model, optimizer = self._build()
+        strategy, config = self.strategy, self.config
+        step = _raw_step(self, model, optimizer)
+        dataset = tuned_tfrecord_dataset(
+            self.files, self.model_spec.default_input_shape, config.global_batch_size, config.seed
+        )
+        self.iterator = iter(strategy.experimental_distribute_dataset(dataset))
+
+        @tf.function
+        def loop(iterator, num_steps):
+            for _ in tf.range(num_steps):
+                strategy.run(step, args=next(iterator))
+
+        self.loop, self.optimizer = loop, optimizer
+        self.window(max(1, config.warmup_steps))
+        self.extra.update(
+            steps_per_loop=config.steps_per_loop,
+            cycle_length=min(TFDATA_CYCLE_LENGTH, len(self.files)),
+            shuffle_buffer=TFDATA_SHUFFLE_BUFFER,
+        )
+
+    def window(self, steps: int) -> float:
+        return _time_loop(self.loop, self.optimizer, steps, self.config.steps_per_loop, self.iterator)
 
 
-RUNNER_CLASSES = {"engine": EngineRunner, "fit": FitRunner, "raw": RawRunner}
+RUNNER_CLASSES = {"engine": EngineRunner, "fit": FitRunner, "raw": RawRunner, "tfdata": TFDataRunner}
 
 
 # ------------------------------------------------------------------ peak flops
@@ -471,25 +616,113 @@ def run_benchmark(config: BenchConfig) -> dict[str, Any]:
     `configure_cpu_devices` must already have run when `config.cpu_devices`
     > 1 (before anything touched a TF device): `main` does it first.
     """
-    import tensorflow as tf  # noqa: F401
-
     from engine import build_strategy
-    from engine.environment import set_precision
     from input import get_data_source
-    from models import flops_per_example, get_model_spec
+    from models import get_model_spec
+
+    check_config(config)
+    strategy = build_strategy(config.strategy, cpu_devices=config.cpu_devices)
+    model_spec = get_model_spec(config.model)
+    image_shape = model_spec.default_input_shape
+    if config.data == "synthetic":
+        source = get_data_source("synthetic", image_shape=image_shape, num_classes=config.num_classes)
+        data = {"mode": "synthetic", "records": source.num_train_examples}
+        return _measure(config, strategy, model_spec, source, (), data)
+    with _records_directory(config.tfrecord_dir) as directory:
+        data = prepare_records(config, image_shape, directory)
+        source = get_data_source(
+            "tfrecord", image_shape=image_shape, num_classes=config.num_classes, data_dir=directory
+        )
+        files = tuple(os.path.join(directory, name) for name in data["file_names"])
+        return _measure(config, strategy, model_spec, source, files, data)
+
+
+@contextlib.contextmanager
+def _records_directory(directory: str | None) -> Iterator[str]:
+    """`directory` (created if missing, kept), or a temporary one removed at the end."""
+    if directory:
+        os.makedirs(directory, exist_ok=True)
+        yield directory
+        return
+    temporary = tempfile.mkdtemp(prefix="throughput-records-")
+    try:
+        yield temporary
+    finally:
+        shutil.rmtree(temporary, ignore_errors=True)
+
+
+def prepare_records(config: BenchConfig, image_shape: tuple[int, ...], directory: str) -> dict[str, Any]:
+    """Writes the record files into `directory`, or reuses those a run with
+    the same data settings wrote there (its manifest says so); returns the
+    payload's `data` fields. Refuses a directory with train* or eval* files
+    of its own: the tfrecord source would read them with ours, and writing
+    ours would overwrite them."""
+    import numpy as np
+
+    from input import write_tfrecords
+
+    count = config.tfrecord_files
+    settings = {
+        "image_shape": list(image_shape),
+        "num_classes": config.num_classes,
+        "records": config.tfrecord_examples,
+        "files": count,
+        "file_names": [f"train-{index:05d}-of-{count:05d}" for index in range(count)],
+        "seed": _RECORDS_SEED,
+    }
+    data = {"mode": "tfrecord", "directory": os.path.abspath(directory), "kept": bool(config.tfrecord_dir)}
+    manifest = os.path.join(directory, RECORDS_MANIFEST)
+    previous = None
+    if os.path.exists(manifest):
+        with open(manifest) as handle:
+            try:
+                previous = json.load(handle)
+            except ValueError:  # Cut short while written: its files count as not ours.
+                previous = None
+    present = {name for name in os.listdir(directory) if name.startswith(("train", "eval"))}
+    if previous == settings and present == set(settings["file_names"]):
+        _log(f"reusing {count} record files in {directory}")
+        return {**data, **settings, "written": False, "write_seconds": 0.0}
+    ours = set(previous.get("file_names", [])) if isinstance(previous, dict) else set()
+    if present - ours:
+        raise ValueError(
+            f"--tfrecord_dir={directory} holds files the benchmark did not write "
+            f"({sorted(present - ours)[0]}); use an empty or new directory"
+        )
+    if os.path.exists(manifest):
+        os.remove(manifest)  # First: a run cut short must not look complete.
+    for name in present:
+        os.remove(os.path.join(directory, name))
+    began = time.perf_counter()
+    bounds = np.linspace(0, config.tfrecord_examples, count + 1).astype(int)
+    for index, name in enumerate(settings["file_names"]):
+        rng = np.random.RandomState([_RECORDS_SEED, index])
+        size = int(bounds[index + 1] - bounds[index])
+        images = rng.randint(0, 256, size=(size, *image_shape), dtype=np.uint8)
+        labels = rng.randint(0, config.num_classes, size=size)
+        write_tfrecords(os.path.join(directory, name), images, labels)
+    with open(manifest, "w") as handle:
+        json.dump(settings, handle, indent=2)
+    seconds = time.perf_counter() - began
+    _log(f"wrote {config.tfrecord_examples} records in {count} files to {directory} in {seconds:.1f} s")
+    return {**data, **settings, "written": True, "write_seconds": round(seconds, 2)}
+
+
+def _measure(
+    config: BenchConfig, strategy, model_spec, source, files: tuple[str, ...], data: dict
+) -> dict[str, Any]:
+    """Sets up the runners, times their interleaved windows, measures the peak."""
+    import tensorflow as tf
+
+    from engine.environment import set_precision
+    from models import flops_per_example
 
     specs = [parse_runner(token, config) for token in config.runners]
-    strategy = build_strategy(config.strategy, cpu_devices=config.cpu_devices)
     replicas = strategy.num_replicas_in_sync
-    model_spec = get_model_spec(config.model)
-    source = get_data_source(
-        "synthetic", image_shape=model_spec.default_input_shape, num_classes=config.num_classes
-    )
-
     runners: list[Runner] = []
     for spec in specs:
         runner = RUNNER_CLASSES[spec.kind](
-            spec=spec, config=config, strategy=strategy, source=source, model_spec=model_spec
+            spec=spec, config=config, strategy=strategy, source=source, model_spec=model_spec, files=files
         )
         began = time.perf_counter()
         try:
@@ -585,6 +818,7 @@ def run_benchmark(config: BenchConfig) -> dict[str, Any]:
         "peak_tflops": peaks.get("float32", 0.0),
         "peak_tflops_by_dtype": peaks,
         "config": {**config.__dict__, "runners": list(config.runners)},
+        "data": data,
         "machine": machine_info(),
     }
 
@@ -597,13 +831,16 @@ def _rate(rows, name) -> float | None:
 
 
 def compute_ratios(rows: list[dict]) -> dict[str, float | None]:
-    """engine/fit and engine/raw between the plain runners, and the best engine
-    variant against the best float32 peer (fit or raw) when variants ran."""
-    engine, fit, raw = (_rate(rows, name) for name in RUNNER_KINDS)
+    """engine/fit, engine/raw and (when a tfdata runner ran) engine/tfdata
+    between the plain runners, and the best engine variant against the best
+    float32 peer (fit, raw or tfdata) when variants ran."""
+    engine, fit, raw, tfdata = (_rate(rows, name) for name in RUNNER_KINDS)
     ratios: dict[str, float | None] = {
         "engine/fit": engine / fit if engine and fit else None,
         "engine/raw": engine / raw if engine and raw else None,
     }
+    if any(row["runner"] == "tfdata" for row in rows):
+        ratios["engine/tfdata"] = engine / tfdata if engine and tfdata else None
     good = [r for r in rows if not r["error"] and r["examples_per_second"] > 0]
     engines = [r for r in good if r["kind"] == "engine"]
     peers = [r for r in good if r["kind"] != "engine" and r["mixed_precision"] == "float32"]
@@ -654,6 +891,13 @@ def format_table(payload: dict) -> str:
         "  ".join("-" * w for w in widths),
     ]
     out += ["  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=False)).rstrip() for line in lines]
+    data = payload.get("data") or {}
+    if data.get("mode") == "tfrecord":
+        out.insert(
+            1,
+            f"data=tfrecord: {data['records']:,} PNG records in {data['files']} files in {data['directory']}"
+            + (" (reused)" if not data["written"] else ""),
+        )
     ratio_text = []
     for key, value in payload["ratios"].items():
         if isinstance(value, float):
@@ -685,14 +929,20 @@ def config_from_flags() -> BenchConfig:
         num_classes=FLAGS.num_classes,
         seed=FLAGS.seed,
         peak_matmul_size=FLAGS.peak_matmul_size,
+        data=FLAGS.data,
+        tfrecord_dir=FLAGS.tfrecord_dir,
+        tfrecord_examples=FLAGS.tfrecord_examples,
+        tfrecord_files=FLAGS.tfrecord_files,
     )
 
 
 def main(argv) -> None:
     del argv
     config = config_from_flags()
-    for token in config.runners:  # Fail on a typo before minutes of set-up.
-        parse_runner(token, config)
+    try:
+        check_config(config)  # Fail on a typo before minutes of set-up.
+    except ValueError as error:
+        raise app.UsageError(str(error)) from None
     if config.cpu_devices > 1:
         # Before anything touches a TF device: logical CPUs cannot be added later.
         from engine import configure_cpu_devices

@@ -37,6 +37,9 @@ _LAYOUT_HELP = (
 )
 SHUFFLE_BLOCK = 4096  # records shuffled together; raw records held in memory
 _PARALLEL_READS = 4
+# Batches of up to this many records decode in an unrolled graph: building it
+# took ~1 s for 64 records, ~5 s for 512 (once, at start-up).
+_UNROLL_LIMIT = 128
 
 
 def write_tfrecords(path: str, images: np.ndarray, labels: np.ndarray) -> None:
@@ -80,7 +83,16 @@ def _find_files(data_dir: str | None) -> tuple[tuple[str, ...], tuple[str, ...]]
 
 
 class _Parser:
-    """Serialized tf.train.Example -> (float32 image at image_shape, int32 label)."""
+    """A batch of serialized tf.train.Example -> (float32 images at image_shape,
+    int32 labels).
+
+    Works on batches, not single records, and decodes a batch without a loop
+    where it can: per batch of 64 PNG records of 28x28 (the cnn's input, 2
+    cores), one tf.data element per record took ~6.7 ms of CPU, one per batch
+    with `map_fn` ~2.9 ms, the unrolled decode ~1.9 ms: time the training step
+    gets back. Every image is decoded on its own, exactly as a single record
+    would be, so files may hold images of different sizes.
+    """
 
     def __init__(self, image_shape: tuple[int, int, int], num_classes: int) -> None:
         if image_shape[-1] not in (1, 3, 4):
@@ -91,20 +103,44 @@ class _Parser:
         self._image_shape = image_shape
         self._num_classes = num_classes
 
-    def __call__(self, record: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
-        example = tf.io.parse_single_example(record, _FEATURES)
-        image = tf.io.decode_png(example["image"], channels=self._image_shape[-1])
+    def _decode(self, png: tf.Tensor) -> tf.Tensor:
+        image = tf.io.decode_png(png, channels=self._image_shape[-1])
         image = tf.image.convert_image_dtype(image, tf.float32)  # uint8 -> [0, 1]
-        image = fit_images(image, self._image_shape)
-        label = example["label"]
+        return fit_images(image, self._image_shape)
+
+    def _decode_all(self, pngs: tf.Tensor) -> tf.Tensor:
+        return tf.map_fn(self._decode, pngs, fn_output_signature=tf.TensorSpec(self._image_shape, tf.float32))
+
+    def _decode_unrolled(self, pngs: tf.Tensor, size: int) -> tf.Tensor:
+        """A batch of known size: one decode op per image in the graph, no
+        loop (map_fn's while loop cost as much CPU as the decoding), when
+        every image has the model's size; otherwise `_decode_all`."""
+        decoded = [tf.io.decode_png(png, channels=self._image_shape[-1]) for png in tf.unstack(pngs, num=size)]
+        sizes = tf.stack([tf.shape(image)[:2] for image in decoded])
+        return tf.cond(
+            tf.reduce_all(sizes == self._image_shape[:2]),
+            lambda: tf.image.convert_image_dtype(
+                tf.stack([tf.ensure_shape(image, self._image_shape) for image in decoded]), tf.float32
+            ),
+            lambda: self._decode_all(pngs),  # Decodes again: files with other sizes pay a resize anyway.
+        )
+
+    def __call__(self, records: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+        examples = tf.io.parse_example(records, _FEATURES)
+        size = examples["image"].shape[0]
+        if size is not None and 0 < size <= _UNROLL_LIMIT:
+            images = self._decode_unrolled(examples["image"], size)
+        else:  # A partial eval batch, or a batch too large for one graph.
+            images = self._decode_all(examples["image"])
+        labels = examples["label"]
         # An out-of-range label would silently give a NaN or wrong loss later.
         tf.debugging.assert_less(
-            label,
+            labels,
             tf.constant(self._num_classes, tf.int64),
             message=f"tfrecord label >= num_classes={self._num_classes}",
         )
-        tf.debugging.assert_non_negative(label, message="tfrecord label < 0")
-        return image, tf.cast(label, tf.int32)
+        tf.debugging.assert_non_negative(labels, message="tfrecord label < 0")
+        return images, tf.cast(labels, tf.int32)
 
 
 def _op_error_text(err: tf.errors.OpError) -> str:
@@ -119,7 +155,7 @@ def _check_files(files: tuple[str, ...], parser: _Parser) -> None:
     at start-up with the file's name, not mid-training inside tf.data."""
     for path in files:
         try:
-            first = list(tf.data.TFRecordDataset(path).take(1))
+            first = list(tf.data.TFRecordDataset(path).batch(1).take(1))
             if not first:
                 raise DataError(f"TFRecord file {path} is empty; {_LAYOUT_HELP}")
             parser(first[0])
@@ -207,34 +243,28 @@ class TFRecordSource(DataSource):
         records = tf.data.Dataset.counter(dtype=tf.int64).flat_map(
             self._epoch_records(seed, self._train_files, shard)
         )
+        # Batches of raw records first, parsed a batch at a time (see _Parser).
         if shard_files:
-            dataset = (
-                records.skip(start_step * layout.examples_per_step)
-                .map(self._parser, num_parallel_calls=tf.data.AUTOTUNE)
-                .batch(layout.per_replica, drop_remainder=True)
+            batches = records.skip(start_step * layout.examples_per_step).batch(
+                layout.per_replica, drop_remainder=True
             )
         else:
-            dataset = (
-                records.skip(start_step * global_batch_size)
-                .map(self._parser, num_parallel_calls=tf.data.AUTOTUNE)
-                .batch(global_batch_size, drop_remainder=True)
-            )
-            if input_context is not None:
-                dataset = dataset.map(self._own_replicas(layout)).unbatch()
-        return dataset.prefetch(tf.data.AUTOTUNE).with_options(deterministic_options())
+            batches = records.skip(start_step * global_batch_size).batch(global_batch_size, drop_remainder=True)
+            if input_context is not None:  # Only this pipeline's records get decoded.
+                batches = batches.map(self._own_replicas(layout)).unbatch()
+        return (
+            batches.map(self._parser, num_parallel_calls=tf.data.AUTOTUNE)
+            .prefetch(tf.data.AUTOTUNE)
+            .with_options(deterministic_options())
+        )
 
-    def _own_replicas(
-        self, layout: BatchLayout
-    ) -> Callable[[tf.Tensor, tf.Tensor], tuple[tf.Tensor, tf.Tensor]]:
-        """Global batch -> this pipeline's per-replica batches, stacked."""
-        stacked = [layout.replicas_per_pipeline, layout.per_replica]
+    @staticmethod
+    def _own_replicas(layout: BatchLayout) -> Callable[[tf.Tensor], tf.Tensor]:
+        """Global batch of records -> this pipeline's per-replica batches, stacked."""
         start, end = layout.offset, layout.offset + layout.examples_per_step
 
-        def slice_batch(images: tf.Tensor, labels: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
-            return (
-                tf.reshape(images[start:end], stacked + list(self.image_shape)),
-                tf.reshape(labels[start:end], stacked),
-            )
+        def slice_batch(records: tf.Tensor) -> tf.Tensor:
+            return tf.reshape(records[start:end], [layout.replicas_per_pipeline, layout.per_replica])
 
         return slice_batch
 
@@ -251,8 +281,8 @@ class TFRecordSource(DataSource):
         if input_context is not None:
             records = records.shard(input_context.num_input_pipelines, input_context.input_pipeline_id)
         return (
-            records.map(self._parser, num_parallel_calls=tf.data.AUTOTUNE)
-            .batch(layout.per_replica, drop_remainder=False)
+            records.batch(layout.per_replica, drop_remainder=False)
+            .map(self._parser, num_parallel_calls=tf.data.AUTOTUNE)
             .prefetch(tf.data.AUTOTUNE)
             .with_options(deterministic_options())
         )

@@ -101,6 +101,78 @@ def test_throughput_writes_json_with_a_row_per_runner(tmp_path):
 
 
 @pytest.mark.timeout(400)
+def test_throughput_tfrecord_mode_reads_files_with_engine_and_tfdata(tmp_path):
+    out, records = tmp_path / "out.json", tmp_path / "records"
+    _run(
+        [
+            "benchmarks.throughput",
+            "--data=tfrecord",
+            f"--tfrecord_dir={records}",
+            "--tfrecord_examples=64",
+            "--tfrecord_files=2",
+            "--runners=engine,tfdata",
+            "--global_batch_size=16",
+            "--steps_per_loop=2",
+            "--warmup_steps=2",
+            "--steps=4",
+            "--repeats=1",
+            "--peak_matmul_size=0",
+            f"--json={out}",
+        ],
+        timeout=360,
+    )
+    payload = json.loads(out.read_text())
+
+    data = payload["data"]
+    assert data["mode"] == "tfrecord" and data["directory"] == str(records)
+    assert (data["records"], data["files"], data["written"], data["kept"]) == (64, 2, True, True)
+    assert data["file_names"] == ["train-00000-of-00002", "train-00001-of-00002"]
+    assert data["image_shape"] == [28, 28, 1]  # the cnn's input
+    assert sorted(p.name for p in records.iterdir()) == ["benchmark_records.json", *data["file_names"]]
+    rows = payload["results"]
+    assert [(row["runner"], row["kind"]) for row in rows] == [("engine", "engine"), ("tfdata", "tfdata")]
+    for row in rows:
+        assert row["error"] is None, row
+        assert isinstance(row["examples_per_second"], float) and row["examples_per_second"] > 0, row
+        assert row["replicas"] == 1 and row["global_batch_size"] == 16
+    ratio = payload["ratios"]["engine/tfdata"]
+    assert isinstance(ratio, float) and ratio == rows[0]["examples_per_second"] / rows[1]["examples_per_second"]
+    assert (payload["ratios"]["engine/fit"], payload["ratios"]["engine/raw"]) == (None, None)
+
+
+def test_tfrecord_files_are_reused_rewritten_or_refused(tmp_path):
+    from benchmarks.throughput import BenchConfig, check_config, prepare_records
+
+    config = BenchConfig(data="tfrecord", tfrecord_dir=str(tmp_path), tfrecord_examples=20, tfrecord_files=3)
+    first = prepare_records(config, (6, 6, 1), str(tmp_path))
+    assert first["written"] and first["file_names"] == [f"train-0000{i}-of-00003" for i in range(3)]
+    stamps = {p.name: p.stat().st_mtime_ns for p in tmp_path.iterdir()}
+
+    again = prepare_records(config, (6, 6, 1), str(tmp_path))
+    assert not again["written"] and {p.name: p.stat().st_mtime_ns for p in tmp_path.iterdir()} == stamps
+
+    other = BenchConfig(data="tfrecord", tfrecord_dir=str(tmp_path), tfrecord_examples=30, tfrecord_files=2)
+    rewritten = prepare_records(other, (6, 6, 1), str(tmp_path))
+    assert rewritten["written"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "benchmark_records.json",
+        "train-00000-of-00002",
+        "train-00001-of-00002",
+    ]
+    import tensorflow as tf
+
+    assert sum(1 for _ in tf.data.TFRecordDataset([str(p) for p in sorted(tmp_path.glob("train-*"))])) == 30
+
+    (tmp_path / "train-mine").write_bytes(b"a user's own file")
+    with pytest.raises(ValueError, match="holds files the benchmark did not write \\(train-mine\\)"):
+        prepare_records(other, (6, 6, 1), str(tmp_path))
+    assert (tmp_path / "train-mine").read_bytes() == b"a user's own file"
+
+    with pytest.raises(ValueError, match="--data=tfrecord"):
+        check_config(BenchConfig(runners=("engine", "tfdata")))
+
+
+@pytest.mark.timeout(400)
 def test_sweep_writes_png_and_markdown(tmp_path):
     pytest.importorskip("matplotlib")
     out_dir = tmp_path / "sweep"

@@ -275,6 +275,39 @@ def test_tfrecord_pipelines_shard_files_when_there_are_enough(record_dir) -> Non
     assert seen[0] | seen[1] == set(rows(images[:80]))
 
 
+@pytest.mark.parametrize("sides", [(8, 8, 8), (8, 12, 6)], ids=["model_size", "mixed_sizes"])
+def test_tfrecord_batches_hold_each_record_decoded_alone(tmp_path, sides) -> None:
+    """Records are parsed a batch at a time; every example must still be its
+    record decoded on its own (RGB to gray; PNGs of mixed sizes resized),
+    with its own label, on 1 and 2 replicas and on sharded files."""
+    from input.images import fit_images
+
+    rng = np.random.RandomState(3)
+    for index, side in enumerate(sides):
+        images = rng.randint(0, 256, (24, side, side, 3), dtype=np.uint8)
+        write_tfrecords(str(tmp_path / f"train-{index}"), images, rng.randint(0, 10, 24))
+    shape = (8, 8, 1)
+    expected = {}
+    features = {"image": tf.io.FixedLenFeature([], tf.string), "label": tf.io.FixedLenFeature([], tf.int64)}
+    for record in tf.data.TFRecordDataset(sorted(str(path) for path in tmp_path.glob("train-*"))):
+        example = tf.io.parse_single_example(record, features)
+        image = tf.image.convert_image_dtype(tf.io.decode_png(example["image"], channels=1), tf.float32)
+        expected[fit_images(image, shape).numpy().tobytes()] = int(example["label"])
+    assert len(expected) == 72
+    source = get_data_source("tfrecord", image_shape=shape, data_dir=str(tmp_path))
+
+    for input_context, count in [(None, 9), (context(1, 0, 2), 18), (context(2, 1, 2), 6)]:
+        seen = {}
+        for images, labels in take(
+            source.train_dataset(global_batch_size=8, seed=5, input_context=input_context), count
+        ):
+            assert images.dtype == np.float32 and images.shape[1:] == shape
+            seen.update((image.tobytes(), int(label)) for image, label in zip(images, labels, strict=True))
+        assert seen.items() <= expected.items()  # each image with its own label
+        if input_context is None or input_context.num_input_pipelines == 1:
+            assert len(seen) == 72  # one epoch: every record once
+
+
 def test_tfrecord_glob_without_match_is_a_data_error(tmp_path) -> None:
     pattern = str(tmp_path / "nothing-*.tfrecord")
     with pytest.raises(DataError) as error:
