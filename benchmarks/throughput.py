@@ -260,6 +260,8 @@ class EngineRunner(Runner):
         import keras
 
         from engine import Trainer
+        from engine.config import DEFAULT_DEVICE_DATA_MB
+        from engine.job import resident_train_data
 
         model, optimizer = self._build()
         config, source = self.config, self.source
@@ -276,7 +278,16 @@ class EngineRunner(Runner):
 
         train_data = streamed
         if not self.spec.streamed:
-            train_data = source.resident_train_data(global_batch_size=config.global_batch_size, seed=config.seed)
+            train_data = (
+                resident_train_data(
+                    source,
+                    global_batch_size=config.global_batch_size,
+                    seed=config.seed,
+                    device_data_mb=DEFAULT_DEVICE_DATA_MB,
+                    host_data=streamed,
+                )
+                or streamed
+            )  # TFRecord files: no in-memory split.
 
         self.trainer = Trainer(
             strategy=self.strategy,
@@ -832,8 +843,10 @@ def _rate(rows, name) -> float | None:
 
 def compute_ratios(rows: list[dict]) -> dict[str, float | None]:
     """engine/fit, engine/raw and (when a tfdata runner ran) engine/tfdata
-    between the plain runners, and the best engine variant against the best
-    float32 peer (fit, raw or tfdata) when variants ran."""
+    between the plain runners; each engine variant against the raw loop of
+    its precision and XLA setting (`engine_bf16/raw_bf16`, `engine_stream/raw`);
+    and the best engine variant against the best float32 peer (fit, raw or
+    tfdata) when variants ran."""
     engine, fit, raw, tfdata = (_rate(rows, name) for name in RUNNER_KINDS)
     ratios: dict[str, float | None] = {
         "engine/fit": engine / fit if engine and fit else None,
@@ -842,6 +855,12 @@ def compute_ratios(rows: list[dict]) -> dict[str, float | None]:
     if any(row["runner"] == "tfdata" for row in rows):
         ratios["engine/tfdata"] = engine / tfdata if engine and tfdata else None
     good = [r for r in rows if not r["error"] and r["examples_per_second"] > 0]
+    for row in good:  # Each engine variant against the raw loop of the same precision and XLA setting.
+        if row["kind"] == "engine" and row["runner"] != "engine":
+            raw_name = "raw" + row["runner"][len("engine") :].replace("_stream", "")
+            raw_rate = _rate(rows, raw_name)
+            if raw_rate:
+                ratios[f"{row['runner']}/{raw_name}"] = row["examples_per_second"] / raw_rate
     engines = [r for r in good if r["kind"] == "engine"]
     peers = [r for r in good if r["kind"] != "engine" and r["mixed_precision"] == "float32"]
     if len(engines) > 1 or any(r["mixed_precision"] != "float32" or r["jit_compile"] for r in engines):

@@ -171,7 +171,9 @@ def _train_and_evaluate(
             def eval_data(input_context):
                 return source.eval_dataset(global_batch_size=batch, input_context=input_context)
 
-    resident = resident_train_data(source, config, host_data=train_data)
+    resident = resident_train_data(
+        source, global_batch_size=batch, seed=seed, device_data_mb=config.device_data_mb, host_data=train_data
+    )
     if resident is not None:
         train_data = resident
     if config.mode == "train":
@@ -291,21 +293,24 @@ def _train_and_evaluate(
     return result
 
 
-def resident_train_data(source, config: RunConfig, *, host_data: Any) -> ResidentData | None:
+def resident_train_data(
+    source, *, global_batch_size: int, seed: int, device_data_mb: int, host_data: Any
+) -> ResidentData | None:
     """The train split as `ResidentData` (kept on every replica's device) where the
-    source holds it in memory and one copy fits in --device_data_mb; None otherwise."""
+    source holds it in memory and one copy fits in `device_data_mb` MiB; None
+    otherwise. `host_data` is what strategies that cannot keep it train from."""
     make = getattr(source, "resident_train_data", None)
-    if make is None or config.device_data_mb == 0:
+    if make is None or device_data_mb == 0:
         return None
     size_mb = source.train_num_bytes / 2**20
-    if size_mb > config.device_data_mb:
+    if size_mb > device_data_mb:
         logging.info(
             "train split of %.0f MiB > --device_data_mb=%d: streaming it through tf.data",
             size_mb,
-            config.device_data_mb,
+            device_data_mb,
         )
         return None
-    resident = make(global_batch_size=config.global_batch_size, seed=config.seed)
+    resident = make(global_batch_size=global_batch_size, seed=seed)
     return dataclasses.replace(resident, host_data=host_data)
 
 

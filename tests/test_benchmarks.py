@@ -52,7 +52,7 @@ def test_throughput_writes_json_with_a_row_per_runner(tmp_path):
             "benchmarks.throughput",
             "--model=cnn",
             "--strategy=default",
-            "--runners=engine,fit,raw",
+            "--runners=engine,engine_stream,fit,raw",
             "--global_batch_size=16",
             "--steps_per_loop=2",
             "--warmup_steps=2",
@@ -73,7 +73,11 @@ def test_throughput_writes_json_with_a_row_per_runner(tmp_path):
         assert value is None or (isinstance(value, float) and value > 0)
 
     rows = payload["results"]
-    assert [row["runner"] for row in rows] == ["engine", "fit", "raw"]
+    assert [row["runner"] for row in rows] == ["engine", "engine_stream", "fit", "raw"]
+    # The engine keeps the in-memory split on the devices, as the CLI does; _stream reads it through tf.data.
+    assert (rows[0]["input"], rows[1]["input"]) == ("resident", "tf.data")
+    stream_ratio = payload["ratios"]["engine_stream/raw"]
+    assert stream_ratio == rows[1]["examples_per_second"] / rows[3]["examples_per_second"]
     types = {
         "runner": str,
         "model": str,
@@ -135,6 +139,7 @@ def test_throughput_tfrecord_mode_reads_files_with_engine_and_tfdata(tmp_path):
         assert row["error"] is None, row
         assert isinstance(row["examples_per_second"], float) and row["examples_per_second"] > 0, row
         assert row["replicas"] == 1 and row["global_batch_size"] == 16
+    assert rows[0]["input"] == "tf.data"  # Files: the engine streams them.
     ratio = payload["ratios"]["engine/tfdata"]
     assert isinstance(ratio, float) and ratio == rows[0]["examples_per_second"] / rows[1]["examples_per_second"]
     assert (payload["ratios"]["engine/fit"], payload["ratios"]["engine/raw"]) == (None, None)
