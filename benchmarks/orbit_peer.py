@@ -16,7 +16,8 @@ train metric; the same seed.
 It prints one JSON line. `examples_per_second` is measured as the engine
 measures its own (metrics.json): the summed time of every `trainer.train`
 call (one compiled loop, its metrics read back) but the first, which holds
-tracing. `wall_examples_per_second` is Orbit's own view (its StepTimer):
+tracing; `loop_examples_per_second` lists those loops' own rates.
+`wall_examples_per_second` is Orbit's own view (its StepTimer):
 time between the ends of the loops, the Controller's summaries, log lines
 and checkpoints included.
 
@@ -204,6 +205,7 @@ def run(model_dir: str) -> dict:
         "global_step": int(global_step.numpy()),
         "loops": len(trainer.loop_seconds),
         "examples_per_second": steady_rate(trainer.loop_seconds, batch),
+        "loop_examples_per_second": [n * batch / s for n, s in trainer.loop_seconds[1:]],
         "wall_examples_per_second": (
             wall_steps * batch / (wall[-1] - wall[0]) if len(wall) > 1 and wall[-1] > wall[0] else None
         ),
