@@ -155,7 +155,8 @@ def run(model_dir: str) -> dict:
     keras.utils.set_random_seed(FLAGS.seed)
     strategy = build_strategy(FLAGS.strategy, cpu_devices=FLAGS.cpu_devices)
     spec = get_model_spec(FLAGS.model)
-    source = get_data_source("synthetic", image_shape=spec.default_input_shape, num_classes=NUM_CLASSES)
+    height, width, channels = spec.default_input_shape  # Image models; the synthetic source makes images.
+    source = get_data_source("synthetic", image_shape=(height, width, channels), num_classes=NUM_CLASSES)
     batch = FLAGS.global_batch_size
     with strategy.scope():
         model = spec.build(spec.default_input_shape, NUM_CLASSES)
