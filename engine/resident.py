@@ -42,12 +42,15 @@ class ResidentData:
         keep the tensors on their devices; it must yield the same batches.
       transform: applied to each gathered per-replica batch on its device
         (e.g. uint8 pixels to float32), or None.
+      global_batch_size: the batch `host_data` was made for, checked against
+        the Trainer's (None: not checked).
     """
 
     tensors: Any
     indices: Callable[[tf.Tensor], tf.Tensor]
     host_data: Any
     transform: Callable[[Any], Any] | None = field(default=None)
+    global_batch_size: int | None = None
 
     @classmethod
     def shuffled(
@@ -77,6 +80,7 @@ class ResidentData:
             indices=indices,
             host_data=_host_stream(host, indices, transform, global_batch_size),
             transform=transform,
+            global_batch_size=global_batch_size,
         )
 
     def __post_init__(self) -> None:

@@ -118,6 +118,11 @@ class Trainer:
     ):
         if loss_fn is None and step_fn is None:
             raise UserError("pass loss_fn, step_fn or both to Trainer")
+        if isinstance(eval_data, ResidentData):
+            raise UserError(
+                "eval_data cannot be ResidentData, an endless shuffled training stream: pass the eval split "
+                "as a tf.data.Dataset of global batches (every example once) or fn(input_context)"
+            )
         if eval_data is not None and loss_fn is None:
             raise UserError("evaluation needs loss_fn (per-example losses) besides step_fn")
         if steps_per_loop < 1:
@@ -140,6 +145,11 @@ class Trainer:
             )
         self._resident: ResidentData | None = None
         if isinstance(train_data, ResidentData):
+            if train_data.global_batch_size not in (None, global_batch_size):
+                raise UserError(
+                    f"train_data (ResidentData) was made for global_batch_size={train_data.global_batch_size} "
+                    f"but the Trainer has global_batch_size={global_batch_size}; make both the same"
+                )
             if keeps_on_devices(strategy):
                 self._resident = train_data
             else:

@@ -123,6 +123,7 @@ class InMemorySource(DataSource):
             indices=lambda positions: epoch_shuffled(positions, num_examples, seed),
             host_data=host_data,
             transform=_scaled,
+            global_batch_size=global_batch_size,
         )
 
     def train_dataset(

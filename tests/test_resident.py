@@ -157,3 +157,42 @@ def test_cli_keeps_digits_on_the_devices_and_trains_as_through_tf_data(tmp_path)
     assert got.keys() == want.keys() and len(got) > 1
     for name, value in want.items():
         np.testing.assert_array_equal(got[name], value, err_msg=name)
+
+
+def test_resident_data_as_eval_data_is_refused(default):
+    data = engine.ResidentData.shuffled(
+        (np.zeros((40, 3), np.float32), np.zeros(40, np.int32)), seed=0, global_batch_size=8
+    )
+    with default.scope():
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+        optimizer = keras.optimizers.SGD(0.1)
+    with pytest.raises(engine.UserError, match=r"eval_data cannot be ResidentData"):
+        engine.Trainer(
+            strategy=default,
+            model=model,
+            optimizer=optimizer,
+            train_data=data,
+            eval_data=data,
+            global_batch_size=8,
+            loss_fn=keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None),
+        )
+
+
+def test_resident_data_made_for_another_batch_size_is_refused(default):
+    data = engine.ResidentData.shuffled(
+        (np.zeros((40, 3), np.float32), np.zeros(40, np.int32)), seed=0, global_batch_size=8
+    )
+    with default.scope():
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+        optimizer = keras.optimizers.SGD(0.1)
+    with pytest.raises(
+        engine.UserError, match=r"made for global_batch_size=8 but the Trainer has global_batch_size=16"
+    ):
+        engine.Trainer(
+            strategy=default,
+            model=model,
+            optimizer=optimizer,
+            train_data=data,
+            global_batch_size=16,
+            loss_fn=keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None),
+        )
