@@ -192,3 +192,31 @@ def test_bad_profile_steps_are_refused():
     for value in ("5", "8,4", "a,b", "-1,3"):
         with pytest.raises(engine.UserError, match=f"--profile_steps={value} must be START,END"):
             RunConfig(profile_steps=value).validate()
+
+
+def test_a_graph_export_failed_by_a_dead_peer_does_not_stop_training(default, tmp_path, monkeypatch, caplog):
+    """Under parameter-server training the export asks every task for run metadata; a worker
+    killed at that moment made the coordinator crash although training survives the worker."""
+    import tensorflow as tf
+
+    def dead_peer(name):
+        raise tf.errors.UnavailableError(None, None, "recvmsg:Connection reset by peer")
+
+    monkeypatch.setattr(tf.summary, "trace_export", dead_peer)
+    x, y = make_arrays(32)
+    model, optimizer = make_model(default)
+    trainer = engine.Trainer(
+        strategy=default,
+        model=model,
+        optimizer=optimizer,
+        train_data=global_batches(x, y, 16),
+        global_batch_size=16,
+        loss_fn=loss_fn(),
+        steps_per_loop=4,
+        callbacks=[TrainGraph()],
+        model_dir=str(tmp_path),
+    )
+    with caplog.at_level("WARNING"):
+        trainer.train(8)
+    assert trainer.step == 8
+    assert "train loop graph not written to TensorBoard: recvmsg:Connection reset by peer" in caplog.text

@@ -12,10 +12,14 @@ from collections.abc import Mapping
 from typing import Any
 
 import tensorflow as tf
+from absl import logging
 
 from engine.callbacks import Callback, TrainerView
+from engine.errors import one_line
 
 GRAPH_NAME = "train_loop"
+# What a remote task that died or is restarting makes an export fail with.
+_PEER_FAILURES = (tf.errors.UnavailableError, tf.errors.AbortedError, tf.errors.DeadlineExceededError)
 
 
 class TrainGraph(Callback):
@@ -37,8 +41,16 @@ class TrainGraph(Callback):
         self._tracing, self._written = False, True
         writer = trainer.summaries.writer("train")
         assert writer is not None, "tracing starts only with a model_dir"
-        with writer.as_default(step=step):
-            tf.summary.trace_export(GRAPH_NAME)
+        try:
+            with writer.as_default(step=step):
+                tf.summary.trace_export(GRAPH_NAME)
+        except _PEER_FAILURES as error:
+            # Exporting gathers run metadata from every task: under parameter-server training a
+            # worker that just died fails it, and the run (which survives the worker) must not die
+            # for a TensorBoard picture.
+            tf.summary.trace_off()
+            logging.warning("train loop graph not written to TensorBoard: %s", one_line(error, 300))
+            return
         writer.flush()
 
     def on_train_end(self, trainer: TrainerView, logs: Mapping[str, Any]) -> None:
