@@ -302,7 +302,8 @@ def resident_train_data(
     make = getattr(source, "resident_train_data", None)
     if make is None or device_data_mb == 0:
         return None
-    size_mb = source.train_num_bytes / 2**20
+    resident = make(global_batch_size=global_batch_size, seed=seed)  # Cheap: nothing is copied yet.
+    size_mb = resident.num_bytes / 2**20
     if size_mb > device_data_mb:
         logging.info(
             "train split of %.0f MiB > --device_data_mb=%d: streaming it through tf.data",
@@ -310,7 +311,6 @@ def resident_train_data(
             device_data_mb,
         )
         return None
-    resident = make(global_batch_size=global_batch_size, seed=seed)
     return dataclasses.replace(resident, host_data=host_data)
 
 

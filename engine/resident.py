@@ -69,7 +69,7 @@ class ResidentData:
         """
         if isinstance(seed, bool) or not isinstance(seed, int) or not -(2**63) <= seed < 2**63:
             raise ValueError(f"seed must be a Python int that fits in int64, got {seed!r}")
-        host = tf.nest.map_structure(_host_tensor, tensors)
+        host = tf.nest.map_structure(host_tensor, tensors)
         num_examples = int(tf.nest.flatten(host)[0].shape[0])
 
         def indices(positions: tf.Tensor) -> tf.Tensor:
@@ -162,7 +162,7 @@ def gather_pipeline_options() -> tf.data.Options:
     return options
 
 
-def _host_tensor(value: Any) -> tf.Tensor:
+def host_tensor(value: Any) -> tf.Tensor:
     """In host memory even where a GPU is the default device: tf.data reads it there."""
     with tf.device("/cpu:0"):
         return tf.convert_to_tensor(value)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import tensorflow as tf
 
-from engine.resident import ResidentData, epoch_shuffled, gather_pipeline_options
+from engine.resident import ResidentData, epoch_shuffled, gather_pipeline_options, host_tensor
 from input.source import (
     DataSource,
     batch_layout,
@@ -28,13 +28,6 @@ def _scaled(batch: tuple[tf.Tensor, tf.Tensor]) -> tuple[tf.Tensor, tf.Tensor]:
     if images.dtype == tf.uint8:
         images = tf.cast(images, tf.float32) / 255.0
     return images, labels
-
-
-def _to_host_tensor(array: np.ndarray) -> tf.Tensor:
-    """Keep the data set in host memory even when a GPU is the default device:
-    tf.data runs on the host and would otherwise copy it back for every batch."""
-    with tf.device("/cpu:0"):
-        return tf.constant(array)
 
 
 @dataclass(frozen=True)
@@ -72,8 +65,8 @@ class InMemorySource(DataSource):
             (None, None)
             if eval_split is None
             else (
-                _to_host_tensor(eval_split[0]),
-                _to_host_tensor(eval_split[1].astype(np.int32)),
+                host_tensor(eval_split[0]),
+                host_tensor(eval_split[1].astype(np.int32)),
             )
         )
         return cls(
@@ -82,8 +75,8 @@ class InMemorySource(DataSource):
             image_shape=(height, width, channels),
             num_train_examples=len(train[0]),
             num_eval_examples=None if eval_split is None else len(eval_split[0]),
-            _train_images=_to_host_tensor(train[0]),
-            _train_labels=_to_host_tensor(train[1].astype(np.int32)),
+            _train_images=host_tensor(train[0]),
+            _train_labels=host_tensor(train[1].astype(np.int32)),
             _eval_images=eval_images,
             _eval_labels=eval_labels,
         )
@@ -96,11 +89,6 @@ class InMemorySource(DataSource):
             return _scaled((tf.gather(images, indices), tf.gather(labels, indices)))
 
         return gather
-
-    @property
-    def train_num_bytes(self) -> int:
-        """Memory the train split takes (one copy)."""
-        return sum(int(tf.size(t)) * t.dtype.size for t in (self._train_images, self._train_labels))
 
     def resident_train_data(self, *, global_batch_size: int, seed: int) -> ResidentData:
         """The training stream of `train_dataset`, as `engine.ResidentData`: the
