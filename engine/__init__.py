@@ -5,14 +5,43 @@ optimizer in its scope, hand them to a `Trainer`. The submodules a user
 reaches for (`engine.callbacks`, `engine.hooks`, `engine.schedules`,
 `engine.export`, `engine.variables`) are importable as attributes.
 
-Everything but the errors is imported on first use (PEP 562), so that
-`python -m engine.main` can block SIGTERM/SIGINT for its signal watcher
-before TensorFlow starts its threads (see `engine.preemption`).
+Research code that imports `engine` before TensorFlow gets TensorFlow
+imported here with its C++ start-up lines held back, as the command line
+does (`engine.native_logs`; `TF_CPP_MIN_LOG_LEVEL=0` shows them). The
+command line itself (`python -m engine.<module>`) imports TensorFlow later,
+so that it can block SIGTERM/SIGINT for its signal watcher before
+TensorFlow starts its threads (see `engine.preemption`); the rest of the
+API is imported on first use (PEP 562).
 """
 
 import importlib
+import os
+import sys
 
 from engine.errors import DataExhaustedError, NonFiniteLossError, UserError
+
+
+def _started_as_engine_command() -> bool:
+    """Whether this process is `python -m engine.<module>` (the CLI, the launcher, a server)."""
+    argv = list(getattr(sys, "orig_argv", []))
+    for index, arg in enumerate(argv):
+        module = (
+            argv[index + 1]
+            if arg == "-m" and index + 1 < len(argv)
+            else arg[2:]
+            if arg.startswith("-m")
+            else None
+        )
+        if module is not None:
+            return module.startswith("engine.")
+    return False
+
+
+if "tensorflow" not in sys.modules and not _started_as_engine_command():
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # The runtime's later C++ lines, as engine.main sets it.
+    from engine.native_logs import import_tensorflow_quietly
+
+    import_tensorflow_quietly()
 
 _SUBMODULES = ("callbacks", "export", "hooks", "schedules", "variables")
 _LAZY = {

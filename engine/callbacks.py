@@ -89,6 +89,11 @@ class Callback:
     # computes it: with several replicas and no clip_norm, one more all-reduce a step).
     needs_grad_norm: bool = False
 
+    def check_trainer(self, trainer: TrainerView) -> None:
+        """Once, when the trainer is built, before anything is written: raise a `UserError`
+        naming the hook where it cannot work with this trainer (e.g. one that sets the
+        learning rate, given a dict of optimizers), rather than fail mid-training."""
+
     def loop_limit(self, trainer: TrainerView, step: int) -> int | None:
         """Before each loop: how far it may run, so the hook sees the step it needs.
 

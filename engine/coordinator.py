@@ -28,7 +28,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from engine.distribute import Data, pipeline_at
+from engine.data import Data, DataForm, as_train_form, eval_dataset_on_one_replica, pipeline_at
 from engine.errors import UserError
 from engine.loop import make_train_loop
 from engine.trainer import Trainer
@@ -40,7 +40,7 @@ class CoordinatedTrainer(Trainer):
     def __init__(self, *, strategy: tf.distribute.Strategy, train_data: Data, **kwargs: Any):
         if not isinstance(strategy, tf.distribute.experimental.ParameterServerStrategy):
             raise UserError(f"CoordinatedTrainer needs a ParameterServerStrategy, got {type(strategy).__name__}")
-        if isinstance(train_data, tf.data.Dataset):
+        if getattr(as_train_form(train_data), "dataset", None) is not None:
             raise UserError(
                 "parameter-server training builds its input on each worker: pass train_data as "
                 "fn(input_context, start_step) or fn(start_step), not a tf.data.Dataset"
@@ -58,7 +58,7 @@ class CoordinatedTrainer(Trainer):
             self._iterator = iter(self.coordinator.create_per_worker_dataset(dataset_fn))
         return self._iterator
 
-    def _run_train_loop(self, iterator, num_steps: int) -> dict[str, float]:
+    def _run_train_loop(self, iterator, num_steps: int, **_: Any) -> dict[str, float]:
         """Schedules the loop as one closure per worker; waits for all of them."""
         chunks = split_steps(num_steps, self.num_workers)
         results = [
@@ -89,10 +89,8 @@ class CoordinatedTrainer(Trainer):
 
     def _run_eval_loop(self) -> bool:
         """Exact evaluation on the coordinator: reads the weights from the ps tasks."""
-        data = self._eval_data
-        assert data is not None, "only called with eval_data"
-        if not isinstance(data, tf.data.Dataset):
-            data = data(tf.distribute.InputContext())  # One pipeline, one replica: global batches.
+        assert self._eval_data is not None, "only called with eval_data"
+        data = eval_dataset_on_one_replica(self._eval_data)
         with _quiet_tf_warnings():  # "invoked without ClusterCoordinator.schedule": intended here.
             return self._run_eval_chunks(iter(data))
 
@@ -108,7 +106,7 @@ def _quiet_tf_warnings():
         logger.setLevel(level)
 
 
-def per_worker_dataset_fn(strategy: tf.distribute.Strategy, data: Data, start_step: int, num_workers: int):
+def per_worker_dataset_fn(strategy: tf.distribute.Strategy, data: DataForm, start_step: int, num_workers: int):
     """What `create_per_worker_dataset` runs on each worker: this worker's
     share of the global-batch stream from `start_step` on."""
 

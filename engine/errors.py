@@ -18,6 +18,11 @@ def one_line(error: BaseException | str, limit: int | None = None) -> str:
 class UserError(Exception):
     """A bad input: the message says what is wrong and what to do."""
 
+    # Raised while a step is traced, it must reach the user as the one line it is. AutoGraph
+    # rewrites every exception it sees into one carrying "in user code:" frames, except those
+    # that carry this attribute (tensorflow/python/autograph/impl/api.py, tested in test_errors).
+    ag_pass_through = True
+
 
 class NonFiniteLossError(UserError):
     """Training produced a NaN or Inf loss and was stopped (on_nonfinite="stop")."""

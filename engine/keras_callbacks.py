@@ -33,9 +33,11 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import keras
+import numpy as np
 
 from engine.callbacks import Callback, TrainerView
 from engine.errors import UserError
+from engine.variables import all_variables
 
 # Loop logs that describe the loop, not the model: left out of epoch logs, as fit leaves them out.
 _LOOP_ONLY_KEYS = frozenset({"examples_per_second", "steps_per_second", "learning_rate", "nonfinite_steps"})
@@ -57,6 +59,14 @@ _REFUSED: dict[type, str] = {
 }
 
 
+# Callbacks that read and set `model.optimizer.learning_rate` (or swap one optimizer's averages).
+_ONE_OPTIMIZER = (
+    keras.callbacks.ReduceLROnPlateau,
+    keras.callbacks.LearningRateScheduler,
+    keras.callbacks.SwapEMAWeights,
+)
+
+
 def is_keras_callback(hook: Any) -> bool:
     return isinstance(hook, keras.callbacks.Callback)
 
@@ -73,8 +83,10 @@ class ModelView:
     trainer's `optimizer` and a `stop_training` flag of its own.
 
     A view, so that a `tf.Module` works too and `stop_training` is read from
-    one place; every other attribute (layers, weights, get_weights, save ...)
-    is the model's.
+    one place; every other attribute (layers, weights, save ...) is the
+    model's. `get_weights` / `set_weights` (EarlyStopping's
+    `restore_best_weights`) are the model's own where it has them, else
+    (a `tf.Module`) every variable of `engine.variables.all_variables`.
     """
 
     def __init__(self, model: Any, optimizer: keras.optimizers.Optimizer):
@@ -84,6 +96,21 @@ class ModelView:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._model, name)
+
+    def get_weights(self) -> list[np.ndarray]:
+        if hasattr(self._model, "get_weights"):
+            return self._model.get_weights()
+        return [np.array(variable) for variable in all_variables(self._model)]
+
+    def set_weights(self, weights: Sequence[Any]) -> None:
+        if hasattr(self._model, "set_weights"):
+            self._model.set_weights(weights)
+            return
+        variables = all_variables(self._model)
+        if len(weights) != len(variables):
+            raise ValueError(f"set_weights got {len(weights)} arrays for {len(variables)} variables")
+        for variable, value in zip(variables, weights, strict=True):
+            variable.assign(value)
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name in ("stop_training", "optimizer"):
@@ -123,6 +150,17 @@ class KerasCallbacks(Callback):
         self._last_epoch_logs: dict[str, float] = {}
 
     # ------------------------------------------------------------ engine hooks
+
+    def check_trainer(self, trainer: TrainerView) -> None:
+        if trainer.optimizer is not None:
+            return
+        for callback in self.callbacks:
+            if isinstance(callback, _ONE_OPTIMIZER):
+                raise UserError(
+                    f"Keras callback {type(callback).__name__} sets model.optimizer's learning rate, but the "
+                    f"trainer has {len(trainer.optimizers)} optimizers ({', '.join(trainer.optimizers)}): set "
+                    "each rate in a callback of your own (trainer.optimizers[name]), or pass one optimizer"
+                )
 
     def on_train_begin(self, trainer: TrainerView) -> None:
         self.view = ModelView(trainer.model, trainer.optimizer)

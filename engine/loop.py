@@ -8,16 +8,16 @@ per-call Python overhead is paid once per loop instead of once per step.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Mapping
 
 import tensorflow as tf
 
+from engine.errors import UserError
 from engine.resident import ResidentData
-from engine.steps import Batch, ReplicaStep
+from engine.steps import STEP_FINITE, Batch, ReplicaStep
 
 # loop(where the batches come from: an iterator, or resident tensors and a start step; num_steps).
-TrainLoop = Callable[[Any, tf.Tensor], dict]
+TrainLoop = Callable[..., dict]
 
 
 class BatchSizeMismatch(Exception):
@@ -31,13 +31,50 @@ class BatchSizeMismatch(Exception):
 EvalLoop = Callable[[tf.distribute.DistributedIterator, tf.Tensor], tf.Tensor]
 
 
-def _reduce_step_outputs(strategy: tf.distribute.Strategy, outputs) -> tuple[dict[str, tf.Tensor], tf.Tensor]:
-    """One step's outputs averaged over replicas, and whether all of them are finite."""
-    reduced = {
-        name: tf.cast(strategy.reduce(tf.distribute.ReduceOp.MEAN, value, axis=None), tf.float32)
-        for name, value in (outputs or {}).items()
-    }
+# The names the loop adds to a step's outputs; a step_fn may not use them.
+CONTROL_OUTPUTS = frozenset({"nonfinite_steps", "first_nonfinite_index", "steps_run", "first_batch_size"})
+
+# Values of the first-batch check a train loop takes (see make_train_loop).
+CHECK_NONE, CHECK_NOT_LARGER, CHECK_EXACT = 0, 1, 2
+
+
+def _check_outputs(outputs: Mapping[str, tf.Tensor]) -> None:
+    reserved = sorted(CONTROL_OUTPUTS.intersection(outputs))
+    if reserved:
+        raise UserError(
+            f"step_fn returned {', '.join(reserved)}: the loop reports those names itself; rename the output"
+        )
+    for name, value in outputs.items():
+        shape = tf.convert_to_tensor(value).shape
+        if shape.rank not in (None, 0) and shape.num_elements() != 1:
+            raise UserError(
+                f"step output {name!r} has shape {shape.as_list()}: a step returns scalars (e.g. tf.reduce_mean)"
+            )
+
+
+def run_step(
+    strategy: tf.distribute.Strategy, replica_fn: Callable[..., Mapping[str, tf.Tensor]], args: tuple
+) -> tuple[dict[str, tf.Tensor], tf.Tensor]:
+    """`replica_fn(*args)` on every replica; its outputs averaged over replicas in ONE
+    all-reduce of their stacked values, and whether all of them (and the standard
+    step's `STEP_FINITE` on every replica) are finite."""
+    names: list[str] = []
+
+    def stacked_step(*replica_args) -> tf.Tensor:
+        outputs = dict(replica_fn(*replica_args) or {})
+        _check_outputs(outputs)
+        if not names:  # Traced once per replica; every replica returns the same names.
+            names.extend(outputs)
+        values = [tf.cast(tf.reshape(outputs[name], []), tf.float32) for name in names]
+        return tf.stack(values or [tf.constant(0.0)])
+
+    per_replica = strategy.run(stacked_step, args=args)
+    means = strategy.reduce(tf.distribute.ReduceOp.MEAN, per_replica, axis=None)
+    reduced = dict(zip(names, tf.unstack(means, num=max(len(names), 1)), strict=False))
     finite = tf.reduce_all([tf.math.is_finite(v) for v in reduced.values()] or [True])
+    step_finite = reduced.pop(STEP_FINITE, None)
+    if step_finite is not None:  # 1.0 only where every replica reported 1.0.
+        finite = tf.logical_and(finite, tf.equal(step_finite, 1.0))
     return reduced, finite
 
 
@@ -86,11 +123,14 @@ def make_train_loop(
     first step is peeled off the `tf.range` loop so that the accumulators
     take the structure the step returns.
 
-    With `per_replica_batch_size`, the first batch's size is checked on
-    every replica before any step runs: where it differs, the call runs no
-    step and returns `steps_run=0` and the offending size as
-    `first_batch_size` (where the shape is static, tracing raises
-    `BatchSizeMismatch` instead).
+    With `per_replica_batch_size`, the call's first batch can be checked on
+    every replica before any step runs, as `first_batch_check` asks: not
+    at all (`CHECK_NONE`, the default: a batch inside the stream, which
+    may be its partial last one), not larger (`CHECK_NOT_LARGER`: the
+    first batch after a resume) or exactly (`CHECK_EXACT`: the first batch
+    of a run from step 0). Where it fails, the call runs no step and
+    returns `steps_run=0` and the offending size as `first_batch_size`
+    (where the shape is static, tracing raises `BatchSizeMismatch`).
 
     With `global_step=None` the loop does not count steps: the
     parameter-server coordinator counts the steps it scheduled, because a
@@ -98,13 +138,13 @@ def make_train_loop(
     """
 
     def one_step(step_fn: ReplicaStep, batch) -> tuple[dict[str, tf.Tensor], tf.Tensor]:
-        outputs = strategy.run(step_fn, args=(batch,))
+        reduced = run_step(strategy, step_fn, (batch,))
         if global_step is not None:
             global_step.assign_add(1)
-        return _reduce_step_outputs(strategy, outputs)
+        return reduced
 
     @tf.function
-    def train_loop(iterator, num_steps: tf.Tensor) -> dict[str, tf.Tensor]:
+    def train_loop(iterator, num_steps: tf.Tensor, first_batch_check=CHECK_NONE) -> dict[str, tf.Tensor]:
         # Every batch is taken as an optional, so a finite dataset ends the
         # loop early instead of failing it, and a call with no batch at all
         # runs no step (a step whose batch is missing might still count an
@@ -113,8 +153,11 @@ def make_train_loop(
         names: list[str] = []
         run, first_size = first_batch.has_value(), tf.constant(-1, tf.int64)
         if per_replica_batch_size is not None:
+            check = tf.convert_to_tensor(first_batch_check, tf.int32)
             first_size = tf.cond(
-                run, lambda: _mismatched_size(first_batch.get_value()), lambda: tf.constant(-1, tf.int64)
+                tf.logical_and(run, check > CHECK_NONE),
+                lambda: _mismatched_size(first_batch.get_value(), exact=check >= CHECK_EXACT),
+                lambda: tf.constant(-1, tf.int64),
             )
             run = tf.logical_and(run, first_size < 0)
 
@@ -146,8 +189,9 @@ def make_train_loop(
             outputs["first_batch_size"] = first_size
         return outputs
 
-    def _mismatched_size(batch) -> tf.Tensor:
-        """The first replica batch size that is not `per_replica_batch_size`, or -1."""
+    def _mismatched_size(batch, *, exact: tf.Tensor) -> tf.Tensor:
+        """The first replica batch size that is larger than `per_replica_batch_size` (or, where
+        `exact`, other than it), or -1. Not `exact`: a smaller batch may be the data's last."""
         leaves = tf.nest.flatten(batch)
         if not leaves:
             return tf.constant(-1, tf.int64)
@@ -158,7 +202,9 @@ def make_train_loop(
                 raise BatchSizeMismatch(static)
             sizes.append(tf.shape(local, out_type=tf.int64)[0])
         sizes = tf.stack(sizes)
-        wrong = tf.not_equal(sizes, per_replica_batch_size)
+        wrong = tf.logical_or(
+            sizes > per_replica_batch_size, tf.logical_and(exact, tf.not_equal(sizes, per_replica_batch_size))
+        )
         return tf.where(tf.reduce_any(wrong), tf.gather(sizes, tf.argmax(tf.cast(wrong, tf.int32))), -1)
 
     return train_loop
@@ -188,9 +234,9 @@ def make_resident_train_loop(
         return replica_step(data.gather(replica_tensors, indices[index]))
 
     def one_step(replica_tensors, indices, index: tf.Tensor) -> tuple[dict[str, tf.Tensor], tf.Tensor]:
-        outputs = strategy.run(resident_step, args=(replica_tensors, indices, index))
+        reduced = run_step(strategy, resident_step, (replica_tensors, indices, index))
         global_step.assign_add(1)
-        return _reduce_step_outputs(strategy, outputs)
+        return reduced
 
     @tf.function
     def train_loop(inputs, num_steps: tf.Tensor) -> dict[str, tf.Tensor]:

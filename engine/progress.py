@@ -28,15 +28,32 @@ from engine.callbacks import Callback, TrainerView
 from engine.errors import UserError
 
 
+class _OwnLinesUnlessConfigured(logging.Filter):
+    """Decides once, at the engine's first log line, who prints them all: the root
+    handlers where logging is configured by then (absl, `logging.basicConfig`), else the
+    engine's own handler, which then keeps them from propagating. Deciding per line
+    would switch formats mid-run when a library configures the root logger later."""
+
+    def __init__(self, engine_logger: logging.Logger):
+        super().__init__()
+        self._logger = engine_logger
+        self._own: bool | None = None
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if self._own is None:
+            self._own = not logging.getLogger().handlers
+            if self._own:
+                self._logger.propagate = False
+        return self._own
+
+
 def _make_logger() -> logging.Logger:
     engine_logger = logging.getLogger("engine")
     if engine_logger.level == logging.NOTSET:
         engine_logger.setLevel(logging.INFO)
     handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter("%(levelname).1s %(asctime)s engine] %(message)s", "%H:%M:%S"))
-    # Only while nothing handles the root logger: otherwise the record propagates there and
-    # would be printed twice.
-    handler.addFilter(lambda record: not logging.getLogger().handlers)
+    handler.addFilter(_OwnLinesUnlessConfigured(engine_logger))
     engine_logger.addHandler(handler)
     return engine_logger
 

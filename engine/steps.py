@@ -22,9 +22,13 @@ import keras
 import tensorflow as tf
 
 from engine.errors import UserError
-from engine.variables import trainable_variables
+from engine.variables import regularization_losses, trainable_variables
 
 Batch = Any
+# What the standard step adds to its outputs: 1.0 where its update (gradients included) was
+# finite on this replica. The loop takes it out again and counts the step as non-finite
+# where any replica reported 0.0, as it counts a non-finite loss.
+STEP_FINITE = "engine/step_finite"
 ReplicaStep = Callable[[Batch], Mapping[str, tf.Tensor]]
 # Maps (labels, logits) to one loss value per example, unreduced.
 PerExampleLoss = Callable[[tf.Tensor, tf.Tensor], tf.Tensor]
@@ -74,11 +78,36 @@ def _accepts_training(model: Any) -> bool:
 
 
 def regularization_loss(model: Any) -> tf.Tensor:
-    """The sum of the model's regularization losses (0 for a tf.Module)."""
-    losses = list(getattr(model, "losses", []) or [])
+    """The sum of the model's regularization losses, found through Keras and `tf.Module`
+    nesting both ways (`engine.variables.regularization_losses`); 0 where there are none."""
+    losses = regularization_losses(model)
     if not losses:
         return tf.constant(0.0)
     return tf.add_n([tf.cast(loss, tf.float32) for loss in losses])
+
+
+def _static_batch_size(structure: Any) -> int | None:
+    leaves = tf.nest.flatten(structure)
+    shape = leaves[0].shape if leaves else None
+    return shape[0] if shape is not None and shape.rank else None
+
+
+def examples_in_step(labels: tf.Tensor, per_replica_batch_size: int, global_batch_size: int) -> tf.Tensor:
+    """How many examples this step holds over all replicas, as float32.
+
+    A full batch (its size known when traced) holds `global_batch_size`; a
+    batch whose size is only known at run time may be a dataset's partial
+    last one, unevenly split over replicas (some may hold none), so its
+    count is summed over the replicas: one scalar all-reduce a step, only
+    for such data. Keras `fit` divides such a batch by what it holds, too.
+    """
+    if _static_batch_size(labels) == per_replica_batch_size:
+        return tf.constant(float(global_batch_size))
+    local = tf.cast(tf.shape(labels)[0], tf.float32)
+    context = tf.distribute.get_replica_context()
+    if context is not None and context.num_replicas_in_sync > 1:
+        local = context.all_reduce(tf.distribute.ReduceOp.SUM, local)
+    return tf.maximum(local, 1.0)
 
 
 def make_train_step(
@@ -88,6 +117,7 @@ def make_train_step(
     loss_fn: PerExampleLoss,
     global_batch_size: int,
     metrics: Sequence[keras.metrics.Metric] = (),
+    weighted_metrics: Sequence[keras.metrics.Metric] = (),
     clip_norm: float | None = None,
     grad_accum_steps: int = 1,
     jit_compile: bool = False,
@@ -105,6 +135,13 @@ def make_train_step(
       cross-replica reduction and the optimizer update stay outside it.
     - A `keras.optimizers.LossScaleOptimizer` (float16) gets its loss scaled
       and its gradients unscaled by the optimizer itself.
+    - The loss is the examples' sum over all replicas divided by how many the
+      step holds: `global_batch_size`, or fewer in a partial last batch
+      (`examples_in_step`), the mean Keras `fit` takes.
+    - `metrics` are updated without sample weights and `weighted_metrics`
+      with them, as Keras `compile(metrics=, weighted_metrics=)` does.
+    - Every step reports `STEP_FINITE` (loss and, without loss scaling, the
+      gradients finite on this replica) for the loop's non-finite count.
     - `skip_nonfinite` leaves the variables untouched on a step whose loss
       or gradients are not finite on any replica (one extra scalar
       all-reduce a step); the step's loss is still returned, so the loop
@@ -123,12 +160,12 @@ def make_train_step(
     def split(structure):
         if structure is None or grad_accum_steps == 1:
             return [structure] * grad_accum_steps
-        leaves = [tf.split(t, grad_accum_steps) for t in tf.nest.flatten(structure)]
+        leaves = [_split_examples(t, grad_accum_steps) for t in tf.nest.flatten(structure)]
         return [
             tf.nest.pack_sequence_as(structure, [parts[i] for parts in leaves]) for i in range(grad_accum_steps)
         ]
 
-    def compute_gradients(features, labels: tf.Tensor, sample_weight: tf.Tensor | None):
+    def compute_gradients(features, labels: tf.Tensor, sample_weight: tf.Tensor | None, num_examples):
         gradients = None
         data_loss_sum = tf.constant(0.0)
         reg_loss = tf.constant(0.0)
@@ -143,7 +180,7 @@ def make_train_step(
                     per_example = per_example * tf.cast(part_weight, tf.float32)
                 reg_loss = regularization_loss(model)
                 loss = (
-                    tf.nn.compute_average_loss(per_example, global_batch_size=global_batch_size)
+                    tf.reduce_sum(per_example) / num_examples
                     + tf.nn.scale_regularization_loss(reg_loss) / grad_accum_steps
                 )
                 if uses_loss_scale:
@@ -163,15 +200,18 @@ def make_train_step(
                 "input shape, or call the model once) inside strategy.scope() before creating the Trainer"
             )
         logits = all_logits[0] if len(all_logits) == 1 else tf.concat(all_logits, 0)
-        local_mean_loss = data_loss_sum / tf.cast(tf.shape(labels)[0], tf.float32)
-        return gradients, local_mean_loss + reg_loss, logits
+        # The loop averages this over replicas: R x (this replica's share of the global mean).
+        num_replicas = tf.distribute.get_replica_context().num_replicas_in_sync
+        return gradients, num_replicas * data_loss_sum / num_examples + reg_loss, logits
 
     if jit_compile:
         compute_gradients = tf.function(compute_gradients, jit_compile=True)
 
     def train_step(batch: Batch) -> dict[str, tf.Tensor]:
         features, labels, sample_weight = unpack_batch(batch)
-        gradients, loss, logits = compute_gradients(features, labels, sample_weight)
+        num_replicas = tf.distribute.get_replica_context().num_replicas_in_sync
+        num_examples = examples_in_step(labels, global_batch_size // num_replicas, global_batch_size)
+        gradients, loss, logits = compute_gradients(features, labels, sample_weight, num_examples)
         outputs = {"loss": loss}
         if clip_norm is not None:
             gradients, norm = _clip_global_norm(gradients, clip_norm, optimizer, uses_loss_scale)
@@ -179,12 +219,18 @@ def make_train_step(
                 outputs["grad_norm"] = norm
         elif grad_norm:
             outputs["grad_norm"] = _global_norm(gradients)
+        checked = [] if uses_loss_scale else gradients  # Overflow under loss scaling is the scale's business.
         if skip_nonfinite:
-            finite = _finite_on_all_replicas(loss, [] if uses_loss_scale else gradients)
+            finite = _finite_on_all_replicas(loss, checked)
             _apply_if_finite(finite, optimizer, gradients, variables)
         else:
+            finite = _locally_finite(loss, checked)
             optimizer.apply(gradients, variables)
+        # The loop counts a step with a non-finite gradient as it counts a non-finite loss.
+        outputs[STEP_FINITE] = tf.cast(finite, tf.float32)
         for metric in metrics:
+            metric.update_state(labels, logits)
+        for metric in weighted_metrics:
             metric.update_state(labels, logits, sample_weight=sample_weight)
         return outputs
 
@@ -218,8 +264,26 @@ def _clip_global_norm(gradients, clip_norm, optimizer, uses_loss_scale):
     return [g / num_replicas for g in clipped], norm
 
 
+def _split_examples(tensor: tf.Tensor, parts: int) -> list[tf.Tensor]:
+    """`tensor` cut into `parts` micro-batches along the batch; a batch that does not divide
+    (a partial last batch) is cut as evenly as it goes, some parts possibly empty."""
+    size = tensor.shape[0] if tensor.shape.rank else None
+    if size is not None and size % parts == 0:
+        return tf.split(tensor, parts)
+    total = tf.shape(tensor)[0]
+    sizes = total // parts + tf.cast(tf.range(parts) < total % parts, total.dtype)
+    return tf.split(tensor, sizes, num=parts)
+
+
+def _locally_finite(loss: tf.Tensor, gradients) -> tf.Tensor:
+    """Whether this replica's loss and gradients are finite: one sum a gradient (NaN and Inf
+    survive a sum), no all-reduce (the loop's averaging of the outputs does that)."""
+    sums = [tf.reduce_sum(tf.cast(g, tf.float32)) for g in gradients if g is not None]
+    return tf.math.is_finite(tf.add_n([tf.cast(loss, tf.float32), *sums]))
+
+
 def _finite_on_all_replicas(loss: tf.Tensor, gradients) -> tf.Tensor:
-    local = tf.reduce_all([tf.reduce_all(tf.math.is_finite(t)) for t in [loss, *gradients]])
+    local = _locally_finite(loss, gradients)
     context = tf.distribute.get_replica_context()
     bad = context.all_reduce(tf.distribute.ReduceOp.SUM, 1.0 - tf.cast(local, tf.float32))
     return tf.equal(bad, 0.0)
@@ -254,6 +318,7 @@ def make_eval_step(
     loss_metric: keras.metrics.Mean,
     count_metric: keras.metrics.Sum,
     metrics: Sequence[keras.metrics.Metric] = (),
+    weighted_metrics: Sequence[keras.metrics.Metric] = (),
     eval_step_fn: EvalStep | None = None,
 ) -> Callable[[Batch], None]:
     """The eval replica step: updates metrics only.
@@ -263,6 +328,12 @@ def make_eval_step(
     counts exactly as many examples as it holds. Batches are unpacked as in
     training; `eval_step_fn(batch) -> (labels, predictions[, sample_weight])`
     takes any other structure (it calls the model itself).
+
+    The loss is Keras `evaluate`'s: each example contributes `w * l` plus
+    the model's regularization loss, averaged over all N examples, i.e.
+    sum(w * l) / N + regularization (`loss_metric` is an unweighted mean).
+    `metrics` get no sample weights and `weighted_metrics` get them, as in
+    Keras `compile`.
     """
 
     def eval_step(batch: Batch) -> None:
@@ -271,9 +342,14 @@ def make_eval_step(
             logits = call_model(model, features, training=False)
         else:
             labels, logits, sample_weight = _eval_outputs(eval_step_fn(batch))
-        loss_metric.update_state(tf.cast(loss_fn(labels, logits), tf.float32), sample_weight=sample_weight)
+        per_example = tf.cast(loss_fn(labels, logits), tf.float32)
+        if sample_weight is not None:
+            per_example = per_example * tf.cast(sample_weight, tf.float32)
+        loss_metric.update_state(per_example + regularization_loss(model))
         count_metric.update_state(tf.cast(tf.shape(labels)[0], tf.float32))
         for metric in metrics:
+            metric.update_state(labels, logits)
+        for metric in weighted_metrics:
             metric.update_state(labels, logits, sample_weight=sample_weight)
 
     return eval_step

@@ -20,16 +20,32 @@ from engine import checkpoint as checkpoint_lib
 from engine import model_dir as model_dir_lib
 from engine.callbacks import CallbackLike, as_callbacks
 from engine.config import DEFAULT_STEPS_PER_LOOP, NONFINITE_POLICIES
-from engine.distribute import Data, distribute_eval_data, distribute_train_data, yields_global_batches
+from engine.data import (
+    Data,
+    DataForm,
+    as_eval_form,
+    as_train_form,
+    distribute_eval_data,
+    distribute_train_data,
+    yields_global_batches,
+)
 from engine.ema import WeightAverages, weight_averages
 from engine.errors import DataExhaustedError, NonFiniteLossError, UserError
-from engine.loop import BatchSizeMismatch, make_eval_loop, make_resident_train_loop, make_train_loop
+from engine.loop import (
+    CHECK_EXACT,
+    CHECK_NONE,
+    CHECK_NOT_LARGER,
+    BatchSizeMismatch,
+    make_eval_loop,
+    make_resident_train_loop,
+    make_train_loop,
+)
 from engine.progress import Progress, format_logs, logger
 from engine.resident import ResidentData, keeps_on_devices, place_on_replicas
 from engine.schedules import is_scheduled
 from engine.steps import EvalStep, PerExampleLoss, ReplicaStep, make_eval_step, make_train_step
 from engine.summaries import SummaryWriters
-from engine.variables import all_variables, require_trainable_variables
+from engine.variables import all_variables, check_regularizers_visible, require_trainable_variables
 
 __all__ = ["DataExhaustedError", "NonFiniteLossError", "Trainer"]  # The errors live in engine.errors.
 
@@ -98,6 +114,7 @@ class Trainer:
         step_fn: ReplicaStep | None = None,
         eval_step_fn: EvalStep | None = None,
         metrics: Sequence[keras.metrics.Metric] = (),
+        weighted_metrics: Sequence[keras.metrics.Metric] = (),
         eval_data: Data | None = None,
         model_dir: str | None = None,
         steps_per_loop: int = DEFAULT_STEPS_PER_LOOP,
@@ -118,6 +135,8 @@ class Trainer:
     ):
         if loss_fn is None and step_fn is None:
             raise UserError("pass loss_fn, step_fn or both to Trainer")
+        _check_per_example_loss(loss_fn)
+        _check_metric_names(metrics, weighted_metrics)
         if isinstance(eval_data, ResidentData):
             raise UserError(
                 "eval_data cannot be ResidentData, an endless shuffled training stream: pass the eval split "
@@ -155,7 +174,10 @@ class Trainer:
             else:
                 logger.info("%s trains from ResidentData.host_data (tf.data)", type(strategy).__name__)
                 train_data = train_data.host_data
-        _check_dataset_batch(train_data, global_batch_size)
+        # Resident data kept on the devices needs no form; its host stream is checked all the same.
+        train_form = as_train_form(train_data.host_data if isinstance(train_data, ResidentData) else train_data)
+        eval_form = as_eval_form(eval_data) if eval_data is not None else None
+        _check_dataset_batch(train_form, global_batch_size)
         # Before the optimizer is built: Keras makes the averages when it builds it.
         self.weight_averages: WeightAverages | None = weight_averages(self.optimizers, ema_decay)
         self.on_nonfinite = on_nonfinite
@@ -167,10 +189,10 @@ class Trainer:
         self.steps_per_loop = steps_per_loop
         self.eval_every = eval_every or None
         self.checkpoint_every = checkpoint_every or None
-        self._train_data = train_data
+        self._train_data: DataForm = train_form
         # A non-chief worker writes to a private model_dir but resumes from the chief's.
         self._restore_dir = restore_dir
-        self._eval_data = eval_data
+        self._eval_data: DataForm | None = eval_form
         self.model_dir = model_dir
         self.target_step: int | None = None  # The `steps` of the running train() call.
         self._summaries = SummaryWriters(model_dir)
@@ -189,6 +211,7 @@ class Trainer:
 
         with strategy.scope():
             variables = require_trainable_variables(model)
+            check_regularizers_visible(model)
             _check_created_in_scope(strategy, variables)
             # Keras 3 optimizers must create their slots eagerly in the
             # scope before the first traced step (and before a restore).
@@ -200,8 +223,13 @@ class Trainer:
                 name="global_step",
                 aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
             )
-            self.train_metrics = [_fresh_copy(m) for m in metrics]
-            self.eval_metrics = [_fresh_copy(m) for m in metrics]
+            # Keras compile's split: `metrics` see no sample weights, `weighted_metrics` do.
+            train_unweighted = [_fresh_copy(m) for m in metrics]
+            train_weighted = [_fresh_copy(m) for m in weighted_metrics]
+            eval_unweighted = [_fresh_copy(m) for m in metrics]
+            eval_weighted = [_fresh_copy(m) for m in weighted_metrics]
+            self.train_metrics = [*train_unweighted, *train_weighted]
+            self.eval_metrics = [*eval_unweighted, *eval_weighted]
             self._eval_loss = keras.metrics.Mean(name="loss")
             self._eval_count = keras.metrics.Sum(name="num_examples")
 
@@ -212,7 +240,8 @@ class Trainer:
                 optimizer=optimizer,
                 loss_fn=loss_fn,
                 global_batch_size=global_batch_size,
-                metrics=self.train_metrics,
+                metrics=train_unweighted,
+                weighted_metrics=train_weighted,
                 clip_norm=clip_norm,
                 grad_accum_steps=grad_accum_steps,
                 jit_compile=jit_compile,
@@ -242,10 +271,14 @@ class Trainer:
                     loss_fn=loss_fn,
                     loss_metric=self._eval_loss,
                     count_metric=self._eval_count,
-                    metrics=self.eval_metrics,
+                    metrics=eval_unweighted,
+                    weighted_metrics=eval_weighted,
                     eval_step_fn=eval_step_fn,
                 ),
             )
+
+        for callback in self.callbacks:  # Before anything touches the model_dir.
+            callback.check_trainer(self)
 
         self.checkpoint_manager = None
         self._reset_optimizer = reset_optimizer
@@ -411,12 +444,16 @@ class Trainer:
         while self.step < steps and not self._should_stop():
             start = self.step
             num_steps = self._next_loop_length(start, steps)
+            fresh_iterator = self._resident is None and self._iterator_step != start
             iterator = self._train_input(start)
+            # A run's first batch must be a full one; after a resume (or inside the stream) a
+            # smaller one is the data's partial last batch, trained as Keras fit trains it.
+            check = CHECK_NONE if not fresh_iterator else (CHECK_EXACT if start == 0 else CHECK_NOT_LARGER)
             for metric in self.train_metrics:
                 metric.reset_state()
             began = time.perf_counter()
             try:
-                logs = self._run_train_loop(iterator, num_steps)
+                logs = self._run_train_loop(iterator, num_steps, first_batch_check=check)
             except BatchSizeMismatch as mismatch:  # Found while tracing: nothing ran.
                 raise UserError(self._batch_size_message(mismatch.size)) from None
             wrong_size = int(logs.pop("first_batch_size", -1))
@@ -483,17 +520,18 @@ class Trainer:
 
     def _batch_size_message(self, per_replica: int) -> str:
         replicas = self.strategy.num_replicas_in_sync
+        untouched = "nothing was trained" if self.step == 0 else f"no update was applied after step {self.step}"
         if yields_global_batches(self._train_data):
             return (
                 f"train_data's first batch holds {per_replica * replicas} examples but "
                 f"global_batch_size={self.global_batch_size}; batch the dataset by "
-                f"{self.global_batch_size} (global batches) or change global_batch_size; nothing was trained"
+                f"{self.global_batch_size} (global batches) or change global_batch_size; {untouched}"
             )
         return (
             f"train_data's first batch holds {per_replica} examples per replica but "
             f"global_batch_size={self.global_batch_size} over {replicas} replica(s) needs "
             f"{self.global_batch_size // replicas}; batch by "
-            "input_context.get_per_replica_batch_size(global_batch_size); nothing was trained"
+            f"input_context.get_per_replica_batch_size(global_batch_size); {untouched}"
         )
 
     def _learning_rates(self) -> dict[str, float]:
@@ -501,10 +539,17 @@ class Trainer:
             return {"learning_rate": _current_learning_rate(self.optimizer)}
         return {f"learning_rate/{name}": _current_learning_rate(opt) for name, opt in self.optimizers.items()}
 
-    def _run_train_loop(self, iterator, num_steps: int) -> dict[str, float]:
+    def _run_train_loop(
+        self, iterator, num_steps: int, *, first_batch_check: int = CHECK_NONE
+    ) -> dict[str, float]:
         """One compiled call of `num_steps` steps (the parameter-server trainer
         schedules it on workers instead)."""
-        outputs = self.train_loop(iterator, tf.constant(num_steps, tf.int32))
+        if self._resident is not None:  # Gathered from the step number: always full batches.
+            outputs = self.train_loop(iterator, tf.constant(num_steps, tf.int32))
+        else:
+            outputs = self.train_loop(
+                iterator, tf.constant(num_steps, tf.int32), tf.constant(first_batch_check, tf.int32)
+            )
         return {name: float(value) for name, value in outputs.items()}
 
     def _next_loop_length(self, start: int, target: int) -> int:
@@ -603,6 +648,7 @@ class Trainer:
         return logs
 
     def _run_eval_loop(self) -> bool:
+        assert self._eval_data is not None, "only called with eval_data"
         return self._run_eval_chunks(iter(distribute_eval_data(self.strategy, self._eval_data)))
 
     def _run_eval_chunks(self, iterator) -> bool:
@@ -640,6 +686,32 @@ def _make_stop_agreement(strategy: tf.distribute.Strategy):
         return strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None)
 
     return any_worker
+
+
+def _check_per_example_loss(loss_fn: Any) -> None:
+    """A Keras loss object reduces its batch to one number by default; the engine needs the
+    per-example losses to average them over the global batch (and the eval set) itself."""
+    if isinstance(loss_fn, keras.losses.Loss) and loss_fn.reduction not in (None, "none"):
+        raise UserError(
+            f"loss_fn={type(loss_fn).__name__}(reduction={loss_fn.reduction!r}) reduces the batch to one "
+            f"number; pass {type(loss_fn).__name__}(..., reduction=None) so that the engine gets per-example "
+            "losses and averages them over the global batch"
+        )
+
+
+def _check_metric_names(metrics: Sequence[Any], weighted_metrics: Sequence[Any]) -> None:
+    names = [str(getattr(m, "name", "")) for m in (*metrics, *weighted_metrics)]
+    for metric in (*metrics, *weighted_metrics):
+        if not isinstance(metric, keras.metrics.Metric):
+            raise UserError(f"metrics take keras.metrics.Metric objects, got {type(metric).__name__}")
+    clashes = sorted(
+        {n for n in names if names.count(n) > 1} | {n for n in names if n in ("loss", "num_examples")}
+    )
+    if clashes:
+        raise UserError(
+            f"metric name(s) {', '.join(map(repr, clashes))} used twice (or taken by the loss or the example "
+            "count); give each metric its own name=, e.g. name='weighted_accuracy'"
+        )
 
 
 def _check_batch(global_batch_size: int, num_replicas: int, grad_accum_steps: int) -> None:
@@ -716,11 +788,12 @@ def _check_checkpointed(checkpoint: tf.train.Checkpoint, model: Any) -> None:
         )
 
 
-def _check_dataset_batch(data: Data, global_batch_size: int) -> None:
+def _check_dataset_batch(form: DataForm, global_batch_size: int) -> None:
     """A Dataset of global batches whose batch dimension is static is checked here, at once."""
-    if not isinstance(data, tf.data.Dataset):
+    dataset = getattr(form, "dataset", None)
+    if dataset is None:
         return
-    leaves = tf.nest.flatten(data.element_spec)
+    leaves = tf.nest.flatten(dataset.element_spec)
     size = leaves[0].shape[0] if leaves and leaves[0].shape.rank else None
     if size is not None and size != global_batch_size:
         raise UserError(

@@ -1,5 +1,5 @@
-"""The variables of any model: a Keras model, a `tf.Module`, or either one
-holding the other, nested to any depth.
+"""The variables and regularization losses of any model: a Keras model, a
+`tf.Module`, or either one holding the other, nested to any depth.
 
 Neither framework sees the other's variables: `tf.Module.trainable_variables`
 skips Keras 3 variables (they are not `tf.Variable`s), and a Keras layer
@@ -44,24 +44,70 @@ def require_trainable_variables(model: Any) -> list[Variable]:
     return variables
 
 
+def regularization_losses(model: Any) -> list[Any]:
+    """Every regularization loss of `model` (weight regularizers and `add_loss` terms of
+    its last call), each Keras layer counted once however it is reached."""
+    roots = keras_roots(model)
+    covered = {id(sub) for root in roots for sub in _keras_sublayers(root)}
+    return [loss for root in roots if id(root) not in covered for loss in root.losses]
+
+
+def keras_roots(model: Any) -> list[keras.layers.Layer]:
+    """The Keras layers the walk reaches that no reached Keras layer lists as its own sublayer
+    through Keras itself: each one's `losses` covers its Keras sublayers."""
+    roots: dict[int, keras.layers.Layer] = {}
+    _walk(model, False, {}, seen=set(), keras_layers=roots)
+    return list(roots.values())
+
+
+def check_regularizers_visible(model: Any) -> None:
+    """Refuses a model with a regularized variable that no reached Keras layer answers for
+    (its penalty would be dropped in silence)."""
+    covered = {id(v) for root in keras_roots(model) for v in root.trainable_weights}
+    hidden = [
+        v
+        for v in trainable_variables(model)
+        if getattr(v, "regularizer", None) is not None and id(v) not in covered
+    ]
+    if hidden:
+        raise UserError(
+            f"variable {hidden[0].name!r} of the model ({type(model).__name__}) has a regularizer that no "
+            "Keras layer of the model reports, so its penalty would not be trained: keep the layer as an "
+            "attribute of the model, or add the penalty to the loss in a step_fn"
+        )
+
+
+def _keras_sublayers(layer: keras.layers.Layer) -> list[keras.layers.Layer]:
+    # Keras 3 has no public recursive listing; `_flatten_layers` is what `Layer.losses` itself walks.
+    return list(layer._flatten_layers(include_self=False))  # noqa: SLF001
+
+
 def _collect(model: Any, *, trainable_only: bool) -> list[Variable]:
     found: dict[int, Variable] = {}
     _walk(model, trainable_only, found, seen=set())
     return list(found.values())
 
 
-def _walk(node: Any, trainable_only: bool, found: dict[int, Variable], seen: set[int]) -> None:
+def _walk(
+    node: Any,
+    trainable_only: bool,
+    found: dict[int, Variable],
+    seen: set[int],
+    keras_layers: dict[int, keras.layers.Layer] | None = None,
+) -> None:
     if id(node) in seen:
         return
     seen.add(id(node))
     if isinstance(node, keras.layers.Layer):
+        if keras_layers is not None:
+            keras_layers.setdefault(id(node), node)
         layer_variables = node.trainable_variables if trainable_only else node.variables
         for variable in layer_variables:
             found.setdefault(id(variable), variable)
         # A Keras layer lists its Keras sublayers' variables, not a tf.Module's it holds.
         for child in _attributes(node):
             if isinstance(child, tf.Module) or (isinstance(child, (list, tuple, dict)) and child):
-                _walk_children(child, trainable_only, found, seen)
+                _walk_children(child, trainable_only, found, seen, keras_layers)
         return
     if isinstance(node, tf.Module):
         # `_flatten` walks tf.Module attributes (and lists, dicts of them), stopping at
@@ -72,7 +118,7 @@ def _walk(node: Any, trainable_only: bool, found: dict[int, Variable], seen: set
         )
         for leaf in leaves:
             if isinstance(leaf, keras.layers.Layer):
-                _walk(leaf, trainable_only, found, seen)
+                _walk(leaf, trainable_only, found, seen, keras_layers)
             elif not trainable_only or leaf.trainable:
                 found.setdefault(id(leaf), leaf)
         return
@@ -80,10 +126,16 @@ def _walk(node: Any, trainable_only: bool, found: dict[int, Variable], seen: set
         if not trainable_only or node.trainable:
             found.setdefault(id(node), node)
         return
-    _walk_children(node, trainable_only, found, seen)
+    _walk_children(node, trainable_only, found, seen, keras_layers)
 
 
-def _walk_children(node: Any, trainable_only: bool, found: dict[int, Variable], seen: set[int]) -> None:
+def _walk_children(
+    node: Any,
+    trainable_only: bool,
+    found: dict[int, Variable],
+    seen: set[int],
+    keras_layers: dict[int, keras.layers.Layer] | None = None,
+) -> None:
     children: Iterable[Any]
     if isinstance(node, dict):
         children = node.values()
@@ -92,7 +144,7 @@ def _walk_children(node: Any, trainable_only: bool, found: dict[int, Variable], 
     else:
         children = [node] if isinstance(node, (tf.Module, keras.layers.Layer)) else []
     for child in children:
-        _walk(child, trainable_only, found, seen)
+        _walk(child, trainable_only, found, seen, keras_layers)
 
 
 def _attributes(layer: keras.layers.Layer) -> list[Any]:

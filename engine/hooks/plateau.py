@@ -42,13 +42,18 @@ class ReduceLROnPlateau(PatienceHook):
         self.factor = factor
         self.min_rate = min_rate
 
-    def on_train_begin(self, trainer: TrainerView) -> None:
+    def check_trainer(self, trainer: TrainerView) -> None:
+        if trainer.optimizer is None:
+            raise UserError(
+                f"ReduceLROnPlateau({self.metric!r}) sets one optimizer's learning rate, but the trainer has "
+                f"{len(trainer.optimizers)} ({', '.join(trainer.optimizers)}); pass one optimizer, or lower "
+                "each rate in a callback of your own"
+            )
         if is_scheduled(trainer.optimizer):
             raise UserError(
                 "reducing the learning rate on a plateau needs a constant learning rate, but the "
                 "optimizer follows a schedule; use --lr_schedule=constant or drop --reduce_lr_metric"
             )
-        super().on_train_begin(trainer)
 
     def on_patience_exhausted(self, trainer: TrainerView, step: int, replaying: bool) -> None:
         self.watch.wait = 0
