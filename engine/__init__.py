@@ -43,9 +43,11 @@ if "tensorflow" not in sys.modules and not _started_as_engine_command():
 
     import_tensorflow_quietly()
 
-_SUBMODULES = ("callbacks", "export", "hooks", "schedules", "variables")
+_SUBMODULES = ("callbacks", "data", "export", "hooks", "schedules", "variables")
 _LAZY = {
     "Callback": "engine.callbacks",
+    "GlobalBatches": "engine.data",
+    "PerReplicaBatches": "engine.data",
     "ResidentData": "engine.resident",
     "Trainer": "engine.trainer",
     "TrainerView": "engine.callbacks",
@@ -59,7 +61,9 @@ _LAZY = {
 __all__ = [
     "Callback",
     "DataExhaustedError",
+    "GlobalBatches",
     "NonFiniteLossError",
+    "PerReplicaBatches",
     "ResidentData",
     "Trainer",
     "TrainerView",
@@ -68,6 +72,7 @@ __all__ = [
     "call_model",
     "callbacks",
     "configure_cpu_devices",
+    "data",
     "export",
     "hooks",
     "make_eval_step",

@@ -28,6 +28,7 @@ from absl import logging
 
 from engine import checkpoint as checkpoint_lib
 from engine.config import RunConfig
+from engine.data import PerReplicaBatches
 from engine.environment import seed_everything, set_precision
 from engine.errors import UserError, one_line
 from engine.hooks.best_checkpoint import BestCheckpoint
@@ -121,7 +122,7 @@ class Evaluator:
             )
             optimizer = build_optimizer(config.optimizer, learning_rate, config.mixed_precision)
 
-        def never_trains(*args):
+        def never_trains(input_context):
             raise RuntimeError("the evaluator never trains")
 
         # No model_dir: the Trainer then has no CheckpointManager and writes nothing.
@@ -129,7 +130,7 @@ class Evaluator:
             strategy=self.strategy,
             model=model,
             optimizer=optimizer,
-            train_data=never_trains,
+            train_data=PerReplicaBatches(fn=never_trains),
             eval_data=lambda context: source.eval_dataset(global_batch_size=batch, input_context=context),
             global_batch_size=batch,
             model_dir=None,

@@ -74,16 +74,24 @@ class Trainer:
         variables, a named one on those of `getattr(model, name)`. All are
         checkpointed; their rates are logged as `learning_rate` or
         `learning_rate/<name>`.
-      train_data: a `tf.data.Dataset` of global batches, `fn(input_context)`
-        of per-replica batches (optionally with a `start_step` parameter),
-        or `fn(start_step)` of global batches. A finite dataset ends
-        training with `DataExhaustedError`. Or `engine.ResidentData`: arrays
-        kept on every replica's device, batches gathered inside the compiled
-        loop (no iterator; its `host_data` under parameter-server and TPU).
+      train_data: one of the declared data forms (`engine.data`): a
+        `tf.data.Dataset` of global batches (`GlobalBatches`),
+        `fn(input_context)` of per-replica batches (`PerReplicaBatches`), a
+        function of `start_step` that positions itself, or
+        `engine.ResidentData` (arrays kept on every replica's device, batches
+        gathered inside the compiled loop; its `host_data` under
+        parameter-server and TPU). Each form resumes exactly (see
+        `engine.data`). A finite dataset ends training with
+        `DataExhaustedError`; its partial last batch trains as in `fit`.
       global_batch_size: examples per step over all replicas; the first
         batch is checked against it before any update.
       loss_fn: per-example losses `fn(labels, logits)`, for the standard
-        step (batches of `(features, labels[, sample_weight])`) and eval.
+        step (batches of `(features, labels[, sample_weight])`) and eval; a
+        Keras loss object must have `reduction=None`.
+      metrics, weighted_metrics: Keras metrics updated in training and
+        evaluation, without and with the batches' sample weights (Keras
+        `compile`'s split). The eval loss is `model.evaluate`'s:
+        sum(w * l) / N + the regularization losses.
       step_fn: your own per-replica step `fn(batch) -> {name: scalar}`; it
         cannot be combined with `clip_norm`, `grad_accum_steps > 1`,
         `jit_compile` or `on_nonfinite="skip"` (those shape the standard step).

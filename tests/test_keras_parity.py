@@ -66,10 +66,15 @@ def train_with(strategy, data, model_dir, steps, *, seed=3):
 
 @pytest.mark.parametrize(
     "data",
-    [per_replica_fn, per_replica_from_step, PerReplicaBatches(fn=per_replica_fn)],
-    ids=["fn(input_context)", "fn(input_context, start_step)", "PerReplicaBatches(fn=)"],
+    [
+        per_replica_fn,
+        per_replica_from_step,
+        PerReplicaBatches(fn=per_replica_fn),
+        ids_dataset(400).repeat().batch(GLOBAL_BATCH, drop_remainder=True),
+    ],
+    ids=["fn(input_context)", "fn(input_context, start_step)", "PerReplicaBatches(fn=)", "Dataset"],
 )
-def test_a_per_replica_function_resumes_bitwise_on_two_replicas_from_one_pipeline(mirrored, tmp_path, data):
+def test_every_data_form_resumes_bitwise_on_two_replicas_from_one_pipeline(mirrored, tmp_path, data):
     whole, _ = train_with(mirrored, data, None, 9)
     train_with(mirrored, data, str(tmp_path), 4)  # "Crashes" after step 4 (saved there) ...
     resumed, trainer = train_with(mirrored, data, str(tmp_path), 9)  # ... and is run again.
@@ -400,6 +405,7 @@ class SqrtProbe(tf.Module):
         self.net = net
         self.scale = tf.Variable(1.0, name="scale")
 
+    @tf.autograph.experimental.do_not_convert  # Plain graph code; AutoGraph mis-binds custom gradients here.
     def __call__(self, x, training=False):
         scale = nan_gradient_where(tf.identity(self.scale), tf.reduce_any(x[:, 0] < 0))
         return self.net(x, training=training) * scale

@@ -23,7 +23,7 @@ def readme_example(name: str) -> str:
 def test_readme_research_example_runs(tmp_path):
     script = "\n".join(
         readme_example(name)
-        for name in ("research", "step_fn", "resident", "callbacks", "wrapped", "two_optimizers")
+        for name in ("research", "step_fn", "resident", "data_forms", "callbacks", "wrapped", "two_optimizers")
     )
     (tmp_path / "example.py").write_text(script)
     env = dict(os.environ, PYTHONPATH=str(REPO), TF_CPP_MIN_LOG_LEVEL="2")
@@ -32,6 +32,7 @@ def test_readme_research_example_runs(tmp_path):
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "'num_examples': 200" in result.stdout
+    assert "positioned at step 100" in result.stdout  # engine.PerReplicaBatches(from_step=)
     assert (tmp_path / "runs" / "research" / "checkpoints" / "checkpoint").exists()
     assert list((tmp_path / "runs" / "research" / "train").glob("events.out.tfevents.*"))
     epochs = [line.split(":")[0] for line in result.stdout.splitlines() if line.startswith("epoch ")]

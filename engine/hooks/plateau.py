@@ -49,6 +49,14 @@ class ReduceLROnPlateau(PatienceHook):
                 f"{len(trainer.optimizers)} ({', '.join(trainer.optimizers)}); pass one optimizer, or lower "
                 "each rate in a callback of your own"
             )
+        self._refuse_a_schedule(trainer)
+
+    def on_train_begin(self, trainer: TrainerView) -> None:
+        self._refuse_a_schedule(trainer)  # Again: the optimizer's rate may have been replaced since.
+        super().on_train_begin(trainer)
+
+    @staticmethod
+    def _refuse_a_schedule(trainer: TrainerView) -> None:
         if is_scheduled(trainer.optimizer):
             raise UserError(
                 "reducing the learning rate on a plateau needs a constant learning rate, but the "
