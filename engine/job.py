@@ -139,6 +139,8 @@ def _train_and_evaluate(
     with strategy.scope():
         try:
             model = model_spec.build(image_shape, source.num_classes)
+            # Before the first write: a model that does not fit the data fails in the first step.
+            own_package("models").check_fits_data(config.model, model, source.image_shape, source.num_classes)
         except own_package("models").ModelError as error:  # A user's builder returned something unusable.
             raise UserError(str(error)) from None
         learning_rate = learning_rate_schedule(
