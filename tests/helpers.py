@@ -72,6 +72,22 @@ def main_in_process(*flags: str, env: dict[str, str] | None = None) -> subproces
     return subprocess.CompletedProcess(["engine.main", *flags], code, "", stderr.getvalue())
 
 
+def run_config(*flags: str, env: dict[str, str] | None = None):
+    """The `RunConfig` engine.main builds from FLAGS (absl's parsing, then validation) in
+    this process; raises its UserError. Nothing runs, so a check that fails cannot hang."""
+    from absl import flags as absl_flags
+
+    from engine import main as cli  # noqa: F401  (defines the flags)
+    from engine.config import RunConfig
+
+    with mock.patch.dict(os.environ, env or {}):
+        try:
+            absl_flags.FLAGS(["engine.main", *flags])
+            return RunConfig.from_flags(absl_flags.FLAGS)
+        finally:
+            absl_flags.FLAGS.unparse_flags()
+
+
 def popen_main(*flags: str) -> subprocess.Popen:
     """`engine.main` in its own process group (so `stop` ends whatever it started)."""
     return subprocess.Popen(
