@@ -63,3 +63,21 @@ def test_a_user_module_that_fails_oddly_is_one_line(tmp_path, monkeypatch, model
     line = one_error_line(main_in_process(f"--model={model}", "--train_steps=2", f"--model_dir={model_dir}"))
     assert message in line, line
     assert snapshot(model_dir) == before
+
+
+def test_a_truncated_data_file_is_refused_before_any_write(tmp_path):
+    import numpy as np
+
+    from input import write_tfrecords
+
+    train = tmp_path / "data" / "train-0"
+    write_tfrecords(str(train), np.zeros((8, 28, 28, 1), np.uint8), np.arange(8))
+    train.write_bytes(train.read_bytes()[:-5])
+    model_dir = tmp_path / "run"
+    model_dir.mkdir()
+    before = snapshot(model_dir)
+    result = main_in_process(
+        "--dataset=tfrecord", f"--data_dir={train.parent}", "--train_steps=2", f"--model_dir={model_dir}"
+    )
+    assert f"TFRecord file {train} is truncated" in one_error_line(result)
+    assert snapshot(model_dir) == before
