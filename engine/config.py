@@ -43,6 +43,15 @@ DEFAULT_COLLECTIVE_TIMEOUT = 300.0
 DEFAULT_STARTUP_TIMEOUT = 300.0
 # Per-device memory (MiB) up to which an in-memory train split is kept on the replicas' devices.
 DEFAULT_DEVICE_DATA_MB = 1024
+# What the engine can count: loop lengths, cadences and batch sizes are int32 in the compiled
+# loop and tf.data; steps and stream positions (step x global batch) are int64.
+INT32_MAX = 2**31 - 1
+INT64_MAX = 2**63 - 1
+# The longest timeout (about 31 years): TensorFlow takes timeouts in int64 milliseconds.
+MAX_TIMEOUT_SECONDS = 1e9
+TIMEOUTS = ("collective_timeout", "startup_timeout", "eval_timeout")
+# Logical CPU devices to split the host into: each is a replica with its own copy of the model.
+MAX_CPU_DEVICES = 1024
 
 # The settings `engine.cluster.flags` defines for `engine.server` too; `engine.flags` defines the rest.
 CLUSTER_SETTINGS = (
@@ -265,6 +274,7 @@ class RunConfig:
         _choose("on_nonfinite", self.on_nonfinite, NONFINITE_POLICIES)
         _choose("communication", self.communication, COMMUNICATIONS)
         _choose("mixed_precision", self.mixed_precision, tuple(PRECISION_POLICIES))
+        self._validate_numbers()
         for name in (
             "cpu_devices",
             "global_batch_size",
@@ -283,18 +293,8 @@ class RunConfig:
             )
         if self.train_steps is not None:
             _at_least("train_steps", self.train_steps, 1)
-        # `not x > 0` also refuses NaN, which every comparison calls False.
-        for name in (
-            "epochs",
-            "learning_rate",
-            "clip_norm",
-            "collective_timeout",
-            "reduce_lr_factor",
-            "min_learning_rate",
-        ):
-            value = getattr(self, name)
-            if value is not None and not math.isfinite(value):
-                raise UserError(f"--{name}={value} must be a finite number")
+        if self.train_steps is not None and self.train_steps > INT64_MAX // self.global_batch_size:
+            raise UserError(_too_many_steps("train_steps", self.train_steps, self.global_batch_size))
         if self.epochs is not None and not self.epochs > 0:
             raise UserError(f"--epochs={self.epochs} must be positive")
         if not self.learning_rate > 0:
@@ -316,9 +316,31 @@ class RunConfig:
         self._validate_schedule_and_hooks()
         self._validate_mode()
 
+    def _validate_numbers(self) -> None:
+        """Every numeric flag at once, from the fields' types (so a new flag is covered):
+        floats finite, integers within what the engine counts, timeouts within int64 ms."""
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if isinstance(value, bool) or value is None:
+                continue
+            if isinstance(value, float) and not math.isfinite(value):
+                hint = " (0 waits forever)" if field.name in ("collective_timeout", "startup_timeout") else ""
+                raise UserError(f"--{field.name}={value} must be a finite number{hint}")
+            if field.name in TIMEOUTS and value > MAX_TIMEOUT_SECONDS:
+                raise UserError(
+                    f"--{field.name}={value:g} is beyond the longest timeout, {MAX_TIMEOUT_SECONDS:g} seconds"
+                )
+            limit = {"train_steps": INT64_MAX, "seed": 2**32 - 1, "cpu_devices": MAX_CPU_DEVICES}.get(
+                field.name, INT32_MAX
+            )
+            if isinstance(value, int) and value > limit:
+                raise UserError(f"--{field.name}={value} is more than the engine can count; use at most {limit}")
+        if not 1 <= self.slurm_port_base <= 65535:
+            raise UserError(f"--slurm_port_base={self.slurm_port_base} must be a port, 1-65535")
+
     def _validate_mode(self) -> None:
         _choose("mode", self.mode, MODES)
-        if self.eval_timeout <= 0:
+        if not self.eval_timeout > 0:
             raise UserError(f"--eval_timeout={self.eval_timeout} must be positive (seconds)")
         needs_eval = [
             f"--{name}={getattr(self, name)}"
@@ -388,7 +410,8 @@ class RunConfig:
             or self.worker_hosts
             or self.ps_hosts
             or self.chief_host
-            or self.task_type == "evaluator"
+            or self.task_type is not None  # A task of a cluster: refused when none is given.
+            or self.task_index is not None
         ):
             cluster = resolve_cluster(
                 worker_hosts=self.worker_hosts,
@@ -414,7 +437,18 @@ class RunConfig:
         if num_train_examples is None:
             raise UserError(f"--dataset={self.dataset} does not know its size; pass --train_steps")
         epochs = self.epochs if self.epochs is not None else DEFAULT_EPOCHS
-        return max(1, int(epochs * num_train_examples) // self.global_batch_size)
+        steps = max(1, int(epochs * num_train_examples) // self.global_batch_size)
+        if steps > INT64_MAX // self.global_batch_size:
+            raise UserError(_too_many_steps("epochs", self.epochs, self.global_batch_size))
+        return steps
+
+
+def _too_many_steps(flag: str, value: Any, global_batch_size: int) -> str:
+    most = INT64_MAX // global_batch_size
+    return (
+        f"--{flag}={value} trains beyond what the engine can count: at --global_batch_size="
+        f"{global_batch_size}, a run counts at most {most} steps (int64 examples); train fewer"
+    )
 
 
 _DEFINE_BY_TYPE = {  # A field's annotation (a string under `from __future__ import annotations`) -> its flag.

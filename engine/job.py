@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import math
 import os
 import tempfile
 from collections.abc import Callable
@@ -19,6 +20,7 @@ import tensorflow as tf
 from absl import logging
 
 from engine import checkpoint as checkpoint_lib
+from engine import host_memory
 from engine import model_dir as model_dir_lib
 from engine.cluster import task_model_dir
 from engine.config import RunConfig
@@ -95,6 +97,7 @@ def run(config: RunConfig) -> dict[str, Any]:
     except DataError as error:
         raise UserError(str(error)) from None
     check_batch_fits(config.global_batch_size, source.num_train_examples, config.dataset)
+    check_batch_fits_memory(config.global_batch_size, cluster.num_workers if cluster else 1, source.image_shape)
     model_dir = config.model_dir or tempfile.mkdtemp(prefix="engine-")
     model_dir_lib.check_name(model_dir)
     # Only the chief writes model_dir; other workers write a private copy they remove.
@@ -115,6 +118,22 @@ def check_batch_fits(global_batch_size: int, num_train_examples: int | None, dat
         raise UserError(
             f"--global_batch_size={global_batch_size} is larger than the {num_train_examples} "
             f"examples of --dataset={dataset}'s train split; use at most {num_train_examples}"
+        )
+
+
+def check_batch_fits_memory(global_batch_size: int, num_workers: int, image_shape: tuple[int, ...]) -> None:
+    """This host's share of a batch of float32 images must fit in half the memory this
+    process may use (tf.data prefetches more than one), checked before anything is allocated:
+    where the data's size is unknown (tfrecord) nothing else stops an absurd batch before it crashes."""
+    limit = host_memory.memory_limit_bytes()
+    example_bytes = math.prod(image_shape) * 4 + 4  # float32 pixels, an int32 label
+    batch_bytes = global_batch_size // max(1, num_workers) * example_bytes
+    if limit is not None and batch_bytes > limit // 2:
+        most = limit // 2 // example_bytes * max(1, num_workers)
+        raise UserError(
+            f"--global_batch_size={global_batch_size} needs {batch_bytes / 2**30:.1f} GiB per batch of "
+            f"{image_shape} float32 images on this host, more than half of the {limit / 2**30:.1f} GiB "
+            f"this process may use; use at most {most}"
         )
 
 
@@ -139,6 +158,8 @@ def _train_and_evaluate(
     with strategy.scope():
         try:
             model = model_spec.build(image_shape, source.num_classes)
+            # Before the first write: a model that does not fit the data fails in the first step.
+            own_package("models").check_fits_data(config.model, model, source.image_shape, source.num_classes)
         except own_package("models").ModelError as error:  # A user's builder returned something unusable.
             raise UserError(str(error)) from None
         learning_rate = learning_rate_schedule(

@@ -52,8 +52,14 @@ def _main_with_clean_errors(argv: list[str]) -> int:
 def _parse_flags(argv: list[str]) -> list[str]:
     """absl's parsing, with its errors (unknown flag, bad value, missing --flagfile)
     as one line and exit 2 like every other user error, instead of exit 1."""
+    from engine.flagfiles import check_flagfiles
+
     try:
+        check_flagfiles(argv[1:])
         return flags.FLAGS(argv)
+    except UserError as error:
+        print(f"engine.main: error: {error}", file=sys.stderr)
+        sys.exit(USER_ERROR_EXIT)
     except flags.Error as error:
         print(f"engine.main: error: {one_line(error)}; see --helpfull", file=sys.stderr)
         sys.exit(USER_ERROR_EXIT)

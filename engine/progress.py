@@ -102,7 +102,10 @@ class Progress(Callback):
             rate = (step - since_step) / max(now - since_time, 1e-9)
         if rate <= 0:
             return "?"
-        return str(datetime.timedelta(seconds=round(max(target - step, 0) / rate)))
+        seconds = max(target - step, 0) / rate
+        if seconds >= datetime.timedelta.max.total_seconds():  # A target near 2**63 steps.
+            return f">{datetime.timedelta.max.days} days"
+        return str(datetime.timedelta(seconds=round(seconds)))
 
 
 def format_logs(logs: Mapping[str, Any]) -> str:

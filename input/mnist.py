@@ -4,6 +4,8 @@ no network, so a download attempt would hang or fail with a confusing error."""
 from __future__ import annotations
 
 import os
+import zipfile
+import zlib
 
 import numpy as np
 import tensorflow as tf
@@ -84,11 +86,18 @@ def load_mnist(image_shape: tuple[int, int, int], num_classes: int, data_dir: st
     try:
         with np.load(path) as data:
             arrays = {key: data[key] for key in _KEYS}
-    except (OSError, KeyError, ValueError) as err:
+    except (
+        OSError,
+        KeyError,
+        ValueError,
+        EOFError,
+        zipfile.BadZipFile,
+        zlib.error,
+    ) as err:  # Damaged or no npz.
         raise DataError(
-            f"cannot read MNIST from {path}: {err}; expected the mnist.npz of "
-            "keras.datasets.mnist (x_train, y_train, x_test, y_test)"
-        ) from err
+            f"cannot read MNIST from {path}: {type(err).__name__}: {err}; expected the mnist.npz of "
+            "keras.datasets.mnist (x_train, y_train, x_test, y_test): copy it again or remove it"
+        ) from None
     _check_arrays(path, arrays, num_classes)
     return InMemorySource.from_arrays(
         "mnist",

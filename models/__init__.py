@@ -1,6 +1,15 @@
 """Model zoo: name -> builder of an uncompiled Keras model that outputs logits."""
 
+from models.fits import check_fits_data
 from models.flops import flops_per_example
 from models.registry import ModelError, ModelSpec, get_model_spec, is_user_model, model_names
 
-__all__ = ["ModelError", "ModelSpec", "flops_per_example", "get_model_spec", "is_user_model", "model_names"]
+__all__ = [
+    "ModelError",
+    "ModelSpec",
+    "flops_per_example",
+    "get_model_spec",
+    "is_user_model",
+    "model_names",
+    "check_fits_data",
+]

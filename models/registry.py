@@ -9,6 +9,7 @@ the Python path) and trained like the built-in models.
 from __future__ import annotations
 
 import importlib
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -87,23 +88,33 @@ def _user_model_spec(name: str) -> ModelSpec:
         raise ModelError(f"--model={name} must be package.module:function, e.g. --model=my_models:build")
     try:
         module = importlib.import_module(module_name)
-    except Exception as error:  # Any failure in the user's module (ImportError, SyntaxError, ...).
+    except (Exception, SystemExit) as error:  # Any failure in the user's module, sys.exit() included.
         raise ModelError(
             f"--model={name}: cannot import {module_name!r}: {type(error).__name__}: {_first_line(error)}"
         ) from None
+    where = getattr(module, "__file__", None) or "built in"
     function = getattr(module, function_name, None)
     if not callable(function):
         raise ModelError(
-            f"--model={name}: {module_name!r} ({module.__file__}) has no function "
+            f"--model={name}: {module_name!r} ({where}) has no function "
             f"{function_name!r}; define {function_name}(input_shape, num_classes) -> keras.Model"
         )
+    try:
+        inspect.signature(function).bind(USER_MODEL_INPUT_SHAPE, 10)
+    except TypeError:
+        raise ModelError(
+            f"--model={name}: {function_name}{_signature(function)} ({where}) cannot be called as "
+            f"{function_name}(input_shape, num_classes); give it those two parameters"
+        ) from None
+    except ValueError:  # No signature to inspect (a builtin): calling it tells.
+        pass
 
     def build(input_shape: tuple[int, ...], num_classes: int) -> keras.Model:
         model = function(input_shape, num_classes)
         _check_user_model(name, model, num_classes)
         return model
 
-    return ModelSpec(name, build, USER_MODEL_INPUT_SHAPE, f"{function_name} from {module.__file__}")
+    return ModelSpec(name, build, USER_MODEL_INPUT_SHAPE, f"{function_name} from {where}")
 
 
 def _check_user_model(name: str, model, num_classes: int) -> None:
@@ -130,6 +141,17 @@ def _check_user_model(name: str, model, num_classes: int) -> None:
         )
 
 
-def _first_line(error: Exception) -> str:
-    lines = str(error).strip().splitlines()
+def _first_line(error: BaseException) -> str:
+    try:
+        text = str(error)
+    except Exception:  # An exception whose __str__ fails: its repr still says what it is.
+        text = object.__repr__(error)
+    lines = text.strip().splitlines()
     return lines[0] if lines else ""
+
+
+def _signature(function: Callable) -> str:
+    try:
+        return str(inspect.signature(function))
+    except ValueError:
+        return "(...)"

@@ -7,7 +7,9 @@ file does not collect another's tests or depend on its fixtures."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import io
 import os
 import re
 import select
@@ -18,6 +20,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from unittest import mock
 
 import keras
 import numpy as np
@@ -46,6 +49,43 @@ def run_main(
         text=True,
         timeout=timeout,
     )
+
+
+def main_in_process(*flags: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """`python -m engine.main FLAGS` inside this process: absl's flag parsing, `RunConfig`
+    and the job, with `env` added to the environment. Returns what `run_main` would
+    (exit status, stderr) at a fraction of its cost; for runs that are refused or tiny,
+    since the job shares this process's TensorFlow state (devices, seeds, policy)."""
+    from absl import flags as absl_flags
+
+    from engine import main as cli
+
+    stderr = io.StringIO()
+    with mock.patch.dict(os.environ, env or {}), contextlib.redirect_stderr(stderr):
+        try:
+            argv = cli._parse_flags(["engine.main", *flags])
+            code = cli._main_with_clean_errors(argv)
+        except SystemExit as exited:
+            code = exited.code if isinstance(exited.code, int) else 1
+        finally:
+            absl_flags.FLAGS.unparse_flags()
+    return subprocess.CompletedProcess(["engine.main", *flags], code, "", stderr.getvalue())
+
+
+def run_config(*flags: str, env: dict[str, str] | None = None):
+    """The `RunConfig` engine.main builds from FLAGS (absl's parsing, then validation) in
+    this process; raises its UserError. Nothing runs, so a check that fails cannot hang."""
+    from absl import flags as absl_flags
+
+    from engine import main as cli  # noqa: F401  (defines the flags)
+    from engine.config import RunConfig
+
+    with mock.patch.dict(os.environ, env or {}):
+        try:
+            absl_flags.FLAGS(["engine.main", *flags])
+            return RunConfig.from_flags(absl_flags.FLAGS)
+        finally:
+            absl_flags.FLAGS.unparse_flags()
 
 
 def popen_main(*flags: str) -> subprocess.Popen:

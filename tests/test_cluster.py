@@ -42,6 +42,7 @@ def test_no_cluster_means_one_host():
     assert resolve_cluster(environ={}) is None
 
 
+SLURM = {"SLURM_PROCID": "1", "SLURM_STEP_NODELIST": "node[1-2]", "SLURM_STEP_TASKS_PER_NODE": "1(x2)"}
 BAD = [
     (dict(environ={"TF_CONFIG": "{not json"}), "TF_CONFIG is not valid JSON"),
     (
@@ -62,6 +63,23 @@ BAD = [
     (dict(task_type="worker", environ={}), "given without a cluster"),
     (dict(cluster_resolver="k8s", environ={}), "unknown --cluster_resolver='k8s'"),
     (dict(cluster_resolver="slurm", environ={}), "SLURM_PROCID is not set"),
+    (dict(environ={"TF_CONFIG": "[" * 100_000 + "]" * 100_000}), "TF_CONFIG is nested too deeply to parse"),
+    (
+        dict(cluster_resolver="slurm", environ=dict(SLURM, SLURM_PROCID="abc")),
+        "SLURM_PROCID='abc' must be a task",
+    ),
+    (
+        dict(cluster_resolver="slurm", environ=dict(SLURM, SLURM_STEP_NODELIST="node[1-")),
+        "SLURM_STEP_NODELIST='node[1-' does not parse as Slurm writes it",
+    ),
+    (
+        dict(cluster_resolver="slurm", environ=dict(SLURM, SLURM_STEP_TASKS_PER_NODE="two")),
+        "SLURM_STEP_TASKS_PER_NODE='two' does not parse as Slurm writes it",
+    ),
+    (
+        dict(cluster_resolver="slurm", environ=dict(SLURM, SLURM_STEP_TASKS_PER_NODE="2")),
+        "node list names 2 node(s) but its tasks per node give 1 count(s)",
+    ),
 ]
 
 

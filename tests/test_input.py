@@ -217,6 +217,34 @@ def test_mnist_loads_a_local_npz_from_data_dir(tmp_path, monkeypatch) -> None:
     np.testing.assert_array_equal(labels, arrays["y_test"])
 
 
+def _mnist_npz(path) -> None:
+    rng = np.random.RandomState(0)
+    np.savez(
+        path,
+        x_train=rng.randint(0, 256, (50, 28, 28), dtype=np.uint8),
+        y_train=rng.randint(0, 10, 50).astype(np.uint8),
+        x_test=rng.randint(0, 256, (20, 28, 28), dtype=np.uint8),
+        y_test=rng.randint(0, 10, 20).astype(np.uint8),
+    )
+
+
+@pytest.mark.parametrize(
+    "damage,kind", [("empty", "EOFError"), ("not_a_zip", "BadZipFile"), ("cut_in_half", "BadZipFile")]
+)
+def test_a_damaged_mnist_npz_is_one_line_naming_it(tmp_path, monkeypatch, damage, kind) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    path = tmp_path / "mnist.npz"
+    _mnist_npz(path)
+    data = path.read_bytes()
+    path.write_bytes(
+        {"empty": b"", "not_a_zip": b"PK\x03\x04" + data[-100:], "cut_in_half": data[: len(data) // 2]}[damage]
+    )
+    with pytest.raises(DataError) as error:
+        get_data_source("mnist", image_shape=MNIST_SHAPE, data_dir=str(tmp_path))
+    assert str(error.value).startswith(f"cannot read MNIST from {path}: {kind}")
+    assert "copy it again or remove it" in str(error.value) and "\n" not in str(error.value)
+
+
 # --- tfrecord -----------------------------------------------------------------------
 
 
@@ -325,6 +353,23 @@ def test_tfrecord_corrupt_file_is_named(tmp_path, record_dir) -> None:
         get_data_source("tfrecord", image_shape=(8, 8, 1), data_dir=str(tmp_path))
     assert str(error.value).startswith(f"cannot read TFRecord file {corrupt}:")
     assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("cut", [1, 14, 200, -9], ids=["data_crc", "into_data", "records", "partial_header"])
+def test_a_truncated_tfrecord_file_is_named_up_front(tmp_path, record_dir, cut) -> None:
+    """A file cut short reads fine up to its last record: only the framing shows it."""
+    directory, images, labels = record_dir
+    write_tfrecords(str(tmp_path / "train-0"), images[:40], labels[:40])
+    cut_file = tmp_path / "train-1"
+    write_tfrecords(str(cut_file), images[40:80], labels[40:80])
+    data = cut_file.read_bytes()
+    # A negative cut leaves the file ending inside the 12-byte header of one more record.
+    cut_file.write_bytes(data[: len(data) - cut] if cut > 0 else data + b"\x00" * -cut)
+    with pytest.raises(DataError) as error:
+        get_data_source("tfrecord", image_shape=(8, 8, 1), data_dir=str(tmp_path))
+    message = str(error.value)
+    assert message.startswith(f"TFRecord file {cut_file} is truncated: its record at byte "), message
+    assert "copy the file again or remove it from --data_dir" in message and "\n" not in message
 
 
 def test_tfrecord_glob_pattern_selects_train_files_only(record_dir) -> None:

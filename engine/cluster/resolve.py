@@ -154,6 +154,11 @@ def cluster_from_tf_config(text: str) -> Cluster:
         config = json.loads(text)
     except json.JSONDecodeError as error:
         raise UserError(f"TF_CONFIG is not valid JSON ({error}): {text[:200]!r}") from None
+    except RecursionError:
+        raise UserError(
+            f"TF_CONFIG is nested too deeply to parse ({len(text)} characters): {text[:60]!r}...; "
+            'it must be {"cluster": {...}, "task": {...}}'
+        ) from None
     if not isinstance(config, dict) or not isinstance(config.get("cluster"), dict):
         raise UserError(f'TF_CONFIG needs a "cluster" object of job -> ["host:port", ...]; got {text[:200]!r}')
     task = config.get("task")
@@ -185,16 +190,38 @@ def cluster_from_slurm(environ: Mapping[str, str], *, port_base: int) -> Cluster
             raise UserError(f"--cluster_resolver=slurm but SLURM_STEP_{name} is not set; run inside `srun`")
         return value
 
+    def parsed(parse, name: str, fallback: str, example: str):
+        """`parse` of the variable SLURM_STEP_<name> (or SLURM_<fallback>), its error named."""
+        value = variable(name, fallback)
+        try:
+            return parse(value)
+        except (ValueError, TypeError, IndexError):
+            source = f"SLURM_STEP_{name}" if environ.get(f"SLURM_STEP_{name}") else f"SLURM_{fallback}"
+            raise UserError(
+                f"{source}={value!r} does not parse as Slurm writes it (e.g. {example}); "
+                "run inside `srun`, or fix the variable"
+            ) from None
+
     if "SLURM_PROCID" not in environ:
         raise UserError("--cluster_resolver=slurm but SLURM_PROCID is not set; run inside `srun`")
-    hosts = expand_hostlist(variable("NODELIST", "JOB_NODELIST"))
-    tasks_per_node = expand_tasks_per_node(variable("TASKS_PER_NODE", "TASKS_PER_NODE"))
+    procid = environ["SLURM_PROCID"].strip()
+    if not procid.isdigit():
+        raise UserError(
+            f"SLURM_PROCID={environ['SLURM_PROCID']!r} must be a task number (0, 1, ...); run inside `srun`"
+        )
+    hosts = parsed(expand_hostlist, "NODELIST", "JOB_NODELIST", "'node[1-4],gpu7'")
+    tasks_per_node = parsed(expand_tasks_per_node, "TASKS_PER_NODE", "TASKS_PER_NODE", "'2(x3),1'")
+    if len(hosts) != len(tasks_per_node):  # zip would pair them silently wrong.
+        raise UserError(
+            f"Slurm's node list names {len(hosts)} node(s) but its tasks per node give "
+            f"{len(tasks_per_node)} count(s) ({tasks_per_node}); run inside `srun`, or fix the variables"
+        )
     addresses = [
         f"{host}:{port_base + offset}"
-        for host, count in sorted(zip(hosts, tasks_per_node, strict=False))
+        for host, count in sorted(zip(hosts, tasks_per_node, strict=True))
         for offset in range(count)
     ]
-    return _checked({"worker": addresses}, "worker", int(environ["SLURM_PROCID"]), source="Slurm")
+    return _checked({"worker": addresses}, "worker", int(procid), source="Slurm")
 
 
 def check_strategy_cluster(strategy: str, cluster: Cluster | None) -> None:

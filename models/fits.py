@@ -1,0 +1,80 @@
+"""Whether a built model fits the data it is about to train on.
+
+Checked symbolically (no variable is touched, no step is traced) right after
+the model is built and before anything is written to the model_dir: a model
+whose input or output does not match the data would otherwise fail deep in
+the first traced step, after the run has written its settings and event files.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import keras
+
+from models.registry import ModelError
+
+
+def check_fits_data(name: str, model: keras.Model, image_shape: tuple[int, ...], num_classes: int) -> None:
+    """Raises ModelError naming both shapes when `model` cannot take batches of
+    `image_shape` images or does not return one (batch, num_classes) tensor of logits.
+
+    A model that is not built yet (a subclassed model never called) has no
+    variables to train; the Trainer refuses it with its own message.
+    """
+    if not model.built:
+        return
+    data = (None, *image_shape)
+    declared = _declared_input_shapes(model)
+    if declared is not None:
+        if len(declared) != 1:
+            raise ModelError(
+                f"--model={name} takes {len(declared)} inputs {declared}; the data gives one: "
+                f"images of shape {data}; build the model on a single keras.Input(input_shape)"
+            )
+        if not _compatible(declared[0], data):
+            raise ModelError(
+                f"--model={name} takes inputs of shape {declared[0]} but the data's images have "
+                f"shape {data}; build it on keras.Input(input_shape) with the input_shape it is given"
+            )
+    try:
+        outputs = model.compute_output_spec(keras.KerasTensor(data, dtype="float32"))
+    except Exception as error:  # Whatever a layer raises on the data's shape.
+        raise ModelError(
+            f"--model={name} cannot take the data's images of shape {data}: "
+            f"{type(error).__name__}: {_first_line(error)}"
+        ) from None
+    flat = keras.tree.flatten(outputs)
+    shapes = [tuple(getattr(output, "shape", ())) for output in flat]
+    if len(flat) != 1:
+        raise ModelError(
+            f"--model={name} returns {len(flat)} outputs {shapes}; the engine trains one output "
+            f"of logits of shape (batch, {num_classes}): return a single tensor"
+        )
+    if len(shapes[0]) != 2 or shapes[0][-1] not in (None, num_classes):
+        raise ModelError(
+            f"--model={name} outputs shape {shapes[0]}; the data set has {num_classes} classes: "
+            f"return logits of shape (batch, {num_classes}), e.g. end with a Dense({num_classes})"
+        )
+
+
+def _declared_input_shapes(model: keras.Model) -> list[tuple[Any, ...]] | None:
+    """The shapes of a functional model's `keras.Input`s; None for a subclassed model."""
+    try:
+        inputs = model.inputs
+    except (AttributeError, ValueError):
+        return None
+    if not inputs:
+        return None
+    return [tuple(tensor.shape) for tensor in keras.tree.flatten(inputs)]
+
+
+def _compatible(declared: tuple[Any, ...], data: tuple[Any, ...]) -> bool:
+    return len(declared) == len(data) and all(
+        d is None or g is None or d == g for d, g in zip(declared, data, strict=True)
+    )
+
+
+def _first_line(error: Exception) -> str:
+    lines = str(error).strip().splitlines()
+    return lines[0][:300] if lines else ""

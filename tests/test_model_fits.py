@@ -1,0 +1,71 @@
+"""A model that does not fit the data is refused before the run writes anything:
+one line naming both shapes, exit 2, the model_dir as it was."""
+
+import textwrap
+
+import pytest
+from helpers import main_in_process, one_error_line, snapshot
+
+MISFITS = """
+import keras
+
+
+def wrong_input(input_shape, num_classes):
+    return keras.Sequential([keras.Input((32, 32, 3)), keras.layers.Flatten(), keras.layers.Dense(num_classes)])
+
+
+def flat_input(input_shape, num_classes):
+    return keras.Sequential([keras.Input((784,)), keras.layers.Dense(num_classes)])
+
+
+def two_outputs(input_shape, num_classes):
+    images = keras.Input(input_shape)
+    flat = keras.layers.Flatten()(images)
+    return keras.Model(images, [keras.layers.Dense(num_classes)(flat), keras.layers.Dense(num_classes)(flat)])
+
+
+def per_pixel_logits(input_shape, num_classes):
+    return keras.Sequential([keras.Input(input_shape), keras.layers.Dense(num_classes)])
+
+
+class Narrow(keras.Model):
+    def __init__(self, num_classes):
+        super().__init__()
+        self.flatten = keras.layers.Flatten()
+        self.logits = keras.layers.Dense(num_classes)
+
+    def call(self, images):
+        return self.logits(self.flatten(images))[:, :3]
+
+
+def subclassed_three_classes(input_shape, num_classes):
+    model = Narrow(num_classes)
+    model(keras.ops.zeros((1, *input_shape)))
+    return model
+"""
+
+CASES = [
+    (
+        "wrong_input",
+        "takes inputs of shape (None, 32, 32, 3) but the data's images have shape (None, 28, 28, 1)",
+    ),
+    ("flat_input", "takes inputs of shape (None, 784) but the data's images have shape (None, 28, 28, 1)"),
+    ("two_outputs", "returns 2 outputs [(None, 10), (None, 10)]; the engine trains one output"),
+    ("per_pixel_logits", "outputs shape (None, 28, 28, 10); the data set has 10 classes"),
+    ("subclassed_three_classes", "outputs shape (None, 3); the data set has 10 classes"),
+]
+
+
+@pytest.mark.parametrize("function,message", CASES, ids=[function for function, _ in CASES])
+def test_a_misfit_model_is_refused_before_any_write(tmp_path, monkeypatch, function, message):
+    (tmp_path / "misfit_nets.py").write_text(textwrap.dedent(MISFITS))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    model_dir = tmp_path / "run"
+    model_dir.mkdir()
+    (model_dir / "notes.txt").write_text("an earlier run's files")
+    before = snapshot(model_dir)
+    result = main_in_process(f"--model=misfit_nets:{function}", "--train_steps=3", f"--model_dir={model_dir}")
+    line = one_error_line(result)
+    assert f"--model=misfit_nets:{function}" in line and message in line, line
+    assert snapshot(model_dir) == before
+    assert sorted(p.name for p in model_dir.iterdir()) == ["notes.txt"]  # No settings, event file or lock.
