@@ -28,6 +28,7 @@ from typing import Any
 
 import tensorflow as tf
 
+from engine.compat import num_workers
 from engine.data import Data, DataForm, as_train_form, eval_dataset_on_one_replica, pipeline_at
 from engine.errors import UserError
 from engine.loop import make_train_loop
@@ -47,7 +48,7 @@ class CoordinatedTrainer(Trainer):
             )
         self.coordinator = tf.distribute.experimental.coordinator.ClusterCoordinator(strategy)
         super().__init__(strategy=strategy, train_data=train_data, **kwargs)
-        self.num_workers = strategy.extended._num_workers  # noqa: SLF001 (no public count)
+        self.num_workers = num_workers(strategy)
         # The same replica step and loop as on one host, minus the in-loop step count.
         self.train_loop = make_train_loop(strategy, self.replica_step, global_step=None)
 

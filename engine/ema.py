@@ -18,6 +18,7 @@ from collections.abc import Iterator, Mapping
 import keras
 import tensorflow as tf
 
+from engine.compat import optimizer_averages, optimizer_variables
 from engine.errors import UserError
 
 
@@ -33,7 +34,7 @@ class WeightAverages:
 
     def _variables(self) -> list:
         # The variables in the order the optimizer was built on: Keras pairs averages by position.
-        return list(self.optimizer._trainable_variables)  # noqa: SLF001 (what Keras's own apply passes)
+        return optimizer_variables(self.optimizer)
 
     @contextlib.contextmanager
     def swapped_in(self) -> Iterator[None]:
@@ -51,7 +52,7 @@ class WeightAverages:
     def reset_to_weights(self) -> None:
         """Starts the averages at the current weights (fresh optimizer state on resumed weights:
         Keras starts an average at the weights only at iteration 0)."""
-        averages = self.optimizer._model_variables_moving_average  # noqa: SLF001 (no public accessor)
+        averages = optimizer_averages(self.optimizer)
         for average, variable in zip(averages, self._variables(), strict=False):
             average.assign(tf.convert_to_tensor(variable))
 

@@ -18,9 +18,9 @@ def one_line(error: BaseException | str, limit: int | None = None) -> str:
 class UserError(Exception):
     """A bad input: the message says what is wrong and what to do."""
 
-    # Raised while a step is traced, it must reach the user as the one line it is. AutoGraph
-    # rewrites every exception it sees into one carrying "in user code:" frames, except those
-    # that carry this attribute (tensorflow/python/autograph/impl/api.py, tested in test_errors).
+    # Raised while a step is traced, it must reach the user as the one line it is: AutoGraph
+    # leaves exceptions with this attribute alone (engine.compat.AUTOGRAPH_PASS_THROUGH, tested
+    # in tests/test_compat.py; this module imports no TensorFlow, so the name is spelled here).
     ag_pass_through = True
 
 

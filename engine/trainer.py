@@ -19,6 +19,7 @@ import tensorflow as tf
 from engine import checkpoint as checkpoint_lib
 from engine import model_dir as model_dir_lib
 from engine.callbacks import CallbackLike, as_callbacks
+from engine.compat import num_workers
 from engine.config import DEFAULT_STEPS_PER_LOOP, NONFINITE_POLICIES
 from engine.data import (
     Data,
@@ -685,7 +686,7 @@ def _make_stop_agreement(strategy: tf.distribute.Strategy):
     training; None where one process decides alone."""
     if not isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
         return None
-    if strategy.extended._num_workers < 2:  # noqa: SLF001 (no public worker count)
+    if num_workers(strategy) < 2:
         return None
 
     @tf.function

@@ -17,6 +17,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
+from engine.compat import keras_sublayers, module_leaves
 from engine.errors import UserError
 
 Variable = Any  # A tf.Variable or a keras.Variable.
@@ -48,7 +49,7 @@ def regularization_losses(model: Any) -> list[Any]:
     """Every regularization loss of `model` (weight regularizers and `add_loss` terms of
     its last call), each Keras layer counted once however it is reached."""
     roots = keras_roots(model)
-    covered = {id(sub) for root in roots for sub in _keras_sublayers(root)}
+    covered = {id(sub) for root in roots for sub in keras_sublayers(root)}
     return [loss for root in roots if id(root) not in covered for loss in root.losses]
 
 
@@ -75,11 +76,6 @@ def check_regularizers_visible(model: Any) -> None:
             "Keras layer of the model reports, so its penalty would not be trained: keep the layer as an "
             "attribute of the model, or add the penalty to the loss in a step_fn"
         )
-
-
-def _keras_sublayers(layer: keras.layers.Layer) -> list[keras.layers.Layer]:
-    # Keras 3 has no public recursive listing; `_flatten_layers` is what `Layer.losses` itself walks.
-    return list(layer._flatten_layers(include_self=False))  # noqa: SLF001
 
 
 def _collect(model: Any, *, trainable_only: bool) -> list[Variable]:
@@ -112,9 +108,8 @@ def _walk(
     if isinstance(node, tf.Module):
         # `_flatten` walks tf.Module attributes (and lists, dicts of them), stopping at
         # plain variables and at Keras layers, which answer for themselves above.
-        leaves = node._flatten(  # noqa: SLF001 (the walk tf.Module's own properties use)
-            predicate=lambda value: isinstance(value, (tf.Variable, keras.Variable, keras.layers.Layer)),
-            expand_composites=False,
+        leaves = module_leaves(
+            node, lambda value: isinstance(value, (tf.Variable, keras.Variable, keras.layers.Layer))
         )
         for leaf in leaves:
             if isinstance(leaf, keras.layers.Layer):

@@ -130,24 +130,12 @@ def bounded_startup(cluster: Cluster | None, timeout: float) -> Iterator[None]:
 def _configure_coordination(cluster: Cluster, timeout: float) -> None:
     """The coordination service MultiWorkerMirroredStrategy would configure, with a
     registration timeout (TF's default waits forever)."""
-    from tensorflow.compiler.xla.tsl.protobuf import coordination_config_pb2
-    from tensorflow.python.distribute import multi_worker_util
-    from tensorflow.python.eager import context
+    from engine.compat import configure_coordination_service
 
-    if context.context().coordination_service is not None or cluster.task_type not in ("chief", "worker"):
+    if cluster.task_type not in ("chief", "worker"):
         return
     spec = tf.train.ClusterSpec({job: list(hosts) for job, hosts in cluster.training_spec().items()})
-    jobs = [
-        coordination_config_pb2.CoordinatedJob(name=job, num_tasks=spec.num_tasks(job))
-        for job in ("chief", "worker")
-        if job in spec.jobs
-    ]
-    context.context().configure_coordination_service(
-        service_type="standalone",
-        service_leader=multi_worker_util.coordination_leader(spec),
-        coordinated_jobs=jobs,
-        cluster_register_timeout_in_ms=int(timeout * 1000),
-    )
+    configure_coordination_service(spec, register_timeout_s=timeout)
 
 
 def _startup_timeout_message(cluster: Cluster, timeout: float) -> str:

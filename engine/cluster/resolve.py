@@ -179,10 +179,9 @@ def cluster_from_slurm(environ: Mapping[str, str], *, port_base: int) -> Cluster
     TF's `SlurmClusterResolver` itself cannot be used on machines without GPUs
     (it divides the node's GPUs among tasks with a step of 0).
     """
-    from tensorflow.python.distribute.cluster_resolver.slurm_cluster_resolver import (
-        expand_hostlist,
-        expand_tasks_per_node,
-    )
+    from engine.compat import slurm_hostlist_parsers
+
+    expand_hostlist, expand_tasks_per_node = slurm_hostlist_parsers()
 
     def variable(name: str, fallback: str | None = None) -> str:
         value = environ.get(f"SLURM_STEP_{name}") or (environ.get(f"SLURM_{fallback}") if fallback else None)

@@ -1,0 +1,87 @@
+"""Every private TensorFlow and Keras API the engine uses, in one place.
+
+Each is a thing the public API does not offer (said at each function), and
+each has a fast test in `tests/test_compat.py` that fails naming the TF and
+Keras versions when a release moves it, so an upgrade breaks here, in the
+fast tier, not somewhere only a slow multi-process test reaches. Code
+elsewhere in the engine calls these functions, never the private names.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import keras
+import tensorflow as tf
+
+VERSIONS = f"TensorFlow {tf.__version__}, Keras {keras.__version__}"
+
+# The attribute AutoGraph checks before it rewrites an exception raised in converted code into
+# one carrying "in user code:" frames (tensorflow/python/autograph/impl/api.py); `UserError`
+# sets it so that a refusal found while tracing reaches the user as its one line.
+AUTOGRAPH_PASS_THROUGH = "ag_pass_through"
+
+
+def module_leaves(module: tf.Module, predicate: Callable[[Any], bool]) -> list[Any]:
+    """The values under a `tf.Module`'s attributes (lists and dicts of them too) that match
+    `predicate`, not descending into a match: the walk `tf.Module.variables` itself makes,
+    which is the only one that stops at Keras layers (they answer for their own variables)."""
+    return list(module._flatten(predicate=predicate, expand_composites=False))  # noqa: SLF001
+
+
+def keras_sublayers(layer: keras.layers.Layer) -> list[keras.layers.Layer]:
+    """Every Keras sublayer of `layer`, recursively: what `Layer.losses` walks (Keras 3 has
+    no public recursive listing)."""
+    return list(layer._flatten_layers(include_self=False))  # noqa: SLF001
+
+
+def optimizer_variables(optimizer: keras.optimizers.Optimizer) -> list[Any]:
+    """The variables an optimizer was built on, in its order: Keras pairs its moving averages
+    with them by position (what Keras's own `apply` passes; no public accessor)."""
+    return list(optimizer._trainable_variables)  # noqa: SLF001
+
+
+def optimizer_averages(optimizer: keras.optimizers.Optimizer) -> Sequence[Any]:
+    """The moving averages of an optimizer built with `use_ema=True` (no public accessor)."""
+    return optimizer._model_variables_moving_average  # noqa: SLF001
+
+
+def num_workers(strategy: tf.distribute.Strategy) -> int:
+    """The worker count of a multi-worker or parameter-server strategy (no public count)."""
+    return int(strategy.extended._num_workers)  # noqa: SLF001
+
+
+def configure_coordination_service(spec: tf.train.ClusterSpec, *, register_timeout_s: float) -> bool:
+    """Starts the coordination service MultiWorkerMirroredStrategy would start, but with a
+    registration timeout (its own waits forever); False where one is configured already.
+    TF offers no public way to pass the timeout."""
+    from tensorflow.compiler.xla.tsl.protobuf import coordination_config_pb2
+    from tensorflow.python.distribute import multi_worker_util
+    from tensorflow.python.eager import context
+
+    if context.context().coordination_service is not None:
+        return False
+    jobs = [
+        coordination_config_pb2.CoordinatedJob(name=job, num_tasks=spec.num_tasks(job))
+        for job in ("chief", "worker")
+        if job in spec.jobs
+    ]
+    context.context().configure_coordination_service(
+        service_type="standalone",
+        service_leader=multi_worker_util.coordination_leader(spec),
+        coordinated_jobs=jobs,
+        cluster_register_timeout_in_ms=int(register_timeout_s * 1000),
+    )
+    return True
+
+
+def slurm_hostlist_parsers() -> tuple[Callable[[str], list[str]], Callable[[str], list[int]]]:
+    """TF's own parsers of Slurm's compact node lists (`node[1-3,5]`) and tasks per node
+    (`2(x3),1`): `SlurmClusterResolver` itself cannot be used without GPUs, its parsers can."""
+    from tensorflow.python.distribute.cluster_resolver.slurm_cluster_resolver import (
+        expand_hostlist,
+        expand_tasks_per_node,
+    )
+
+    return expand_hostlist, expand_tasks_per_node

@@ -1,0 +1,88 @@
+"""Every private TensorFlow/Keras API in `engine.compat` still does what the engine needs.
+
+Fast and in-process on purpose: a TF or Keras release that moves one of
+them fails here, naming both versions, before a slow test meets it."""
+
+import contextlib
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from engine import compat
+from engine.errors import UserError
+
+
+@contextlib.contextmanager
+def private_api(what: str):
+    try:
+        yield
+    except (AttributeError, ImportError, TypeError) as error:
+        pytest.fail(f"{what} moved in {compat.VERSIONS}: {error}")
+
+
+def test_module_leaves_stop_at_keras_layers():
+    dense = keras.layers.Dense(2)
+    dense.build((None, 3))
+    module = tf.Module()
+    module.dense = dense
+    module.parts = [tf.Variable(1.0, name="a"), {"b": tf.Variable(2.0, name="b")}]
+    with private_api("tf.Module._flatten"):
+        leaves = compat.module_leaves(
+            module, lambda value: isinstance(value, (tf.Variable, keras.Variable, keras.layers.Layer))
+        )
+    assert any(leaf is dense for leaf in leaves)
+    assert sorted(leaf.name for leaf in leaves if isinstance(leaf, tf.Variable)) == ["a:0", "b:0"]
+    assert not any(leaf is dense.kernel for leaf in leaves)  # Not inside the layer.
+
+
+def test_keras_sublayers_are_recursive():
+    inner = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    outer = keras.Sequential([keras.Input((3,)), inner, keras.layers.Dense(1)])
+    with private_api("Layer._flatten_layers"):
+        sublayers = compat.keras_sublayers(outer)
+    assert inner in sublayers and inner.layers[0] in sublayers and outer not in sublayers
+
+
+def test_optimizer_variables_and_averages_pair_by_position():
+    variables = [keras.Variable(np.ones(2, "float32")), keras.Variable(np.zeros(3, "float32"))]
+    optimizer = keras.optimizers.SGD(0.1, use_ema=True)
+    optimizer.build(variables)
+    with private_api("Optimizer._trainable_variables / _model_variables_moving_average"):
+        built_on = compat.optimizer_variables(optimizer)
+        averages = compat.optimizer_averages(optimizer)
+    assert [v.shape for v in built_on] == [(2,), (3,)]
+    assert [tuple(a.shape) for a in averages] == [(2,), (3,)]
+
+
+def test_num_workers_of_a_single_worker_strategy():
+    with private_api("StrategyExtended._num_workers"):
+        assert compat.num_workers(tf.distribute.MultiWorkerMirroredStrategy()) == 1
+
+
+def test_the_coordination_service_and_slurm_parsers_import():
+    with private_api("coordination service internals"):
+        from tensorflow.compiler.xla.tsl.protobuf import coordination_config_pb2
+        from tensorflow.python.distribute import multi_worker_util
+        from tensorflow.python.eager import context
+
+        assert hasattr(context.context(), "configure_coordination_service")
+        assert callable(multi_worker_util.coordination_leader)
+        assert coordination_config_pb2.CoordinatedJob(name="worker", num_tasks=2).num_tasks == 2
+    with private_api("SlurmClusterResolver's parsers"):
+        expand_hostlist, expand_tasks_per_node = compat.slurm_hostlist_parsers()
+    assert expand_hostlist("node[1-3,5]") == ["node1", "node2", "node3", "node5"]
+    assert expand_tasks_per_node("2(x2),1") == [2, 2, 1]
+
+
+def test_autograph_passes_a_user_error_through_unchanged():
+    assert getattr(UserError, compat.AUTOGRAPH_PASS_THROUGH) is True
+
+    @tf.function
+    def traced(x):
+        raise UserError("the one line")
+
+    with pytest.raises(UserError) as caught:
+        traced(tf.constant(1))
+    assert str(caught.value) == "the one line", f"AutoGraph rewrote the error ({compat.VERSIONS})"
