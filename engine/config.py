@@ -21,26 +21,26 @@ from absl import flags
 
 from engine.cluster.resolve import DEFAULT_SLURM_PORT_BASE, RESOLVERS
 from engine.errors import UserError
+from engine.options import (  # noqa: F401 (re-exported: the command line's names in one place)
+    COMMUNICATIONS,
+    DEFAULT_COLLECTIVE_TIMEOUT,
+    DEFAULT_STARTUP_TIMEOUT,
+    DEFAULT_STEPS_PER_LOOP,
+    METRIC_MODES,
+    MULTI_HOST_STRATEGIES,
+    NONFINITE_POLICIES,
+    PRECISION_POLICIES,
+    SCHEDULE_NAMES,
+    SINGLE_HOST_STRATEGIES,
+    STRATEGY_NAMES,
+)
 
-# The names and defaults every layer shares, defined once here (pure Python, so that the
-# flags and `RunConfig` need no TensorFlow) and imported where they are used.
-SINGLE_HOST_STRATEGIES = ("default", "one_device", "mirrored")
-MULTI_HOST_STRATEGIES = ("multi_worker_mirrored", "parameter_server", "tpu")
-STRATEGY_NAMES = SINGLE_HOST_STRATEGIES + MULTI_HOST_STRATEGIES
-PRECISION_POLICIES = {"float32": "float32", "float16": "mixed_float16", "bfloat16": "mixed_bfloat16"}
+# The library's own choices and defaults (engine.options); the command line's below.
 OPTIMIZER_NAMES = ("sgd", "momentum", "adam", "adamw")
-SCHEDULE_NAMES = ("constant", "cosine", "step", "warmup_cosine")
 INPUT_PIPELINES = ("per_replica", "global")
-NONFINITE_POLICIES = ("stop", "skip")
-METRIC_MODES = ("auto", "min", "max")  # Whether a watched metric should go down or up.
-COMMUNICATIONS = ("auto", "ring", "nccl")
 EVAL_METRIC_NAMES = ("loss", "accuracy")  # What job.py evaluates.
 MODES = ("train", "eval", "train_and_eval", "continuous_eval")  # TF Model Garden's names.
 DEFAULT_EPOCHS = 20.0
-# Steps per compiled call: the Trainer's default and the CLI's (--steps_per_loop).
-DEFAULT_STEPS_PER_LOOP = 50
-DEFAULT_COLLECTIVE_TIMEOUT = 300.0
-DEFAULT_STARTUP_TIMEOUT = 300.0
 # Per-device memory (MiB) up to which an in-memory train split is kept on the replicas' devices.
 DEFAULT_DEVICE_DATA_MB = 1024
 # What the engine can count: loop lengths, cadences and batch sizes are int32 in the compiled

@@ -6,8 +6,8 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
-from engine.config import PRECISION_POLICIES
 from engine.errors import UserError
+from engine.options import PRECISION_POLICIES
 
 
 def seed_everything(seed: int, *, deterministic: bool = False) -> None:

@@ -12,8 +12,8 @@ from typing import TypeAlias
 
 import keras
 
-from engine.config import SCHEDULE_NAMES
 from engine.errors import UserError
+from engine.options import SCHEDULE_NAMES
 
 LearningRate: TypeAlias = float | keras.optimizers.schedules.LearningRateSchedule
 

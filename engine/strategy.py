@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING
 
 import tensorflow as tf
 
-from engine.config import MULTI_HOST_STRATEGIES, STRATEGY_NAMES
 from engine.errors import UserError
+from engine.options import MULTI_HOST_STRATEGIES, STRATEGY_NAMES
 
 if TYPE_CHECKING:
     from engine.cluster.multi_host import MultiHostOptions

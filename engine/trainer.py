@@ -20,7 +20,6 @@ from engine import checkpoint as checkpoint_lib
 from engine import model_dir as model_dir_lib
 from engine.callbacks import CallbackLike, as_callbacks
 from engine.compat import num_workers
-from engine.config import DEFAULT_STEPS_PER_LOOP, NONFINITE_POLICIES
 from engine.data import (
     Data,
     DataForm,
@@ -41,6 +40,7 @@ from engine.loop import (
     make_resident_train_loop,
     make_train_loop,
 )
+from engine.options import DEFAULT_STEPS_PER_LOOP, NONFINITE_POLICIES
 from engine.progress import Progress, format_logs, logger
 from engine.resident import ResidentData, keeps_on_devices, place_on_replicas
 from engine.schedules import is_scheduled
@@ -100,7 +100,7 @@ class Trainer:
         for eval batches of another structure (e.g. dicts); evaluation then
         applies `loss_fn` and `metrics` to what it returns.
       steps_per_loop: the most steps one compiled call runs (shared default
-        with the CLI: `engine.config.DEFAULT_STEPS_PER_LOOP`).
+        with the CLI: `engine.options.DEFAULT_STEPS_PER_LOOP`).
       ema_decay: keep an exponential moving average of the weights with this
         decay (Keras's `use_ema`, set on the one optimizer before it is
         built); training is unchanged, evaluation, the best checkpoint and

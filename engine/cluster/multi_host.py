@@ -21,8 +21,8 @@ import tensorflow as tf
 from absl import logging
 
 from engine.cluster import Cluster, check_strategy_cluster
-from engine.config import COMMUNICATIONS, DEFAULT_COLLECTIVE_TIMEOUT, DEFAULT_STARTUP_TIMEOUT
 from engine.errors import UserError, one_line
+from engine.options import COMMUNICATIONS, DEFAULT_COLLECTIVE_TIMEOUT, DEFAULT_STARTUP_TIMEOUT
 from engine.preemption import signals_left_pending
 
 _STARTUP_SIGNALS = (signal.SIGTERM, signal.SIGINT)

@@ -19,8 +19,8 @@ from absl import logging
 
 from engine import model_dir as model_dir_lib
 from engine.callbacks import Callback, TrainerView
-from engine.config import METRIC_MODES as MODES
 from engine.errors import UserError
+from engine.options import METRIC_MODES as MODES
 
 # Metrics where larger is better; anything else (losses, errors) is minimized under "auto".
 _MAX_HINTS = ("acc", "auc", "precision", "recall", "f1", "iou", "top")

@@ -1,0 +1,28 @@
+"""The library stands on its own: `import engine` and its public API never import the command
+line (`engine.config`, `engine.flags`, `engine.job`, `engine.main`) nor define an absl flag."""
+
+import subprocess
+import sys
+
+import pytest
+from helpers import python_env
+
+PUBLIC_API = """
+import sys
+import engine
+for name in engine.__all__:
+    getattr(engine, name)
+import engine.coordinator, engine.keras_callbacks, engine.cluster.multi_host
+from absl import flags
+cli = sorted(m for m in sys.modules if m in ("engine.config", "engine.flags", "engine.job", "engine.main"))
+print("cli modules:", cli, "flags:", [f for f in ("model_dir", "strategy", "steps_per_loop") if f in flags.FLAGS])
+"""
+
+
+@pytest.mark.slow  # A fresh interpreter: the test process has imported the CLI already.
+def test_the_public_api_imports_no_command_line():
+    result = subprocess.run(
+        [sys.executable, "-c", PUBLIC_API], env=python_env(), capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "cli modules: [] flags: []" in result.stdout, result.stdout
