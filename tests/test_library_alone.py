@@ -15,7 +15,8 @@ for name in engine.__all__:
 import engine.coordinator, engine.keras_callbacks, engine.cluster.multi_host
 from absl import flags
 cli = sorted(m for m in sys.modules if m in ("engine.config", "engine.flags", "engine.job", "engine.main"))
-print("cli modules:", cli, "flags:", [f for f in ("model_dir", "strategy", "steps_per_loop") if f in flags.FLAGS])
+defined = [f for f in ("model_dir", "strategy", "steps_per_loop") if f in flags.FLAGS]
+print("cli modules:", cli, "flags:", defined)
 """
 
 
