@@ -274,7 +274,7 @@ class RunConfig:
         _choose("on_nonfinite", self.on_nonfinite, NONFINITE_POLICIES)
         _choose("communication", self.communication, COMMUNICATIONS)
         _choose("mixed_precision", self.mixed_precision, tuple(PRECISION_POLICIES))
-        self._validate_numbers()
+        self.validate_numbers()
         for name in (
             "cpu_devices",
             "global_batch_size",
@@ -316,7 +316,7 @@ class RunConfig:
         self._validate_schedule_and_hooks()
         self._validate_mode()
 
-    def _validate_numbers(self) -> None:
+    def validate_numbers(self) -> None:
         """Every numeric flag at once, from the fields' types (so a new flag is covered):
         floats finite, integers within what the engine counts, timeouts within int64 ms."""
         for field in dataclasses.fields(self):

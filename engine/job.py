@@ -11,6 +11,7 @@ import dataclasses
 import hashlib
 import math
 import os
+import re
 import tempfile
 from collections.abc import Callable
 from typing import Any
@@ -25,7 +26,7 @@ from engine import model_dir as model_dir_lib
 from engine.cluster import task_model_dir
 from engine.config import RunConfig
 from engine.environment import seed_everything, set_precision
-from engine.errors import UserError
+from engine.errors import UserError, one_line
 from engine.export import export_saved_model
 from engine.hooks.from_config import hooks_from_config
 from engine.hparams import write_hparams
@@ -258,6 +259,18 @@ def _train_and_evaluate(
                 eval_logs = (
                     trainer.evaluate_current() if eval_data is not None and not trainer.stop_requested else {}
                 )
+            except tf.errors.DataLossError as error:  # A record whose bytes fail their CRC, read mid-run.
+                message = damaged_data_message(config, source, error, _what_is_kept(trainer))
+                if message is None:
+                    raise
+                trainer.close()
+                raise UserError(message) from None
+            except tf.errors.ResourceExhaustedError as error:  # Disk-full ones are save()'s, not this.
+                message = out_of_memory_message(config, strategy, error, _what_is_kept(trainer))
+                if message is None:
+                    raise
+                trainer.close()
+                raise UserError(message) from None
             except tf.errors.InvalidArgumentError as error:
                 if "label" not in str(error):
                     raise
@@ -312,6 +325,67 @@ def _train_and_evaluate(
         "" if cluster is None else f"; weights_digest={_weights_digest(model)}",
     )
     return result
+
+
+def _what_is_kept(trainer: Trainer) -> str:
+    """How a run that stops on an error ends: it saves nothing after the error."""
+    manager = trainer.checkpoint_manager
+    latest = manager.latest_checkpoint if manager is not None else None
+    if latest is None:
+        return "stopped without saving (no checkpoint yet)"
+    return f"stopped without saving, the latest checkpoint ({latest}) is kept"
+
+
+def _tf_error_line(error: tf.errors.OpError, key: str) -> str | None:
+    """The line of a TF error that holds `key`, without its '{{function_node ...}}' and
+    '[Op:...]' parts; None if no line does. A compiled call's error starts with "Graph
+    execution error:" and the Python stack where the op was defined, TF's own text after it."""
+    for line in (error.message or "").splitlines():
+        if key in line and not line.startswith(" "):  # Not a line of the stack (or a file named in it).
+            line = re.sub(r"\{\{[^}]*\}\}\s*", "", line)
+            return one_line(re.sub(r"\s*\[Op:.*$", "", line), 200)
+    return None
+
+
+def _some(paths: tuple[str, ...], shown: int = 5) -> str:
+    more = f" and {len(paths) - shown} more" if len(paths) > shown else ""
+    return ", ".join(paths[:shown]) + more
+
+
+def damaged_data_message(config: RunConfig, source, error: tf.errors.DataLossError, kept: str) -> str | None:
+    """One line for a data file whose record fails its checksum mid-run (its framing was
+    checked at start-up, its bytes were not: that would read the whole data set); None for
+    a DataLossError that is not a data file's (a damaged checkpoint keeps its traceback)."""
+    text = _tf_error_line(error, "record at ")  # "corrupted record at 9352"
+    damaged_files = getattr(source, "damaged_files", None)
+    if damaged_files is None or text is None:
+        return None
+    files = damaged_files(str(error))
+    where = f"TFRecord file {files[0]}" if len(files) == 1 else f"one of the TFRecord files {_some(files)}"
+    return (
+        f"damaged data in {where} ({text}); copy the file again or remove it from --data_dir={config.data_dir}; "
+        f"{kept}"
+    )
+
+
+def out_of_memory_message(
+    config: RunConfig, strategy, error: tf.errors.ResourceExhaustedError, kept: str
+) -> str | None:
+    """One line for a device or host allocation that failed inside the compiled step
+    (TF's "OOM when allocating"); None for other exhausted resources (a full disk)."""
+    text = _tf_error_line(error, "OOM when allocating")
+    if text is None:
+        return None
+    replicas = strategy.num_replicas_in_sync
+    per_replica = config.global_batch_size // replicas
+    accumulate = config.grad_accum_steps
+    micro = per_replica // accumulate
+    return (
+        f"out of memory training --model={config.model} at --global_batch_size={config.global_batch_size} "
+        f"({micro} examples per micro-batch on each of {replicas} replica(s), {accumulate} micro-batch(es) "
+        f"a step): {text}; use a smaller --global_batch_size, or a larger "
+        f"--grad_accum_steps (the same batch in smaller micro-batches); {kept}"
+    )
 
 
 def resident_train_data(

@@ -10,4 +10,4 @@ flags.adopt_module_key_flags(launch)  # --help shows the launcher's flags.
 __doc__ = launch.__doc__  # What --help prints above the flags.
 
 if __name__ == "__main__":
-    app.run(lambda argv: sys.exit(launch.main(argv)))
+    app.run(lambda argv: sys.exit(launch.main(argv)), flags_parser=launch.parse_flags)

@@ -293,6 +293,26 @@ class TFRecordSource(DataSource):
 
         return slice_batch
 
+    def damaged_files(self, error_text: str) -> tuple[str, ...]:
+        """The files that may hold the damaged record a DataLossError of the reader
+        reports ("corrupted record at 9352" names an offset, not a file): the file its
+        text names, else the train files long enough to hold that offset (remote ones
+        kept: their size costs a request), else every train file. Eval files were read
+        whole at start-up (`_count_records`), so damage found mid-run is the train split's."""
+        files = self._train_files + self._eval_files
+        named = tuple(path for path in files if path in error_text)
+        if named:
+            return named
+        offset = re.search(r"record at (\d+)", error_text)
+        if offset is None:
+            return self._train_files
+        holding = tuple(
+            path
+            for path in self._train_files
+            if "://" in path or not os.path.exists(path) or os.path.getsize(path) > int(offset.group(1))
+        )
+        return holding or self._train_files
+
     def eval_dataset(
         self,
         *,

@@ -31,6 +31,7 @@ import contextlib
 import ctypes
 import dataclasses
 import os
+import resource
 import signal
 import socket
 import subprocess
@@ -38,11 +39,12 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from absl import flags
 
 from engine.cluster import Cluster, security_warning
-from engine.errors import USER_ERROR_EXIT
+from engine.errors import USER_ERROR_EXIT, UserError, one_line
 
 flags.DEFINE_integer("num_workers", 2, "Worker tasks.")
 flags.DEFINE_integer("num_ps", 0, "Parameter-server tasks; > 0 adds a chief (the coordinator).")
@@ -65,6 +67,11 @@ PROGRAM = "engine.launch"
 POLL_SECONDS = 0.2
 STOP_GRACE_SECONDS = 10.0
 _PR_SET_PDEATHSIG = 1
+# The processes one launcher starts and watches on this machine (each holds a port's socket
+# while the ports are chosen, then the pipe of its output) and the restarts it counts.
+MAX_TASKS = 1024
+FILES_PER_TASK = 2
+MAX_RESTARTS = 2**31 - 1
 
 
 @dataclasses.dataclass
@@ -329,28 +336,73 @@ def _raise_interrupt(signum, frame) -> None:
 
 
 def check_main_flags(main_flags: Sequence[str]) -> str | None:
-    """The flag-parsing error engine.main would die of, found before any task starts."""
+    """The error engine.main would die of in every task, found before any task starts:
+    its flag parsing, and numbers it cannot count (nan, inf, a timeout past 1e9 s, a port)."""
     from engine import flags as engine_flags  # noqa: F401  (defines engine.main's flags)
+    from engine.config import RunConfig
 
     try:
         FLAGS(["engine.main", *main_flags])
+        values: dict[str, Any] = {field.name: FLAGS[field.name].value for field in dataclasses.fields(RunConfig)}
+        RunConfig(**values).validate_numbers()
     except flags.Error as error:
-        return str(error)
+        return f"the flags after -- are not engine.main's: {one_line(error)}"
+    except UserError as error:
+        return f"engine.main would refuse the flags after --: {error}"
     return None
+
+
+def most_tasks() -> int:
+    """MAX_TASKS, or fewer where `ulimit -n` leaves less than FILES_PER_TASK open files a task."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return MAX_TASKS
+    return max(1, min(MAX_TASKS, (soft - 64) // FILES_PER_TASK))  # 64: the launcher's own files.
+
+
+def check_launcher_flags() -> None:
+    """The launcher's own numbers: counts it can start and watch, restarts it can count."""
+    limit = most_tasks()
+    bounds = {"num_workers": (1, limit), "num_ps": (0, limit)}
+    bounds |= {"max_restarts": (0, MAX_RESTARTS), "max_worker_restarts": (0, MAX_RESTARTS)}
+    for name, (low, high) in bounds.items():
+        value = getattr(FLAGS, name)  # An integer flag with a default: never None (absl refuses nan).
+        if not low <= value <= high:
+            raise UserError(f"--{name}={value} must be between {low} and {high}{_why(name, high)}")
+    tasks = FLAGS.num_workers + FLAGS.num_ps + (1 if FLAGS.num_ps else 0) + (1 if FLAGS.evaluator else 0)
+    if tasks > limit:
+        evaluator = " --evaluator" if FLAGS.evaluator else ""
+        raise UserError(
+            f"--num_workers={FLAGS.num_workers} --num_ps={FLAGS.num_ps}{evaluator} make {tasks} tasks; "
+            f"one launcher starts at most {limit}{_why('', limit)}"
+        )
+
+
+def _why(name: str, high: int) -> str:
+    if name not in ("", "num_workers", "num_ps"):
+        return ""
+    if high < MAX_TASKS:
+        return f" (the tasks one launcher starts here: {FILES_PER_TASK} open files each under `ulimit -n`)"
+    return " (the tasks one launcher starts on this machine)"
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+    """absl's parsing, with its errors (--num_workers=nan, an unknown flag) as one line and
+    exit 2 like every other bad flag, instead of absl's usage text and exit 1."""
+    try:
+        return FLAGS(argv)
+    except flags.Error as error:
+        print(f"{PROGRAM}: error: {one_line(error)}; see --help", file=sys.stderr)
+        sys.exit(USER_ERROR_EXIT)
 
 
 def main(argv: list[str]) -> int:
     main_flags = argv[1:]
-    for name in ("num_workers",):
-        value = getattr(FLAGS, name)  # An integer flag with a default: never None.
-        if value < 1:
-            print(f"{PROGRAM}: error: --{name}={value} must be at least 1", file=sys.stderr)
-            return USER_ERROR_EXIT
-    for name in ("num_ps", "max_restarts", "max_worker_restarts"):
-        value = getattr(FLAGS, name)
-        if value < 0:
-            print(f"{PROGRAM}: error: --{name}={value} must be >= 0", file=sys.stderr)
-            return USER_ERROR_EXIT
+    try:
+        check_launcher_flags()
+    except UserError as error:
+        print(f"{PROGRAM}: error: {error}", file=sys.stderr)
+        return USER_ERROR_EXIT
     if FLAGS.max_restarts and FLAGS.num_ps:
         print(
             f"{PROGRAM}: error: --max_restarts={FLAGS.max_restarts} restarts a multi_worker_mirrored "
@@ -360,7 +412,7 @@ def main(argv: list[str]) -> int:
         return USER_ERROR_EXIT
     problem = check_main_flags(main_flags)
     if problem:
-        print(f"{PROGRAM}: error: the flags after -- are not engine.main's: {problem}", file=sys.stderr)
+        print(f"{PROGRAM}: error: {problem}", file=sys.stderr)
         return USER_ERROR_EXIT
     num_workers, num_ps, evaluator, host = FLAGS.num_workers, FLAGS.num_ps, FLAGS.evaluator, FLAGS.host
     num_tasks = num_workers + num_ps + (1 if num_ps else 0) + (1 if evaluator else 0)
