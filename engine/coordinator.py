@@ -31,7 +31,7 @@ import tensorflow as tf
 from engine.compat import num_workers
 from engine.data import Data, DataForm, as_train_form, eval_dataset_on_one_replica, pipeline_at
 from engine.errors import UserError
-from engine.loop import make_train_loop
+from engine.loop import LoopResult, make_train_loop
 from engine.trainer import Trainer
 
 
@@ -59,34 +59,33 @@ class CoordinatedTrainer(Trainer):
             self._iterator = iter(self.coordinator.create_per_worker_dataset(dataset_fn))
         return self._iterator
 
-    def _run_train_loop(self, iterator, num_steps: int, **_: Any) -> dict[str, float]:
+    def _run_train_loop(self, iterator, num_steps: int, **_: Any) -> LoopResult:
         """Schedules the loop as one closure per worker; waits for all of them."""
         chunks = split_steps(num_steps, self.num_workers)
-        results = [
+        scheduled = [
             (steps, self.coordinator.schedule(self.train_loop, args=(iterator, tf.constant(steps, tf.int32))))
             for steps in chunks
         ]
         self.coordinator.join()
         totals: dict[str, float] = {}
         nonfinite_steps, first_nonfinite, offset, steps_run = 0, -1, 0, 0
-        for steps, remote in results:
-            outputs = {name: float(value) for name, value in remote.fetch().items()}
-            nonfinite_steps += int(outputs.pop("nonfinite_steps"))
-            steps_run += int(outputs.pop("steps_run"))
-            index = int(outputs.pop("first_nonfinite_index"))
-            if index >= 0 and first_nonfinite < 0:
-                first_nonfinite = offset + index  # In scheduling order; closures run in parallel.
+        for steps, remote in scheduled:
+            result = LoopResult.from_outputs(remote.fetch())
+            nonfinite_steps += result.nonfinite_steps
+            steps_run += result.steps_run
+            if result.first_nonfinite_index >= 0 and first_nonfinite < 0:
+                # In scheduling order; closures run in parallel.
+                first_nonfinite = offset + result.first_nonfinite_index
             offset += steps
-            for name, value in outputs.items():
+            for name, value in result.logs.items():
                 totals[name] = totals.get(name, 0.0) + steps * value
         self.global_step.assign_add(steps_run)  # Fewer than num_steps where a worker's data ran out.
-        logs = {name: total / num_steps for name, total in totals.items()}
-        logs.update(
-            nonfinite_steps=float(nonfinite_steps),
-            first_nonfinite_index=float(first_nonfinite),
-            steps_run=float(steps_run),
+        return LoopResult(
+            logs={name: total / num_steps for name, total in totals.items()},
+            steps_run=steps_run,
+            nonfinite_steps=nonfinite_steps,
+            first_nonfinite_index=first_nonfinite,
         )
-        return logs
 
     def _run_eval_loop(self) -> bool:
         """Exact evaluation on the coordinator: reads the weights from the ps tasks."""

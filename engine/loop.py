@@ -9,6 +9,8 @@ per-call Python overhead is paid once per loop instead of once per step.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
 
 import tensorflow as tf
 
@@ -31,19 +33,34 @@ class BatchSizeMismatch(Exception):
 EvalLoop = Callable[[tf.distribute.DistributedIterator, tf.Tensor], tf.Tensor]
 
 
-# The names the loop adds to a step's outputs; a step_fn may not use them.
-CONTROL_OUTPUTS = frozenset({"nonfinite_steps", "first_nonfinite_index", "steps_run", "first_batch_size"})
+@dataclass(frozen=True)
+class LoopResult:
+    """What one compiled train call did: the step outputs' means and, apart from them (a
+    step output may take any name), the counts the outer loop decides on."""
+
+    logs: dict[str, float]  # Each step output's mean over the loop's finite steps.
+    steps_run: int  # Fewer than asked when the data ran out; 0: not one batch was left.
+    nonfinite_steps: int
+    first_nonfinite_index: int  # 0-based in this loop; -1: none.
+    first_batch_size: int = -1  # The size that failed the first-batch check; -1: none did.
+
+    @classmethod
+    def from_outputs(cls, outputs: Mapping[str, Any]) -> LoopResult:
+        """From what a compiled loop returned (tensors, or values fetched from a worker)."""
+        return cls(
+            logs={name: float(value) for name, value in outputs["logs"].items()},
+            steps_run=int(outputs["steps_run"]),
+            nonfinite_steps=int(outputs["nonfinite_steps"]),
+            first_nonfinite_index=int(outputs["first_nonfinite_index"]),
+            first_batch_size=int(outputs.get("first_batch_size", -1)),
+        )
+
 
 # Values of the first-batch check a train loop takes (see make_train_loop).
 CHECK_NONE, CHECK_NOT_LARGER, CHECK_EXACT = 0, 1, 2
 
 
 def _check_outputs(outputs: Mapping[str, tf.Tensor]) -> None:
-    reserved = sorted(CONTROL_OUTPUTS.intersection(outputs))
-    if reserved:
-        raise UserError(
-            f"step_fn returned {', '.join(reserved)}: the loop reports those names itself; rename the output"
-        )
     for name, value in outputs.items():
         shape = tf.convert_to_tensor(value).shape
         if shape.rank not in (None, 0) and shape.num_elements() != 1:
@@ -102,7 +119,7 @@ def _first_state(outputs: dict[str, tf.Tensor], finite: tf.Tensor) -> LoopState:
 def _loop_outputs(state: LoopState, steps_run: tf.Tensor) -> dict[str, tf.Tensor]:
     totals, count, bad, first_bad = state
     means = {name: total / tf.maximum(count, 1.0) for name, total in totals.items()}
-    return {**means, "nonfinite_steps": bad, "first_nonfinite_index": first_bad, "steps_run": steps_run}
+    return {"logs": means, "nonfinite_steps": bad, "first_nonfinite_index": first_bad, "steps_run": steps_run}
 
 
 def make_train_loop(
@@ -178,7 +195,7 @@ def make_train_loop(
         def no_steps() -> dict[str, tf.Tensor]:
             # tf.cond traces run_steps first, so the step's output names are known here.
             return {
-                **{name: tf.constant(0.0) for name in names},
+                "logs": {name: tf.constant(0.0) for name in names},
                 "nonfinite_steps": tf.constant(0),
                 "first_nonfinite_index": tf.constant(-1),
                 "steps_run": tf.constant(0),

@@ -36,6 +36,7 @@ from engine.loop import (
     CHECK_NONE,
     CHECK_NOT_LARGER,
     BatchSizeMismatch,
+    LoopResult,
     make_eval_loop,
     make_resident_train_loop,
     make_train_loop,
@@ -462,19 +463,18 @@ class Trainer:
                 metric.reset_state()
             began = time.perf_counter()
             try:
-                logs = self._run_train_loop(iterator, num_steps, first_batch_check=check)
+                result = self._run_train_loop(iterator, num_steps, first_batch_check=check)
             except BatchSizeMismatch as mismatch:  # Found while tracing: nothing ran.
                 raise UserError(self._batch_size_message(mismatch.size)) from None
-            wrong_size = int(logs.pop("first_batch_size", -1))
-            if wrong_size >= 0:  # Found by the loop, which then ran no step.
-                raise UserError(self._batch_size_message(wrong_size))
-            steps_run = int(logs.pop("steps_run"))
+            if result.first_batch_size >= 0:  # Found by the loop, which then ran no step.
+                raise UserError(self._batch_size_message(result.first_batch_size))
+            steps_run = result.steps_run
             if steps_run == 0:  # Not one batch was left: nothing ran, nothing to log.
                 self._end_on_exhausted_data(steps, last_saved, {})
-            first_nonfinite = int(logs.pop("first_nonfinite_index"))
-            nonfinite_steps = logs.pop("nonfinite_steps")
+            first_nonfinite = result.first_nonfinite_index
+            logs = dict(result.logs)
             if self.on_nonfinite == "skip":  # Under "stop" it is 0, or the run ends below.
-                logs["nonfinite_steps"] = nonfinite_steps
+                logs["nonfinite_steps"] = float(result.nonfinite_steps)
             seconds = time.perf_counter() - began
             self._iterator_step = start + steps_run
             if first_nonfinite >= 0 and self.on_nonfinite == "stop":
@@ -548,9 +548,7 @@ class Trainer:
             return {"learning_rate": _current_learning_rate(self.optimizer)}
         return {f"learning_rate/{name}": _current_learning_rate(opt) for name, opt in self.optimizers.items()}
 
-    def _run_train_loop(
-        self, iterator, num_steps: int, *, first_batch_check: int = CHECK_NONE
-    ) -> dict[str, float]:
+    def _run_train_loop(self, iterator, num_steps: int, *, first_batch_check: int = CHECK_NONE) -> LoopResult:
         """One compiled call of `num_steps` steps (the parameter-server trainer
         schedules it on workers instead)."""
         if self._resident is not None:  # Gathered from the step number: always full batches.
@@ -559,7 +557,7 @@ class Trainer:
             outputs = self.train_loop(
                 iterator, tf.constant(num_steps, tf.int32), tf.constant(first_batch_check, tf.int32)
             )
-        return {name: float(value) for name, value in outputs.items()}
+        return LoopResult.from_outputs(outputs)
 
     def _next_loop_length(self, start: int, target: int) -> int:
         length = min(self.steps_per_loop, target - start)

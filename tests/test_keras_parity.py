@@ -580,7 +580,8 @@ def test_an_error_found_while_tracing_reaches_the_user_as_one_line(mirrored):
     assert "in user code" not in str(caught.value) and "\n" not in str(caught.value)
 
 
-def test_a_step_fn_output_the_loop_reports_itself_is_refused(mirrored):
+def test_a_step_fn_output_named_like_a_loop_count_is_logged_as_it_is(mirrored):
+    """The loop's own counts travel apart from the step's outputs (`engine.loop.LoopResult`)."""
     x, y = make_arrays(32)
     model, optimizer = make_model(mirrored)
     trainer = engine.Trainer(
@@ -590,8 +591,26 @@ def test_a_step_fn_output_the_loop_reports_itself_is_refused(mirrored):
         step_fn=lambda batch: {"loss": tf.constant(1.0), "steps_run": tf.constant(5.0)},
         train_data=tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(16),
         global_batch_size=16,
+        steps_per_loop=2,
     )
-    with pytest.raises(engine.UserError, match="^step_fn returned steps_run: the loop reports"):
+    logs = trainer.train(2)
+    assert logs["steps_run"] == 5.0 and trainer.step == 2
+
+
+def test_a_step_fn_output_that_is_not_a_scalar_is_refused_naming_it(mirrored):
+    x, y = make_arrays(32)
+    model, optimizer = make_model(mirrored)
+    trainer = engine.Trainer(
+        strategy=mirrored,
+        model=model,
+        optimizer=optimizer,
+        step_fn=lambda batch: {"per_example": tf.ones([8])},
+        train_data=tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(16),
+        global_batch_size=16,
+    )
+    with pytest.raises(
+        engine.UserError, match=r"^step output 'per_example' has shape \[8\]: a step returns scalars"
+    ):
         trainer.train(2)
 
 
