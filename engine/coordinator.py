@@ -31,7 +31,8 @@ import tensorflow as tf
 from engine.compat import num_workers
 from engine.data import Data, DataForm, as_train_form, eval_dataset_on_one_replica, pipeline_at
 from engine.errors import UserError
-from engine.loop import LoopResult, make_train_loop
+from engine.loop import CHECK_NONE, LoopResult, make_train_loop
+from engine.resident import ResidentData
 from engine.trainer import Trainer
 
 
@@ -41,7 +42,8 @@ class CoordinatedTrainer(Trainer):
     def __init__(self, *, strategy: tf.distribute.Strategy, train_data: Data, **kwargs: Any):
         if not isinstance(strategy, tf.distribute.experimental.ParameterServerStrategy):
             raise UserError(f"CoordinatedTrainer needs a ParameterServerStrategy, got {type(strategy).__name__}")
-        if getattr(as_train_form(train_data), "dataset", None) is not None:
+        host_data = train_data.host_data if isinstance(train_data, ResidentData) else train_data
+        if getattr(as_train_form(host_data), "dataset", None) is not None:
             raise UserError(
                 "parameter-server training builds its input on each worker: pass train_data as "
                 "fn(input_context, start_step) or fn(start_step), not a tf.data.Dataset"
@@ -62,8 +64,14 @@ class CoordinatedTrainer(Trainer):
     def _run_train_loop(self, iterator, num_steps: int, **_: Any) -> LoopResult:
         """Schedules the loop as one closure per worker; waits for all of them."""
         chunks = split_steps(num_steps, self.num_workers)
+        no_check = tf.constant(CHECK_NONE, tf.int32)  # Remote calls bind every argument.
         scheduled = [
-            (steps, self.coordinator.schedule(self.train_loop, args=(iterator, tf.constant(steps, tf.int32))))
+            (
+                steps,
+                self.coordinator.schedule(
+                    self.train_loop, args=(iterator, tf.constant(steps, tf.int32), no_check)
+                ),
+            )
             for steps in chunks
         ]
         self.coordinator.join()
