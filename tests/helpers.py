@@ -54,22 +54,46 @@ def run_main(
 def main_in_process(*flags: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """`python -m engine.main FLAGS` inside this process: absl's flag parsing, `RunConfig`
     and the job, with `env` added to the environment. Returns what `run_main` would
-    (exit status, stderr) at a fraction of its cost; for runs that are refused or tiny,
-    since the job shares this process's TensorFlow state (devices, seeds, policy)."""
+    (exit status, stdout, stderr with the engine's log lines) at a fraction of its cost;
+    for runs that are refused or tiny, since the job shares this process's TensorFlow
+    state (devices, seeds). The process-wide settings a job changes on its way to a
+    refusal (the Keras dtype policy, log levels) are put back afterwards."""
+    import logging as py_logging
+
     from absl import flags as absl_flags
+    from absl import logging as absl_logging
 
     from engine import main as cli
 
-    stderr = io.StringIO()
-    with mock.patch.dict(os.environ, env or {}), contextlib.redirect_stderr(stderr):
-        try:
-            argv = cli._parse_flags(["engine.main", *flags])
-            code = cli._main_with_clean_errors(argv)
-        except SystemExit as exited:
-            code = exited.code if isinstance(exited.code, int) else 1
-        finally:
-            absl_flags.FLAGS.unparse_flags()
-    return subprocess.CompletedProcess(["engine.main", *flags], code, "", stderr.getvalue())
+    stdout, stderr = io.StringIO(), io.StringIO()
+    # What engine.main's process prints: the log lines (absl's at INFO, as run_cli sets; the
+    # library's), which reach the root logger's handlers there as here, on stderr.
+    log_lines = py_logging.StreamHandler(stderr)
+    log_lines.setFormatter(absl_logging.PythonFormatter())
+    root_logger = py_logging.getLogger()
+    verbosity, tf_level = absl_logging.get_verbosity(), tf.get_logger().level
+    policy = keras.config.dtype_policy()
+    root_logger.addHandler(log_lines)
+    absl_logging.set_verbosity(absl_logging.INFO)
+    try:
+        with (
+            mock.patch.dict(os.environ, env or {}),
+            contextlib.redirect_stdout(stdout),
+            contextlib.redirect_stderr(stderr),
+        ):
+            try:
+                argv = cli._parse_flags(["engine.main", *flags])
+                code = cli._main_with_clean_errors(argv)
+            except SystemExit as exited:
+                code = exited.code if isinstance(exited.code, int) else 1
+            finally:
+                absl_flags.FLAGS.unparse_flags()
+    finally:
+        root_logger.removeHandler(log_lines)
+        absl_logging.set_verbosity(verbosity)
+        tf.get_logger().setLevel(tf_level)
+        keras.config.set_dtype_policy(policy)
+    return subprocess.CompletedProcess(["engine.main", *flags], code, stdout.getvalue(), stderr.getvalue())
 
 
 def run_config(*flags: str, env: dict[str, str] | None = None):
