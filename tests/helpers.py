@@ -51,13 +51,17 @@ def run_main(
     )
 
 
-def main_in_process(*flags: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+def main_in_process(
+    *flags: str, env: dict[str, str] | None = None, cwd: Path | None = None
+) -> subprocess.CompletedProcess:
     """`python -m engine.main FLAGS` inside this process: absl's flag parsing, `RunConfig`
     and the job, with `env` added to the environment. Returns what `run_main` would
     (exit status, stdout, stderr with the engine's log lines) at a fraction of its cost;
     for runs that are refused or tiny, since the job shares this process's TensorFlow
     state (devices, seeds). The process-wide settings a job changes on its way to a
-    refusal (the Keras dtype policy, log levels) are put back afterwards."""
+    refusal (the Keras dtype policy, log levels) are put back afterwards. With `cwd`, as
+    `python -m` run there: that directory first on sys.path, its modules (a user's
+    `models.py`) in place of this process's of the same name (see `_imports_from`)."""
     import logging as py_logging
 
     from absl import flags as absl_flags
@@ -78,6 +82,7 @@ def main_in_process(*flags: str, env: dict[str, str] | None = None) -> subproces
     try:
         with (
             mock.patch.dict(os.environ, env or {}),
+            _imports_from(cwd) if cwd is not None else contextlib.nullcontext(),
             contextlib.redirect_stdout(stdout),
             contextlib.redirect_stderr(stderr),
         ):
@@ -94,6 +99,32 @@ def main_in_process(*flags: str, env: dict[str, str] | None = None) -> subproces
         tf.get_logger().setLevel(tf_level)
         keras.config.set_dtype_policy(policy)
     return subprocess.CompletedProcess(["engine.main", *flags], code, stdout.getvalue(), stderr.getvalue())
+
+
+@contextlib.contextmanager
+def _imports_from(directory: Path):
+    """Imports as in a process started in `directory`: it is the working directory and first
+    on sys.path, the top-level modules it holds hide this process's of the same name, and
+    whatever was imported from it is forgotten afterwards (the next test's files differ)."""
+    from engine import own_packages
+
+    directory = Path(directory).resolve()
+    names = {p.stem for p in directory.glob("*.py")} | {p.parent.name for p in directory.glob("*/__init__.py")}
+    hidden = {key: module for key, module in sys.modules.items() if key.split(".")[0] in names}
+    private = dict(own_packages._private)  # the engine's packages it loaded beside a user's
+    for key in hidden:
+        del sys.modules[key]
+    sys.path.insert(0, str(directory))
+    try:
+        with contextlib.chdir(directory):
+            yield
+    finally:
+        sys.path.remove(str(directory))
+        for key in [key for key in sys.modules if key.split(".")[0] in names]:
+            del sys.modules[key]
+        sys.modules.update(hidden)
+        own_packages._private.clear()
+        own_packages._private.update(private)
 
 
 def run_config(*flags: str, env: dict[str, str] | None = None):
