@@ -51,25 +51,80 @@ def run_main(
     )
 
 
-def main_in_process(*flags: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+def main_in_process(
+    *flags: str, env: dict[str, str] | None = None, cwd: Path | None = None
+) -> subprocess.CompletedProcess:
     """`python -m engine.main FLAGS` inside this process: absl's flag parsing, `RunConfig`
     and the job, with `env` added to the environment. Returns what `run_main` would
-    (exit status, stderr) at a fraction of its cost; for runs that are refused or tiny,
-    since the job shares this process's TensorFlow state (devices, seeds, policy)."""
+    (exit status, stdout, stderr with the engine's log lines) at a fraction of its cost;
+    for runs that are refused or tiny, since the job shares this process's TensorFlow
+    state (devices, seeds). The process-wide settings a job changes on its way to a
+    refusal (the Keras dtype policy, log levels) are put back afterwards. With `cwd`, as
+    `python -m` run there: that directory first on sys.path, its modules (a user's
+    `models.py`) in place of this process's of the same name (see `_imports_from`)."""
+    import logging as py_logging
+
     from absl import flags as absl_flags
+    from absl import logging as absl_logging
 
     from engine import main as cli
 
-    stderr = io.StringIO()
-    with mock.patch.dict(os.environ, env or {}), contextlib.redirect_stderr(stderr):
-        try:
-            argv = cli._parse_flags(["engine.main", *flags])
-            code = cli._main_with_clean_errors(argv)
-        except SystemExit as exited:
-            code = exited.code if isinstance(exited.code, int) else 1
-        finally:
-            absl_flags.FLAGS.unparse_flags()
-    return subprocess.CompletedProcess(["engine.main", *flags], code, "", stderr.getvalue())
+    stdout, stderr = io.StringIO(), io.StringIO()
+    # What engine.main's process prints: the log lines (absl's at INFO, as run_cli sets; the
+    # library's), which reach the root logger's handlers there as here, on stderr.
+    log_lines = py_logging.StreamHandler(stderr)
+    log_lines.setFormatter(absl_logging.PythonFormatter())
+    root_logger = py_logging.getLogger()
+    verbosity, tf_level = absl_logging.get_verbosity(), tf.get_logger().level
+    policy = keras.config.dtype_policy()
+    root_logger.addHandler(log_lines)
+    absl_logging.set_verbosity(absl_logging.INFO)
+    try:
+        with (
+            mock.patch.dict(os.environ, env or {}),
+            _imports_from(cwd) if cwd is not None else contextlib.nullcontext(),
+            contextlib.redirect_stdout(stdout),
+            contextlib.redirect_stderr(stderr),
+        ):
+            try:
+                argv = cli._parse_flags(["engine.main", *flags])
+                code = cli._main_with_clean_errors(argv)
+            except SystemExit as exited:
+                code = exited.code if isinstance(exited.code, int) else 1
+            finally:
+                absl_flags.FLAGS.unparse_flags()
+    finally:
+        root_logger.removeHandler(log_lines)
+        absl_logging.set_verbosity(verbosity)
+        tf.get_logger().setLevel(tf_level)
+        keras.config.set_dtype_policy(policy)
+    return subprocess.CompletedProcess(["engine.main", *flags], code, stdout.getvalue(), stderr.getvalue())
+
+
+@contextlib.contextmanager
+def _imports_from(directory: Path):
+    """Imports as in a process started in `directory`: it is the working directory and first
+    on sys.path, the top-level modules it holds hide this process's of the same name, and
+    whatever was imported from it is forgotten afterwards (the next test's files differ)."""
+    from engine import own_packages
+
+    directory = Path(directory).resolve()
+    names = {p.stem for p in directory.glob("*.py")} | {p.parent.name for p in directory.glob("*/__init__.py")}
+    hidden = {key: module for key, module in sys.modules.items() if key.split(".")[0] in names}
+    private = dict(own_packages._private)  # the engine's packages it loaded beside a user's
+    for key in hidden:
+        del sys.modules[key]
+    sys.path.insert(0, str(directory))
+    try:
+        with contextlib.chdir(directory):
+            yield
+    finally:
+        sys.path.remove(str(directory))
+        for key in [key for key in sys.modules if key.split(".")[0] in names]:
+            del sys.modules[key]
+        sys.modules.update(hidden)
+        own_packages._private.clear()
+        own_packages._private.update(private)
 
 
 def run_config(*flags: str, env: dict[str, str] | None = None):

@@ -118,6 +118,7 @@ def _without_orbit(module: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow  # a Python process each, importing TensorFlow
 @pytest.mark.parametrize("module", ["benchmarks.cli_vs_orbit", "benchmarks.orbit_peer"])
 def test_without_orbit_it_says_how_to_install_it_in_one_line(module):
     result = _without_orbit(module)

@@ -1,15 +1,15 @@
 """`--model=package.module:function`: a user's own model from the command line,
 run from a working directory that also holds the user's `models.py` and
-`input.py` (which neither break the CLI nor are replaced by the engine's)."""
+`input.py` (which neither break the CLI nor are replaced by the engine's). The
+training run is a real process started there; the refusals of bad user models run
+in-process as if started there (`helpers.main_in_process(cwd=...)`)."""
 
 import json
 import textwrap
 from pathlib import Path
 
 import pytest
-from helpers import run_main, snapshot
-
-pytestmark = pytest.mark.slow  # every test here starts processes
+from helpers import main_in_process, run_main, snapshot
 
 USER_NET = """
 import keras
@@ -50,6 +50,7 @@ def user_project(directory: Path) -> Path:
     return directory
 
 
+@pytest.mark.slow  # a real `python -m engine.main` from the user's directory
 def test_a_users_model_trains_from_the_cli_beside_their_models_and_input_py(tmp_path):
     project = user_project(tmp_path)
     result = run_main(
@@ -90,7 +91,7 @@ def test_a_bad_user_model_is_one_line_exit_2_and_writes_nothing(tmp_path, model,
     model_dir.mkdir()
     (model_dir / "notes.txt").write_text("an earlier run's files")
     before = snapshot(model_dir)
-    result = run_main(f"--model={model}", "--train_steps=3", "--model_dir=run", cwd=project)
+    result = main_in_process(f"--model={model}", "--train_steps=3", "--model_dir=run", cwd=project)
     assert result.returncode == 2, result.stderr[-2000:]
     assert "Traceback" not in result.stderr
     error_lines = [line for line in result.stderr.splitlines() if line.startswith("engine.main: error:")]

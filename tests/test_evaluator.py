@@ -1,6 +1,6 @@
 """--mode and the evaluator: it reads checkpoints another process writes, evaluates
 each once at its step, and writes metrics.json only when it may. Real processes,
-each with a timeout."""
+each with a timeout; the refusal of --mode=eval without a checkpoint in-process."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import threading
 import time
 
 import pytest
-from helpers import REPO, eval_steps
+from helpers import REPO, eval_steps, main_in_process
 
 FLAGS = [
     "--model=mlp",
@@ -63,10 +63,8 @@ def test_train_then_eval_modes_on_a_finished_dir(tmp_path):
     assert final["accuracy"] == metrics["eval"]["accuracy"]
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(300)
 def test_eval_without_a_checkpoint_is_a_one_line_error(tmp_path):
-    result = engine_main(*FLAGS, "--mode=eval", f"--model_dir={tmp_path}")
+    result = main_in_process(*FLAGS, "--mode=eval", f"--model_dir={tmp_path}")
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1].startswith("engine.main: error: --mode=eval: no checkpoint in")
     assert list(tmp_path.iterdir()) == []

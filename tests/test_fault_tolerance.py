@@ -1,6 +1,9 @@
 """Nothing lost: bitwise resume, kill -9, SIGTERM/SIGINT, bad checkpoints and data.
 
-Every test runs the real command line in subprocesses with timeouts.
+Every test runs the real command line in subprocesses with timeouts, but for the
+refusals of a bad checkpoint or bad data (and the --restore_fallback run after one),
+which run it in-process (`helpers.main_in_process`) on a copy of a model_dir a real
+process trained.
 """
 
 import os
@@ -16,6 +19,7 @@ import tensorflow as tf
 from helpers import (
     copy_of,
     latest_step,
+    main_in_process,
     one_error_line,
     popen_main,
     read_stderr_until,
@@ -143,7 +147,7 @@ def trained_mlp_dir(tmp_path_factory) -> Path:
 def test_checkpoint_of_another_model_is_refused_and_left_alone(trained_mlp_dir, tmp_path):
     model_dir = copy_of(trained_mlp_dir, tmp_path / "run")
     before = snapshot(model_dir)
-    line = one_error_line(run_main("--model=cnn", "--train_steps=30", f"--model_dir={model_dir}"))
+    line = one_error_line(main_in_process("--model=cnn", "--train_steps=30", f"--model_dir={model_dir}"))
     assert "ckpt-20 does not match this model" in line
     assert snapshot(model_dir) == before
 
@@ -161,11 +165,11 @@ def test_truncated_checkpoint_is_named_and_fallback_restores_the_previous(traine
         "--eval_every=0",
         f"--model_dir={model_dir}",
     ]
-    line = one_error_line(run_main(*common))
+    line = one_error_line(main_in_process(*common))
     assert "ckpt-20 cannot be read" in line and "--restore_fallback" in line
     assert snapshot(model_dir) == before
 
-    recovered = run_main(*common, "--restore_fallback")
+    recovered = main_in_process(*common, "--restore_fallback")
     assert recovered.returncode == 0, recovered.stderr[-3000:]
     assert "steps=10->30" in recovered.stderr
     kept = model_dir / "checkpoints" / "unreadable" / data_file.name
@@ -181,7 +185,7 @@ def test_bad_data_is_named_and_model_dir_left_alone(trained_mlp_dir, tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
     line = one_error_line(
-        run_main("--model=mlp", "--dataset=tfrecord", f"--data_dir={empty}", f"--model_dir={model_dir}")
+        main_in_process("--model=mlp", "--dataset=tfrecord", f"--data_dir={empty}", f"--model_dir={model_dir}")
     )
     assert str(empty) in line
     records = tmp_path / "records"
@@ -190,7 +194,7 @@ def test_bad_data_is_named_and_model_dir_left_alone(trained_mlp_dir, tmp_path):
     write_tfrecords(str(records / "train-0.tfrecord"), images, np.arange(4))
     (records / "train-1.tfrecord").write_bytes(os.urandom(300))
     line = one_error_line(
-        run_main("--model=mlp", "--dataset=tfrecord", f"--data_dir={records}", f"--model_dir={model_dir}")
+        main_in_process("--model=mlp", "--dataset=tfrecord", f"--data_dir={records}", f"--model_dir={model_dir}")
     )
     assert "train-1.tfrecord" in line
     assert snapshot(model_dir) == before

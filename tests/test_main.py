@@ -1,12 +1,12 @@
-"""The command line as a user runs it: real subprocesses, real exit codes."""
+"""The command line as a user runs it: real subprocesses and real exit codes for the
+runs; refusals (exit 2, one line, model_dir untouched) through the same parsing and
+job in-process (`helpers.main_in_process`), with one refusal kept as a real process."""
 
 import json
 from pathlib import Path
 
 import pytest
-from helpers import run_main, snapshot
-
-pytestmark = pytest.mark.slow  # every test here starts processes
+from helpers import main_in_process, run_main, snapshot
 
 
 def scalar_tags(log_dir: Path) -> set[str]:
@@ -18,6 +18,7 @@ def scalar_tags(log_dir: Path) -> set[str]:
     return set(accumulator.Tags()["tensors"])
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_default_job_reaches_the_accuracy_bar_offline(tmp_path):
     """README's quick start as printed: two replicas, the real digits set, >= 0.95 eval accuracy."""
@@ -36,6 +37,7 @@ def test_default_job_reaches_the_accuracy_bar_offline(tmp_path):
     assert "replicas=2" in result.stderr and "examples_per_second=" in result.stderr
 
 
+@pytest.mark.slow
 def test_two_replicas_global_pipeline_and_restart_continues(tmp_path):
     common = [
         "--strategy=mirrored",
@@ -59,7 +61,7 @@ def test_two_replicas_global_pipeline_and_restart_continues(tmp_path):
 def test_flagfile_is_read(tmp_path):
     flagfile = tmp_path / "flags.txt"
     flagfile.write_text(f"--model=mlp\n--train_steps=5\n--model_dir={tmp_path / 'run'}\n")
-    result = run_main(f"--flagfile={flagfile}")
+    result = main_in_process(f"--flagfile={flagfile}")  # absl reads it as in a process; 5 steps
     assert result.returncode == 0, result.stderr[-3000:]
     assert json.loads((tmp_path / "run" / "metrics.json").read_text())["global_step"] == 5
 
@@ -118,7 +120,7 @@ def test_bad_flags_fail_with_one_line_and_leave_model_dir_alone(tmp_path, flags,
     model_dir.mkdir()
     (model_dir / "notes.txt").write_text("an earlier run's files")
     before = snapshot(model_dir)
-    result = run_main(
+    result = main_in_process(
         *flags,
         f"--model_dir={model_dir}",
         "--train_steps=3"
@@ -132,7 +134,9 @@ def test_bad_flags_fail_with_one_line_and_leave_model_dir_alone(tmp_path, flags,
     assert snapshot(model_dir) == before
 
 
+@pytest.mark.slow
 def test_model_dir_that_is_a_file_is_refused(tmp_path):
+    """The refusal kept as a real process: exit status 2 from `python -m engine.main`."""
     not_a_dir = tmp_path / "file"
     not_a_dir.write_text("keep me")
     result = run_main(f"--model_dir={not_a_dir}", "--train_steps=3")
@@ -142,7 +146,7 @@ def test_model_dir_that_is_a_file_is_refused(tmp_path):
 
 
 def test_bad_tf_config_is_one_line(tmp_path):
-    result = run_main(
+    result = main_in_process(
         "--strategy=multi_worker_mirrored",
         f"--model_dir={tmp_path}",
         "--train_steps=3",

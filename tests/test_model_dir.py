@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from helpers import (
     copy_of,
+    main_in_process,
     one_error_line,
     popen_main,
     read_stderr_until,
@@ -142,7 +143,7 @@ def test_lost_state_file_recovers_the_newest_checkpoint_and_overwrites_nothing(t
     else:
         state.write_text("model_checkpoint_path: {{{ garbage" if damage == "garbage" else "")
     before = checkpoint_files(model_dir)
-    result = run_main(*TRAINED_FLAGS, "--train_steps=30", f"--model_dir={model_dir}")
+    result = main_in_process(*TRAINED_FLAGS, "--train_steps=30", f"--model_dir={model_dir}")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "steps=20->30" in result.stderr
     assert "was missing" in result.stderr or "was damaged" in result.stderr
@@ -160,7 +161,7 @@ def test_lost_state_file_with_no_readable_checkpoint_is_refused(trained, tmp_pat
     for index in (model_dir / "checkpoints").glob("ckpt-*.index"):
         index.write_bytes(b"\0" * index.stat().st_size)
     before = snapshot(model_dir)
-    line = one_error_line(run_main(*TRAINED_FLAGS, "--train_steps=30", f"--model_dir={model_dir}"))
+    line = one_error_line(main_in_process(*TRAINED_FLAGS, "--train_steps=30", f"--model_dir={model_dir}"))
     assert "none of them can be read" in line
     assert snapshot(model_dir) == before
 
@@ -180,10 +181,12 @@ def test_unreadable_checkpoint_of_any_kind_is_one_line_and_fallback_recovers(tra
         raw[len(raw) // 2] ^= 0xFF
         data.write_bytes(bytes(raw))
     before = snapshot(model_dir)
-    line = one_error_line(run_main(*TRAINED_FLAGS, "--train_steps=30", f"--model_dir={model_dir}"))
+    line = one_error_line(main_in_process(*TRAINED_FLAGS, "--train_steps=30", f"--model_dir={model_dir}"))
     assert "ckpt-20 cannot be read" in line and "--restore_fallback" in line
     assert snapshot(model_dir) == before
-    recovered = run_main(*TRAINED_FLAGS, "--train_steps=30", "--restore_fallback", f"--model_dir={model_dir}")
+    recovered = main_in_process(
+        *TRAINED_FLAGS, "--train_steps=30", "--restore_fallback", f"--model_dir={model_dir}"
+    )
     assert recovered.returncode == 0, recovered.stderr[-3000:]
     assert "steps=10->30" in recovered.stderr
 
@@ -194,7 +197,7 @@ def test_orphan_temp_dirs_are_removed_at_start(trained, tmp_path):
     orphan = model_dir / "checkpoints" / "ckpt-30_temp"
     orphan.mkdir()
     (orphan / "part-00000-of-00001.data-00000-of-00001").write_bytes(b"half a checkpoint")
-    result = run_main(*TRAINED_FLAGS, "--train_steps=30", f"--model_dir={model_dir}")
+    result = main_in_process(*TRAINED_FLAGS, "--train_steps=30", f"--model_dir={model_dir}")
     assert result.returncode == 0, result.stderr[-3000:]
     assert str(orphan) in result.stderr and not orphan.exists()
 
@@ -204,7 +207,7 @@ def test_orphan_temp_dirs_are_removed_at_start(trained, tmp_path):
 def test_model_dir_with_pattern_characters_is_refused_and_siblings_untouched(trained, tmp_path, name):
     sibling = copy_of(trained, tmp_path / "run1")
     before = snapshot(sibling)
-    line = one_error_line(run_main(*TRAINED_FLAGS, "--train_steps=30", f"--model_dir={tmp_path / name}"))
+    line = one_error_line(main_in_process(*TRAINED_FLAGS, "--train_steps=30", f"--model_dir={tmp_path / name}"))
     assert name in line and "pattern" in line
     assert not (tmp_path / name).exists()
     assert snapshot(sibling) == before
@@ -217,7 +220,7 @@ def test_model_dir_with_pattern_characters_is_refused_and_siblings_untouched(tra
 def test_rerun_of_a_finished_run_leaves_metrics_json_and_says_where_it_is(trained, tmp_path):
     model_dir = copy_of(trained, tmp_path / "run")
     before = snapshot(model_dir)
-    result = run_main(*TRAINED_FLAGS, "--train_steps=20", f"--model_dir={model_dir}")
+    result = main_in_process(*TRAINED_FLAGS, "--train_steps=20", f"--model_dir={model_dir}")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "already at step 20" in result.stderr
     assert snapshot(model_dir) == before
@@ -229,7 +232,7 @@ def test_rerun_of_a_finished_run_leaves_metrics_json_and_says_where_it_is(traine
 def test_changed_optimizer_settings_on_resume_are_refused_naming_the_flag(trained, tmp_path, flag):
     model_dir = copy_of(trained, tmp_path / "run")
     before = snapshot(model_dir)
-    line = one_error_line(run_main(*TRAINED_FLAGS, "--train_steps=30", flag, f"--model_dir={model_dir}"))
+    line = one_error_line(main_in_process(*TRAINED_FLAGS, "--train_steps=30", flag, f"--model_dir={model_dir}"))
     name, value = flag.split("=")
     assert f"{name}={value} differs from {name}=" in line and "--reset_optimizer" in line
     assert snapshot(model_dir) == before
@@ -240,7 +243,7 @@ def test_reset_optimizer_keeps_the_weights_and_starts_fresh_optimizer_state(trai
     import tensorflow as tf
 
     model_dir = copy_of(trained, tmp_path / "run")
-    result = run_main(
+    result = main_in_process(
         *TRAINED_FLAGS, "--train_steps=30", "--optimizer=sgd", "--reset_optimizer", f"--model_dir={model_dir}"
     )
     assert result.returncode == 0, result.stderr[-3000:]
@@ -269,7 +272,7 @@ def test_damaged_hook_state_is_one_line_and_the_model_dir_is_left_alone(trained,
     assert (model_dir / "hooks" / "early_stopping.json").is_file()
     _write_hook_state(model_dir, damage)
     before = snapshot(model_dir)
-    line = one_error_line(run_main(*TRAINED_FLAGS, "--train_steps=30", f"--model_dir={model_dir}"))
+    line = one_error_line(main_in_process(*TRAINED_FLAGS, "--train_steps=30", f"--model_dir={model_dir}"))
     assert "early_stopping.json" in line
     assert snapshot(model_dir) == before
 
@@ -288,7 +291,7 @@ def test_best_checkpoint_is_never_compared_against_nothing(trained, tmp_path, da
     else:
         best.write_text("{not json" if damage == "garbage" else '{"metric": "accuracy"}')
     before = snapshot(model_dir)
-    line = one_error_line(run_main(*TRAINED_FLAGS, "--train_steps=30", f"--model_dir={model_dir}"))
+    line = one_error_line(main_in_process(*TRAINED_FLAGS, "--train_steps=30", f"--model_dir={model_dir}"))
     assert "best.json" in line
     assert snapshot(model_dir) == before
 
@@ -299,7 +302,7 @@ def test_changed_best_checkpoint_metric_is_refused(trained, tmp_path):
     before = snapshot(model_dir)
     flags = [f for f in TRAINED_FLAGS if not f.startswith("--best_checkpoint_metric")]
     line = one_error_line(
-        run_main(*flags, "--best_checkpoint_metric=loss", "--train_steps=30", f"--model_dir={model_dir}")
+        main_in_process(*flags, "--best_checkpoint_metric=loss", "--train_steps=30", f"--model_dir={model_dir}")
     )
     assert "by accuracy (max), not by loss (min)" in line
     assert snapshot(model_dir) == before
@@ -327,7 +330,7 @@ def test_bad_flags_are_one_line_and_exit_2_with_the_model_dir_left_alone(trained
     model_dir = copy_of(trained, tmp_path / "run")
     before = snapshot(model_dir)
     line = one_error_line(
-        run_main(
+        main_in_process(
             *[f for f in TRAINED_FLAGS if not f.startswith(flag.split("=")[0])], flag, f"--model_dir={model_dir}"
         )
     )
@@ -341,7 +344,7 @@ def test_metrics_json_as_a_directory_is_refused_before_training(trained, tmp_pat
     (model_dir / "metrics.json").unlink()
     (model_dir / "metrics.json").mkdir()
     before = snapshot(model_dir)
-    line = one_error_line(run_main(*TRAINED_FLAGS, "--train_steps=30", f"--model_dir={model_dir}"))
+    line = one_error_line(main_in_process(*TRAINED_FLAGS, "--train_steps=30", f"--model_dir={model_dir}"))
     assert "metrics.json is a directory" in line
     assert snapshot(model_dir) == before
 
@@ -374,7 +377,7 @@ def test_bad_mnist_file_is_one_line(trained, tmp_path, override, expected):
     before = snapshot(model_dir)
     data_dir = _fake_mnist(tmp_path / "mnist", **override)
     line = one_error_line(
-        run_main(
+        main_in_process(
             *TRAINED_FLAGS,
             "--dataset=mnist",
             f"--data_dir={data_dir}",
@@ -398,7 +401,7 @@ def test_out_of_range_label_late_in_a_tfrecord_file_is_one_line(tmp_path):
     write_tfrecords(str(records / "train-0.tfrecord"), images, labels)
     write_tfrecords(str(records / "eval-0.tfrecord"), images[:10], labels[:10])
     line = one_error_line(
-        run_main(
+        main_in_process(
             "--model=mlp",
             "--dataset=tfrecord",
             f"--data_dir={records}",
@@ -587,7 +590,7 @@ def test_checkpoint_files_the_state_does_not_list_are_moved_aside_not_overwritte
     tf.compat.v1.train.update_checkpoint_state(
         str(checkpoints), str(checkpoints / "ckpt-10"), all_model_checkpoint_paths=[str(checkpoints / "ckpt-10")]
     )
-    result = run_main(*TRAINED_FLAGS, "--train_steps=30", f"--model_dir={model_dir}")
+    result = main_in_process(*TRAINED_FLAGS, "--train_steps=30", f"--model_dir={model_dir}")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "steps=10->30" in result.stderr and "did not list it" in result.stderr
     kept = {p.name: p.read_bytes() for p in (checkpoints / "superseded").rglob("ckpt-20*")}
