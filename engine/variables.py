@@ -56,9 +56,9 @@ def regularization_losses(model: Any) -> list[Any]:
 def keras_roots(model: Any) -> list[keras.layers.Layer]:
     """The Keras layers the walk reaches that no reached Keras layer lists as its own sublayer
     through Keras itself: each one's `losses` covers its Keras sublayers."""
-    roots: dict[int, keras.layers.Layer] = {}
-    _walk(model, False, {}, seen=set(), keras_layers=roots)
-    return list(roots.values())
+    walk = _Walk(trainable_only=False)
+    walk.visit(model)
+    return list(walk.keras_layers.values())
 
 
 def check_regularizers_visible(model: Any) -> None:
@@ -79,67 +79,62 @@ def check_regularizers_visible(model: Any) -> None:
 
 
 def _collect(model: Any, *, trainable_only: bool) -> list[Variable]:
-    found: dict[int, Variable] = {}
-    _walk(model, trainable_only, found, seen=set())
-    return list(found.values())
+    walk = _Walk(trainable_only=trainable_only)
+    walk.visit(model)
+    return list(walk.found.values())
 
 
-def _walk(
-    node: Any,
-    trainable_only: bool,
-    found: dict[int, Variable],
-    seen: set[int],
-    keras_layers: dict[int, keras.layers.Layer] | None = None,
-) -> None:
-    if id(node) in seen:
-        return
-    seen.add(id(node))
-    if isinstance(node, keras.layers.Layer):
-        if keras_layers is not None:
-            keras_layers.setdefault(id(node), node)
-        layer_variables = node.trainable_variables if trainable_only else node.variables
-        for variable in layer_variables:
-            found.setdefault(id(variable), variable)
-        # A Keras layer lists its Keras sublayers' variables, not a tf.Module's it holds.
-        for child in _attributes(node):
-            if isinstance(child, tf.Module) or (isinstance(child, (list, tuple, dict)) and child):
-                _walk_children(child, trainable_only, found, seen, keras_layers)
-        return
-    if isinstance(node, tf.Module):
-        # `_flatten` walks tf.Module attributes (and lists, dicts of them), stopping at
-        # plain variables and at Keras layers, which answer for themselves above.
-        leaves = module_leaves(
-            node, lambda value: isinstance(value, (tf.Variable, keras.Variable, keras.layers.Layer))
-        )
-        for leaf in leaves:
-            if isinstance(leaf, keras.layers.Layer):
-                _walk(leaf, trainable_only, found, seen, keras_layers)
-            elif not trainable_only or leaf.trainable:
-                found.setdefault(id(leaf), leaf)
-        return
-    if isinstance(node, (tf.Variable, keras.Variable)):
-        if not trainable_only or node.trainable:
-            found.setdefault(id(node), node)
-        return
-    _walk_children(node, trainable_only, found, seen, keras_layers)
+class _Walk:
+    """One walk over a model: the variables found (each once, in a stable order) and the
+    Keras layers it reached by itself (the ones whose `losses` no other reached layer covers)."""
 
+    def __init__(self, *, trainable_only: bool):
+        self.trainable_only = trainable_only
+        self.found: dict[int, Variable] = {}
+        self.keras_layers: dict[int, keras.layers.Layer] = {}
+        self._seen: set[int] = set()
 
-def _walk_children(
-    node: Any,
-    trainable_only: bool,
-    found: dict[int, Variable],
-    seen: set[int],
-    keras_layers: dict[int, keras.layers.Layer] | None = None,
-) -> None:
-    children: Iterable[Any]
-    if isinstance(node, dict):
-        children = node.values()
-    elif isinstance(node, (list, tuple)):
-        children = node
-    else:
-        children = [node] if isinstance(node, (tf.Module, keras.layers.Layer)) else []
-    for child in children:
-        _walk(child, trainable_only, found, seen, keras_layers)
+    def visit(self, node: Any) -> None:
+        if id(node) in self._seen:
+            return
+        self._seen.add(id(node))
+        if isinstance(node, keras.layers.Layer):
+            self.keras_layers.setdefault(id(node), node)
+            for variable in node.trainable_variables if self.trainable_only else node.variables:
+                self.found.setdefault(id(variable), variable)
+            # A Keras layer lists its Keras sublayers' variables, not a tf.Module's it holds.
+            for child in _attributes(node):
+                if isinstance(child, tf.Module) or (isinstance(child, (list, tuple, dict)) and child):
+                    self.visit_children(child)
+        elif isinstance(node, tf.Module):
+            # tf.Module's own walk of its attributes (and lists, dicts of them), stopping at
+            # plain variables and at Keras layers, which answer for themselves above.
+            for leaf in module_leaves(
+                node, lambda value: isinstance(value, (tf.Variable, keras.Variable, keras.layers.Layer))
+            ):
+                if isinstance(leaf, keras.layers.Layer):
+                    self.visit(leaf)
+                else:
+                    self._add(leaf)
+        elif isinstance(node, (tf.Variable, keras.Variable)):
+            self._add(node)
+        else:
+            self.visit_children(node)
+
+    def visit_children(self, node: Any) -> None:
+        children: Iterable[Any]
+        if isinstance(node, dict):
+            children = node.values()
+        elif isinstance(node, (list, tuple)):
+            children = node
+        else:
+            children = [node] if isinstance(node, (tf.Module, keras.layers.Layer)) else []
+        for child in children:
+            self.visit(child)
+
+    def _add(self, variable: Variable) -> None:
+        if not self.trainable_only or variable.trainable:
+            self.found.setdefault(id(variable), variable)
 
 
 def _attributes(layer: keras.layers.Layer) -> list[Any]:
