@@ -74,7 +74,11 @@ def setting(default: Any, help: str, *, choices: tuple[str, ...] | None = None) 
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
     # Strategy and cluster.
-    strategy: str = setting("default", "The tf.distribute strategy.", choices=STRATEGY_NAMES)
+    strategy: str = setting(
+        "default",
+        "The tf.distribute strategy; multi_worker_mirrored, parameter_server and tpu span several machines.",
+        choices=STRATEGY_NAMES,
+    )
     cpu_devices: int = setting(
         1,
         "Logical CPU devices to split the host CPU into; `mirrored` uses them as replicas when there is no GPU.",
@@ -91,24 +95,30 @@ class RunConfig:
     startup_timeout: float = setting(
         DEFAULT_STARTUP_TIMEOUT,
         "Seconds a cluster task waits to reach its peers at start-up before it "
-        "exits with an error naming them; 0 waits forever.",
+        "exits with one line naming them; 0 waits forever.",
     )
-    tpu: str | None = setting(None, "--strategy=tpu: `local` (TPU VM) or grpc://HOST:PORT.")
+    tpu: str | None = setting(
+        None,
+        "--strategy=tpu: `local` (TPU VM) or grpc://HOST:PORT; without a reachable TPU the run fails at once.",
+    )
     # Several machines (engine.cluster): these are defined by engine.cluster.flags.
     worker_hosts: list[str] | None = setting(
-        None, "Comma-separated host:port of every worker task (builds TF_CONFIG)."
+        None,
+        "Comma-separated host:port of every worker task; the host flags build TF_CONFIG (an existing TF_CONFIG "
+        "variable is used as is; do not set both).",
     )
     ps_hosts: list[str] | None = setting(None, "Comma-separated host:port of every parameter-server task.")
     chief_host: str | None = setting(None, "host:port of the chief (the parameter-server coordinator).")
     task_type: str | None = setting(  # A string: engine.cluster names a bad one with its source.
         None,
         "This process's task with the host flags: worker, ps, chief, or evaluator "
-        "(evaluates each new checkpoint; needs no host flags).",
+        "(runs continuous_eval, never trains; needs no host flags).",
     )
     task_index: int | None = setting(None, "This process's index within --task_type (default 0).")
     cluster_resolver: str = setting(
         "tf_config",
-        "tf_config: the host flags or the TF_CONFIG variable; slurm: SLURM_* variables.",
+        "tf_config: the host flags or the TF_CONFIG variable; slurm: SLURM_* variables, every task of the srun "
+        "step becomes a worker (multi_worker_mirrored), nodes sorted, ports from --slurm_port_base up.",
         choices=RESOLVERS,
     )
     slurm_port_base: int = setting(
@@ -117,8 +127,9 @@ class RunConfig:
     # What this process does (TF Model Garden's modes).
     mode: str = setting(
         "train_and_eval",
-        "train: no evaluation; eval: the latest checkpoint once; "
-        "continuous_eval: each new checkpoint, until the final step's.",
+        "train: no evaluation at all; eval: the latest checkpoint of --model_dir once (eval summaries at its "
+        "step and metrics.json); train_and_eval; continuous_eval: each new checkpoint once, until the final "
+        "step's.",
         choices=MODES,
     )
     eval_timeout: float = setting(
@@ -127,15 +138,19 @@ class RunConfig:
     # Model and data: strings, not enums, since --model also takes package.module:function.
     model: str = setting(
         "cnn",
-        "Model name (models/registry.py), or package.module:function: "
-        "your function(input_shape, num_classes) returning a keras.Model of logits.",
+        "Model name (models/registry.py): cnn (Conv32-pool-Conv64-pool-Dense64-Dense10), mlp, resnet (a small "
+        "ResNet), resnet50, wide_mlp; or package.module:function: your function(input_shape, num_classes) "
+        "returning a keras.Model of logits.",
     )
-    dataset: str = setting("digits", "digits (offline default), mnist, synthetic or tfrecord.")
+    dataset: str = setting(
+        "digits",
+        "digits (offline, real; the default), mnist (Keras cache or --data_dir), synthetic or tfrecord.",
+    )
     data_dir: str | None = setting(None, "Where mnist.npz or the TFRecord files are.")
     input_pipeline: str = setting(
         "per_replica",
-        "per_replica: distribute_datasets_from_function (sharded, per-replica batches); "
-        "global: experimental_distribute_dataset over global batches.",
+        "per_replica: distribute_datasets_from_function, one sharded pipeline per worker yielding per-replica "
+        "batches; global: experimental_distribute_dataset over global batches.",
         choices=INPUT_PIPELINES,
     )
     device_data_mb: int = setting(
@@ -146,29 +161,43 @@ class RunConfig:
         "--input_pipeline.",
     )
     # How long and how.
-    global_batch_size: int = setting(64, "Examples per step over all replicas.")
+    global_batch_size: int = setting(
+        64, "Examples per step over all replicas (must divide by replicas x --grad_accum_steps)."
+    )
     train_steps: int | None = setting(None, "Global steps to train to (alternative to --epochs).")
     epochs: float | None = setting(
         None, f"Epochs to train (alternative to --train_steps; default {DEFAULT_EPOCHS:g} when neither is set)."
     )
-    steps_per_loop: int = setting(DEFAULT_STEPS_PER_LOOP, "Steps per compiled call.")
+    steps_per_loop: int = setting(
+        DEFAULT_STEPS_PER_LOOP,
+        "Steps per compiled call (the longest; loops are cut at evaluations, checkpoints, --log_every and "
+        "--profile_steps).",
+    )
     log_every: int = setting(
         0,
-        "Progress line every N steps (loops are cut to match; steps_per_loop "
-        "stays the longest); 0: one line per compiled loop.",
+        "Progress line (step, loss, metrics, examples/sec, steps/sec, ETA) every N steps (loops are cut to "
+        "match; steps_per_loop stays the longest); 0: one line per compiled loop. A progress bar too when "
+        "stdout is a terminal.",
     )
     eval_every: int = setting(100, "Evaluate every N steps; 0 evaluates only at the end.")
     optimizer: str = setting("adam", "The optimizer (momentum: SGD with momentum 0.9).", choices=OPTIMIZER_NAMES)
-    learning_rate: float = setting(1e-3, "Learning rate (the peak rate of a schedule).")
+    learning_rate: float = setting(
+        1e-3,
+        "Learning rate (the peak rate of a schedule); it wins over a restored checkpoint's, except with "
+        "--reduce_lr_metric.",
+    )
     lr_schedule: str = setting(
         "constant",
-        "cosine: to 0 at the last step; step: x0.1 after each third; warmup_cosine: linear warmup, then cosine.",
+        "cosine: to 0 at the last step; step: x0.1 after each third of the run; warmup_cosine: linear warmup, "
+        "then cosine; --learning_rate is the peak.",
         choices=SCHEDULE_NAMES,
     )
     warmup_steps: int = setting(0, "Warmup steps of warmup_cosine (0: a tenth of the run).")
-    clip_norm: float | None = setting(None, "Clip the global gradient norm to this value.")
+    clip_norm: float | None = setting(None, "Clip the global (all-reduced) gradient norm to this value.")
     grad_accum_steps: int = setting(
-        1, "Split each replica's batch into this many micro-batches and accumulate their gradients."
+        1,
+        "Split each replica's batch into this many micro-batches and accumulate their gradients "
+        "(summed before one update).",
     )
     on_nonfinite: str = setting(
         "stop",
@@ -178,11 +207,12 @@ class RunConfig:
     # State on disk.
     model_dir: str | None = setting(
         None,
-        "Checkpoints, TensorBoard logs and metrics.json; restored from when "
-        "it holds a checkpoint (default: a new temporary directory).",
+        "Checkpoints (checkpoints/, best/), TensorBoard logs (train/, eval/, hparams at the top), hook state "
+        "(hooks/) and metrics.json; restored from when it holds a checkpoint (default: a new temporary "
+        "directory).",
     )
     checkpoint_every: int = setting(500, "Save every N steps (and always at the end).")
-    max_checkpoints: int = setting(3, "Checkpoints to keep.")
+    max_checkpoints: int = setting(3, "Checkpoints to keep: the newest N.")
     restore_fallback: bool = setting(
         False,
         "If the latest checkpoint cannot be read, restore the newest older one that can "
@@ -197,7 +227,7 @@ class RunConfig:
     ema_decay: float = setting(
         0.0,
         "Keep an exponential moving average of the weights with this decay "
-        "(e.g. 0.999): evaluation, the best checkpoint and --export_dir use it; "
+        "(e.g. 0.999): evaluation, --mode=eval, the best checkpoint and --export_dir use it; "
         "training is unchanged. 0: off.",
     )
     export_dir: str | None = setting(
@@ -220,7 +250,8 @@ class RunConfig:
     )
     reduce_lr_metric: str | None = setting(
         None,
-        "Multiply the learning rate by --reduce_lr_factor when this eval metric plateaus.",
+        "Multiply the learning rate by --reduce_lr_factor when this eval metric plateaus "
+        "(constant schedule only).",
         choices=EVAL_METRIC_NAMES,
     )
     reduce_lr_patience: int = setting(2, "Evaluations without improvement before reducing.")
@@ -231,21 +262,23 @@ class RunConfig:
         None, "START,END: profile the steps from global step START to END (TensorBoard's Profile tab)."
     )
     histogram_every: int = setting(
-        0, "Histograms of every weight in TensorBoard's train run every N steps; 0: none."
+        0,
+        "Histograms of every weight in TensorBoard's train run every N steps (loops are cut there, "
+        "no retrace); 0: none.",
     )
     # Numerics and speed.
     seed: int = setting(42, "Seed for weights, shuffling and dropout.")
     deterministic: bool = setting(False, "Deterministic ops: bitwise-reproducible runs, somewhat slower.")
     mixed_precision: str = setting(
         "float32",
-        "float16 and bfloat16 compute in that type with float32 weights; float16 scales the loss.",
+        "float16 and bfloat16 compute in that type with float32 weights; float16 with dynamic loss scaling.",
         choices=tuple(PRECISION_POLICIES),
     )
-    jit_compile: bool = setting(False, "Compile the per-replica step with XLA.")
+    jit_compile: bool = setting(False, "Compile the per-replica step (forward and backward pass) with XLA.")
     check_numerics: bool = setting(
         False,
         "tf.debugging.enable_check_numerics: fail at the first op that "
-        "makes a NaN or Inf, naming it (slow; for debugging).",
+        "makes a NaN or Inf, naming it and your source line (slow; for debugging).",
     )
 
     @classmethod

@@ -1,4 +1,4 @@
-"""README's research example runs exactly as printed there."""
+"""The research examples of README.md and docs/research.md run exactly as printed there."""
 
 import ast
 import os
@@ -13,10 +13,15 @@ pytestmark = pytest.mark.slow  # every test here starts processes
 
 
 def readme_example(name: str) -> str:
-    text = (REPO / "README.md").read_text()
-    match = re.search(rf"<!-- example: {name} -->\s*```python\n(.*?)```", text, re.S)
-    assert match, f"README has no example block {name!r}"
-    return match.group(1)
+    """The example block `name`, from README.md or a page of docs/ (exactly one of them holds it)."""
+    pattern = rf"<!-- example: {name} -->\s*```python\n(.*?)```"
+    found = [
+        match.group(1)
+        for page in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+        for match in re.finditer(pattern, page.read_text(), re.S)
+    ]
+    assert len(found) == 1, f"README.md and docs/*.md have {len(found)} example blocks {name!r}, not one"
+    return found[0]
 
 
 @pytest.mark.timeout(600)
