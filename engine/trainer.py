@@ -19,6 +19,7 @@ import tensorflow as tf
 from engine import checkpoint as checkpoint_lib
 from engine import model_dir as model_dir_lib
 from engine.callbacks import CallbackLike, as_callbacks
+from engine.callbacks.progress import Progress, format_logs, logger
 from engine.compat import num_workers
 from engine.data import (
     Data,
@@ -42,7 +43,6 @@ from engine.loop import (
     make_train_loop,
 )
 from engine.options import DEFAULT_STEPS_PER_LOOP, NONFINITE_POLICIES
-from engine.progress import Progress, format_logs, logger
 from engine.resident import ResidentData, keeps_on_devices, place_on_replicas
 from engine.schedules import is_scheduled
 from engine.steps import EvalStep, PerExampleLoss, ReplicaStep, make_eval_step, make_train_step

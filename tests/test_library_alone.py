@@ -12,7 +12,7 @@ import sys
 import engine
 for name in engine.__all__:
     getattr(engine, name)
-import engine.coordinator, engine.keras_callbacks, engine.cluster.multi_host
+import engine.coordinator, engine.callbacks.keras_adapter, engine.cluster.multi_host
 from absl import flags
 cli = sorted(m for m in sys.modules if m in ("engine.config", "engine.flags", "engine.job", "engine.main"))
 defined = [f for f in ("model_dir", "strategy", "steps_per_loop") if f in flags.FLAGS]

@@ -8,7 +8,7 @@ import pytest
 from helpers import global_batches, loss_fn, make_arrays, make_model
 
 import engine
-from engine.progress import Progress
+from engine.callbacks.progress import Progress
 
 
 @pytest.fixture

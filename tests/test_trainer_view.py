@@ -7,8 +7,8 @@ import tensorflow as tf
 
 import engine
 from engine.callbacks import Callback, TrainerView
+from engine.callbacks.keras_adapter import KerasCallbacks
 from engine.hooks import BestCheckpoint, EarlyStopping, ReduceLROnPlateau, TrainGraph, WeightHistograms
-from engine.keras_callbacks import KerasCallbacks
 
 VIEW = {name for name in vars(TrainerView) if not name.startswith("_")} | set(TrainerView.__annotations__)
 SETTABLE = {"stop_training"}

@@ -35,7 +35,7 @@ from typing import Any
 import keras
 import numpy as np
 
-from engine.callbacks import Callback, TrainerView
+from engine.callbacks.base import Callback, TrainerView
 from engine.errors import UserError
 from engine.variables import all_variables
 

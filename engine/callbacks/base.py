@@ -1,10 +1,10 @@
-"""User hooks around the compiled loop.
+"""The hook API around the compiled loop: `Callback` and the `TrainerView` it receives.
 
 Hooks run on the host between compiled calls, never inside the step: adding
 them costs no retrace and no per-step work. A hook is either a `Callback`
 (override any of its methods), a plain callable, which is called after
 every loop as `fn(trainer, step, logs)`, or a `keras.callbacks.Callback`,
-which `engine.keras_callbacks` calls at epoch ends as `fit` would.
+which `engine.callbacks.keras_adapter` calls at epoch ends as `fit` would.
 
 To stop training, a hook sets `trainer.stop_training = True`; the trainer
 finishes the current loop, saves a checkpoint and returns. The stop stays in
@@ -17,7 +17,7 @@ loop may run; the loop is cut there, its trace is reused.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
@@ -135,32 +135,11 @@ LoopFn = Callable[[TrainerView, int, Logs], None]
 CallbackLike = Callback | LoopFn
 
 
-class _LoopFunction(Callback):
+class LoopFunction(Callback):
+    """A plain `fn(trainer, step, logs)` hook, called after every loop."""
+
     def __init__(self, fn: LoopFn):
         self._fn = fn
 
     def on_loop_end(self, trainer: TrainerView, step: int, logs: Logs) -> None:
         self._fn(trainer, step, logs)
-
-
-def as_callbacks(hooks: Sequence[CallbackLike], *, steps_per_epoch: int | None = None) -> list[Callback]:
-    """Wraps plain callables and Keras callbacks so the trainer calls every hook the same way.
-
-    The Keras callbacks share one adapter, at the place of the first of them,
-    so that they see one set of epoch logs in their order, as under `fit`.
-    """
-    from engine.keras_callbacks import KerasCallbacks, is_keras_callback  # Imports Keras.
-
-    keras_hooks = [hook for hook in hooks if is_keras_callback(hook)]
-    callbacks: list[Callback] = []
-    for hook in hooks:
-        if is_keras_callback(hook):
-            if hook is keras_hooks[0]:
-                callbacks.append(KerasCallbacks(keras_hooks, steps_per_epoch=steps_per_epoch))
-        elif isinstance(hook, Callback):
-            callbacks.append(hook)
-        elif callable(hook):
-            callbacks.append(_LoopFunction(hook))
-        else:
-            raise TypeError(f"callback {hook!r} is neither a Callback, a keras.callbacks.Callback nor callable")
-    return callbacks

@@ -24,7 +24,7 @@ from typing import Any
 
 import keras
 
-from engine.callbacks import Callback, TrainerView
+from engine.callbacks.base import Callback, TrainerView
 from engine.errors import UserError
 
 
