@@ -19,6 +19,7 @@ import os
 import re
 import shutil
 import socket
+import stat
 import time
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -70,6 +71,81 @@ def _process_alive(pid: int) -> bool:
     return True
 
 
+# Opening never follows a symlink (O_NOFOLLOW) and never blocks on a FIFO (O_NONBLOCK).
+_LOCK_OPEN_FLAGS = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
+_LOCK_RECORD_BYTES = 4096  # A record is ~100 bytes; a larger file is not the engine's.
+# A model_dir that a finishing run removes (made for its lock only) while we open: tries before giving up.
+_LOCK_OPEN_TRIES = 100
+
+
+def _file_kind(mode: int) -> str:
+    kinds = [
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISLNK, "a symbolic link"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+    ]
+    return next((name for test, name in kinds if test(mode)), "not a regular file")
+
+
+def _not_a_lock_file(path: str, what: str) -> UserError:
+    return UserError(
+        f"{path} is {what}, not the engine's lock file; nothing was written through it: if no run "
+        "uses this --model_dir, remove that entry (only it, not what it points to), or pass another --model_dir"
+    )
+
+
+def _open_lock_file(model_dir: str, path: str) -> tuple[int, bool]:
+    """A descriptor of `path` as a regular file of its own, created if missing, and
+    whether the model_dir was made for it.
+
+    Never follows a symlink (whose target may be a user's file outside the
+    model_dir), never blocks on a FIFO, and refuses anything but a regular
+    file with one link (a hard link would be written through too). Retries
+    when a run that made the model_dir for its lock alone removes it between
+    our makedirs and open.
+    """
+    for _ in range(_LOCK_OPEN_TRIES):
+        created = not tf.io.gfile.exists(model_dir)
+        tf.io.gfile.makedirs(model_dir)
+        try:
+            fd = os.open(path, _LOCK_OPEN_FLAGS, 0o644)
+        except FileNotFoundError:
+            continue  # The model_dir went away with its previous holder: make it again.
+        except OSError as error:
+            try:
+                kind = _file_kind(os.lstat(path).st_mode)
+            except OSError:
+                kind = "unknown"
+            if error.errno in (errno.ELOOP, errno.EISDIR, errno.ENXIO, errno.EOPNOTSUPP):
+                if kind == "a symbolic link":
+                    kind = f"a symbolic link to {os.readlink(path)}"
+                raise _not_a_lock_file(path, kind) from None
+            raise UserError(
+                f"cannot open the lock file {path} ({error.strerror}); if no run uses this --model_dir, "
+                "make it readable and writable by this user or remove it, or pass another --model_dir"
+            ) from None
+        status = os.fstat(fd)
+        if not stat.S_ISREG(status.st_mode) or status.st_nlink > 1:
+            os.close(fd)
+            what = (
+                _file_kind(status.st_mode)
+                if not stat.S_ISREG(status.st_mode)
+                else (f"a file with {status.st_nlink} hard links")
+            )
+            raise _not_a_lock_file(path, what)
+        os.set_blocking(fd, True)
+        return fd, created
+    raise UserError(f"{model_dir} kept disappearing while taking its lock {path}; is another tool removing it?")
+
+
+def _read_record(fd: int) -> str:
+    """The lock file's text; bytes that are not UTF-8 (garbage) become U+FFFD, not an error."""
+    return os.pread(fd, _LOCK_RECORD_BYTES, 0).decode("utf-8", errors="replace")
+
+
 @contextlib.contextmanager
 def writer_lock(model_dir: str) -> Iterator[None]:
     """Holds `<model_dir>/.writer.lock` exclusively for the `with` block.
@@ -81,6 +157,11 @@ def writer_lock(model_dir: str) -> Iterator[None]:
     says whose lock it took over. The file is removed on a clean exit, so a
     run refused for bad input leaves the model_dir as it found it (and a
     model_dir created only for the lock is removed again).
+
+    The file is the engine's own and nothing else: a symlink, directory,
+    FIFO, hard link or unreadable file in its place is refused with one line
+    and left as it is; a regular file with garbage in it is taken over with
+    a warning.
 
     Only one writer per model_dir: training takes it; readers (an evaluator)
     must not. `flock` is enforced between processes of one host and on file
@@ -97,33 +178,31 @@ def writer_lock(model_dir: str) -> Iterator[None]:
         )
         yield
         return
-    created = not tf.io.gfile.exists(model_dir)
-    tf.io.gfile.makedirs(model_dir)
     path = os.path.join(model_dir, LOCK_FILE)
+    created = False
     while True:
-        handle = open(path, "a+")
+        fd, made = _open_lock_file(model_dir, path)
+        created = created or made
         try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as error:
             if error.errno not in (errno.EAGAIN, errno.EACCES):
-                handle.close()
+                os.close(fd)
                 raise
-            handle.seek(0)
-            holder = _describe_holder(handle.read())
-            handle.close()
+            holder = _describe_holder(_read_record(fd))
+            os.close(fd)
             raise UserError(
                 f"--model_dir={model_dir} is in use by {holder}; wait for that run to end, "
                 "or pass another --model_dir"
             ) from None
         try:
-            same_file = os.fstat(handle.fileno()).st_ino == os.stat(path).st_ino
+            same_file = os.fstat(fd).st_ino == os.lstat(path).st_ino
         except FileNotFoundError:
             same_file = False
         if same_file:
             break
-        handle.close()  # The previous holder removed the file between our open and flock: retry.
-    handle.seek(0)
-    previous = handle.read().strip()
+        os.close(fd)  # The previous holder removed the file between our open and flock: retry.
+    previous = _read_record(fd).strip()
     if previous:
         holder = _describe_holder(previous)
         logging.warning(
@@ -131,20 +210,15 @@ def writer_lock(model_dir: str) -> Iterator[None]:
             holder,
             model_dir,
         )
-    handle.seek(0)
-    handle.truncate()
-    handle.write(
-        json.dumps(
-            {"host": socket.gethostname(), "pid": os.getpid(), "since": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-        )
-    )
-    handle.flush()
+    record = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, json.dumps(record).encode(), 0)
     try:
         yield
     finally:
         with contextlib.suppress(OSError):
             os.remove(path)  # Still holding the lock: nobody else can be between.
-        handle.close()
+        os.close(fd)
         if created:
             with contextlib.suppress(OSError):  # Only when the refused run left it empty.
                 os.rmdir(model_dir)
@@ -153,10 +227,15 @@ def writer_lock(model_dir: str) -> Iterator[None]:
 def holder_pid(model_dir: str) -> int | None:
     """The pid recorded in a model_dir's lock file, if any (for tests and tools)."""
     try:
-        with open(os.path.join(model_dir, LOCK_FILE)) as handle:
-            return int(json.load(handle)["pid"])
+        fd = os.open(os.path.join(model_dir, LOCK_FILE), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        return int(json.loads(_read_record(fd))["pid"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
+    finally:
+        os.close(fd)
 
 
 # ------------------------------------------------------- checkpoint discovery

@@ -9,15 +9,18 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 from helpers import (
+    REPO,
     copy_of,
     one_error_line,
     popen_main,
+    python_env,
     read_stderr_until,
     run_main,
     snapshot,
@@ -84,6 +87,156 @@ def test_writer_lock_is_exclusive_and_leaves_nothing_behind(tmp_path):
     with model_dir_lib.writer_lock(str(model_dir)):
         pass
     assert list(model_dir.iterdir()) == []
+
+
+def _tree(directory: Path) -> dict[str, object]:
+    """Every entry under `directory` by kind: a file's bytes, a link's target, a directory or FIFO."""
+    entries: dict[str, object] = {}
+    for path in sorted(directory.rglob("*")):
+        name = str(path.relative_to(directory))
+        if path.is_symlink():
+            entries[name] = ("link", os.readlink(path))
+        elif path.is_fifo():
+            entries[name] = "fifo"
+        elif path.is_dir():
+            entries[name] = "dir"
+        else:
+            entries[name] = (path.read_bytes(), oct(path.stat().st_mode), path.stat().st_nlink)
+    return entries
+
+
+def _make_symlink(lock: Path, outside: Path) -> None:
+    outside.write_bytes(b"the user's own file\n")
+    lock.symlink_to(outside)
+
+
+def _make_dangling_symlink(lock: Path, outside: Path) -> None:
+    lock.symlink_to(outside)  # Would create a file outside the model_dir if followed.
+
+
+def _make_hard_link(lock: Path, outside: Path) -> None:
+    outside.write_bytes(b"the user's own file\n")
+    os.link(outside, lock)
+
+
+@pytest.mark.parametrize(
+    "make, kind",
+    [
+        (_make_symlink, "a symbolic link to"),
+        (_make_dangling_symlink, "a symbolic link to"),
+        (_make_hard_link, "a file with 2 hard links"),
+        (lambda lock, outside: lock.mkdir(), "a directory"),
+        (lambda lock, outside: os.mkfifo(lock), "a FIFO"),  # Must not block: the test would hang.
+    ],
+    ids=["symlink", "dangling-symlink", "hard-link", "directory", "fifo"],
+)
+@pytest.mark.timeout(60)
+def test_lock_file_that_is_not_a_regular_file_is_refused_and_nothing_is_written_through(tmp_path, make, kind):
+    model_dir, outside = tmp_path / "run", tmp_path / "users-file.txt"
+    model_dir.mkdir()
+    (model_dir / "keep.txt").write_text("kept")
+    lock = model_dir / model_dir_lib.LOCK_FILE
+    make(lock, outside)
+    before = _tree(tmp_path)
+    with pytest.raises(UserError) as raised:
+        with model_dir_lib.writer_lock(str(model_dir)):
+            pytest.fail("took a lock that is not a regular file of its own")
+    message = str(raised.value)
+    assert "\n" not in message and str(lock) in message and kind in message, message
+    assert _tree(tmp_path) == before  # The model_dir and the file outside it, byte-identical.
+
+
+def test_lock_file_holding_binary_garbage_is_taken_over_with_a_warning(tmp_path, caplog):
+    model_dir = tmp_path / "run"
+    model_dir.mkdir()
+    (model_dir / model_dir_lib.LOCK_FILE).write_bytes(b"\xff\xfe\x00garbage\x80" * 10)
+    with model_dir_lib.writer_lock(str(model_dir)):
+        assert model_dir_lib.holder_pid(str(model_dir)) == os.getpid()
+    assert "took over the writer lock of an unknown process" in caplog.text
+    assert list(model_dir.iterdir()) == []
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as `nobody` (a user the mode applies to)")
+def test_unreadable_lock_file_is_one_line_for_a_user_it_applies_to(tmp_path):
+    import pwd
+    import shutil
+    import tempfile
+
+    nobody = pwd.getpwnam("nobody").pw_uid
+    parent = Path(tempfile.mkdtemp(prefix="lock-mode-000-"))  # tmp_path is root's alone (mode 700).
+    try:
+        parent.chmod(0o777)
+        model_dir = parent / "run"
+        model_dir.mkdir(mode=0o777)
+        model_dir.chmod(0o777)
+        lock = model_dir / model_dir_lib.LOCK_FILE
+        lock.write_text('{"host": "h", "pid": 1, "since": "s"}')
+        lock.chmod(0o000)
+        before = _tree(parent)
+        os.seteuid(nobody)
+        try:
+            with pytest.raises(UserError) as raised:
+                with model_dir_lib.writer_lock(str(model_dir)):
+                    pass
+        finally:
+            os.seteuid(0)
+        message = str(raised.value)
+        assert "\n" not in message and f"cannot open the lock file {lock}" in message, message
+        assert "Permission denied" in message, message
+        assert _tree(parent) == before
+    finally:
+        shutil.rmtree(parent)
+
+
+_TAKE_IN_A_LOOP = """
+import os, sys, time
+from engine import model_dir as m
+from engine.errors import UserError
+while not os.path.exists(sys.argv[3]):  # All start at once, after their slow imports.
+    time.sleep(0.01)
+taken = 0
+for _ in range(int(sys.argv[2])):
+    try:
+        with m.writer_lock(sys.argv[1]):
+            assert m.holder_pid(sys.argv[1]) == os.getpid()
+            taken += 1
+    except UserError as error:
+        assert "is in use by" in str(error), error
+print("taken", taken)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_processes_taking_the_lock_in_a_tight_loop_on_a_new_model_dir_never_fail(tmp_path):
+    """Each take makes the model_dir and removes it again on release: the others
+    open the lock file in a directory that comes and goes."""
+    model_dir, start = tmp_path / "new" / "run", tmp_path / "start"
+    processes = [
+        subprocess.Popen(
+            [sys.executable, "-c", _TAKE_IN_A_LOOP, str(model_dir), "2000", str(start)],
+            cwd=REPO,
+            env=python_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(3)
+    ]
+    try:
+        start.touch()
+        results = [process.communicate(timeout=200) for process in processes]
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+                process.communicate()
+    for process, (out, err) in zip(processes, results, strict=True):
+        assert process.returncode == 0, err[-3000:]
+        assert "taken" in out
+    # Released each time: no lock file left (an empty model_dir may stay when the last
+    # holder is not the process that made it).
+    assert not model_dir.exists() or list(model_dir.iterdir()) == []
 
 
 @pytest.mark.slow
