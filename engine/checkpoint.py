@@ -78,7 +78,7 @@ def set_aside_unreadable(model_dir: str, *, fallback: bool) -> None:
     for name in tf.io.gfile.listdir(directory):  # Listed, not globbed: the name may hold pattern characters.
         if any(name.startswith(prefix) for prefix in prefixes):
             tf.io.gfile.rename(os.path.join(directory, name), os.path.join(aside, name), overwrite=True)
-    tf.compat.v1.train.update_checkpoint_state(directory, readable[-1], all_model_checkpoint_paths=readable)
+    model_dir_lib.write_state(directory, readable[-1], readable)
     logging.warning("restoring %s; unreadable checkpoints moved to %s", readable[-1], aside)
 
 
@@ -99,7 +99,7 @@ def restore_latest(
     if directory is None:
         path = manager.latest_checkpoint
     else:
-        path = tf.train.latest_checkpoint(os.path.join(directory, CHECKPOINT_SUBDIR))
+        path = model_dir_lib.latest_checkpoint(os.path.join(directory, CHECKPOINT_SUBDIR))
     if path is None:
         return None
     checkpoint = manager.checkpoint

@@ -31,7 +31,7 @@ from engine.config import RunConfig
 from engine.environment import seed_everything, set_precision
 from engine.errors import UserError, one_line
 from engine.hooks.best_checkpoint import BestCheckpoint
-from engine.model_dir import write_json
+from engine.model_dir import latest_checkpoint, write_json
 from engine.own_packages import own_package
 from engine.schedules import learning_rate_schedule
 from engine.strategy import build_strategy, configure_cpu_devices
@@ -69,7 +69,7 @@ def run(config: RunConfig, mode: str) -> dict[str, Any]:
     """Evaluates as `mode` says; returns what metrics.json holds (or would)."""
     if mode == "eval":
         model_dir = _model_dir(config)
-        path = tf.train.latest_checkpoint(checkpoint_lib.checkpoint_dir(model_dir))
+        path = latest_checkpoint(checkpoint_lib.checkpoint_dir(model_dir))
         if path is None:
             raise UserError(
                 f"--mode=eval: no checkpoint in {checkpoint_lib.checkpoint_dir(model_dir)}; "
@@ -223,7 +223,7 @@ class Evaluator:
         seen = -1
         idle_since = time.monotonic()
         while not self._stop.signum:
-            path = tf.train.latest_checkpoint(directory) if tf.io.gfile.isdir(directory) else None
+            path = latest_checkpoint(directory) if tf.io.gfile.isdir(directory) else None
             step = _step_of(path)
             if path is not None and step > seen:
                 seen = step

@@ -274,12 +274,56 @@ def read_problem(path: str) -> str | None:
 
 
 def checkpoint_state(directory: str):
-    """`tf.train.get_checkpoint_state`, with None also for a state file it cannot
-    parse (it returns None for some damage and raises ValueError for other)."""
+    """`tf.train.get_checkpoint_state`, with every path read as a checkpoint of
+    `directory` itself, and None also for a state file it cannot parse (it
+    returns None for some damage and raises ValueError for other).
+
+    A state file names checkpoints of its own directory: read by their names,
+    a copied or moved model_dir resumes from its own files even when an
+    older version wrote absolute paths there (which reached the original's).
+    """
     try:
-        return tf.train.get_checkpoint_state(directory)
+        state = tf.train.get_checkpoint_state(directory)
     except (ValueError, tf.errors.OpError):
         return None
+    if state is None:
+        return None
+    if state.model_checkpoint_path:
+        state.model_checkpoint_path = os.path.join(directory, os.path.basename(state.model_checkpoint_path))
+    paths = [os.path.join(directory, os.path.basename(path)) for path in state.all_model_checkpoint_paths]
+    del state.all_model_checkpoint_paths[:]
+    state.all_model_checkpoint_paths.extend(paths)
+    return state
+
+
+def latest_checkpoint(directory: str) -> str | None:
+    """`tf.train.latest_checkpoint`, read as `checkpoint_state` reads (in `directory`, by name)."""
+    state = checkpoint_state(directory)
+    if state is None or not state.model_checkpoint_path:
+        return None
+    path = state.model_checkpoint_path
+    return path if tf.io.gfile.exists(path + ".index") else None
+
+
+def write_state(directory: str, latest: str, every: list[str]) -> None:
+    """Writes `directory`'s state file naming checkpoints relative to it (by name),
+    as `tf.train.CheckpointManager` does, so the model_dir stays portable."""
+    tf.compat.v1.train.update_checkpoint_state(
+        directory,
+        os.path.basename(latest),
+        all_model_checkpoint_paths=[os.path.basename(path) for path in every],
+    )
+
+
+def names_other_directories(directory: str) -> bool:
+    """Whether `directory`'s state file holds paths rather than names (an older
+    version wrote absolute paths after recovering it)."""
+    try:
+        with tf.io.gfile.GFile(os.path.join(directory, STATE_FILE), "r") as handle:
+            text = handle.read()
+    except (tf.errors.OpError, UnicodeDecodeError):
+        return False
+    return any("/" in path for path in re.findall(r'checkpoint_paths?: "(.*)"', text))
 
 
 def recover_state(directory: str) -> str | None:
@@ -296,6 +340,14 @@ def recover_state(directory: str) -> str | None:
     state_path = os.path.join(directory, STATE_FILE)
     state = checkpoint_state(directory)
     if state is not None and state.model_checkpoint_path:
+        if names_other_directories(directory):
+            write_state(directory, state.model_checkpoint_path, list(state.all_model_checkpoint_paths))
+            logging.warning(
+                "the checkpoint state file %s named checkpoints by absolute paths (an older version); "
+                "rewrote it to name the checkpoints of %s itself, wherever it is now",
+                state_path,
+                directory,
+            )
         return None
     if not found:
         if state is None and tf.io.gfile.exists(state_path):  # Names nothing: set aside, start afresh.
@@ -317,7 +369,7 @@ def recover_state(directory: str) -> str | None:
     if tf.io.gfile.exists(state_path):
         what = "damaged"
         tf.io.gfile.rename(state_path, state_path + DAMAGED_STATE_SUFFIX, overwrite=True)
-    tf.compat.v1.train.update_checkpoint_state(directory, readable[-1], all_model_checkpoint_paths=readable)
+    write_state(directory, readable[-1], readable)
     message = (
         f"the checkpoint state file {state_path} was {what}; found {len(found)} checkpoint(s) "
         f"by listing the directory and continue from the newest readable, {readable[-1]}"

@@ -7,6 +7,7 @@ kill -9, signals, a full disk); small mlp runs to stay fast.
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -746,3 +747,69 @@ def test_checkpoint_files_the_state_does_not_list_are_moved_aside_not_overwritte
     kept = {p.name: p.read_bytes() for p in (checkpoints / "superseded").rglob("ckpt-20*")}
     assert kept == old  # the earlier ckpt-20, byte for byte
     assert tf.train.latest_checkpoint(str(checkpoints)).endswith("ckpt-30")
+
+
+def _small_trainer(model_dir: Path, **kwargs):
+    import tensorflow as tf
+    from helpers import global_batches, loss_fn, make_arrays, make_model
+
+    import engine
+
+    strategy = tf.distribute.get_strategy()
+    model, optimizer = make_model(strategy)
+    return engine.Trainer(
+        strategy=strategy,
+        model=model,
+        optimizer=optimizer,
+        train_data=global_batches(*make_arrays(64), 16),
+        global_batch_size=16,
+        loss_fn=loss_fn(),
+        steps_per_loop=2,
+        checkpoint_every=2,
+        model_dir=str(model_dir),
+        **kwargs,
+    )
+
+
+def _state_paths(model_dir: Path) -> list[str]:
+    text = (model_dir / "checkpoints" / model_dir_lib.STATE_FILE).read_text()
+    return re.findall(r'checkpoint_paths?: "(.*)"', text)
+
+
+@pytest.mark.parametrize("written_by", ["recovery", "an older version"])
+def test_copied_and_moved_model_dirs_resume_from_their_own_checkpoints(tmp_path, written_by):
+    import tensorflow as tf
+
+    original = tmp_path / "original"
+    _small_trainer(original).train(4)  # ckpt-2, ckpt-4
+    state = original / "checkpoints" / model_dir_lib.STATE_FILE
+    if written_by == "recovery":
+        state.unlink()
+        _small_trainer(original)  # Rebuilds the state file from the files on disk.
+        assert _state_paths(original) == ["ckpt-4", "ckpt-2", "ckpt-4"]  # Names, not paths.
+    else:
+        directory = str(original / "checkpoints")
+        tf.compat.v1.train.update_checkpoint_state(
+            directory,
+            f"{directory}/ckpt-4",
+            all_model_checkpoint_paths=[f"{directory}/ckpt-2", f"{directory}/ckpt-4"],
+        )
+    copy = copy_of(original, tmp_path / "copy")
+    moved = tmp_path / "moved"
+    original.rename(moved)
+    for model_dir in (copy, moved):
+        trainer = _small_trainer(model_dir)
+        assert trainer.step == 4
+        assert trainer.checkpoint_manager.latest_checkpoint == str(model_dir / "checkpoints" / "ckpt-4")
+        trainer.train(6)
+        assert all("/" not in path for path in _state_paths(model_dir)), _state_paths(model_dir)
+        assert sorted(p.name for p in (model_dir / "checkpoints").glob("ckpt-*.index")) == [
+            "ckpt-2.index",
+            "ckpt-4.index",
+            "ckpt-6.index",
+        ]
+    assert not original.exists()  # Nothing was written back to where the original was.
+    # What the evaluator reads, too (it never rewrites the state file).
+    for model_dir in (copy, moved):
+        latest = str(model_dir / "checkpoints" / "ckpt-6")
+        assert model_dir_lib.latest_checkpoint(str(model_dir / "checkpoints")) == latest

@@ -171,7 +171,7 @@ def _keep_only(directory: str, name: str) -> None:
     """Makes best/'s state file name `name` alone (relative: the model_dir may move),
     then removes every other checkpoint there: the end of a save, finished."""
     if _committed(directory) != name or len(model_dir_lib.scan_checkpoints(directory)) > 1:
-        tf.compat.v1.train.update_checkpoint_state(directory, name, all_model_checkpoint_paths=[name])
+        model_dir_lib.write_state(directory, name, [name])
     for other in model_dir_lib.scan_checkpoints(directory):
         if os.path.basename(other) != name:
             _remove_checkpoint(directory, os.path.basename(other))
