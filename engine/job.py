@@ -102,7 +102,8 @@ def run(config: RunConfig) -> dict[str, Any]:
     total_steps = config.total_steps(source.num_train_examples)
     # One writer per model_dir (the chief); readers such as an evaluator take no lock.
     lock = model_dir_lib.writer_lock(model_dir) if write_dir == model_dir else contextlib.nullcontext()
-    with lock:
+    # Repairs of on-disk state made while checking are undone if a later check refuses the run.
+    with lock, model_dir_lib.repairs_undone_on_error():
         return _train_and_evaluate(
             config, strategy, cluster, model_spec, image_shape, source, model_dir, write_dir, total_steps
         )
@@ -129,8 +130,6 @@ def _train_and_evaluate(
     if write_dir == model_dir:
         if tf.io.gfile.isdir(metrics_path):
             raise UserError(f"{metrics_path} is a directory; move it away, the run writes its results there")
-        for directory in ("checkpoints", "best"):  # Saves cut short by kill -9 or a full disk.
-            model_dir_lib.remove_orphan_temps(os.path.join(model_dir, directory))
         model_dir_lib.recover_state(checkpoint_lib.checkpoint_dir(model_dir))
         checkpoint_lib.check_settings(
             model_dir, _optimizer_settings(config), flags_may_change=config.reset_optimizer
@@ -227,7 +226,11 @@ def _train_and_evaluate(
             metrics_path,
         )
         return finished
-    if strategy.extended.should_checkpoint:  # Everything is checked: the first bytes written.
+    model_dir_lib.keep_repairs()  # Everything is checked: the repairs stay, the first bytes are written.
+    if write_dir == model_dir:
+        for directory in ("checkpoints", "best"):  # Saves cut short by kill -9 or a full disk.
+            model_dir_lib.remove_orphan_temps(os.path.join(model_dir, directory))
+    if strategy.extended.should_checkpoint:
         write_hparams(model_dir, dataclasses.asdict(config))
         checkpoint_lib.record_settings(model_dir, _optimizer_settings(config))
     try:

@@ -813,3 +813,45 @@ def test_copied_and_moved_model_dirs_resume_from_their_own_checkpoints(tmp_path,
     for model_dir in (copy, moved):
         latest = str(model_dir / "checkpoints" / "ckpt-6")
         assert model_dir_lib.latest_checkpoint(str(model_dir / "checkpoints")) == latest
+
+
+@pytest.mark.parametrize("damage", ["garbage", "missing"])
+@pytest.mark.parametrize(
+    "bad, expected",
+    [
+        ({"optimizer": "sgd"}, "--optimizer=sgd differs"),  # Checked against checkpoints/settings.json.
+        ({"best_checkpoint_metric": "loss"}, "not by loss"),  # Checked by the hook, after the Trainer.
+        ({"model": "cnn"}, "does not match this model"),  # Checked by restoring the recovered latest.
+    ],
+    ids=["settings", "best-metric", "model"],
+)
+def test_a_refused_run_after_state_damage_leaves_the_model_dir_byte_identical(
+    trained, tmp_path, damage, bad, expected
+):
+    """The state file is recovered (rewritten, the damaged one kept beside) to check the
+    run; a check that refuses it afterwards takes every repair back."""
+    from engine import job
+    from engine.config import RunConfig
+
+    model_dir = copy_of(trained, tmp_path / "run")
+    state = model_dir / "checkpoints" / model_dir_lib.STATE_FILE
+    if damage == "garbage":
+        state.write_bytes(b"\x00\xffnot a state file")
+    else:
+        state.unlink()
+    before = _tree(model_dir)
+    settings = {
+        "model": "mlp",
+        "train_steps": 30,
+        "checkpoint_every": 10,
+        "eval_every": 10,
+        "early_stop_metric": "loss",
+        "early_stop_patience": 5,
+        "best_checkpoint_metric": "accuracy",
+        "model_dir": str(model_dir),
+    }
+    config = RunConfig(**{**settings, **bad})
+    config.validate()
+    with pytest.raises(UserError, match=expected):
+        job.run(config)
+    assert _tree(model_dir) == before
