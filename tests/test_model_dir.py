@@ -855,3 +855,22 @@ def test_a_refused_run_after_state_damage_leaves_the_model_dir_byte_identical(
     with pytest.raises(UserError, match=expected):
         job.run(config)
     assert _tree(model_dir) == before
+
+
+def test_restore_fallback_finds_the_newest_readable_checkpoint_when_the_state_names_only_missing_ones(tmp_path):
+    import tensorflow as tf
+
+    _small_trainer(tmp_path, max_checkpoints=5).train(6)  # ckpt-2, ckpt-4, ckpt-6
+    directory = str(tmp_path / "checkpoints")
+    tf.compat.v1.train.update_checkpoint_state(directory, "ckpt-999", all_model_checkpoint_paths=["ckpt-999"])
+    before = _tree(tmp_path)
+    with pytest.raises(UserError, match="ckpt-999 cannot be read.*--restore_fallback"):
+        _small_trainer(tmp_path)
+    assert _tree(tmp_path) == before  # Without the flag, nothing changes.
+    trainer = _small_trainer(tmp_path, restore_fallback=True)
+    assert trainer.step == 6
+    assert trainer.checkpoint_manager.latest_checkpoint == os.path.join(directory, "ckpt-6")
+    trainer.train(8)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").glob("ckpt-*.index")) == [
+        f"ckpt-{step}.index" for step in (2, 4, 6, 8)
+    ]
