@@ -140,6 +140,9 @@ class Evaluator:
         self._checkpoint = tf.train.Checkpoint(
             model=model, optimizer=optimizer, global_step=self.trainer.global_step
         )
+        # Made now so each read restores it at once: made later (by the best checkpoint's first save),
+        # it would be restored then, from a checkpoint rotation may have deleted since.
+        _ = self._checkpoint.save_counter
         self._summaries = SummaryWriters(config.model_dir)
         self._best = self._best_checkpoint(config)
 
@@ -180,10 +183,15 @@ class Evaluator:
             ) from None
         status.expect_partial()
         step = self.trainer.step
-        logs = self.trainer.evaluate()
-        self._summaries.write("eval", step, logs)
-        if self._best is not None:
-            self._best.on_eval_end(self._owner(), step, logs)
+        try:
+            logs = self.trainer.evaluate()
+            self._summaries.write("eval", step, logs)
+            if self._best is not None:
+                self._best.on_eval_end(self._owner(), step, logs)
+        except tf.errors.OpError as error:  # A restoration deferred until now read the files.
+            if strict or not _files_gone(path):
+                raise
+            raise CheckpointVanished(f"{path}: {type(error).__name__} while evaluating it") from None
         return step, logs
 
     def run_continuously(self) -> dict[str, Any]:

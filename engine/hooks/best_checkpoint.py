@@ -71,25 +71,25 @@ class BestCheckpoint(Callback):
         value = metric_value(logs, self.metric)
         if not self.watch.improves(value, self.watch.best):
             return
+        if trainer.strategy.extended.should_checkpoint:  # Only the chief writes; every worker tracks the best.
+            assert self._directory is not None and trainer.checkpoint is not None, "on_train_begin: a chief"
+            name = f"ckpt-{step}"
+            _remove_checkpoint(self._directory, name)  # Never committed (the reconcile at start removes it too).
+            # With a moving average the model is saved holding the averages it was judged by.
+            with trainer.averaged_weights():
+                trainer.checkpoint.write(os.path.join(self._directory, name))
+            record = {
+                "metric": self.metric,
+                "mode": self.watch.mode,
+                "value": value,
+                "step": step,
+                "checkpoint": name,
+            }
+            model_dir_lib.write_json(os.path.join(self._directory, BEST_FILE), record)  # The commit.
+            _keep_only(self._directory, name)
+            logging.info("best eval %s=%.6g at step %d: saved %s", self.metric, value, step, name)
+        # Only now: a save that failed (a full disk, an evaluator's checkpoint rotated away) keeps the old best.
         self.watch.best, self.best_step = value, step
-        if not trainer.strategy.extended.should_checkpoint:
-            return  # Only the chief writes; every worker tracks the same best.
-        assert self._directory is not None and trainer.checkpoint is not None, "on_train_begin: a chief"
-        name = f"ckpt-{step}"
-        _remove_checkpoint(self._directory, name)  # Never committed (the reconcile at start removes it too).
-        # With a moving average the model is saved holding the averages it was judged by.
-        with trainer.averaged_weights():
-            trainer.checkpoint.write(os.path.join(self._directory, name))
-        record = {
-            "metric": self.metric,
-            "mode": self.watch.mode,
-            "value": value,
-            "step": step,
-            "checkpoint": name,
-        }
-        model_dir_lib.write_json(os.path.join(self._directory, BEST_FILE), record)  # The commit.
-        _keep_only(self._directory, name)
-        logging.info("best eval %s=%.6g at step %d: saved %s", self.metric, value, step, name)
 
     def _load(self, model_dir: str, directory: str) -> None:
         path = os.path.join(directory, BEST_FILE)
