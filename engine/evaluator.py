@@ -27,6 +27,7 @@ import tensorflow as tf
 from absl import logging
 
 from engine import checkpoint as checkpoint_lib
+from engine import model_dir as model_dir_lib
 from engine.config import RunConfig
 from engine.environment import seed_everything, set_precision
 from engine.errors import UserError, one_line
@@ -67,6 +68,12 @@ def _model_dir(config: RunConfig) -> str:
 
 def run(config: RunConfig, mode: str) -> dict[str, Any]:
     """Evaluates as `mode` says; returns what metrics.json holds (or would)."""
+    model_dir_lib.check_kinds(_model_dir(config))
+    with model_dir_lib.disk_full_is_a_user_error(_model_dir(config)):
+        return _run(config, mode)
+
+
+def _run(config: RunConfig, mode: str) -> dict[str, Any]:
     if mode == "eval":
         model_dir = _model_dir(config)
         path = latest_checkpoint(checkpoint_lib.checkpoint_dir(model_dir))

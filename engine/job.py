@@ -97,13 +97,14 @@ def run(config: RunConfig) -> dict[str, Any]:
     check_batch_fits(config.global_batch_size, source.num_train_examples, config.dataset)
     model_dir = config.model_dir or tempfile.mkdtemp(prefix="engine-")
     model_dir_lib.check_name(model_dir)
+    model_dir_lib.check_kinds(model_dir)
     # Only the chief writes model_dir; other workers write a private copy they remove.
     write_dir = task_model_dir(model_dir, cluster)
     total_steps = config.total_steps(source.num_train_examples)
     # One writer per model_dir (the chief); readers such as an evaluator take no lock.
     lock = model_dir_lib.writer_lock(model_dir) if write_dir == model_dir else contextlib.nullcontext()
     # Repairs of on-disk state made while checking are undone if a later check refuses the run.
-    with lock, model_dir_lib.repairs_undone_on_error():
+    with model_dir_lib.disk_full_is_a_user_error(model_dir), lock, model_dir_lib.repairs_undone_on_error():
         return _train_and_evaluate(
             config, strategy, cluster, model_spec, image_shape, source, model_dir, write_dir, total_steps
         )

@@ -50,6 +50,36 @@ def check_name(model_dir: str, flag: str = "model_dir") -> None:
         )
 
 
+# What the engine keeps in a model_dir's subdirectories, by name.
+SUBDIRECTORIES = {
+    "checkpoints": "checkpoints",
+    "best": "best checkpoint",
+    "hooks": "hook state",
+    "train": "TensorBoard logs",
+    "eval": "TensorBoard logs",
+}
+
+
+def check_kinds(model_dir: str) -> None:
+    """Refuses a model_dir, or a subdirectory the engine keeps there, that is not a
+    directory (a regular file in its place was a FailedPreconditionError traceback
+    after parts of the run had been written)."""
+    for path, what in [(model_dir, "everything of the run")] + [
+        (os.path.join(model_dir, name), what) for name, what in SUBDIRECTORIES.items()
+    ]:
+        if not tf.io.gfile.exists(path) or tf.io.gfile.isdir(path):
+            continue
+        kind = "a file"
+        if not is_remote(path):
+            with contextlib.suppress(OSError):
+                status = os.lstat(path)
+                kind = "a regular file" if stat.S_ISREG(status.st_mode) else _file_kind(status.st_mode)
+        raise UserError(
+            f"{path} is {kind}, not a directory: the run keeps its {what} there; move it away "
+            "or pass another --model_dir"
+        )
+
+
 # ------------------------------------------------------------------ the writer lock
 
 
@@ -211,17 +241,25 @@ def writer_lock(model_dir: str) -> Iterator[None]:
             model_dir,
         )
     record = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, json.dumps(record).encode(), 0)
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(record).encode(), 0)
+    except OSError:  # A full disk: leave no empty lock file (nor a model_dir made for it) behind.
+        _release(model_dir, path, fd, created)
+        raise
     try:
         yield
     finally:
-        with contextlib.suppress(OSError):
-            os.remove(path)  # Still holding the lock: nobody else can be between.
-        os.close(fd)
-        if created:
-            with contextlib.suppress(OSError):  # Only when the refused run left it empty.
-                os.rmdir(model_dir)
+        _release(model_dir, path, fd, created)
+
+
+def _release(model_dir: str, path: str, fd: int, created: bool) -> None:
+    with contextlib.suppress(OSError):
+        os.remove(path)  # Still holding the lock: nobody else can be between.
+    os.close(fd)
+    if created:
+        with contextlib.suppress(OSError):  # Only when the refused run left it empty.
+            os.rmdir(model_dir)
 
 
 def holder_pid(model_dir: str) -> int | None:
@@ -430,15 +468,20 @@ def latest_checkpoint(directory: str) -> str | None:
 
 def write_state(directory: str, latest: str, every: list[str]) -> None:
     """Writes `directory`'s state file naming checkpoints relative to it (by name),
-    as `tf.train.CheckpointManager` does, so the model_dir stays portable."""
-    repair_write(
-        os.path.join(directory, STATE_FILE),
-        lambda: tf.compat.v1.train.update_checkpoint_state(
-            directory,
-            os.path.basename(latest),
-            all_model_checkpoint_paths=[os.path.basename(path) for path in every],
-        ),
+    as `tf.train.CheckpointManager` does, so the model_dir stays portable.
+
+    Written here, not by `tf.compat.v1.train.update_checkpoint_state`: given a
+    name in a directory that is not absolute (ram://, a relative --model_dir)
+    it writes `../../ckpt-3`.
+    """
+    names = [os.path.basename(path) for path in every]
+    if not names or names[-1] != os.path.basename(latest):
+        names.append(os.path.basename(latest))
+    text = f'model_checkpoint_path: "{names[-1]}"\n' + "".join(
+        f'all_model_checkpoint_paths: "{name}"\n' for name in names
     )
+    path = os.path.join(directory, STATE_FILE)
+    repair_write(path, lambda: write_atomically(path, text))
 
 
 def names_other_directories(directory: str) -> bool:
@@ -593,10 +636,30 @@ def write_json(path: str, payload: Mapping[str, Any]) -> None:
     directory = os.path.dirname(path)
     if directory:
         tf.io.gfile.makedirs(directory)
+    write_atomically(path, json.dumps(dict(payload), indent=2, sort_keys=True))
+
+
+def write_atomically(path: str, text: str) -> None:
+    """A temporary file, then a rename: a reader (or a crash) never sees half a file."""
     temporary = f"{path}.tmp{os.getpid()}"  # Private to this process (an evaluator writes too).
     with tf.io.gfile.GFile(temporary, "w") as handle:
-        handle.write(json.dumps(dict(payload), indent=2, sort_keys=True))
+        handle.write(text)
     tf.io.gfile.rename(temporary, path, overwrite=True)
+
+
+@contextlib.contextmanager
+def disk_full_is_a_user_error(model_dir: str) -> Iterator[None]:
+    """A full disk anywhere in the block (the lock, event files, the best checkpoint)
+    becomes one line naming `model_dir` and its free space, not a traceback."""
+    try:
+        yield
+    except (OSError, tf.errors.OpError) as error:
+        # Not any ResourceExhaustedError here: out of (GPU) memory is one too.
+        full = isinstance(error, OSError) and error.errno == errno.ENOSPC
+        message = disk_full_message(model_dir, error)
+        if message is None or not (full or "No space left on device" in str(error)):
+            raise
+        raise UserError(message) from None
 
 
 def disk_full_message(path: str, error: BaseException) -> str | None:

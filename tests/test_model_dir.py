@@ -5,6 +5,7 @@ Real `python -m engine.main` processes wherever processes matter (the lock,
 kill -9, signals, a full disk); small mlp runs to stay fast.
 """
 
+import contextlib
 import json
 import os
 import re
@@ -874,3 +875,129 @@ def test_restore_fallback_finds_the_newest_readable_checkpoint_when_the_state_na
     assert sorted(p.name for p in (tmp_path / "checkpoints").glob("ckpt-*.index")) == [
         f"ckpt-{step}.index" for step in (2, 4, 6, 8)
     ]
+
+
+def _run_in_process(model_dir: Path, **settings):
+    """engine.job.run on a RunConfig (what engine.main runs after parsing flags)."""
+    from engine import job
+    from engine.config import RunConfig
+
+    config = RunConfig(**{"model": "mlp", "eval_every": 0, "model_dir": str(model_dir), **settings})
+    config.validate()
+    return job.run(config)
+
+
+@pytest.mark.parametrize("name", ["checkpoints", "hooks", "train", "best"])
+def test_a_subdirectory_replaced_by_a_file_is_one_line_and_nothing_changes(trained, tmp_path, name):
+    import shutil
+
+    model_dir = copy_of(trained, tmp_path / "run")
+    shutil.rmtree(model_dir / name)
+    (model_dir / name).write_bytes(b"not a directory")
+    before = _tree(model_dir)
+    flags = {"checkpoint_every": 10, "eval_every": 10, "early_stop_metric": "loss", "early_stop_patience": 5}
+    with pytest.raises(UserError) as raised:
+        _run_in_process(model_dir, train_steps=30, best_checkpoint_metric="accuracy", **flags)
+    message = str(raised.value)
+    assert "\n" not in message and f"{model_dir / name} is a regular file, not a directory" in message, message
+    assert _tree(model_dir) == before
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 6 MiB tmpfs (mounted here, unmounted at the end) and a function that fills it."""
+    disk = tmp_path / "disk"
+    if os.geteuid() != 0 or not _mount_tmpfs(disk, "6m"):
+        pytest.skip("needs root and `mount -t tmpfs` to make a small disk")
+
+    def fill() -> None:
+        fd = os.open(disk / f"filler-{time.monotonic_ns()}", os.O_WRONLY | os.O_CREAT)
+        try:
+            for size in (65536, 1):  # Then the last partial block.
+                with contextlib.suppress(OSError):
+                    while True:
+                        os.write(fd, b"\0" * size)
+        finally:
+            os.close(fd)
+
+    try:
+        yield disk, fill
+    finally:
+        subprocess.run(["umount", str(disk)], check=False)
+
+
+def _assert_full_disk_line(error: UserError, model_dir: Path) -> None:
+    message = str(error)
+    assert "\n" not in message and f"the disk holding {model_dir} is full" in message, message
+    assert "MiB free" in message, message
+
+
+def _latest_is_readable(model_dir: Path, step: int) -> None:
+    import tensorflow as tf
+
+    latest = tf.train.latest_checkpoint(str(model_dir / "checkpoints"))
+    assert latest is not None and latest.endswith(f"ckpt-{step}"), latest
+    assert model_dir_lib.read_problem(latest) is None
+
+
+def test_a_disk_full_at_start_or_in_eval_mode_is_one_line_and_changes_nothing(small_disk):
+    disk, fill = small_disk
+    model_dir = disk / "run"
+    _run_in_process(model_dir, train_steps=10, checkpoint_every=10)
+    fill()
+    before = _tree(model_dir)
+    for settings in ({"train_steps": 20}, {"train_steps": 10, "mode": "eval"}):
+        with pytest.raises(UserError) as raised:
+            _run_in_process(model_dir, checkpoint_every=10, **settings)
+        _assert_full_disk_line(raised.value, model_dir)
+        # TensorFlow creates an event file before its first write fails: empty, it may stay.
+        after = {name: kind for name, kind in _tree(model_dir).items() if kind != (b"", "0o100644", 1)}
+        assert after == {name: kind for name, kind in before.items() if kind != (b"", "0o100644", 1)}
+    _latest_is_readable(model_dir, 10)
+
+
+def test_a_disk_that_fills_mid_run_is_one_line_and_the_previous_checkpoint_stays_latest(small_disk, monkeypatch):
+    from engine.summaries import SummaryWriters
+
+    disk, fill = small_disk
+    model_dir = disk / "run"
+    _run_in_process(model_dir, train_steps=10, checkpoint_every=10)
+    write = SummaryWriters.write
+
+    def filling_write(self, split, step, scalars):
+        if step > 10:
+            fill()  # Another process took the space: the event file's flush fails.
+        write(self, split, step, scalars)
+
+    monkeypatch.setattr(SummaryWriters, "write", filling_write)
+    with pytest.raises(UserError) as raised:
+        _run_in_process(model_dir, train_steps=40, checkpoint_every=40, log_every=5)
+    _assert_full_disk_line(raised.value, model_dir)
+    _latest_is_readable(model_dir, 10)
+
+
+def test_a_disk_full_during_the_best_checkpoint_save_keeps_the_old_best_pair(small_disk, monkeypatch):
+    from engine.hooks.best_checkpoint import BestCheckpoint
+
+    disk, fill = small_disk
+    model_dir = disk / "run"
+    evaluations = []
+    on_eval_end = BestCheckpoint.on_eval_end
+
+    def filling_on_eval_end(self, trainer, step, logs):
+        evaluations.append(step)
+        if len(evaluations) == 2:
+            fill()
+        on_eval_end(self, trainer, step, logs)
+
+    monkeypatch.setattr(BestCheckpoint, "on_eval_end", filling_on_eval_end)
+    with pytest.raises(UserError) as raised:
+        _run_in_process(
+            model_dir, train_steps=30, checkpoint_every=10, eval_every=10, best_checkpoint_metric="loss"
+        )
+    _assert_full_disk_line(raised.value, model_dir)
+    best = json.loads((model_dir / "best" / "best.json").read_text())
+    assert best["checkpoint"] == "ckpt-10"  # The old pair: the record and the checkpoint it names.
+    assert sorted(p.name for p in (model_dir / "best").glob("ckpt-*.index")) == ["ckpt-10.index"]
+    assert model_dir_lib.read_problem(str(model_dir / "best" / "ckpt-10")) is None
+    _latest_is_readable(model_dir, 10)  # The evaluation at 20 comes before its checkpoint.
