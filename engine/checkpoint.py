@@ -10,6 +10,7 @@ latest checkpoint before anything restores it.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 
 import tensorflow as tf
@@ -45,7 +46,8 @@ def set_aside_unreadable(model_dir: str, *, fallback: bool) -> None:
     Without `fallback`, an unreadable latest checkpoint is an error that
     names it, and nothing on disk changes. With it, unreadable checkpoints
     are moved (not deleted) to `checkpoints/unreadable/` and the newest
-    readable one becomes the latest.
+    readable one becomes the latest, whether the state file lists it or only
+    the directory holds it (a state file naming only missing checkpoints).
     """
     directory = checkpoint_dir(model_dir)
     model_dir_lib.recover_state(directory)
@@ -55,6 +57,8 @@ def set_aside_unreadable(model_dir: str, *, fallback: bool) -> None:
     paths = list(state.all_model_checkpoint_paths) or [state.model_checkpoint_path]
     if state.model_checkpoint_path not in paths:
         paths.append(state.model_checkpoint_path)
+    if fallback:  # Every checkpoint there is, by step: the state file may list only missing ones.
+        paths = sorted(set(paths) | set(model_dir_lib.scan_checkpoints(directory)), key=_step_of)
     unreadable = []
     for path in reversed(paths):  # newest first
         problem = model_dir_lib.read_problem(path)
@@ -73,13 +77,18 @@ def set_aside_unreadable(model_dir: str, *, fallback: bool) -> None:
     if not readable:
         raise UserError(f"no checkpoint in {directory} can be read (newest: {paths[-1]}); use a new --model_dir")
     aside = os.path.join(directory, UNREADABLE_SUBDIR)
-    tf.io.gfile.makedirs(aside)
+    model_dir_lib.repair_makedirs(aside)
     prefixes = {os.path.basename(path) + "." for path in unreadable}
     for name in tf.io.gfile.listdir(directory):  # Listed, not globbed: the name may hold pattern characters.
         if any(name.startswith(prefix) for prefix in prefixes):
-            tf.io.gfile.rename(os.path.join(directory, name), os.path.join(aside, name), overwrite=True)
-    tf.compat.v1.train.update_checkpoint_state(directory, readable[-1], all_model_checkpoint_paths=readable)
+            model_dir_lib.repair_rename(os.path.join(directory, name), os.path.join(aside, name))
+    model_dir_lib.write_state(directory, readable[-1], readable)
     logging.warning("restoring %s; unreadable checkpoints moved to %s", readable[-1], aside)
+
+
+def _step_of(path: str) -> int:
+    match = re.search(r"-(\d+)$", path)
+    return int(match.group(1)) if match else -1
 
 
 def restore_latest(
@@ -99,7 +108,7 @@ def restore_latest(
     if directory is None:
         path = manager.latest_checkpoint
     else:
-        path = tf.train.latest_checkpoint(os.path.join(directory, CHECKPOINT_SUBDIR))
+        path = model_dir_lib.latest_checkpoint(os.path.join(directory, CHECKPOINT_SUBDIR))
     if path is None:
         return None
     checkpoint = manager.checkpoint

@@ -27,12 +27,13 @@ import tensorflow as tf
 from absl import logging
 
 from engine import checkpoint as checkpoint_lib
+from engine import model_dir as model_dir_lib
 from engine.config import RunConfig
 from engine.data import PerReplicaBatches
 from engine.environment import seed_everything, set_precision
 from engine.errors import UserError, one_line
 from engine.hooks.best_checkpoint import BestCheckpoint
-from engine.model_dir import write_json
+from engine.model_dir import latest_checkpoint, write_json
 from engine.own_packages import own_package
 from engine.schedules import learning_rate_schedule
 from engine.strategy import build_strategy, configure_cpu_devices
@@ -68,9 +69,15 @@ def _model_dir(config: RunConfig) -> str:
 
 def run(config: RunConfig, mode: str) -> dict[str, Any]:
     """Evaluates as `mode` says; returns what metrics.json holds (or would)."""
+    model_dir_lib.check_kinds(_model_dir(config))
+    with model_dir_lib.disk_full_is_a_user_error(_model_dir(config)):
+        return _run(config, mode)
+
+
+def _run(config: RunConfig, mode: str) -> dict[str, Any]:
     if mode == "eval":
         model_dir = _model_dir(config)
-        path = tf.train.latest_checkpoint(checkpoint_lib.checkpoint_dir(model_dir))
+        path = latest_checkpoint(checkpoint_lib.checkpoint_dir(model_dir))
         if path is None:
             raise UserError(
                 f"--mode=eval: no checkpoint in {checkpoint_lib.checkpoint_dir(model_dir)}; "
@@ -141,6 +148,9 @@ class Evaluator:
         self._checkpoint = tf.train.Checkpoint(
             model=model, optimizer=optimizer, global_step=self.trainer.global_step
         )
+        # Made now so each read restores it at once: made later (by the best checkpoint's first save),
+        # it would be restored then, from a checkpoint rotation may have deleted since.
+        _ = self._checkpoint.save_counter
         self._summaries = SummaryWriters(config.model_dir)
         self._best = self._best_checkpoint(config)
 
@@ -181,10 +191,15 @@ class Evaluator:
             ) from None
         status.expect_partial()
         step = self.trainer.step
-        logs = self.trainer.evaluate()
-        self._summaries.write("eval", step, logs)
-        if self._best is not None:
-            self._best.on_eval_end(self._owner(), step, logs)
+        try:
+            logs = self.trainer.evaluate()
+            self._summaries.write("eval", step, logs)
+            if self._best is not None:
+                self._best.on_eval_end(self._owner(), step, logs)
+        except tf.errors.OpError as error:  # A restoration deferred until now read the files.
+            if strict or not _files_gone(path):
+                raise
+            raise CheckpointVanished(f"{path}: {type(error).__name__} while evaluating it") from None
         return step, logs
 
     def run_continuously(self) -> dict[str, Any]:
@@ -224,7 +239,7 @@ class Evaluator:
         seen = -1
         idle_since = time.monotonic()
         while not self._stop.signum:
-            path = tf.train.latest_checkpoint(directory) if tf.io.gfile.isdir(directory) else None
+            path = latest_checkpoint(directory) if tf.io.gfile.isdir(directory) else None
             step = _step_of(path)
             if path is not None and step > seen:
                 seen = step

@@ -101,12 +101,14 @@ def run(config: RunConfig) -> dict[str, Any]:
     check_batch_fits_memory(config.global_batch_size, cluster.num_workers if cluster else 1, source.image_shape)
     model_dir = config.model_dir or tempfile.mkdtemp(prefix="engine-")
     model_dir_lib.check_name(model_dir)
+    model_dir_lib.check_kinds(model_dir)
     # Only the chief writes model_dir; other workers write a private copy they remove.
     write_dir = task_model_dir(model_dir, cluster)
     total_steps = config.total_steps(source.num_train_examples)
     # One writer per model_dir (the chief); readers such as an evaluator take no lock.
     lock = model_dir_lib.writer_lock(model_dir) if write_dir == model_dir else contextlib.nullcontext()
-    with lock:
+    # Repairs of on-disk state made while checking are undone if a later check refuses the run.
+    with model_dir_lib.disk_full_is_a_user_error(model_dir), lock, model_dir_lib.repairs_undone_on_error():
         return _train_and_evaluate(
             config, strategy, cluster, model_spec, image_shape, source, model_dir, write_dir, total_steps
         )
@@ -149,8 +151,6 @@ def _train_and_evaluate(
     if write_dir == model_dir:
         if tf.io.gfile.isdir(metrics_path):
             raise UserError(f"{metrics_path} is a directory; move it away, the run writes its results there")
-        for directory in ("checkpoints", "best"):  # Saves cut short by kill -9 or a full disk.
-            model_dir_lib.remove_orphan_temps(os.path.join(model_dir, directory))
         model_dir_lib.recover_state(checkpoint_lib.checkpoint_dir(model_dir))
         checkpoint_lib.check_settings(
             model_dir, _optimizer_settings(config), flags_may_change=config.reset_optimizer
@@ -249,7 +249,11 @@ def _train_and_evaluate(
             metrics_path,
         )
         return finished
-    if strategy.extended.should_checkpoint:  # Everything is checked: the first bytes written.
+    model_dir_lib.keep_repairs()  # Everything is checked: the repairs stay, the first bytes are written.
+    if write_dir == model_dir:
+        for directory in ("checkpoints", "best"):  # Saves cut short by kill -9 or a full disk.
+            model_dir_lib.remove_orphan_temps(os.path.join(model_dir, directory))
+    if strategy.extended.should_checkpoint:
         write_hparams(model_dir, dataclasses.asdict(config))
         checkpoint_lib.record_settings(model_dir, _optimizer_settings(config))
     try:

@@ -19,8 +19,9 @@ import os
 import re
 import shutil
 import socket
+import stat
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import tensorflow as tf
@@ -49,6 +50,36 @@ def check_name(model_dir: str, flag: str = "model_dir") -> None:
         )
 
 
+# What the engine keeps in a model_dir's subdirectories, by name.
+SUBDIRECTORIES = {
+    "checkpoints": "checkpoints",
+    "best": "best checkpoint",
+    "hooks": "hook state",
+    "train": "TensorBoard logs",
+    "eval": "TensorBoard logs",
+}
+
+
+def check_kinds(model_dir: str) -> None:
+    """Refuses a model_dir, or a subdirectory the engine keeps there, that is not a
+    directory (a regular file in its place was a FailedPreconditionError traceback
+    after parts of the run had been written)."""
+    for path, what in [(model_dir, "everything of the run")] + [
+        (os.path.join(model_dir, name), what) for name, what in SUBDIRECTORIES.items()
+    ]:
+        if not tf.io.gfile.exists(path) or tf.io.gfile.isdir(path):
+            continue
+        kind = "a file"
+        if not is_remote(path):
+            with contextlib.suppress(OSError):
+                status = os.lstat(path)
+                kind = "a regular file" if stat.S_ISREG(status.st_mode) else _file_kind(status.st_mode)
+        raise UserError(
+            f"{path} is {kind}, not a directory: the run keeps its {what} there; move it away "
+            "or pass another --model_dir"
+        )
+
+
 # ------------------------------------------------------------------ the writer lock
 
 
@@ -70,6 +101,81 @@ def _process_alive(pid: int) -> bool:
     return True
 
 
+# Opening never follows a symlink (O_NOFOLLOW) and never blocks on a FIFO (O_NONBLOCK).
+_LOCK_OPEN_FLAGS = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
+_LOCK_RECORD_BYTES = 4096  # A record is ~100 bytes; a larger file is not the engine's.
+# A model_dir that a finishing run removes (made for its lock only) while we open: tries before giving up.
+_LOCK_OPEN_TRIES = 100
+
+
+def _file_kind(mode: int) -> str:
+    kinds = [
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISLNK, "a symbolic link"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+    ]
+    return next((name for test, name in kinds if test(mode)), "not a regular file")
+
+
+def _not_a_lock_file(path: str, what: str) -> UserError:
+    return UserError(
+        f"{path} is {what}, not the engine's lock file; nothing was written through it: if no run "
+        "uses this --model_dir, remove that entry (only it, not what it points to), or pass another --model_dir"
+    )
+
+
+def _open_lock_file(model_dir: str, path: str) -> tuple[int, bool]:
+    """A descriptor of `path` as a regular file of its own, created if missing, and
+    whether the model_dir was made for it.
+
+    Never follows a symlink (whose target may be a user's file outside the
+    model_dir), never blocks on a FIFO, and refuses anything but a regular
+    file with one link (a hard link would be written through too). Retries
+    when a run that made the model_dir for its lock alone removes it between
+    our makedirs and open.
+    """
+    for _ in range(_LOCK_OPEN_TRIES):
+        created = not tf.io.gfile.exists(model_dir)
+        tf.io.gfile.makedirs(model_dir)
+        try:
+            fd = os.open(path, _LOCK_OPEN_FLAGS, 0o644)
+        except FileNotFoundError:
+            continue  # The model_dir went away with its previous holder: make it again.
+        except OSError as error:
+            try:
+                kind = _file_kind(os.lstat(path).st_mode)
+            except OSError:
+                kind = "unknown"
+            if error.errno in (errno.ELOOP, errno.EISDIR, errno.ENXIO, errno.EOPNOTSUPP):
+                if kind == "a symbolic link":
+                    kind = f"a symbolic link to {os.readlink(path)}"
+                raise _not_a_lock_file(path, kind) from None
+            raise UserError(
+                f"cannot open the lock file {path} ({error.strerror}); if no run uses this --model_dir, "
+                "make it readable and writable by this user or remove it, or pass another --model_dir"
+            ) from None
+        status = os.fstat(fd)
+        if not stat.S_ISREG(status.st_mode) or status.st_nlink > 1:
+            os.close(fd)
+            what = (
+                _file_kind(status.st_mode)
+                if not stat.S_ISREG(status.st_mode)
+                else (f"a file with {status.st_nlink} hard links")
+            )
+            raise _not_a_lock_file(path, what)
+        os.set_blocking(fd, True)
+        return fd, created
+    raise UserError(f"{model_dir} kept disappearing while taking its lock {path}; is another tool removing it?")
+
+
+def _read_record(fd: int) -> str:
+    """The lock file's text; bytes that are not UTF-8 (garbage) become U+FFFD, not an error."""
+    return os.pread(fd, _LOCK_RECORD_BYTES, 0).decode("utf-8", errors="replace")
+
+
 @contextlib.contextmanager
 def writer_lock(model_dir: str) -> Iterator[None]:
     """Holds `<model_dir>/.writer.lock` exclusively for the `with` block.
@@ -81,6 +187,11 @@ def writer_lock(model_dir: str) -> Iterator[None]:
     says whose lock it took over. The file is removed on a clean exit, so a
     run refused for bad input leaves the model_dir as it found it (and a
     model_dir created only for the lock is removed again).
+
+    The file is the engine's own and nothing else: a symlink, directory,
+    FIFO, hard link or unreadable file in its place is refused with one line
+    and left as it is; a regular file with garbage in it is taken over with
+    a warning.
 
     Only one writer per model_dir: training takes it; readers (an evaluator)
     must not. `flock` is enforced between processes of one host and on file
@@ -97,33 +208,31 @@ def writer_lock(model_dir: str) -> Iterator[None]:
         )
         yield
         return
-    created = not tf.io.gfile.exists(model_dir)
-    tf.io.gfile.makedirs(model_dir)
     path = os.path.join(model_dir, LOCK_FILE)
+    created = False
     while True:
-        handle = open(path, "a+")
+        fd, made = _open_lock_file(model_dir, path)
+        created = created or made
         try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as error:
             if error.errno not in (errno.EAGAIN, errno.EACCES):
-                handle.close()
+                os.close(fd)
                 raise
-            handle.seek(0)
-            holder = _describe_holder(handle.read())
-            handle.close()
+            holder = _describe_holder(_read_record(fd))
+            os.close(fd)
             raise UserError(
                 f"--model_dir={model_dir} is in use by {holder}; wait for that run to end, "
                 "or pass another --model_dir"
             ) from None
         try:
-            same_file = os.fstat(handle.fileno()).st_ino == os.stat(path).st_ino
+            same_file = os.fstat(fd).st_ino == os.lstat(path).st_ino
         except FileNotFoundError:
             same_file = False
         if same_file:
             break
-        handle.close()  # The previous holder removed the file between our open and flock: retry.
-    handle.seek(0)
-    previous = handle.read().strip()
+        os.close(fd)  # The previous holder removed the file between our open and flock: retry.
+    previous = _read_record(fd).strip()
     if previous:
         holder = _describe_holder(previous)
         logging.warning(
@@ -131,32 +240,163 @@ def writer_lock(model_dir: str) -> Iterator[None]:
             holder,
             model_dir,
         )
-    handle.seek(0)
-    handle.truncate()
-    handle.write(
-        json.dumps(
-            {"host": socket.gethostname(), "pid": os.getpid(), "since": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-        )
-    )
-    handle.flush()
+    record = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(record).encode(), 0)
+    except OSError:  # A full disk: leave no empty lock file (nor a model_dir made for it) behind.
+        _release(model_dir, path, fd, created)
+        raise
     try:
         yield
     finally:
-        with contextlib.suppress(OSError):
-            os.remove(path)  # Still holding the lock: nobody else can be between.
-        handle.close()
-        if created:
-            with contextlib.suppress(OSError):  # Only when the refused run left it empty.
-                os.rmdir(model_dir)
+        _release(model_dir, path, fd, created)
+
+
+def _release(model_dir: str, path: str, fd: int, created: bool) -> None:
+    with contextlib.suppress(OSError):
+        os.remove(path)  # Still holding the lock: nobody else can be between.
+    os.close(fd)
+    if created:
+        with contextlib.suppress(OSError):  # Only when the refused run left it empty.
+            os.rmdir(model_dir)
 
 
 def holder_pid(model_dir: str) -> int | None:
     """The pid recorded in a model_dir's lock file, if any (for tests and tools)."""
     try:
-        with open(os.path.join(model_dir, LOCK_FILE)) as handle:
-            return int(json.load(handle)["pid"])
+        fd = os.open(os.path.join(model_dir, LOCK_FILE), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        return int(json.loads(_read_record(fd))["pid"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
+    finally:
+        os.close(fd)
+
+
+# ------------------------------------------------- repairs, undone on refusal
+
+
+class _Repairs:
+    """What the repairs of on-disk state did, to undo in reverse if the run is refused.
+
+    A run checks everything before it writes, but some checks need the state
+    repaired first (a recovered state file names the checkpoint whose match
+    with the model is checked). A refused run must leave the model_dir
+    byte-identical, so each repair records how to take it back; a removed
+    file is only moved to a sibling `.repair-<pid>` directory until then.
+    """
+
+    def __init__(self) -> None:
+        self.undo: list[Callable[[], None]] = []
+        self.trash: list[str] = []
+
+    def roll_back(self) -> None:
+        for step in reversed(self.undo):
+            try:
+                step()
+            except (OSError, tf.errors.OpError) as error:  # Undo what can be: the rest is named.
+                logging.warning("could not undo a repair of the model_dir: %s", one_line(error, 200))
+        self.keep()
+
+    def keep(self) -> None:
+        for directory in self.trash:
+            remove_tree(directory)
+
+
+_repairs: _Repairs | None = None
+
+
+@contextlib.contextmanager
+def repairs_undone_on_error() -> Iterator[None]:
+    """Every repair (`repair_*`) made inside the block is undone if the block raises
+    before `keep_repairs()`; without the block, repairs are made for good at once."""
+    global _repairs
+    _repairs = _Repairs()
+    try:
+        yield
+    except BaseException:
+        repairs, _repairs = _repairs, None
+        if repairs is not None:
+            repairs.roll_back()
+        raise
+    finally:
+        keep_repairs()
+
+
+def keep_repairs() -> None:
+    """Makes the repairs made so far final: every check has passed."""
+    global _repairs
+    repairs, _repairs = _repairs, None
+    if repairs is not None:
+        repairs.keep()
+
+
+def repair_write(path: str, write: Callable[[], None]) -> None:
+    """Runs `write`, which replaces the small file `path` (a state file), undoably."""
+    if _repairs is not None:
+        if tf.io.gfile.exists(path):
+            with tf.io.gfile.GFile(path, "rb") as handle:
+                before = handle.read()
+
+            def put_back() -> None:
+                with tf.io.gfile.GFile(path, "wb") as handle:
+                    handle.write(before)
+
+            _repairs.undo.append(put_back)
+        else:
+            _repairs.undo.append(lambda: tf.io.gfile.remove(path) if tf.io.gfile.exists(path) else None)
+    write()
+
+
+def repair_remove(path: str) -> None:
+    """Removes the file `path`; inside `repairs_undone_on_error`, moves it aside until kept."""
+    if _repairs is None:
+        tf.io.gfile.remove(path)
+        return
+    trash = os.path.join(os.path.dirname(path), f".repair-{os.getpid()}")
+    if trash not in _repairs.trash:
+        repair_makedirs(trash)
+        _repairs.trash.append(trash)
+    aside = os.path.join(trash, os.path.basename(path))
+    tf.io.gfile.rename(path, aside, overwrite=True)
+    _repairs.undo.append(lambda: tf.io.gfile.rename(aside, path, overwrite=True))
+
+
+def repair_rename(source: str, destination: str) -> None:
+    """Renames, first removing (undoably) a file in the way."""
+    if tf.io.gfile.exists(destination):
+        repair_remove(destination)
+    tf.io.gfile.rename(source, destination)
+    if _repairs is not None:
+        _repairs.undo.append(lambda: tf.io.gfile.rename(destination, source))
+
+
+def repair_copy(source: str, destination: str) -> None:
+    if tf.io.gfile.exists(destination):
+        repair_remove(destination)
+    tf.io.gfile.copy(source, destination)
+    if _repairs is not None:
+        _repairs.undo.append(lambda: tf.io.gfile.remove(destination))
+
+
+def repair_makedirs(path: str) -> None:
+    """`makedirs`; undone by removing the directories it made (empty again by then)."""
+    made = []
+    parent = path
+    while parent and not tf.io.gfile.exists(parent):
+        made.append(parent)
+        parent = os.path.dirname(parent.rstrip("/"))
+    tf.io.gfile.makedirs(path)
+    if _repairs is not None and made:
+
+        def remove_made() -> None:
+            for directory in made:  # Innermost first.
+                remove_if_empty(directory)
+
+        _repairs.undo.append(remove_made)
 
 
 # ------------------------------------------------------- checkpoint discovery
@@ -195,12 +435,64 @@ def read_problem(path: str) -> str | None:
 
 
 def checkpoint_state(directory: str):
-    """`tf.train.get_checkpoint_state`, with None also for a state file it cannot
-    parse (it returns None for some damage and raises ValueError for other)."""
+    """`tf.train.get_checkpoint_state`, with every path read as a checkpoint of
+    `directory` itself, and None also for a state file it cannot parse (it
+    returns None for some damage and raises ValueError for other).
+
+    A state file names checkpoints of its own directory: read by their names,
+    a copied or moved model_dir resumes from its own files even when an
+    older version wrote absolute paths there (which reached the original's).
+    """
     try:
-        return tf.train.get_checkpoint_state(directory)
+        state = tf.train.get_checkpoint_state(directory)
     except (ValueError, tf.errors.OpError):
         return None
+    if state is None:
+        return None
+    if state.model_checkpoint_path:
+        state.model_checkpoint_path = os.path.join(directory, os.path.basename(state.model_checkpoint_path))
+    paths = [os.path.join(directory, os.path.basename(path)) for path in state.all_model_checkpoint_paths]
+    del state.all_model_checkpoint_paths[:]
+    state.all_model_checkpoint_paths.extend(paths)
+    return state
+
+
+def latest_checkpoint(directory: str) -> str | None:
+    """`tf.train.latest_checkpoint`, read as `checkpoint_state` reads (in `directory`, by name)."""
+    state = checkpoint_state(directory)
+    if state is None or not state.model_checkpoint_path:
+        return None
+    path = state.model_checkpoint_path
+    return path if tf.io.gfile.exists(path + ".index") else None
+
+
+def write_state(directory: str, latest: str, every: list[str]) -> None:
+    """Writes `directory`'s state file naming checkpoints relative to it (by name),
+    as `tf.train.CheckpointManager` does, so the model_dir stays portable.
+
+    Written here, not by `tf.compat.v1.train.update_checkpoint_state`: given a
+    name in a directory that is not absolute (ram://, a relative --model_dir)
+    it writes `../../ckpt-3`.
+    """
+    names = [os.path.basename(path) for path in every]
+    if not names or names[-1] != os.path.basename(latest):
+        names.append(os.path.basename(latest))
+    text = f'model_checkpoint_path: "{names[-1]}"\n' + "".join(
+        f'all_model_checkpoint_paths: "{name}"\n' for name in names
+    )
+    path = os.path.join(directory, STATE_FILE)
+    repair_write(path, lambda: write_atomically(path, text))
+
+
+def names_other_directories(directory: str) -> bool:
+    """Whether `directory`'s state file holds paths rather than names (an older
+    version wrote absolute paths after recovering it)."""
+    try:
+        with tf.io.gfile.GFile(os.path.join(directory, STATE_FILE), "r") as handle:
+            text = handle.read()
+    except (tf.errors.OpError, UnicodeDecodeError):
+        return False
+    return any("/" in path for path in re.findall(r'checkpoint_paths?: "(.*)"', text))
 
 
 def recover_state(directory: str) -> str | None:
@@ -217,10 +509,18 @@ def recover_state(directory: str) -> str | None:
     state_path = os.path.join(directory, STATE_FILE)
     state = checkpoint_state(directory)
     if state is not None and state.model_checkpoint_path:
+        if names_other_directories(directory):
+            write_state(directory, state.model_checkpoint_path, list(state.all_model_checkpoint_paths))
+            logging.warning(
+                "the checkpoint state file %s named checkpoints by absolute paths (an older version); "
+                "rewrote it to name the checkpoints of %s itself, wherever it is now",
+                state_path,
+                directory,
+            )
         return None
     if not found:
         if state is None and tf.io.gfile.exists(state_path):  # Names nothing: set aside, start afresh.
-            tf.io.gfile.rename(state_path, state_path + DAMAGED_STATE_SUFFIX, overwrite=True)
+            repair_rename(state_path, state_path + DAMAGED_STATE_SUFFIX)
             logging.warning(
                 "the checkpoint state file %s is damaged and there is no checkpoint; kept as %s",
                 state_path,
@@ -237,8 +537,8 @@ def recover_state(directory: str) -> str | None:
     what = "missing"
     if tf.io.gfile.exists(state_path):
         what = "damaged"
-        tf.io.gfile.rename(state_path, state_path + DAMAGED_STATE_SUFFIX, overwrite=True)
-    tf.compat.v1.train.update_checkpoint_state(directory, readable[-1], all_model_checkpoint_paths=readable)
+        repair_rename(state_path, state_path + DAMAGED_STATE_SUFFIX)
+    write_state(directory, readable[-1], readable)
     message = (
         f"the checkpoint state file {state_path} was {what}; found {len(found)} checkpoint(s) "
         f"by listing the directory and continue from the newest readable, {readable[-1]}"
@@ -336,10 +636,30 @@ def write_json(path: str, payload: Mapping[str, Any]) -> None:
     directory = os.path.dirname(path)
     if directory:
         tf.io.gfile.makedirs(directory)
+    write_atomically(path, json.dumps(dict(payload), indent=2, sort_keys=True))
+
+
+def write_atomically(path: str, text: str) -> None:
+    """A temporary file, then a rename: a reader (or a crash) never sees half a file."""
     temporary = f"{path}.tmp{os.getpid()}"  # Private to this process (an evaluator writes too).
     with tf.io.gfile.GFile(temporary, "w") as handle:
-        handle.write(json.dumps(dict(payload), indent=2, sort_keys=True))
+        handle.write(text)
     tf.io.gfile.rename(temporary, path, overwrite=True)
+
+
+@contextlib.contextmanager
+def disk_full_is_a_user_error(model_dir: str) -> Iterator[None]:
+    """A full disk anywhere in the block (the lock, event files, the best checkpoint)
+    becomes one line naming `model_dir` and its free space, not a traceback."""
+    try:
+        yield
+    except (OSError, tf.errors.OpError) as error:
+        # Not any ResourceExhaustedError here: out of (GPU) memory is one too.
+        full = isinstance(error, OSError) and error.errno == errno.ENOSPC
+        message = disk_full_message(model_dir, error)
+        if message is None or not (full or "No space left on device" in str(error)):
+            raise
+        raise UserError(message) from None
 
 
 def disk_full_message(path: str, error: BaseException) -> str | None:

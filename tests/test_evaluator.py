@@ -221,3 +221,89 @@ def test_bad_mode_flags_are_one_line_user_errors(tmp_path, flags, message):
         RunConfig(**settings).validate()
     assert message in str(error.value) and "\n" not in str(error.value)
     assert not (tmp_path / "m").exists()
+
+
+@pytest.fixture(scope="module")
+def three_checkpoints(tmp_path_factory):
+    """An mlp model_dir with ckpt-10, ckpt-20 and ckpt-30, trained in-process (--mode=train)."""
+    from engine import job
+    from engine.config import RunConfig
+
+    model_dir = tmp_path_factory.mktemp("rotation") / "run"
+    config = RunConfig(**ROTATION_SETTINGS, mode="train", checkpoint_every=10, model_dir=str(model_dir))
+    config.validate()
+    job.run(config)
+    return model_dir
+
+
+ROTATION_SETTINGS = dict(
+    model="mlp",
+    dataset="digits",
+    optimizer="sgd",
+    learning_rate=0.1,
+    global_batch_size=32,
+    steps_per_loop=10,
+    eval_every=0,
+    train_steps=30,
+)
+
+
+@pytest.mark.parametrize("moment", ["restore", "evaluation", "best-checkpoint save"])
+def test_rotation_deleting_a_checkpoint_at_any_moment_of_its_read_never_stops_the_evaluator(
+    three_checkpoints, tmp_path, monkeypatch, caplog, moment
+):
+    import shutil
+
+    import tensorflow as tf
+
+    from engine import evaluator as evaluator_lib
+    from engine.config import RunConfig
+
+    model_dir = tmp_path / "run"
+    shutil.copytree(three_checkpoints, model_dir)
+    checkpoints = model_dir / "checkpoints"
+    config = RunConfig(
+        **ROTATION_SETTINGS,
+        mode="continuous_eval",
+        best_checkpoint_metric="loss",
+        model_dir=str(model_dir),
+    )
+    evaluator = evaluator_lib.Evaluator(config)
+    rotated = str(checkpoints / "ckpt-10")
+
+    def rotate():
+        for path in checkpoints.glob("ckpt-10.*"):
+            path.unlink()
+
+    def deleting_first(function):
+        def wrapped(*args, **kwargs):
+            if (moment != "restore" or args[0] == rotated) and any(checkpoints.glob("ckpt-10.*")):
+                rotate()
+            return function(*args, **kwargs)
+
+        return wrapped
+
+    if moment == "restore":
+        monkeypatch.setattr(evaluator._checkpoint, "read", deleting_first(evaluator._checkpoint.read))
+    elif moment == "evaluation":
+        monkeypatch.setattr(evaluator.trainer, "evaluate", deleting_first(evaluator.trainer.evaluate))
+    else:
+        monkeypatch.setattr(evaluator._best, "on_eval_end", deleting_first(evaluator._best.on_eval_end))
+    # The three checkpoints as the evaluator's poll finds them; ckpt-10 goes while it is read.
+    paths = [rotated, str(checkpoints / "ckpt-20"), str(checkpoints / "ckpt-30")]
+    monkeypatch.setattr(evaluator, "_new_checkpoints", lambda: iter(paths))
+    result = evaluator.run_continuously()  # Never raises: the evaluator goes on to the next.
+    assert result["global_step"] == 30 and result["eval"]["num_examples"] == 297, result
+    assert eval_steps(model_dir)[-2:] == [20, 30]
+    if moment == "restore":
+        assert eval_steps(model_dir) == [20, 30]
+        assert (
+            sum(
+                "skipped" in record.getMessage() and "ckpt-10" in record.getMessage()
+                for record in caplog.records
+            )
+            == 1
+        )
+    best = json.loads((model_dir / "best" / "best.json").read_text())
+    assert sorted(p.name for p in (model_dir / "best").glob("ckpt-*.index")) == [best["checkpoint"] + ".index"]
+    assert tf.train.load_checkpoint(str(model_dir / "best" / best["checkpoint"])) is not None

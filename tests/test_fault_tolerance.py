@@ -6,6 +6,7 @@ which run it in-process (`helpers.main_in_process`) on a copy of a model_dir a r
 process trained.
 """
 
+import json
 import os
 import random
 import re
@@ -198,3 +199,56 @@ def test_bad_data_is_named_and_model_dir_left_alone(trained_mlp_dir, tmp_path):
     )
     assert "train-1.tfrecord" in line
     assert snapshot(model_dir) == before
+
+
+BEST_FLAGS = [
+    "--model=mlp",
+    "--deterministic",
+    "--seed=3",
+    "--train_steps=80",
+    "--steps_per_loop=5",
+    "--eval_every=10",
+    "--checkpoint_every=10",
+    "--best_checkpoint_metric=loss",
+]
+
+
+def _best_record(model_dir: Path) -> dict | None:
+    path = model_dir / "best" / "best.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+@pytest.mark.timeout(600)
+def test_kill_9_around_a_best_checkpoint_save_never_leaves_best_json_naming_what_best_lacks(tmp_path):
+    """Killed 0-30 ms after the evaluation that makes a new best is logged (inside the
+    best checkpoint's save); each rerun continues from there and is killed at the next
+    new best; the last one finishes with the uninterrupted run's best."""
+    from engine import model_dir as model_dir_lib
+
+    reference = tmp_path / "reference"
+    done = run_main(*BEST_FLAGS, f"--model_dir={reference}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    best_steps = [int(s) for s in re.findall(r"best eval loss=\S+ at step (\d+)", done.stderr)]
+    assert len(best_steps) >= 6, done.stderr[-3000:]  # A new best at (nearly) every evaluation.
+    model_dir = tmp_path / "run"
+    for delay_ms, step in zip([0, 3, 8, 15, 30], best_steps[1:], strict=False):
+        process = popen_main(*BEST_FLAGS, f"--model_dir={model_dir}")
+        try:
+            read_stderr_until(process, f"eval at step {step} ", timeout=240)
+            time.sleep(delay_ms / 1000)
+        finally:
+            stop(process)  # kill -9
+        record = _best_record(model_dir)
+        assert record is not None  # An earlier best was committed.
+        named = model_dir / "best" / record["checkpoint"]
+        assert model_dir_lib.read_problem(str(named)) is None, (delay_ms, record, os.listdir(named.parent))
+    finished = run_main(*BEST_FLAGS, f"--model_dir={model_dir}")
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    assert _best_record(model_dir) == _best_record(reference)
+    kept = sorted(p.name for p in (model_dir / "best").glob("ckpt-*.index"))
+    assert kept == [_best_record(reference)["checkpoint"] + ".index"]
+    reference_best = tf.train.load_checkpoint(str(reference / "best" / kept[0][: -len(".index")]))
+    resumed_best = tf.train.load_checkpoint(str(model_dir / "best" / kept[0][: -len(".index")]))
+    for name in reference_best.get_variable_to_shape_map():
+        if "save_counter" not in name:
+            np.testing.assert_array_equal(reference_best.get_tensor(name), resumed_best.get_tensor(name), name)

@@ -250,3 +250,92 @@ def test_flags_build_the_hooks_and_refuse_bad_combinations():
     for settings, message in bad:
         with pytest.raises(engine.UserError, match=message.replace("(", r"\(")):
             RunConfig(**settings).validate()
+
+
+def best_pair(best) -> tuple[str, float]:
+    """(the checkpoint, the value) best.json records, after checking that best/ holds that
+    checkpoint alone, readable, and that its state file names it."""
+    from engine import model_dir as model_dir_lib
+
+    record = json.loads((best / "best.json").read_text())
+    assert sorted(p.name for p in best.glob("ckpt-*.index")) == [record["checkpoint"] + ".index"]
+    assert model_dir_lib.read_problem(str(best / record["checkpoint"])) is None
+    state = tf.train.get_checkpoint_state(str(best))
+    assert state is not None and state.model_checkpoint_path.endswith("/" + record["checkpoint"])
+    return record["checkpoint"], record["value"]
+
+
+class Crash(BaseException):
+    """Stands for kill -9: nothing after it runs, no handler catches it."""
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_best_checkpoint_and_best_json_agree_after_a_crash_around_the_record(
+    default, tmp_path, monkeypatch, when
+):
+    from engine import model_dir as model_dir_lib
+
+    trainer = scripted_trainer(default, tmp_path, [0.5, 0.7], [BestCheckpoint("score", mode="max")])
+    trainer.train(2)  # 0.5 at step 2: the old pair.
+    write_json = model_dir_lib.write_json
+
+    def crashing_write_json(path, payload):
+        if str(path).endswith("best.json"):
+            if when == "after":
+                write_json(path, payload)
+            raise Crash
+        write_json(path, payload)
+
+    monkeypatch.setattr(model_dir_lib, "write_json", crashing_write_json)
+    with pytest.raises(Crash):
+        trainer.train(4)  # 0.7 at step 4: a new best, cut short.
+    monkeypatch.setattr(model_dir_lib, "write_json", write_json)
+    hook = BestCheckpoint("score", mode="max")
+    hook.restore_state(scripted_trainer(default, tmp_path, [0.6], [hook]))  # What a rerun does first.
+    expected = ("ckpt-2", 0.5) if when == "before" else ("ckpt-4", 0.7)
+    assert best_pair(tmp_path / "best") == expected
+    assert (hook.best_step, hook.best) == (int(expected[0][5:]), expected[1])
+
+
+def _older_versions_mismatch(model_dir, *, rolling_kept: bool):
+    """What an older version left when killed between writing best.json (naming ckpt-4)
+    and saving ckpt-4 into best/: best/ still holds ckpt-2."""
+    best = model_dir / "best"
+    record = json.loads((best / "best.json").read_text())
+    (best / "best.json").write_text(json.dumps({**record, "value": 0.7, "step": 4, "checkpoint": "ckpt-4"}))
+    if not rolling_kept:
+        for path in (model_dir / "checkpoints").glob("ckpt-4.*"):
+            path.unlink()
+        rolling = str(model_dir / "checkpoints")
+        tf.compat.v1.train.update_checkpoint_state(rolling, "ckpt-2", all_model_checkpoint_paths=["ckpt-2"])
+
+
+def test_a_best_json_naming_a_checkpoint_best_does_not_hold_is_repaired_from_the_rolling_one(
+    default, tmp_path, caplog
+):
+    trainer = scripted_trainer(default, tmp_path, [0.7, 0.5], [BestCheckpoint("score", mode="max")])
+    trainer.checkpoint_every = 2
+    trainer.train(4)  # best ckpt-2 (0.7); rolling ckpt-2, ckpt-4
+    rolling = (tmp_path / "checkpoints" / "ckpt-4.index").read_bytes()
+    _older_versions_mismatch(tmp_path, rolling_kept=True)
+    hook = BestCheckpoint("score", mode="max")
+    hook.restore_state(scripted_trainer(default, tmp_path, [0.1], [hook]))
+    assert best_pair(tmp_path / "best") == ("ckpt-4", 0.7)
+    assert (tmp_path / "best" / "ckpt-4.index").read_bytes() == rolling
+    assert "copied it from" in caplog.text
+
+
+def test_a_best_json_naming_a_checkpoint_gone_everywhere_is_dropped_and_re_derived(default, tmp_path, caplog):
+    trainer = scripted_trainer(default, tmp_path, [0.7, 0.5], [BestCheckpoint("score", mode="max")])
+    trainer.checkpoint_every = 2
+    trainer.train(4)
+    _older_versions_mismatch(tmp_path, rolling_kept=False)
+    hook = BestCheckpoint("score", mode="max")
+    resumed = scripted_trainer(default, tmp_path, [0.3], [hook])
+    hook.restore_state(resumed)
+    assert hook.best is None  # The lie is not kept ...
+    assert "the next evaluation sets a new best" in caplog.text
+    aside = list((tmp_path / "best" / "superseded").glob("*/ckpt-2.index"))
+    assert len(aside) == 1  # ... and the checkpoint of unknown value is moved, not deleted.
+    resumed.train(4)  # ... and the next evaluation (0.3 at step 4, resumed from 2) is the best.
+    assert best_pair(tmp_path / "best") == ("ckpt-4", 0.3)

@@ -5,20 +5,25 @@ Real `python -m engine.main` processes wherever processes matter (the lock,
 kill -9, signals, a full disk); small mlp runs to stay fast.
 """
 
+import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 from helpers import (
+    REPO,
     copy_of,
     main_in_process,
     one_error_line,
     popen_main,
+    python_env,
     read_stderr_until,
     run_main,
     snapshot,
@@ -85,6 +90,156 @@ def test_writer_lock_is_exclusive_and_leaves_nothing_behind(tmp_path):
     with model_dir_lib.writer_lock(str(model_dir)):
         pass
     assert list(model_dir.iterdir()) == []
+
+
+def _tree(directory: Path) -> dict[str, object]:
+    """Every entry under `directory` by kind: a file's bytes, a link's target, a directory or FIFO."""
+    entries: dict[str, object] = {}
+    for path in sorted(directory.rglob("*")):
+        name = str(path.relative_to(directory))
+        if path.is_symlink():
+            entries[name] = ("link", os.readlink(path))
+        elif path.is_fifo():
+            entries[name] = "fifo"
+        elif path.is_dir():
+            entries[name] = "dir"
+        else:
+            entries[name] = (path.read_bytes(), oct(path.stat().st_mode), path.stat().st_nlink)
+    return entries
+
+
+def _make_symlink(lock: Path, outside: Path) -> None:
+    outside.write_bytes(b"the user's own file\n")
+    lock.symlink_to(outside)
+
+
+def _make_dangling_symlink(lock: Path, outside: Path) -> None:
+    lock.symlink_to(outside)  # Would create a file outside the model_dir if followed.
+
+
+def _make_hard_link(lock: Path, outside: Path) -> None:
+    outside.write_bytes(b"the user's own file\n")
+    os.link(outside, lock)
+
+
+@pytest.mark.parametrize(
+    "make, kind",
+    [
+        (_make_symlink, "a symbolic link to"),
+        (_make_dangling_symlink, "a symbolic link to"),
+        (_make_hard_link, "a file with 2 hard links"),
+        (lambda lock, outside: lock.mkdir(), "a directory"),
+        (lambda lock, outside: os.mkfifo(lock), "a FIFO"),  # Must not block: the test would hang.
+    ],
+    ids=["symlink", "dangling-symlink", "hard-link", "directory", "fifo"],
+)
+@pytest.mark.timeout(60)
+def test_lock_file_that_is_not_a_regular_file_is_refused_and_nothing_is_written_through(tmp_path, make, kind):
+    model_dir, outside = tmp_path / "run", tmp_path / "users-file.txt"
+    model_dir.mkdir()
+    (model_dir / "keep.txt").write_text("kept")
+    lock = model_dir / model_dir_lib.LOCK_FILE
+    make(lock, outside)
+    before = _tree(tmp_path)
+    with pytest.raises(UserError) as raised:
+        with model_dir_lib.writer_lock(str(model_dir)):
+            pytest.fail("took a lock that is not a regular file of its own")
+    message = str(raised.value)
+    assert "\n" not in message and str(lock) in message and kind in message, message
+    assert _tree(tmp_path) == before  # The model_dir and the file outside it, byte-identical.
+
+
+def test_lock_file_holding_binary_garbage_is_taken_over_with_a_warning(tmp_path, caplog):
+    model_dir = tmp_path / "run"
+    model_dir.mkdir()
+    (model_dir / model_dir_lib.LOCK_FILE).write_bytes(b"\xff\xfe\x00garbage\x80" * 10)
+    with model_dir_lib.writer_lock(str(model_dir)):
+        assert model_dir_lib.holder_pid(str(model_dir)) == os.getpid()
+    assert "took over the writer lock of an unknown process" in caplog.text
+    assert list(model_dir.iterdir()) == []
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as `nobody` (a user the mode applies to)")
+def test_unreadable_lock_file_is_one_line_for_a_user_it_applies_to(tmp_path):
+    import pwd
+    import shutil
+    import tempfile
+
+    nobody = pwd.getpwnam("nobody").pw_uid
+    parent = Path(tempfile.mkdtemp(prefix="lock-mode-000-"))  # tmp_path is root's alone (mode 700).
+    try:
+        parent.chmod(0o777)
+        model_dir = parent / "run"
+        model_dir.mkdir(mode=0o777)
+        model_dir.chmod(0o777)
+        lock = model_dir / model_dir_lib.LOCK_FILE
+        lock.write_text('{"host": "h", "pid": 1, "since": "s"}')
+        lock.chmod(0o000)
+        before = _tree(parent)
+        os.seteuid(nobody)
+        try:
+            with pytest.raises(UserError) as raised:
+                with model_dir_lib.writer_lock(str(model_dir)):
+                    pass
+        finally:
+            os.seteuid(0)
+        message = str(raised.value)
+        assert "\n" not in message and f"cannot open the lock file {lock}" in message, message
+        assert "Permission denied" in message, message
+        assert _tree(parent) == before
+    finally:
+        shutil.rmtree(parent)
+
+
+_TAKE_IN_A_LOOP = """
+import os, sys, time
+from engine import model_dir as m
+from engine.errors import UserError
+while not os.path.exists(sys.argv[3]):  # All start at once, after their slow imports.
+    time.sleep(0.01)
+taken = 0
+for _ in range(int(sys.argv[2])):
+    try:
+        with m.writer_lock(sys.argv[1]):
+            assert m.holder_pid(sys.argv[1]) == os.getpid()
+            taken += 1
+    except UserError as error:
+        assert "is in use by" in str(error), error
+print("taken", taken)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_processes_taking_the_lock_in_a_tight_loop_on_a_new_model_dir_never_fail(tmp_path):
+    """Each take makes the model_dir and removes it again on release: the others
+    open the lock file in a directory that comes and goes."""
+    model_dir, start = tmp_path / "new" / "run", tmp_path / "start"
+    processes = [
+        subprocess.Popen(
+            [sys.executable, "-c", _TAKE_IN_A_LOOP, str(model_dir), "2000", str(start)],
+            cwd=REPO,
+            env=python_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(3)
+    ]
+    try:
+        start.touch()
+        results = [process.communicate(timeout=200) for process in processes]
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+                process.communicate()
+    for process, (out, err) in zip(processes, results, strict=True):
+        assert process.returncode == 0, err[-3000:]
+        assert "taken" in out
+    # Released each time: no lock file left (an empty model_dir may stay when the last
+    # holder is not the process that made it).
+    assert not model_dir.exists() or list(model_dir.iterdir()) == []
 
 
 @pytest.mark.slow
@@ -521,7 +676,9 @@ def test_full_disk_is_one_line_and_the_previous_checkpoint_stays_latest(tmp_path
         assert latest is not None and model_dir_lib.read_problem(latest) is None
         assert not list((model_dir / "checkpoints").glob("*_temp"))
     finally:
-        subprocess.run(["umount", str(disk)], check=False)
+        subprocess.run(
+            ["umount", "--lazy", str(disk)], check=False
+        )  # Lazy: files the test process still holds open
 
 
 # ------------------------------------------------------------- Trainer API
@@ -596,3 +753,258 @@ def test_checkpoint_files_the_state_does_not_list_are_moved_aside_not_overwritte
     kept = {p.name: p.read_bytes() for p in (checkpoints / "superseded").rglob("ckpt-20*")}
     assert kept == old  # the earlier ckpt-20, byte for byte
     assert tf.train.latest_checkpoint(str(checkpoints)).endswith("ckpt-30")
+
+
+def _small_trainer(model_dir: Path, **kwargs):
+    import tensorflow as tf
+    from helpers import global_batches, loss_fn, make_arrays, make_model
+
+    import engine
+
+    strategy = tf.distribute.get_strategy()
+    model, optimizer = make_model(strategy)
+    return engine.Trainer(
+        strategy=strategy,
+        model=model,
+        optimizer=optimizer,
+        train_data=global_batches(*make_arrays(64), 16),
+        global_batch_size=16,
+        loss_fn=loss_fn(),
+        steps_per_loop=2,
+        checkpoint_every=2,
+        model_dir=str(model_dir),
+        **kwargs,
+    )
+
+
+def _state_paths(model_dir: Path) -> list[str]:
+    text = (model_dir / "checkpoints" / model_dir_lib.STATE_FILE).read_text()
+    return re.findall(r'checkpoint_paths?: "(.*)"', text)
+
+
+@pytest.mark.parametrize("written_by", ["recovery", "an older version"])
+def test_copied_and_moved_model_dirs_resume_from_their_own_checkpoints(tmp_path, written_by):
+    import tensorflow as tf
+
+    original = tmp_path / "original"
+    _small_trainer(original).train(4)  # ckpt-2, ckpt-4
+    state = original / "checkpoints" / model_dir_lib.STATE_FILE
+    if written_by == "recovery":
+        state.unlink()
+        _small_trainer(original)  # Rebuilds the state file from the files on disk.
+        assert _state_paths(original) == ["ckpt-4", "ckpt-2", "ckpt-4"]  # Names, not paths.
+    else:
+        directory = str(original / "checkpoints")
+        tf.compat.v1.train.update_checkpoint_state(
+            directory,
+            f"{directory}/ckpt-4",
+            all_model_checkpoint_paths=[f"{directory}/ckpt-2", f"{directory}/ckpt-4"],
+        )
+    copy = copy_of(original, tmp_path / "copy")
+    moved = tmp_path / "moved"
+    original.rename(moved)
+    for model_dir in (copy, moved):
+        trainer = _small_trainer(model_dir)
+        assert trainer.step == 4
+        assert trainer.checkpoint_manager.latest_checkpoint == str(model_dir / "checkpoints" / "ckpt-4")
+        trainer.train(6)
+        assert all("/" not in path for path in _state_paths(model_dir)), _state_paths(model_dir)
+        assert sorted(p.name for p in (model_dir / "checkpoints").glob("ckpt-*.index")) == [
+            "ckpt-2.index",
+            "ckpt-4.index",
+            "ckpt-6.index",
+        ]
+    assert not original.exists()  # Nothing was written back to where the original was.
+    # What the evaluator reads, too (it never rewrites the state file).
+    for model_dir in (copy, moved):
+        latest = str(model_dir / "checkpoints" / "ckpt-6")
+        assert model_dir_lib.latest_checkpoint(str(model_dir / "checkpoints")) == latest
+
+
+@pytest.mark.parametrize("damage", ["garbage", "missing"])
+@pytest.mark.parametrize(
+    "bad, expected",
+    [
+        ({"optimizer": "sgd"}, "--optimizer=sgd differs"),  # Checked against checkpoints/settings.json.
+        ({"best_checkpoint_metric": "loss"}, "not by loss"),  # Checked by the hook, after the Trainer.
+        ({"model": "cnn"}, "does not match this model"),  # Checked by restoring the recovered latest.
+    ],
+    ids=["settings", "best-metric", "model"],
+)
+def test_a_refused_run_after_state_damage_leaves_the_model_dir_byte_identical(
+    trained, tmp_path, damage, bad, expected
+):
+    """The state file is recovered (rewritten, the damaged one kept beside) to check the
+    run; a check that refuses it afterwards takes every repair back."""
+    from engine import job
+    from engine.config import RunConfig
+
+    model_dir = copy_of(trained, tmp_path / "run")
+    state = model_dir / "checkpoints" / model_dir_lib.STATE_FILE
+    if damage == "garbage":
+        state.write_bytes(b"\x00\xffnot a state file")
+    else:
+        state.unlink()
+    before = _tree(model_dir)
+    settings = {
+        "model": "mlp",
+        "train_steps": 30,
+        "checkpoint_every": 10,
+        "eval_every": 10,
+        "early_stop_metric": "loss",
+        "early_stop_patience": 5,
+        "best_checkpoint_metric": "accuracy",
+        "model_dir": str(model_dir),
+    }
+    config = RunConfig(**{**settings, **bad})
+    config.validate()
+    with pytest.raises(UserError, match=expected):
+        job.run(config)
+    assert _tree(model_dir) == before
+
+
+def test_restore_fallback_finds_the_newest_readable_checkpoint_when_the_state_names_only_missing_ones(tmp_path):
+    import tensorflow as tf
+
+    _small_trainer(tmp_path, max_checkpoints=5).train(6)  # ckpt-2, ckpt-4, ckpt-6
+    directory = str(tmp_path / "checkpoints")
+    tf.compat.v1.train.update_checkpoint_state(directory, "ckpt-999", all_model_checkpoint_paths=["ckpt-999"])
+    before = _tree(tmp_path)
+    with pytest.raises(UserError, match="ckpt-999 cannot be read.*--restore_fallback"):
+        _small_trainer(tmp_path)
+    assert _tree(tmp_path) == before  # Without the flag, nothing changes.
+    trainer = _small_trainer(tmp_path, restore_fallback=True)
+    assert trainer.step == 6
+    assert trainer.checkpoint_manager.latest_checkpoint == os.path.join(directory, "ckpt-6")
+    trainer.train(8)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").glob("ckpt-*.index")) == [
+        f"ckpt-{step}.index" for step in (2, 4, 6, 8)
+    ]
+
+
+def _run_in_process(model_dir: Path, **settings):
+    """engine.job.run on a RunConfig (what engine.main runs after parsing flags)."""
+    from engine import job
+    from engine.config import RunConfig
+
+    config = RunConfig(**{"model": "mlp", "eval_every": 0, "model_dir": str(model_dir), **settings})
+    config.validate()
+    return job.run(config)
+
+
+@pytest.mark.parametrize("name", ["checkpoints", "hooks", "train", "best"])
+def test_a_subdirectory_replaced_by_a_file_is_one_line_and_nothing_changes(trained, tmp_path, name):
+    import shutil
+
+    model_dir = copy_of(trained, tmp_path / "run")
+    shutil.rmtree(model_dir / name)
+    (model_dir / name).write_bytes(b"not a directory")
+    before = _tree(model_dir)
+    flags = {"checkpoint_every": 10, "eval_every": 10, "early_stop_metric": "loss", "early_stop_patience": 5}
+    with pytest.raises(UserError) as raised:
+        _run_in_process(model_dir, train_steps=30, best_checkpoint_metric="accuracy", **flags)
+    message = str(raised.value)
+    assert "\n" not in message and f"{model_dir / name} is a regular file, not a directory" in message, message
+    assert _tree(model_dir) == before
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 6 MiB tmpfs (mounted here, unmounted at the end) and a function that fills it."""
+    disk = tmp_path / "disk"
+    if os.geteuid() != 0 or not _mount_tmpfs(disk, "6m"):
+        pytest.skip("needs root and `mount -t tmpfs` to make a small disk")
+
+    def fill() -> None:
+        fd = os.open(disk / f"filler-{time.monotonic_ns()}", os.O_WRONLY | os.O_CREAT)
+        try:
+            for size in (65536, 1):  # Then the last partial block.
+                with contextlib.suppress(OSError):
+                    while True:
+                        os.write(fd, b"\0" * size)
+        finally:
+            os.close(fd)
+
+    try:
+        yield disk, fill
+    finally:
+        subprocess.run(
+            ["umount", "--lazy", str(disk)], check=False
+        )  # Lazy: files the test process still holds open
+
+
+def _assert_full_disk_line(error: UserError, model_dir: Path) -> None:
+    message = str(error)
+    assert "\n" not in message and f"the disk holding {model_dir} is full" in message, message
+    assert "MiB free" in message, message
+
+
+def _latest_is_readable(model_dir: Path, step: int) -> None:
+    import tensorflow as tf
+
+    latest = tf.train.latest_checkpoint(str(model_dir / "checkpoints"))
+    assert latest is not None and latest.endswith(f"ckpt-{step}"), latest
+    assert model_dir_lib.read_problem(latest) is None
+
+
+def test_a_disk_full_at_start_or_in_eval_mode_is_one_line_and_changes_nothing(small_disk):
+    disk, fill = small_disk
+    model_dir = disk / "run"
+    _run_in_process(model_dir, train_steps=10, checkpoint_every=10)
+    fill()
+    before = _tree(model_dir)
+    for settings in ({"train_steps": 20}, {"train_steps": 10, "mode": "eval"}):
+        with pytest.raises(UserError) as raised:
+            _run_in_process(model_dir, checkpoint_every=10, **settings)
+        _assert_full_disk_line(raised.value, model_dir)
+        # TensorFlow creates an event file before its first write fails: empty, it may stay.
+        after = {name: kind for name, kind in _tree(model_dir).items() if kind != (b"", "0o100644", 1)}
+        assert after == {name: kind for name, kind in before.items() if kind != (b"", "0o100644", 1)}
+    _latest_is_readable(model_dir, 10)
+
+
+def test_a_disk_that_fills_mid_run_is_one_line_and_the_previous_checkpoint_stays_latest(small_disk, monkeypatch):
+    from engine.summaries import SummaryWriters
+
+    disk, fill = small_disk
+    model_dir = disk / "run"
+    _run_in_process(model_dir, train_steps=10, checkpoint_every=10)
+    write = SummaryWriters.write
+
+    def filling_write(self, split, step, scalars):
+        if step > 10:
+            fill()  # Another process took the space: the event file's flush fails.
+        write(self, split, step, scalars)
+
+    monkeypatch.setattr(SummaryWriters, "write", filling_write)
+    with pytest.raises(UserError) as raised:
+        _run_in_process(model_dir, train_steps=40, checkpoint_every=40, log_every=5)
+    _assert_full_disk_line(raised.value, model_dir)
+    _latest_is_readable(model_dir, 10)
+
+
+def test_a_disk_full_during_the_best_checkpoint_save_keeps_the_old_best_pair(small_disk, monkeypatch):
+    from engine.hooks.best_checkpoint import BestCheckpoint
+
+    disk, fill = small_disk
+    model_dir = disk / "run"
+    evaluations = []
+    on_eval_end = BestCheckpoint.on_eval_end
+
+    def filling_on_eval_end(self, trainer, step, logs):
+        evaluations.append(step)
+        if len(evaluations) == 2:
+            fill()
+        on_eval_end(self, trainer, step, logs)
+
+    monkeypatch.setattr(BestCheckpoint, "on_eval_end", filling_on_eval_end)
+    with pytest.raises(UserError) as raised:
+        _run_in_process(
+            model_dir, train_steps=30, checkpoint_every=10, eval_every=10, best_checkpoint_metric="loss"
+        )
+    _assert_full_disk_line(raised.value, model_dir)
+    best = json.loads((model_dir / "best" / "best.json").read_text())
+    assert best["checkpoint"] == "ckpt-10"  # The old pair: the record and the checkpoint it names.
+    assert sorted(p.name for p in (model_dir / "best").glob("ckpt-*.index")) == ["ckpt-10.index"]
+    assert model_dir_lib.read_problem(str(model_dir / "best" / "ckpt-10")) is None
+    _latest_is_readable(model_dir, 10)  # The evaluation at 20 comes before its checkpoint.

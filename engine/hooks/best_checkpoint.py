@@ -1,27 +1,35 @@
 """Keep the best checkpoint by an eval metric, beside the rolling ones.
 
-`<model_dir>/best` holds one checkpoint (its own `CheckpointManager`,
-max_to_keep=1) and `best.json` with the metric, its value and the step, so
-a restarted run keeps comparing against the real best rather than
-starting over. `best.json` is written before the checkpoint it describes,
-so a crash between the two never leaves a better checkpoint behind a worse
-recorded value. Without a trustworthy `best.json` beside a best checkpoint
-(missing, damaged, or kept by another metric) the run is refused: comparing
-against nothing would replace the best with a worse one. With a moving
-average of the weights (`--ema_decay`) the saved model holds the averages,
-which are what the evaluation judged.
+`<model_dir>/best` holds one checkpoint and `best.json` with the metric, its
+value, the step and the checkpoint's name, so a restarted run keeps
+comparing against the real best rather than starting over. The two must
+never disagree, whenever the process dies: a new best is written as
+`ckpt-N` first, then `best.json` is replaced atomically to name it (the
+commit), then best/'s state file names it and the previous checkpoint is
+removed. At start `best.json` is the truth: a checkpoint it does not name
+was never committed and goes; one it names but best/ lacks (left by an older
+version, which wrote `best.json` first) is copied from wherever the model_dir
+still holds it, else the record is set aside and the next evaluation sets a
+new best, with a warning either way. Without a trustworthy `best.json`
+beside a committed best checkpoint (missing, damaged, or kept by another
+metric) the run is refused: comparing against nothing would replace the best
+with a worse one. With a moving average of the weights (`--ema_decay`) the
+saved model holds the averages, which are what the evaluation judged.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import re
+import time
 from collections.abc import Mapping
 from typing import Any
 
 import tensorflow as tf
 from absl import logging
 
+from engine import checkpoint as checkpoint_lib
 from engine import model_dir as model_dir_lib
 from engine.callbacks import Callback, TrainerView
 from engine.errors import UserError
@@ -38,7 +46,7 @@ class BestCheckpoint(Callback):
         self.metric = metric
         self.watch = MetricWatch(metric, mode, min_delta)
         self.best_step: int | None = None
-        self._manager: tf.train.CheckpointManager | None = None
+        self._directory: str | None = None
 
     @property
     def best(self) -> float | None:
@@ -48,63 +56,67 @@ class BestCheckpoint(Callback):
         self.restore_state(trainer)
 
     def restore_state(self, trainer: TrainerView) -> None:
-        """Reads `best/` (once); raises UserError when it cannot be trusted.
-        `engine.job` calls it before writing anything to the model_dir."""
-        if self._manager is not None:
+        """Reads `best/` (once) and finishes or undoes a save a crash cut short;
+        raises UserError when it cannot be trusted. `engine.job` calls it before
+        writing anything else to the model_dir."""
+        if self._directory is not None:
             return
         if trainer.checkpoint is None or trainer.model_dir is None:
             raise UserError(f"keeping the best checkpoint by {self.metric!r} needs a model_dir; pass one")
         directory = os.path.join(trainer.model_dir, BEST_SUBDIR)
-        self._load(directory)
-        # Saved with an explicit checkpoint_number: the manager needs no step counter.
-        self._manager = tf.train.CheckpointManager(trainer.checkpoint, directory=directory, max_to_keep=1)
+        self._load(trainer.model_dir, directory)
+        self._directory = directory
 
     def on_eval_end(self, trainer: TrainerView, step: int, logs: Mapping[str, Any]) -> None:
         value = metric_value(logs, self.metric)
         if not self.watch.improves(value, self.watch.best):
             return
-        self.watch.best, self.best_step = value, step
-        if not trainer.strategy.extended.should_checkpoint:
-            return  # Only the chief writes; every worker tracks the same best.
-        assert self._manager is not None, "on_train_begin made it (a chief with a model_dir)"
-        # The value first: a crash before the save leaves the older, worse checkpoint
-        # recorded as better than it is (it is kept longer), never the reverse.
-        model_dir_lib.write_json(
-            os.path.join(self._manager.directory, BEST_FILE),
-            {
+        if trainer.strategy.extended.should_checkpoint:  # Only the chief writes; every worker tracks the best.
+            assert self._directory is not None and trainer.checkpoint is not None, "on_train_begin: a chief"
+            name = f"ckpt-{step}"
+            _remove_checkpoint(self._directory, name)  # Never committed (the reconcile at start removes it too).
+            # With a moving average the model is saved holding the averages it was judged by.
+            with trainer.averaged_weights():
+                trainer.checkpoint.write(os.path.join(self._directory, name))
+            record = {
                 "metric": self.metric,
                 "mode": self.watch.mode,
                 "value": value,
                 "step": step,
-                "checkpoint": f"ckpt-{step}",
-            },
-        )
-        # With a moving average the model is saved holding the averages it was judged by.
-        with trainer.averaged_weights():
-            path = self._manager.save(checkpoint_number=step)
-        logging.info("best eval %s=%.6g at step %d: saved %s", self.metric, value, step, path)
+                "checkpoint": name,
+            }
+            model_dir_lib.write_json(os.path.join(self._directory, BEST_FILE), record)  # The commit.
+            _keep_only(self._directory, name)
+            logging.info("best eval %s=%.6g at step %d: saved %s", self.metric, value, step, name)
+        # Only now: a save that failed (a full disk, an evaluator's checkpoint rotated away) keeps the old best.
+        self.watch.best, self.best_step = value, step
 
-    def _load(self, directory: str) -> None:
+    def _load(self, model_dir: str, directory: str) -> None:
         path = os.path.join(directory, BEST_FILE)
         state = model_dir_lib.read_json(path, what="the value of the best checkpoint")
         kept = model_dir_lib.scan_checkpoints(directory)
         if state is None:
-            if kept:
+            committed = _committed(directory)
+            if committed:
                 raise UserError(
-                    f"{path} is missing but {directory} holds {os.path.basename(kept[-1])}: without its "
+                    f"{path} is missing but {directory} holds {committed}: without its "
                     f"{self.metric} value a worse checkpoint could replace it; restore {BEST_FILE} "
                     f"or move {directory} away"
                 )
+            for uncommitted in kept:  # A first best cut short before its best.json: never committed.
+                _remove_checkpoint(directory, os.path.basename(uncommitted))
             return
         value: float | None
         step: int | None
         try:
             metric, mode, value, step = state["metric"], state["mode"], float(state["value"]), int(state["step"])
+            name = str(state.get("checkpoint", f"ckpt-{step}"))
         except (TypeError, KeyError, ValueError):
             metric = mode = value = step = None
-        if value is None or math.isnan(value):
+            name = ""
+        if value is None or math.isnan(value) or not _CHECKPOINT_NAME.match(name):
             raise UserError(
-                f"{path} is damaged (expected metric, mode, value and step, got "
+                f"{path} is damaged (expected metric, mode, value, step and checkpoint, got "
                 f"{str(state)[:100]}); restore it or move {directory} away"
             )
         if (metric, mode) != (self.metric, self.watch.mode):
@@ -113,4 +125,91 @@ class BestCheckpoint(Callback):
                 f"({self.watch.mode}); pass --best_checkpoint_metric={metric}, or move {directory} "
                 "away to keep a new best"
             )
+        if not _readable(os.path.join(directory, name)) and not _copy_from_elsewhere(model_dir, directory, name):
+            aside = _set_aside(directory)
+            logging.warning(
+                "%s names %s, which %s does not hold and the model_dir has nowhere else (left by a crash "
+                "of an older version); moved the record and the checkpoint beside it to %s: the next "
+                "evaluation sets a new best",
+                path,
+                name,
+                directory,
+                aside,
+            )
+            return
+        _keep_only(directory, name)
         self.watch.best, self.best_step = value, step
+
+
+_CHECKPOINT_NAME = re.compile(r"^ckpt-\d+$")
+
+
+def _readable(prefix: str) -> bool:
+    return tf.io.gfile.exists(prefix + ".index") and model_dir_lib.read_problem(prefix) is None
+
+
+def _committed(directory: str) -> str | None:
+    """The checkpoint best/'s state file names: written only after `best.json` named it."""
+    state = model_dir_lib.checkpoint_state(directory)
+    if state is None or not state.model_checkpoint_path:
+        return None
+    return os.path.basename(state.model_checkpoint_path)
+
+
+def _files_of(directory: str, name: str) -> list[str]:
+    if not tf.io.gfile.isdir(directory):
+        return []
+    return [f for f in tf.io.gfile.listdir(directory) if f.startswith(name + ".")]  # Listed, not globbed.
+
+
+def _remove_checkpoint(directory: str, name: str) -> None:
+    for file in _files_of(directory, name):
+        model_dir_lib.repair_remove(os.path.join(directory, file))
+
+
+def _keep_only(directory: str, name: str) -> None:
+    """Makes best/'s state file name `name` alone (relative: the model_dir may move),
+    then removes every other checkpoint there: the end of a save, finished."""
+    if _committed(directory) != name or len(model_dir_lib.scan_checkpoints(directory)) > 1:
+        model_dir_lib.write_state(directory, name, [name])
+    for other in model_dir_lib.scan_checkpoints(directory):
+        if os.path.basename(other) != name:
+            _remove_checkpoint(directory, os.path.basename(other))
+
+
+def _copy_from_elsewhere(model_dir: str, directory: str, name: str) -> bool:
+    """Copies `name` into best/ from another directory of the model_dir (the rolling
+    checkpoints keep the same step) if it is readable there; whether it did.
+
+    Not with a moving average: the rolling checkpoint holds the trained weights,
+    the best one the averages that were evaluated."""
+    if checkpoint_lib.recorded_settings(model_dir).get("ema_decay", "0.0") not in ("0", "0.0"):
+        return False
+    for root, _, files in tf.io.gfile.walk(model_dir):
+        if root.rstrip("/") == directory.rstrip("/") or name + ".index" not in files:
+            continue
+        if not _readable(os.path.join(root, name)):
+            continue
+        _remove_checkpoint(directory, name)  # A damaged copy of an older version's.
+        for file in _files_of(root, name):
+            model_dir_lib.repair_copy(os.path.join(root, file), os.path.join(directory, file))
+        logging.warning(
+            "%s named %s but %s did not hold it (left by a crash of an older version); copied it from %s",
+            os.path.join(directory, BEST_FILE),
+            name,
+            directory,
+            root,
+        )
+        return True
+    return False
+
+
+def _set_aside(directory: str) -> str:
+    """Moves best.json and best/'s checkpoints (a record that lies, and a checkpoint of
+    unknown value) to `best/superseded/<time>/`: nothing is deleted."""
+    aside = os.path.join(directory, model_dir_lib.SUPERSEDED_SUBDIR, time.strftime("%Y%m%dT%H%M%S"))
+    model_dir_lib.repair_makedirs(aside)
+    for file in tf.io.gfile.listdir(directory):
+        if file == BEST_FILE or file == model_dir_lib.STATE_FILE or file.startswith("ckpt-"):
+            model_dir_lib.repair_rename(os.path.join(directory, file), os.path.join(aside, file))
+    return aside
