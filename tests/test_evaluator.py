@@ -307,3 +307,37 @@ def test_rotation_deleting_a_checkpoint_at_any_moment_of_its_read_never_stops_th
     best = json.loads((model_dir / "best" / "best.json").read_text())
     assert sorted(p.name for p in (model_dir / "best").glob("ckpt-*.index")) == [best["checkpoint"] + ".index"]
     assert tf.train.load_checkpoint(str(model_dir / "best" / best["checkpoint"])) is not None
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_an_evaluator_beside_a_trainer_that_keeps_one_checkpoint_survives_rotation(tmp_path, evaluators):
+    """The README's trainer + evaluator split at its worst: every checkpoint the evaluator finds is
+    rotated away two steps later, often while it is being read."""
+    evaluator = evaluators(
+        *FLAGS,
+        "--train_steps=120",
+        "--mode=continuous_eval",
+        "--eval_timeout=120",
+        "--best_checkpoint_metric=loss",
+        f"--model_dir={tmp_path}",
+    )
+    evaluator.wait_for("continuous evaluation of", timeout=240)
+    trained = engine_main(
+        *FLAGS,
+        "--train_steps=120",
+        "--mode=train",
+        "--steps_per_loop=2",
+        "--checkpoint_every=2",
+        "--max_checkpoints=1",
+        f"--model_dir={tmp_path}",
+        timeout=300,
+    )
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    assert evaluator.process.wait(timeout=240) == 0, "\n".join(evaluator.lines[-40:])
+    output = "\n".join(evaluator.lines)
+    assert "Traceback" not in output and "NotFoundError" not in output, output[-3000:]
+    steps = eval_steps(tmp_path)
+    assert steps and steps[-1] == 120 and len(steps) == len(set(steps)), steps  # The final one, each once.
+    best = json.loads((tmp_path / "best" / "best.json").read_text())
+    assert best["step"] in steps and (tmp_path / "best" / f"ckpt-{best['step']}.index").exists(), best
