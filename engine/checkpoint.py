@@ -17,6 +17,7 @@ import tensorflow as tf
 from absl import logging
 
 from engine import model_dir as model_dir_lib
+from engine import repairs
 from engine.errors import UserError, one_line
 
 CHECKPOINT_SUBDIR = "checkpoints"
@@ -77,11 +78,11 @@ def set_aside_unreadable(model_dir: str, *, fallback: bool) -> None:
     if not readable:
         raise UserError(f"no checkpoint in {directory} can be read (newest: {paths[-1]}); use a new --model_dir")
     aside = os.path.join(directory, UNREADABLE_SUBDIR)
-    model_dir_lib.repair_makedirs(aside)
+    repairs.makedirs(aside)
     prefixes = {os.path.basename(path) + "." for path in unreadable}
     for name in tf.io.gfile.listdir(directory):  # Listed, not globbed: the name may hold pattern characters.
         if any(name.startswith(prefix) for prefix in prefixes):
-            model_dir_lib.repair_rename(os.path.join(directory, name), os.path.join(aside, name))
+            repairs.rename(os.path.join(directory, name), os.path.join(aside, name))
     model_dir_lib.write_state(directory, readable[-1], readable)
     logging.warning("restoring %s; unreadable checkpoints moved to %s", readable[-1], aside)
 

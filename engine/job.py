@@ -23,6 +23,7 @@ from absl import logging
 from engine import checkpoint as checkpoint_lib
 from engine import host_memory
 from engine import model_dir as model_dir_lib
+from engine import repairs
 from engine.cluster import task_model_dir
 from engine.config import RunConfig
 from engine.environment import seed_everything, set_precision
@@ -108,7 +109,7 @@ def run(config: RunConfig) -> dict[str, Any]:
     # One writer per model_dir (the chief); readers such as an evaluator take no lock.
     lock = model_dir_lib.writer_lock(model_dir) if write_dir == model_dir else contextlib.nullcontext()
     # Repairs of on-disk state made while checking are undone if a later check refuses the run.
-    with model_dir_lib.disk_full_is_a_user_error(model_dir), lock, model_dir_lib.repairs_undone_on_error():
+    with model_dir_lib.disk_full_is_a_user_error(model_dir), lock, repairs.undone_on_error():
         return _train_and_evaluate(
             config, strategy, cluster, model_spec, image_shape, source, model_dir, write_dir, total_steps
         )
@@ -249,7 +250,7 @@ def _train_and_evaluate(
             metrics_path,
         )
         return finished
-    model_dir_lib.keep_repairs()  # Everything is checked: the repairs stay, the first bytes are written.
+    repairs.keep()  # Everything is checked: the repairs stay, the first bytes are written.
     if write_dir == model_dir:
         for directory in ("checkpoints", "best"):  # Saves cut short by kill -9 or a full disk.
             model_dir_lib.remove_orphan_temps(os.path.join(model_dir, directory))

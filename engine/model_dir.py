@@ -21,12 +21,13 @@ import shutil
 import socket
 import stat
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import tensorflow as tf
 from absl import logging
 
+from engine import repairs
 from engine.errors import UserError, one_line
 
 LOCK_FILE = ".writer.lock"
@@ -276,129 +277,6 @@ def holder_pid(model_dir: str) -> int | None:
         os.close(fd)
 
 
-# ------------------------------------------------- repairs, undone on refusal
-
-
-class _Repairs:
-    """What the repairs of on-disk state did, to undo in reverse if the run is refused.
-
-    A run checks everything before it writes, but some checks need the state
-    repaired first (a recovered state file names the checkpoint whose match
-    with the model is checked). A refused run must leave the model_dir
-    byte-identical, so each repair records how to take it back; a removed
-    file is only moved to a sibling `.repair-<pid>` directory until then.
-    """
-
-    def __init__(self) -> None:
-        self.undo: list[Callable[[], None]] = []
-        self.trash: list[str] = []
-
-    def roll_back(self) -> None:
-        for step in reversed(self.undo):
-            try:
-                step()
-            except (OSError, tf.errors.OpError) as error:  # Undo what can be: the rest is named.
-                logging.warning("could not undo a repair of the model_dir: %s", one_line(error, 200))
-        self.keep()
-
-    def keep(self) -> None:
-        for directory in self.trash:
-            remove_tree(directory)
-
-
-_repairs: _Repairs | None = None
-
-
-@contextlib.contextmanager
-def repairs_undone_on_error() -> Iterator[None]:
-    """Every repair (`repair_*`) made inside the block is undone if the block raises
-    before `keep_repairs()`; without the block, repairs are made for good at once."""
-    global _repairs
-    _repairs = _Repairs()
-    try:
-        yield
-    except BaseException:
-        repairs, _repairs = _repairs, None
-        if repairs is not None:
-            repairs.roll_back()
-        raise
-    finally:
-        keep_repairs()
-
-
-def keep_repairs() -> None:
-    """Makes the repairs made so far final: every check has passed."""
-    global _repairs
-    repairs, _repairs = _repairs, None
-    if repairs is not None:
-        repairs.keep()
-
-
-def repair_write(path: str, write: Callable[[], None]) -> None:
-    """Runs `write`, which replaces the small file `path` (a state file), undoably."""
-    if _repairs is not None:
-        if tf.io.gfile.exists(path):
-            with tf.io.gfile.GFile(path, "rb") as handle:
-                before = handle.read()
-
-            def put_back() -> None:
-                with tf.io.gfile.GFile(path, "wb") as handle:
-                    handle.write(before)
-
-            _repairs.undo.append(put_back)
-        else:
-            _repairs.undo.append(lambda: tf.io.gfile.remove(path) if tf.io.gfile.exists(path) else None)
-    write()
-
-
-def repair_remove(path: str) -> None:
-    """Removes the file `path`; inside `repairs_undone_on_error`, moves it aside until kept."""
-    if _repairs is None:
-        tf.io.gfile.remove(path)
-        return
-    trash = os.path.join(os.path.dirname(path), f".repair-{os.getpid()}")
-    if trash not in _repairs.trash:
-        repair_makedirs(trash)
-        _repairs.trash.append(trash)
-    aside = os.path.join(trash, os.path.basename(path))
-    tf.io.gfile.rename(path, aside, overwrite=True)
-    _repairs.undo.append(lambda: tf.io.gfile.rename(aside, path, overwrite=True))
-
-
-def repair_rename(source: str, destination: str) -> None:
-    """Renames, first removing (undoably) a file in the way."""
-    if tf.io.gfile.exists(destination):
-        repair_remove(destination)
-    tf.io.gfile.rename(source, destination)
-    if _repairs is not None:
-        _repairs.undo.append(lambda: tf.io.gfile.rename(destination, source))
-
-
-def repair_copy(source: str, destination: str) -> None:
-    if tf.io.gfile.exists(destination):
-        repair_remove(destination)
-    tf.io.gfile.copy(source, destination)
-    if _repairs is not None:
-        _repairs.undo.append(lambda: tf.io.gfile.remove(destination))
-
-
-def repair_makedirs(path: str) -> None:
-    """`makedirs`; undone by removing the directories it made (empty again by then)."""
-    made = []
-    parent = path
-    while parent and not tf.io.gfile.exists(parent):
-        made.append(parent)
-        parent = os.path.dirname(parent.rstrip("/"))
-    tf.io.gfile.makedirs(path)
-    if _repairs is not None and made:
-
-        def remove_made() -> None:
-            for directory in made:  # Innermost first.
-                remove_if_empty(directory)
-
-        _repairs.undo.append(remove_made)
-
-
 # ------------------------------------------------------- checkpoint discovery
 
 
@@ -481,7 +359,7 @@ def write_state(directory: str, latest: str, every: list[str]) -> None:
         f'all_model_checkpoint_paths: "{name}"\n' for name in names
     )
     path = os.path.join(directory, STATE_FILE)
-    repair_write(path, lambda: write_atomically(path, text))
+    repairs.write(path, lambda: write_atomically(path, text))
 
 
 def names_other_directories(directory: str) -> bool:
@@ -520,7 +398,7 @@ def recover_state(directory: str) -> str | None:
         return None
     if not found:
         if state is None and tf.io.gfile.exists(state_path):  # Names nothing: set aside, start afresh.
-            repair_rename(state_path, state_path + DAMAGED_STATE_SUFFIX)
+            repairs.rename(state_path, state_path + DAMAGED_STATE_SUFFIX)
             logging.warning(
                 "the checkpoint state file %s is damaged and there is no checkpoint; kept as %s",
                 state_path,
@@ -537,7 +415,7 @@ def recover_state(directory: str) -> str | None:
     what = "missing"
     if tf.io.gfile.exists(state_path):
         what = "damaged"
-        repair_rename(state_path, state_path + DAMAGED_STATE_SUFFIX)
+        repairs.rename(state_path, state_path + DAMAGED_STATE_SUFFIX)
     write_state(directory, readable[-1], readable)
     message = (
         f"the checkpoint state file {state_path} was {what}; found {len(found)} checkpoint(s) "

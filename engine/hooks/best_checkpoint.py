@@ -31,6 +31,7 @@ from absl import logging
 
 from engine import checkpoint as checkpoint_lib
 from engine import model_dir as model_dir_lib
+from engine import repairs
 from engine.callbacks import Callback, TrainerView
 from engine.errors import UserError
 from engine.hooks.metric_watch import MetricWatch, metric_value
@@ -164,7 +165,7 @@ def _files_of(directory: str, name: str) -> list[str]:
 
 def _remove_checkpoint(directory: str, name: str) -> None:
     for file in _files_of(directory, name):
-        model_dir_lib.repair_remove(os.path.join(directory, file))
+        repairs.remove(os.path.join(directory, file))
 
 
 def _keep_only(directory: str, name: str) -> None:
@@ -192,7 +193,7 @@ def _copy_from_elsewhere(model_dir: str, directory: str, name: str) -> bool:
             continue
         _remove_checkpoint(directory, name)  # A damaged copy of an older version's.
         for file in _files_of(root, name):
-            model_dir_lib.repair_copy(os.path.join(root, file), os.path.join(directory, file))
+            repairs.copy(os.path.join(root, file), os.path.join(directory, file))
         logging.warning(
             "%s named %s but %s did not hold it (left by a crash of an older version); copied it from %s",
             os.path.join(directory, BEST_FILE),
@@ -208,8 +209,8 @@ def _set_aside(directory: str) -> str:
     """Moves best.json and best/'s checkpoints (a record that lies, and a checkpoint of
     unknown value) to `best/superseded/<time>/`: nothing is deleted."""
     aside = os.path.join(directory, model_dir_lib.SUPERSEDED_SUBDIR, time.strftime("%Y%m%dT%H%M%S"))
-    model_dir_lib.repair_makedirs(aside)
+    repairs.makedirs(aside)
     for file in tf.io.gfile.listdir(directory):
         if file == BEST_FILE or file == model_dir_lib.STATE_FILE or file.startswith("ckpt-"):
-            model_dir_lib.repair_rename(os.path.join(directory, file), os.path.join(aside, file))
+            repairs.rename(os.path.join(directory, file), os.path.join(aside, file))
     return aside
