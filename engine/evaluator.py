@@ -124,6 +124,10 @@ class Evaluator:
         batch = config.global_batch_size
         with self.strategy.scope():
             model = spec.build(spec.default_input_shape, source.num_classes)
+            try:  # As training checks it: before anything is read or written.
+                models.check_fits_data(config.model, model, source.image_shape, source.num_classes)
+            except models.ModelError as error:
+                raise UserError(str(error)) from None
             learning_rate = learning_rate_schedule(
                 config.lr_schedule, config.learning_rate, self.final_step, config.warmup_steps
             )

@@ -21,9 +21,8 @@ import tensorflow as tf
 from absl import logging
 
 from engine import checkpoint as checkpoint_lib
-from engine import host_memory
+from engine import host_memory, repairs
 from engine import model_dir as model_dir_lib
-from engine import repairs
 from engine.cluster import task_model_dir
 from engine.config import RunConfig
 from engine.environment import seed_everything, set_precision

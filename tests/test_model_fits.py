@@ -69,3 +69,21 @@ def test_a_misfit_model_is_refused_before_any_write(tmp_path, monkeypatch, funct
     assert f"--model=misfit_nets:{function}" in line and message in line, line
     assert snapshot(model_dir) == before
     assert sorted(p.name for p in model_dir.iterdir()) == ["notes.txt"]  # No settings, event file or lock.
+
+
+@pytest.mark.parametrize("mode", ["eval", "continuous_eval"])
+def test_a_misfit_model_is_refused_by_the_evaluator_too(tmp_path, monkeypatch, mode):
+    (tmp_path / "misfit_nets.py").write_text(textwrap.dedent(MISFITS))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    model_dir = tmp_path / "run"
+    if mode == "eval":  # Evaluates a trained model_dir (a misfit one could not have trained it).
+        trained = main_in_process("--model=mlp", "--train_steps=2", "--mode=train", f"--model_dir={model_dir}")
+        assert trained.returncode == 0, trained.stderr[-2000:]
+    else:
+        model_dir.mkdir()
+    (model_dir / "notes.txt").write_text("an earlier run's files")
+    before = snapshot(model_dir)
+    result = main_in_process("--model=misfit_nets:wrong_input", f"--mode={mode}", f"--model_dir={model_dir}")
+    line = one_error_line(result)
+    assert "--model=misfit_nets:wrong_input" in line and CASES[0][1] in line, line
+    assert snapshot(model_dir) == before
