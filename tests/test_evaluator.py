@@ -336,7 +336,10 @@ def test_an_evaluator_beside_a_trainer_that_keeps_one_checkpoint_survives_rotati
     assert trained.returncode == 0, trained.stderr[-3000:]
     assert evaluator.process.wait(timeout=240) == 0, "\n".join(evaluator.lines[-40:])
     output = "\n".join(evaluator.lines)
-    assert "Traceback" not in output and "NotFoundError" not in output, output[-3000:]
+    assert "Traceback" not in output, output[-3000:]
+    # A checkpoint rotated away mid-read is skipped with one line (it happens a few times a run here).
+    unexplained = [line for line in evaluator.lines if "NotFoundError" in line and "skipped" not in line]
+    assert not unexplained, unexplained
     steps = eval_steps(tmp_path)
     assert steps and steps[-1] == 120 and len(steps) == len(set(steps)), steps  # The final one, each once.
     best = json.loads((tmp_path / "best" / "best.json").read_text())
