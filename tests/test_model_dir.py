@@ -910,9 +910,13 @@ def test_a_subdirectory_replaced_by_a_file_is_one_line_and_nothing_changes(train
 
 @pytest.fixture
 def small_disk(tmp_path):
-    """A 6 MiB tmpfs (mounted here, unmounted at the end) and a function that fills it."""
+    """A 16 MiB tmpfs (mounted here, unmounted at the end) and a function that fills it.
+
+    Not smaller: the first training run writes a few MiB. Its TensorBoard graph of the train loop
+    carries the function library of the whole process (0.5 MiB alone, 5.5 MiB after the in-process
+    CLI tests of test_main.py), as TensorFlow's trace export does."""
     disk = tmp_path / "disk"
-    if os.geteuid() != 0 or not _mount_tmpfs(disk, "6m"):
+    if os.geteuid() != 0 or not _mount_tmpfs(disk, "16m"):
         pytest.skip("needs root and `mount -t tmpfs` to make a small disk")
 
     def fill() -> None:
