@@ -92,7 +92,7 @@ def _static_batch_size(structure: Any) -> int | None:
     return shape[0] if shape is not None and shape.rank else None
 
 
-def examples_in_step(labels: tf.Tensor, per_replica_batch_size: int, global_batch_size: int) -> tf.Tensor:
+def examples_in_step(labels: tf.Tensor, global_batch_size: int) -> tf.Tensor:
     """How many examples this step holds over all replicas, as float32.
 
     A full batch (its size known when traced) holds `global_batch_size`; a
@@ -101,11 +101,12 @@ def examples_in_step(labels: tf.Tensor, per_replica_batch_size: int, global_batc
     count is summed over the replicas: one scalar all-reduce a step, only
     for such data. Keras `fit` divides such a batch by what it holds, too.
     """
-    if _static_batch_size(labels) == per_replica_batch_size:
+    context = tf.distribute.get_replica_context()
+    num_replicas = context.num_replicas_in_sync if context is not None else 1
+    if _static_batch_size(labels) == global_batch_size // num_replicas:
         return tf.constant(float(global_batch_size))
     local = tf.cast(tf.shape(labels)[0], tf.float32)
-    context = tf.distribute.get_replica_context()
-    if context is not None and context.num_replicas_in_sync > 1:
+    if num_replicas > 1:
         local = context.all_reduce(tf.distribute.ReduceOp.SUM, local)
     return tf.maximum(local, 1.0)
 
@@ -209,8 +210,7 @@ def make_train_step(
 
     def train_step(batch: Batch) -> dict[str, tf.Tensor]:
         features, labels, sample_weight = unpack_batch(batch)
-        num_replicas = tf.distribute.get_replica_context().num_replicas_in_sync
-        num_examples = examples_in_step(labels, global_batch_size // num_replicas, global_batch_size)
+        num_examples = examples_in_step(labels, global_batch_size)
         gradients, loss, logits = compute_gradients(features, labels, sample_weight, num_examples)
         outputs = {"loss": loss}
         if clip_norm is not None:
