@@ -1,8 +1,8 @@
 """`RunConfig`: the validated settings of one run of `engine.main`, and the one
 place each setting is defined.
 
-Each field carries its default, help and choices (`setting`); `engine.flags`
-and `engine.cluster.flags` define the command-line flags from them
+Each field carries its default, help and choices (`setting`); `engine.cli.flags`
+and `engine.cli.cluster_flags` define the command-line flags from them
 (`define_flags`), so a new setting is one field here. Every user mistake in
 the flags is caught here, before anything is written, as a `UserError`
 naming the bad value. This module imports no TensorFlow (flag parsing and
@@ -53,7 +53,7 @@ TIMEOUTS = ("collective_timeout", "startup_timeout", "eval_timeout")
 # Logical CPU devices to split the host into: each is a replica with its own copy of the model.
 MAX_CPU_DEVICES = 1024
 
-# The settings `engine.cluster.flags` defines for `engine.server` too; `engine.flags` defines the rest.
+# The settings `engine.cli.cluster_flags` defines for `engine.server` too; `engine.cli.flags` defines the rest.
 CLUSTER_SETTINGS = (
     "worker_hosts",
     "ps_hosts",
@@ -66,7 +66,7 @@ CLUSTER_SETTINGS = (
 
 
 def setting(default: Any, help: str, *, choices: tuple[str, ...] | None = None) -> Any:
-    """A `RunConfig` field and its command-line flag: `engine.flags` defines `--NAME` from
+    """A `RunConfig` field and its command-line flag: `engine.cli.flags` defines `--NAME` from
     the default, this help and, with `choices`, as an enum that `--help` lists."""
     return dataclasses.field(default=default, metadata={"help": help, "choices": choices})
 
@@ -101,7 +101,7 @@ class RunConfig:
         None,
         "--strategy=tpu: `local` (TPU VM) or grpc://HOST:PORT; without a reachable TPU the run fails at once.",
     )
-    # Several machines (engine.cluster): these are defined by engine.cluster.flags.
+    # Several machines (engine.cluster): these are defined by engine.cli.cluster_flags.
     worker_hosts: list[str] | None = setting(
         None,
         "Comma-separated host:port of every worker task; the host flags build TF_CONFIG (an existing TF_CONFIG "
@@ -290,7 +290,7 @@ class RunConfig:
 
     def validate(self) -> None:
         """Raises UserError for the first bad setting; touches nothing on disk."""
-        from engine.own_packages import own_package  # Imports TensorFlow: only when validating.
+        from engine.cli.own_packages import own_package  # Imports TensorFlow: only when validating.
 
         input_lib, models = own_package("input"), own_package("models")
         _choose("strategy", self.strategy, STRATEGY_NAMES)
@@ -434,6 +434,7 @@ class RunConfig:
     def multi_host_options(self):
         """The cluster (from the flags, TF_CONFIG or Slurm) and multi-host settings;
         no cluster for the single-host strategies unless flags name one."""
+        from engine.cli.preemption import signals_left_pending
         from engine.cluster import resolve_cluster
         from engine.cluster.multi_host import MultiHostOptions
 
@@ -461,6 +462,7 @@ class RunConfig:
             collective_timeout=self.collective_timeout,
             tpu=self.tpu,
             startup_timeout=self.startup_timeout,
+            startup_guard=signals_left_pending,
         )
 
     def total_steps(self, num_train_examples: int | None) -> int:

@@ -21,17 +21,18 @@ import tensorflow as tf
 from absl import logging
 
 from engine import checkpoint as checkpoint_lib
-from engine import host_memory, repairs
 from engine import model_dir as model_dir_lib
+from engine import repairs
+from engine.cli import host_memory
+from engine.cli.environment import seed_everything, set_precision
+from engine.cli.hooks_from_flags import hooks_from_config
+from engine.cli.hparams import write_hparams
+from engine.cli.model_summary import model_summary
+from engine.cli.preemption import stop_on_signals
+from engine.cli.settings import RunConfig
 from engine.cluster import task_model_dir
-from engine.config import RunConfig
-from engine.environment import seed_everything, set_precision
 from engine.errors import UserError, one_line
 from engine.export import export_saved_model
-from engine.hooks.from_config import hooks_from_config
-from engine.hparams import write_hparams
-from engine.model_summary import model_summary
-from engine.preemption import stop_on_signals
 from engine.resident import ResidentData
 from engine.schedules import LearningRate, learning_rate_schedule
 from engine.strategy import build_strategy, configure_cpu_devices
@@ -63,8 +64,8 @@ def run(config: RunConfig) -> dict[str, Any]:
     evaluation and metrics.json, and returns its `exit_status` (128+signal;
     75 on the other workers of a multi-worker run, which stop with it).
     """
-    from engine import evaluator
-    from engine.own_packages import own_package  # The engine's, beside a user's models.py/input.py.
+    from engine.cli import evaluator
+    from engine.cli.own_packages import own_package  # The engine's, beside a user's models.py/input.py.
 
     input_lib, models = own_package("input"), own_package("models")
     DataError, get_data_source = input_lib.DataError, input_lib.get_data_source  # noqa: N806
@@ -145,7 +146,7 @@ def _train_and_evaluate(
 ) -> dict[str, Any]:
     """The part of `run` that reads and writes model_dir: under the writer lock
     on the chief. Everything is checked before the first byte is written."""
-    from engine.own_packages import own_package
+    from engine.cli.own_packages import own_package
 
     metrics_path = os.path.join(model_dir, METRICS_FILE)
     if write_dir == model_dir:

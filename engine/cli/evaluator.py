@@ -28,13 +28,13 @@ from absl import logging
 
 from engine import checkpoint as checkpoint_lib
 from engine import model_dir as model_dir_lib
-from engine.config import RunConfig
+from engine.cli.environment import seed_everything, set_precision
+from engine.cli.own_packages import own_package
+from engine.cli.settings import RunConfig
 from engine.data import PerReplicaBatches
-from engine.environment import seed_everything, set_precision
 from engine.errors import UserError, one_line
 from engine.hooks.best_checkpoint import BestCheckpoint
 from engine.model_dir import latest_checkpoint, write_json
-from engine.own_packages import own_package
 from engine.schedules import learning_rate_schedule
 from engine.strategy import build_strategy, configure_cpu_devices
 from engine.summaries import SummaryWriters
@@ -94,7 +94,7 @@ class Evaluator:
     """A model, optimizer and Trainer built like the training job's, for reading checkpoints."""
 
     def __init__(self, config: RunConfig):
-        from engine.job import build_optimizer
+        from engine.cli.job import build_optimizer
 
         input_lib, models = own_package("input"), own_package("models")
         DataError, get_data_source = input_lib.DataError, input_lib.get_data_source  # noqa: N806
