@@ -284,9 +284,11 @@ def test_rotation_deleting_a_checkpoint_at_any_moment_of_its_read_never_stops_th
         return wrapped
 
     if moment == "restore":
-        monkeypatch.setattr(evaluator._checkpoint, "read", deleting_first(evaluator._checkpoint.read))
+        monkeypatch.setattr(
+            evaluator.reader.checkpoint, "read", deleting_first(evaluator.reader.checkpoint.read)
+        )
     elif moment == "evaluation":
-        monkeypatch.setattr(evaluator.trainer, "evaluate", deleting_first(evaluator.trainer.evaluate))
+        monkeypatch.setattr(evaluator.runner, "run", deleting_first(evaluator.runner.run))
     else:
         monkeypatch.setattr(evaluator._best, "on_eval_end", deleting_first(evaluator._best.on_eval_end))
     # The three checkpoints as the evaluator's poll finds them; ckpt-10 goes while it is read.

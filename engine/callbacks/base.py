@@ -94,6 +94,11 @@ class Callback:
         naming the hook where it cannot work with this trainer (e.g. one that sets the
         learning rate, given a dict of optimizers), rather than fail mid-training."""
 
+    def restore_state(self, trainer: TrainerView) -> None:
+        """Once, at the end of the trainer's construction (its checkpoint restored, nothing
+        written yet): read and check the hook's own state on disk, raising a `UserError`
+        where it cannot be trusted. Hooks that call it again themselves keep it idempotent."""
+
     def loop_limit(self, trainer: TrainerView, step: int) -> int | None:
         """Before each loop: how far it may run, so the hook sees the step it needs.
 

@@ -232,10 +232,6 @@ def _train_and_evaluate(
         reset_optimizer=config.reset_optimizer,
         ema_decay=config.ema_decay or None,
     )
-    for callback in trainer.callbacks:  # Hook state on disk (hooks/*.json, best/) is checked now.
-        restore_state = getattr(callback, "restore_state", None)
-        if restore_state is not None:
-            restore_state(trainer)
     _log_banner(config, strategy, model, source, model_dir, total_steps, trainer)
     finished = _finished_result(trainer, total_steps, metrics_path) if write_dir == model_dir else None
     # Synchronous workers evaluate together, so there the chief evaluates again with them
