@@ -9,6 +9,7 @@ frozen dataclasses: one definition of each group and its defaults.
 """
 
 import dataclasses
+from typing import TypedDict
 
 SINGLE_HOST_STRATEGIES = ("default", "one_device", "mirrored")
 MULTI_HOST_STRATEGIES = ("multi_worker_mirrored", "parameter_server", "tpu")
@@ -25,6 +26,15 @@ DEFAULT_COLLECTIVE_TIMEOUT = 300.0
 DEFAULT_STARTUP_TIMEOUT = 300.0
 
 
+class StepArguments(TypedDict):
+    """`StepOptions` as `engine.steps.make_train_step` takes them."""
+
+    clip_norm: float | None
+    grad_accum_steps: int
+    jit_compile: bool
+    skip_nonfinite: bool
+
+
 @dataclasses.dataclass(frozen=True)
 class StepOptions:
     """How the standard step turns a batch into an update. A `step_fn` replaces that
@@ -34,6 +44,14 @@ class StepOptions:
     grad_accum_steps: int = 1  # Micro-batches per update.
     jit_compile: bool = False  # XLA-compile the replica step.
     on_nonfinite: str = "stop"  # A NaN/Inf loss or gradient: "stop" the run, or "skip" the update.
+
+    def step_arguments(self) -> StepArguments:
+        return StepArguments(
+            clip_norm=self.clip_norm,
+            grad_accum_steps=self.grad_accum_steps,
+            jit_compile=self.jit_compile,
+            skip_nonfinite=self.on_nonfinite == "skip",
+        )
 
     def changed(self) -> list[str]:
         """`name=value` of each option that is not its default."""

@@ -11,7 +11,6 @@ functions `loop.py`'s. Everything here runs once per loop, not per step.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any, TypeAlias
@@ -195,11 +194,8 @@ class Trainer:
                 global_batch_size=global_batch_size,
                 metrics=train_unweighted,
                 weighted_metrics=train_weighted,
-                clip_norm=clip_norm,
-                grad_accum_steps=grad_accum_steps,
-                jit_compile=jit_compile,
-                skip_nonfinite=on_nonfinite == "skip",
                 grad_norm=any(c.needs_grad_norm for c in self.callbacks),
+                **step_options.step_arguments(),
             )
         self.replica_step = step_fn
         self.train_runner = self._make_train_runner(train_form, global_batch_size)
@@ -246,30 +242,6 @@ class Trainer:
         """The global step: the number of updates applied (equal to each optimizer's `iterations`
         for the standard step)."""
         return int(self.global_step.numpy())
-
-    @property
-    def on_nonfinite(self) -> str:
-        return self.step_options.on_nonfinite
-
-    @property
-    def steps_per_loop(self) -> int:
-        return self.cadence.steps_per_loop
-
-    @property
-    def eval_every(self) -> int | None:
-        return self.cadence.eval_every
-
-    @eval_every.setter
-    def eval_every(self, every: int | None) -> None:
-        self.cadence = dataclasses.replace(self.cadence, eval_every=every or None)
-
-    @property
-    def checkpoint_every(self) -> int | None:
-        return self.cadence.checkpoint_every
-
-    @checkpoint_every.setter
-    def checkpoint_every(self, every: int | None) -> None:
-        self.cadence = dataclasses.replace(self.cadence, checkpoint_every=every or None)
 
     @property
     def keeps_data_on_devices(self) -> bool:
@@ -429,10 +401,10 @@ class Trainer:
         seconds = time.perf_counter() - began
         if result.steps_run == 0:  # Not one batch was left: nothing ran, nothing to log.
             self._end_on_exhausted_data(target, last_saved, {})
-        if result.first_nonfinite_index >= 0 and self.on_nonfinite == "stop":
+        if result.first_nonfinite_index >= 0 and self.step_options.on_nonfinite == "stop":
             self._stop_on_nonfinite(start + result.first_nonfinite_index + 1)
         logs = dict(result.logs)
-        if self.on_nonfinite == "skip":  # Under "stop" it is 0, or the run ended above.
+        if self.step_options.on_nonfinite == "skip":  # Under "stop" it is 0, or the run ended above.
             logs["nonfinite_steps"] = float(result.nonfinite_steps)
         logs.update({m.name: float(m.result()) for m in self.train_metrics})
         logs.update(self._speed(result.steps_run, seconds))

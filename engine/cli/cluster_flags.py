@@ -4,7 +4,7 @@ Their defaults and help are `RunConfig` fields (`engine.cli.settings.CLUSTER_SET
 
 from absl import flags
 
-from engine.cli.settings import CLUSTER_SETTINGS, define_flags
+from engine.cli.settings import CLUSTER_SETTINGS, define_flags, settings_of
 
 define_flags(CLUSTER_SETTINGS, module_name=__name__)
 
@@ -15,12 +15,4 @@ def cluster_from_flags(flag_values=FLAGS):
     """The `engine.cluster.Cluster` these flags (or TF_CONFIG / Slurm) describe."""
     from engine.cluster import resolve_cluster
 
-    return resolve_cluster(
-        worker_hosts=flag_values.worker_hosts,
-        ps_hosts=flag_values.ps_hosts,
-        chief_host=flag_values.chief_host,
-        task_type=flag_values.task_type,
-        task_index=flag_values.task_index,
-        cluster_resolver=flag_values.cluster_resolver,
-        slurm_port_base=flag_values.slurm_port_base,
-    )
+    return resolve_cluster(**settings_of(flag_values, CLUSTER_SETTINGS))

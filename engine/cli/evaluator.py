@@ -24,7 +24,6 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-import keras
 import tensorflow as tf
 from absl import logging
 
@@ -35,6 +34,7 @@ from engine.checkpoint import CheckpointReader, CheckpointVanished, files_gone
 from engine.cli.environment import seed_everything, set_precision
 from engine.cli.own_packages import own_package
 from engine.cli.settings import RunConfig
+from engine.cli.task import classification_task
 from engine.data import as_eval_form
 from engine.ema import weight_averages
 from engine.errors import UserError
@@ -142,12 +142,13 @@ class Evaluator:
         # As the Trainer prepares them: the averages (--ema_decay) exist once the optimizer is built.
         self.weight_averages = weight_averages({"optimizer": self.optimizer}, _ema_decay(config))
         self.global_step = prepare_model_state(self.strategy, self.model, {"optimizer": self.optimizer})
+        task = classification_task()
         self.runner = EvalRunner(
             self.strategy,
             self.model,
-            keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None),
+            task["loss_fn"],
             as_eval_form(lambda context: source.eval_dataset(global_batch_size=batch, input_context=context)),
-            metrics=[keras.metrics.SparseCategoricalAccuracy(name="accuracy")],
+            metrics=task["metrics"],
             batches_per_call=config.steps_per_loop,
         )
         self.reader = CheckpointReader(

@@ -29,7 +29,8 @@ from engine.cli.hooks_from_flags import hooks_from_config
 from engine.cli.hparams import write_hparams
 from engine.cli.model_summary import model_summary
 from engine.cli.preemption import stop_on_signals
-from engine.cli.settings import RunConfig
+from engine.cli.settings import TRAINER_SETTINGS, RunConfig, settings_of
+from engine.cli.task import classification_task
 from engine.cluster import task_model_dir
 from engine.errors import UserError, one_line
 from engine.export import export_saved_model
@@ -213,24 +214,13 @@ def _train_and_evaluate(
         train_data=train_data,
         eval_data=eval_data,
         global_batch_size=batch,
-        loss_fn=keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None),
-        metrics=[keras.metrics.SparseCategoricalAccuracy(name="accuracy")],
         model_dir=write_dir,
         restore_dir=model_dir if write_dir != model_dir else None,
-        steps_per_loop=config.steps_per_loop,
-        eval_every=config.eval_every,
-        checkpoint_every=config.checkpoint_every,
-        max_checkpoints=config.max_checkpoints,
-        clip_norm=config.clip_norm,
-        grad_accum_steps=config.grad_accum_steps,
-        jit_compile=config.jit_compile,
-        on_nonfinite=config.on_nonfinite,
-        restore_fallback=config.restore_fallback,
         callbacks=hooks_from_config(config),
-        log_every=config.log_every,
         steps_per_epoch=max(1, source.num_train_examples // batch) if source.num_train_examples else None,
-        reset_optimizer=config.reset_optimizer,
         ema_decay=config.ema_decay or None,
+        **classification_task(),
+        **settings_of(config, TRAINER_SETTINGS),
     )
     _log_banner(config, strategy, model, source, model_dir, total_steps, trainer)
     finished = _finished_result(trainer, total_steps, metrics_path) if write_dir == model_dir else None

@@ -63,6 +63,25 @@ CLUSTER_SETTINGS = (
     "cluster_resolver",
     "slurm_port_base",
 )
+# The settings that are `engine.Trainer` arguments of the same name and meaning.
+TRAINER_SETTINGS = (
+    "steps_per_loop",
+    "eval_every",
+    "checkpoint_every",
+    "max_checkpoints",
+    "clip_norm",
+    "grad_accum_steps",
+    "jit_compile",
+    "on_nonfinite",
+    "restore_fallback",
+    "log_every",
+    "reset_optimizer",
+)
+
+
+def settings_of(values: Any, names: tuple[str, ...]) -> dict[str, Any]:
+    """`{name: values.name}`: the named settings of a RunConfig, or of parsed absl flags."""
+    return {name: getattr(values, name) for name in names}
 
 
 def setting(default: Any, help: str, *, choices: tuple[str, ...] | None = None) -> Any:
@@ -447,15 +466,7 @@ class RunConfig:
             or self.task_type is not None  # A task of a cluster: refused when none is given.
             or self.task_index is not None
         ):
-            cluster = resolve_cluster(
-                worker_hosts=self.worker_hosts,
-                ps_hosts=self.ps_hosts,
-                chief_host=self.chief_host,
-                task_type=self.task_type,
-                task_index=self.task_index,
-                cluster_resolver=self.cluster_resolver,
-                slurm_port_base=self.slurm_port_base,
-            )
+            cluster = resolve_cluster(**settings_of(self, CLUSTER_SETTINGS))
         return MultiHostOptions(
             cluster=cluster,
             communication=self.communication,
