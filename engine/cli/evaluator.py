@@ -31,8 +31,7 @@ from engine import checkpoint as checkpoint_lib
 from engine import model_dir as model_dir_lib
 from engine.callbacks.progress import format_logs, logger
 from engine.checkpoint import CheckpointReader, CheckpointVanished, files_gone
-from engine.cli.environment import seed_everything, set_precision
-from engine.cli.own_packages import own_package
+from engine.cli.assembly import build_model_and_optimizer, data_source, model_spec, prepare_process
 from engine.cli.settings import RunConfig
 from engine.cli.task import classification_task
 from engine.data import as_eval_form
@@ -41,8 +40,7 @@ from engine.errors import UserError
 from engine.hooks.best_checkpoint import BestCheckpoint
 from engine.model_dir import latest_checkpoint, write_json
 from engine.runners import EvalRunner
-from engine.schedules import learning_rate_schedule
-from engine.strategy import build_strategy, configure_cpu_devices
+from engine.strategy import build_strategy
 from engine.summaries import SummaryWriters
 from engine.trainer import prepare_model_state
 
@@ -101,44 +99,23 @@ class Evaluator:
     """
 
     def __init__(self, config: RunConfig):
-        from engine.cli.job import build_optimizer
-
-        input_lib, models = own_package("input"), own_package("models")
-        DataError, get_data_source = input_lib.DataError, input_lib.get_data_source  # noqa: N806
-        get_model_spec = models.get_model_spec
-
-        tf.get_logger().setLevel("WARNING")
-        if config.cpu_devices > 1:
-            configure_cpu_devices(config.cpu_devices)
-        set_precision(config.mixed_precision)
-        seed_everything(config.seed, deterministic=config.deterministic)
+        prepare_process(config)
         self.config = config
         self.model_dir = _model_dir(config)
         # The cluster's strategy needs its peers; an evaluator reads alone on this host.
         local = "mirrored" if config.cpu_devices > 1 or config.num_gpus else "default"
         name = config.strategy if config.strategy in ("default", "one_device", "mirrored") else local
         self.strategy = build_strategy(name, cpu_devices=config.cpu_devices, num_gpus=config.num_gpus)
-        spec = get_model_spec(config.model)
-        try:
-            source = get_data_source(
-                config.dataset, image_shape=spec.default_input_shape, data_dir=config.data_dir
-            )
-        except DataError as error:
-            raise UserError(str(error)) from None
+        spec = model_spec(config)
+        source = data_source(config, spec)
         if source.num_eval_examples is None:
             raise UserError(f"--dataset={config.dataset} has no eval split to evaluate on")
         self.final_step = config.total_steps(source.num_train_examples)
         batch = config.global_batch_size
-        with self.strategy.scope():
-            self.model = spec.build(spec.default_input_shape, source.num_classes)
-            try:  # As training checks it: before anything is read or written.
-                models.check_fits_data(config.model, self.model, source.image_shape, source.num_classes)
-            except models.ModelError as error:
-                raise UserError(str(error)) from None
-            learning_rate = learning_rate_schedule(
-                config.lr_schedule, config.learning_rate, self.final_step, config.warmup_steps
-            )
-            self.optimizer = build_optimizer(config.optimizer, learning_rate, config.mixed_precision)
+        # As training builds them (checked against the data before anything is read or written).
+        self.model, self.optimizer = build_model_and_optimizer(
+            config, self.strategy, spec, source, self.final_step
+        )
         # As the Trainer prepares them: the averages (--ema_decay) exist once the optimizer is built.
         self.weight_averages = weight_averages({"optimizer": self.optimizer}, _ema_decay(config))
         self.global_step = prepare_model_state(self.strategy, self.model, {"optimizer": self.optimizer})

@@ -16,15 +16,14 @@ import tempfile
 from collections.abc import Callable
 from typing import Any
 
-import keras
 import tensorflow as tf
 from absl import logging
 
 from engine import checkpoint as checkpoint_lib
 from engine import model_dir as model_dir_lib
 from engine import repairs
-from engine.cli import host_memory
-from engine.cli.environment import seed_everything, set_precision
+from engine.cli import evaluator, host_memory
+from engine.cli.assembly import build_model_and_optimizer, data_source, model_spec, prepare_process
 from engine.cli.hooks_from_flags import hooks_from_config
 from engine.cli.hparams import write_hparams
 from engine.cli.model_summary import model_summary
@@ -35,27 +34,12 @@ from engine.cluster import task_model_dir
 from engine.errors import UserError, one_line
 from engine.export import export_saved_model
 from engine.resident import ResidentData
-from engine.schedules import LearningRate, learning_rate_schedule
-from engine.strategy import build_strategy, configure_cpu_devices
+from engine.strategy import build_strategy
 from engine.trainer import Trainer
 
 METRICS_FILE = "metrics.json"
 # A worker that stopped because a peer was signalled (EX_TEMPFAIL: run again).
 STOPPED_BY_PEER_EXIT = 75
-
-
-def build_optimizer(name: str, learning_rate: LearningRate, mixed_precision: str) -> keras.optimizers.Optimizer:
-    optimizers = {
-        "sgd": lambda: keras.optimizers.SGD(learning_rate),
-        "momentum": lambda: keras.optimizers.SGD(learning_rate, momentum=0.9),
-        "adam": lambda: keras.optimizers.Adam(learning_rate),
-        "adamw": lambda: keras.optimizers.AdamW(learning_rate),
-    }
-    optimizer = optimizers[name]()
-    if mixed_precision == "float16":
-        # float16 gradients underflow without a (dynamic) loss scale.
-        optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
-    return optimizer
 
 
 def run(config: RunConfig) -> dict[str, Any]:
@@ -65,24 +49,12 @@ def run(config: RunConfig) -> dict[str, Any]:
     evaluation and metrics.json, and returns its `exit_status` (128+signal;
     75 on the other workers of a multi-worker run, which stop with it).
     """
-    from engine.cli import evaluator
-    from engine.cli.own_packages import own_package  # The engine's, beside a user's models.py/input.py.
-
-    input_lib, models = own_package("input"), own_package("models")
-    DataError, get_data_source = input_lib.DataError, input_lib.get_data_source  # noqa: N806
-    get_model_spec = models.get_model_spec
-
     evaluation_mode = evaluator.evaluation_mode(config)
     if evaluation_mode is not None:  # --mode=eval/continuous_eval or an evaluator task: never trains.
         return evaluator.run(config, evaluation_mode)
-    # tf.distribute logs every cross-device reduction at INFO; keep the engine's lines readable.
-    tf.get_logger().setLevel("WARNING")
-    if config.cpu_devices > 1:
-        configure_cpu_devices(config.cpu_devices)
-    set_precision(config.mixed_precision)
+    prepare_process(config)
     if config.check_numerics:
         tf.debugging.enable_check_numerics()  # Names the first op that makes a NaN or Inf.
-    seed_everything(config.seed, deterministic=config.deterministic)
     multi_host = config.multi_host_options()
     strategy = build_strategy(
         config.strategy, cpu_devices=config.cpu_devices, num_gpus=config.num_gpus, multi_host=multi_host
@@ -93,12 +65,9 @@ def run(config: RunConfig) -> dict[str, Any]:
             "--jit_compile on a host without GPUs: XLA's CPU kernels ran the cnn "
             "5-7x slower than TensorFlow's oneDNN kernels here (benchmarks/RESULTS.md)"
         )
-    model_spec = get_model_spec(config.model)
-    image_shape = model_spec.default_input_shape
-    try:
-        source = get_data_source(config.dataset, image_shape=image_shape, data_dir=config.data_dir)
-    except DataError as error:
-        raise UserError(str(error)) from None
+    spec = model_spec(config)
+    image_shape = spec.default_input_shape
+    source = data_source(config, spec)
     check_batch_fits(config.global_batch_size, source.num_train_examples, config.dataset)
     check_batch_fits_memory(config.global_batch_size, cluster.num_workers if cluster else 1, source.image_shape)
     model_dir = config.model_dir or tempfile.mkdtemp(prefix="engine-")
@@ -112,7 +81,7 @@ def run(config: RunConfig) -> dict[str, Any]:
     # Repairs of on-disk state made while checking are undone if a later check refuses the run.
     with model_dir_lib.disk_full_is_a_user_error(model_dir), lock, repairs.undone_on_error():
         return _train_and_evaluate(
-            config, strategy, cluster, model_spec, image_shape, source, model_dir, write_dir, total_steps
+            config, strategy, cluster, spec, image_shape, source, model_dir, write_dir, total_steps
         )
 
 
@@ -143,12 +112,10 @@ def check_batch_fits_memory(global_batch_size: int, num_workers: int, image_shap
 
 
 def _train_and_evaluate(
-    config, strategy, cluster, model_spec, image_shape, source, model_dir: str, write_dir: str, total_steps: int
+    config, strategy, cluster, spec, image_shape, source, model_dir: str, write_dir: str, total_steps: int
 ) -> dict[str, Any]:
     """The part of `run` that reads and writes model_dir: under the writer lock
     on the chief. Everything is checked before the first byte is written."""
-    from engine.cli.own_packages import own_package
-
     metrics_path = os.path.join(model_dir, METRICS_FILE)
     if write_dir == model_dir:
         if tf.io.gfile.isdir(metrics_path):
@@ -158,17 +125,7 @@ def _train_and_evaluate(
             model_dir, _optimizer_settings(config), flags_may_change=config.reset_optimizer
         )
 
-    with strategy.scope():
-        try:
-            model = model_spec.build(image_shape, source.num_classes)
-            # Before the first write: a model that does not fit the data fails in the first step.
-            own_package("models").check_fits_data(config.model, model, source.image_shape, source.num_classes)
-        except own_package("models").ModelError as error:  # A user's builder returned something unusable.
-            raise UserError(str(error)) from None
-        learning_rate = learning_rate_schedule(
-            config.lr_schedule, config.learning_rate, total_steps, config.warmup_steps
-        )
-        optimizer = build_optimizer(config.optimizer, learning_rate, config.mixed_precision)
+    model, optimizer = build_model_and_optimizer(config, strategy, spec, source, total_steps)
 
     batch, seed = config.global_batch_size, config.seed
     if config.input_pipeline == "global":
@@ -385,10 +342,11 @@ def resident_train_data(
     """The train split as `ResidentData` (kept on every replica's device) where the
     source holds it in memory and one copy fits in `device_data_mb` MiB; None
     otherwise. `host_data` is what strategies that cannot keep it train from."""
-    make = getattr(source, "resident_train_data", None)
-    if make is None or device_data_mb == 0:
+    if device_data_mb == 0:
         return None
-    resident = make(global_batch_size=global_batch_size, seed=seed)  # Cheap: nothing is copied yet.
+    resident = source.resident_train_data(global_batch_size=global_batch_size, seed=seed)  # Nothing copied yet.
+    if resident is None:
+        return None
     size_mb = resident.num_bytes / 2**20
     if size_mb > device_data_mb:
         logging.info(
