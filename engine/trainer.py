@@ -184,20 +184,8 @@ class Trainer:
             # Keras compile's split: `metrics` see no sample weights, `weighted_metrics` do.
             train_unweighted = [fresh_copy(m) for m in metrics]
             train_weighted = [fresh_copy(m) for m in weighted_metrics]
-            self.train_metrics = [*train_unweighted, *train_weighted]
-        if step_fn is None:
-            assert loss_fn is not None, "checked above: loss_fn or step_fn"
-            step_fn = make_train_step(
-                model=model,
-                optimizer=optimizer,
-                loss_fn=loss_fn,
-                global_batch_size=global_batch_size,
-                metrics=train_unweighted,
-                weighted_metrics=train_weighted,
-                grad_norm=any(c.needs_grad_norm for c in self.callbacks),
-                **step_options.step_arguments(),
-            )
-        self.replica_step = step_fn
+        self.train_metrics = [*train_unweighted, *train_weighted]
+        self.replica_step = step_fn or self._standard_step(loss_fn, train_unweighted, train_weighted)
         self.train_runner = self._make_train_runner(train_form, global_batch_size)
         self._stop_agreement = _make_stop_agreement(strategy)
         self.eval_runner: EvalRunner | None = None
@@ -213,17 +201,37 @@ class Trainer:
 
         self.checkpointer: Checkpointer | None = None
         if model_dir is not None:
-            # One optimizer keeps the key "optimizer" that existing checkpoints use.
-            optimizer_state = (
-                {"optimizer": optimizer} if self.optimizer is not None else {"optimizers": dict(self.optimizers)}
-            )
-            checkpoint = tf.train.Checkpoint(model=model, global_step=self.global_step, **optimizer_state)
-            self.checkpointer = Checkpointer(
-                model_dir, checkpoint, model=model, step_counter=self.global_step, options=checkpoint_options
-            )
+            self.checkpointer = self._make_checkpointer(model_dir, checkpoint_options)
             self._restore()
         for callback in self.callbacks:  # Their own state on disk, now that the step is known.
             callback.restore_state(self)
+
+    def _standard_step(
+        self, loss_fn: PerExampleLoss | None, metrics: list[Any], weighted_metrics: list[Any]
+    ) -> ReplicaStep:
+        assert loss_fn is not None, "checked: loss_fn or step_fn"
+        return make_train_step(
+            model=self.model,
+            optimizer=next(iter(self.optimizers.values())),  # The standard step applies one.
+            loss_fn=loss_fn,
+            global_batch_size=self.global_batch_size,
+            metrics=metrics,
+            weighted_metrics=weighted_metrics,
+            grad_norm=any(c.needs_grad_norm for c in self.callbacks),
+            **self.step_options.step_arguments(),
+        )
+
+    def _make_checkpointer(self, model_dir: str, options: CheckpointOptions) -> Checkpointer:
+        # One optimizer keeps the key "optimizer" that existing checkpoints use.
+        optimizer_state = (
+            {"optimizer": self.optimizer}
+            if self.optimizer is not None
+            else {"optimizers": dict(self.optimizers)}
+        )
+        checkpoint = tf.train.Checkpoint(model=self.model, global_step=self.global_step, **optimizer_state)
+        return Checkpointer(
+            model_dir, checkpoint, model=self.model, step_counter=self.global_step, options=options
+        )
 
     def _make_train_runner(self, data: DataForm | ResidentData, global_batch_size: int) -> TrainRunner:
         return TrainRunner(

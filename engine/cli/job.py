@@ -127,38 +127,8 @@ def _train_and_evaluate(
 
     model, optimizer = build_model_and_optimizer(config, strategy, spec, source, total_steps)
 
-    batch, seed = config.global_batch_size, config.seed
-    if config.input_pipeline == "global":
-
-        def global_train_data(start_step):
-            return source.train_dataset(global_batch_size=batch, seed=seed, start_step=start_step)
-
-        # The trainer tells the two kinds apart by their parameters (input_context or not).
-        train_data: Callable[..., tf.data.Dataset] | ResidentData = global_train_data
-
-        eval_data = source.eval_dataset(global_batch_size=batch)
-    else:
-
-        def per_worker_train_data(input_context, start_step):
-            return source.train_dataset(
-                global_batch_size=batch, seed=seed, start_step=start_step, input_context=input_context
-            )
-
-        train_data = per_worker_train_data
-
-        eval_data = None
-        if source.num_eval_examples is not None:
-
-            def eval_data(input_context):
-                return source.eval_dataset(global_batch_size=batch, input_context=input_context)
-
-    resident = resident_train_data(
-        source, global_batch_size=batch, seed=seed, device_data_mb=config.device_data_mb, host_data=train_data
-    )
-    if resident is not None:
-        train_data = resident
-    if config.mode == "train":
-        eval_data = None
+    train_data, eval_data = _train_and_eval_data(config, source)
+    batch = config.global_batch_size
     if write_dir != model_dir:  # A restarted worker's scratch from the run it died in.
         model_dir_lib.remove_tree(write_dir)
     trainer_class = Trainer
@@ -201,54 +171,17 @@ def _train_and_evaluate(
         write_hparams(model_dir, dataclasses.asdict(config))
         checkpoint_lib.record_settings(model_dir, _optimizer_settings(config))
     try:
-        with stop_on_signals(trainer) as signal_record:
-            try:
-                train_logs = trainer.train(total_steps)
-                eval_logs = (
-                    trainer.evaluate_current() if eval_data is not None and not trainer.stop_requested else {}
-                )
-            except tf.errors.DataLossError as error:  # A record whose bytes fail their CRC, read mid-run.
-                message = damaged_data_message(config, source, error, _what_is_kept(trainer))
-                if message is None:
-                    raise
-                trainer.close()
-                raise UserError(message) from None
-            except tf.errors.ResourceExhaustedError as error:  # Disk-full ones are save()'s, not this.
-                message = out_of_memory_message(config, strategy, error, _what_is_kept(trainer))
-                if message is None:
-                    raise
-                trainer.close()
-                raise UserError(message) from None
-            except tf.errors.InvalidArgumentError as error:
-                if "label" not in str(error):
-                    raise
-                raise UserError(
-                    f"bad data in --dataset={config.dataset} --data_dir={config.data_dir}: "
-                    f"{str(error).splitlines()[0][:200]}; fix or remove that file"
-                ) from None
-        if trainer.stop_requested:
-            trainer.close()
-            cause = (
-                f"signal {signal_record.signum}"
-                if signal_record.signum is not None
-                else "a stop request from another worker"
-            )
-            logging.warning(
-                "stopped at step %d by %s; checkpoint saved in %s; rerun the same command to continue",
-                trainer.step,
-                cause,
-                model_dir,
-            )
-            return {
-                "global_step": trainer.step,
-                "exit_status": signal_record.exit_status or STOPPED_BY_PEER_EXIT,
-            }
-        trainer.close()
+        outcome = _train_with_clean_errors(
+            config, strategy, source, trainer, total_steps, evaluates=eval_data is not None, model_dir=model_dir
+        )
     finally:
         if write_dir != model_dir:
             model_dir_lib.remove_tree(write_dir)
             # The shared parent, once the last worker is done.
             model_dir_lib.remove_if_empty(os.path.dirname(write_dir))
+    if isinstance(outcome, int):  # Stopped by a signal or a peer: a checkpoint, no results.
+        return {"global_step": trainer.step, "exit_status": outcome}
+    train_logs, eval_logs = outcome
     if config.export_dir and strategy.extended.should_checkpoint:  # Only the chief exports.
         with trainer.averaged_weights():  # --ema_decay: the averages are the model to serve.
             export_saved_model(model, config.export_dir, [tf.TensorSpec([None, *image_shape], tf.float32)])
@@ -273,6 +206,90 @@ def _train_and_evaluate(
         "" if cluster is None else f"; weights_digest={_weights_digest(model)}",
     )
     return result
+
+
+def _train_and_eval_data(config: RunConfig, source) -> tuple[Any, Any]:
+    """The Trainer's train_data and eval_data (None: no evaluation) from `source`, in the
+    form --input_pipeline asks for, or kept on the devices where --device_data_mb allows."""
+    batch, seed = config.global_batch_size, config.seed
+    if config.input_pipeline == "global":
+
+        def global_train_data(start_step):
+            return source.train_dataset(global_batch_size=batch, seed=seed, start_step=start_step)
+
+        # The trainer tells the two kinds apart by their parameters (input_context or not).
+        train_data: Callable[..., tf.data.Dataset] | ResidentData = global_train_data
+
+        eval_data = source.eval_dataset(global_batch_size=batch)
+    else:
+
+        def per_worker_train_data(input_context, start_step):
+            return source.train_dataset(
+                global_batch_size=batch, seed=seed, start_step=start_step, input_context=input_context
+            )
+
+        train_data = per_worker_train_data
+
+        eval_data = None
+        if source.num_eval_examples is not None:
+
+            def eval_data(input_context):
+                return source.eval_dataset(global_batch_size=batch, input_context=input_context)
+
+    resident = resident_train_data(
+        source, global_batch_size=batch, seed=seed, device_data_mb=config.device_data_mb, host_data=train_data
+    )
+    if resident is not None:
+        train_data = resident
+    if config.mode == "train":
+        eval_data = None
+    return train_data, eval_data
+
+
+def _train_with_clean_errors(
+    config: RunConfig, strategy, source, trainer: Trainer, total_steps: int, *, evaluates: bool, model_dir: str
+) -> tuple[dict[str, float], dict[str, float]] | int:
+    """Trains to `total_steps` and evaluates; (train logs, eval logs), or the exit status of a
+    run stopped by a signal or a peer worker. Errors of the data or the memory the run meets
+    mid-run become one line naming what is kept."""
+    with stop_on_signals(trainer) as signal_record:
+        try:
+            train_logs = trainer.train(total_steps)
+            eval_logs = trainer.evaluate_current() if evaluates and not trainer.stop_requested else {}
+        except tf.errors.DataLossError as error:  # A record whose bytes fail their CRC, read mid-run.
+            message = damaged_data_message(config, source, error, _what_is_kept(trainer))
+            if message is None:
+                raise
+            trainer.close()
+            raise UserError(message) from None
+        except tf.errors.ResourceExhaustedError as error:  # Disk-full ones are save()'s, not this.
+            message = out_of_memory_message(config, strategy, error, _what_is_kept(trainer))
+            if message is None:
+                raise
+            trainer.close()
+            raise UserError(message) from None
+        except tf.errors.InvalidArgumentError as error:
+            if "label" not in str(error):
+                raise
+            raise UserError(
+                f"bad data in --dataset={config.dataset} --data_dir={config.data_dir}: "
+                f"{str(error).splitlines()[0][:200]}; fix or remove that file"
+            ) from None
+    trainer.close()
+    if trainer.stop_requested:
+        cause = (
+            f"signal {signal_record.signum}"
+            if signal_record.signum is not None
+            else "a stop request from another worker"
+        )
+        logging.warning(
+            "stopped at step %d by %s; checkpoint saved in %s; rerun the same command to continue",
+            trainer.step,
+            cause,
+            model_dir,
+        )
+        return signal_record.exit_status or STOPPED_BY_PEER_EXIT
+    return train_logs, eval_logs
 
 
 def _what_is_kept(trainer: Trainer) -> str:
