@@ -28,6 +28,7 @@ from engine.cli.hooks_from_flags import hooks_from_config
 from engine.cli.hparams import write_hparams
 from engine.cli.model_summary import model_summary
 from engine.cli.preemption import stop_on_signals
+from engine.cli.run_record import read_record, record_path, record_training
 from engine.cli.settings import TRAINER_SETTINGS, RunConfig, settings_of
 from engine.cli.task import classification_task
 from engine.cluster import task_model_dir
@@ -37,7 +38,6 @@ from engine.resident import ResidentData
 from engine.strategy import build_strategy
 from engine.trainer import Trainer
 
-METRICS_FILE = "metrics.json"
 # A worker that stopped because a peer was signalled (EX_TEMPFAIL: run again).
 STOPPED_BY_PEER_EXIT = 75
 
@@ -116,10 +116,11 @@ def _train_and_evaluate(
 ) -> dict[str, Any]:
     """The part of `run` that reads and writes model_dir: under the writer lock
     on the chief. Everything is checked before the first byte is written."""
-    metrics_path = os.path.join(model_dir, METRICS_FILE)
+    metrics_path = record_path(model_dir)
     if write_dir == model_dir:
         if tf.io.gfile.isdir(metrics_path):
             raise UserError(f"{metrics_path} is a directory; move it away, the run writes its results there")
+        read_record(model_dir)  # Damaged: refused now, not after training.
         model_dir_lib.recover_state(checkpoint_lib.checkpoint_dir(model_dir))
         checkpoint_lib.check_settings(
             model_dir, _optimizer_settings(config), flags_may_change=config.reset_optimizer
@@ -196,7 +197,7 @@ def _train_and_evaluate(
         "model_dir": model_dir,
     }
     if write_dir == model_dir:
-        model_dir_lib.write_json(metrics_path, result)
+        result = record_training(model_dir, result, mode=config.mode)
     logging.info(
         "done: step %d, eval %s, %.0f examples/s; wrote %s%s",
         trainer.step,
