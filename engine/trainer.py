@@ -450,8 +450,8 @@ class Trainer:
         self._summaries.close()
         raise NonFiniteLossError(
             f"non-finite loss at step {step}; stopped without saving, the latest checkpoint "
-            f"({self._latest_checkpoint() or 'none'}) is kept; lower --learning_rate, set --clip_norm, or pass "
-            "--on_nonfinite=skip to skip such steps"
+            f"({self._latest_checkpoint() or 'none'}) is kept; lower the optimizer's `learning_rate`, set "
+            "`clip_norm`, or pass `on_nonfinite='skip'` to skip such steps"
         )
 
     def _end_on_exhausted_data(self, target: int, last_saved: int, logs: Mapping[str, float]) -> None:

@@ -60,7 +60,8 @@ class ReduceLROnPlateau(PatienceHook):
         if is_scheduled(trainer.optimizer):
             raise UserError(
                 "reducing the learning rate on a plateau needs a constant learning rate, but the "
-                "optimizer follows a schedule; use --lr_schedule=constant or drop --reduce_lr_metric"
+                "optimizer follows a schedule; give the optimizer a float `learning_rate` (not a "
+                "schedule), or drop the ReduceLROnPlateau callback"
             )
 
     def on_patience_exhausted(self, trainer: TrainerView, step: int, replaying: bool) -> None:
