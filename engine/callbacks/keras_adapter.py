@@ -128,11 +128,11 @@ class KerasCallbacks(Callback):
         if steps_per_epoch is None:
             names = ", ".join(type(c).__name__ for c in callbacks)
             raise UserError(
-                f"Keras callbacks ({names}) act at epoch ends; pass steps_per_epoch= to "
+                f"Keras callbacks ({names}) act at epoch ends; pass `steps_per_epoch` to "
                 "Trainer (e.g. the train split's examples // global batch size)"
             )
         if steps_per_epoch < 1:
-            raise UserError(f"steps_per_epoch={steps_per_epoch} must be at least 1")
+            raise UserError(f"`steps_per_epoch={steps_per_epoch}` must be at least 1")
         self.callbacks = list(callbacks)
         self.steps_per_epoch = steps_per_epoch
         self.view: ModelView | None = None

@@ -37,6 +37,8 @@ QUALIFIED = {
     "BestCheckpoint(metric)": "best_checkpoint_metric",
     "EarlyStopping(metric)": "early_stop_metric",
     "ReduceLROnPlateau(metric)": "reduce_lr_metric",
+    "ReduceLROnPlateau(factor)": "reduce_lr_factor",
+    "ReduceLROnPlateau(min_rate)": "min_learning_rate",
     "WeightHistograms(every)": "histogram_every",
 }
 
