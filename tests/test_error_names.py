@@ -8,7 +8,14 @@ import pytest
 from helpers import SMALL, global_batches, loss_fn, main_in_process, make_arrays, make_model, one_error_line
 
 import engine
-from engine.cli.flag_names import QUALIFIED, RENAMED, errors_in_flag_terms, flag_names, in_flag_terms
+from engine.cli.flag_names import (
+    QUALIFIED,
+    RENAMED,
+    FlagTermsFilter,
+    errors_in_flag_terms,
+    flag_names,
+    in_flag_terms,
+)
 from engine.errors import NonFiniteLossError, UserError
 
 # ------------------------------------------------------------------ the translation
@@ -71,6 +78,18 @@ def test_errors_in_flag_terms_keeps_the_exception():
     with pytest.raises(NonFiniteLossError, match="^set --clip_norm$"):
         with errors_in_flag_terms():
             raise NonFiniteLossError("set `clip_norm`")
+
+
+def test_the_command_lines_log_lines_name_flags_too():
+    import logging
+
+    record = logging.LogRecord(
+        "absl", logging.WARNING, "model_dir.py", 1, "`model_dir=%r` is not a local directory", ("ram://x",), None
+    )
+    assert FlagTermsFilter().filter(record)
+    assert record.getMessage() == "--model_dir=ram://x is not a local directory"
+    plain = logging.LogRecord("absl", logging.INFO, "x.py", 1, "step %d", (5,), None)
+    assert FlagTermsFilter().filter(plain) and plain.getMessage() == "step 5"
 
 
 # ------------------------------------------------------------------ the library's errors

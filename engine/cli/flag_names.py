@@ -22,6 +22,7 @@ import ast
 import contextlib
 import dataclasses
 import functools
+import logging
 import re
 from collections.abc import Iterator
 
@@ -111,3 +112,17 @@ def errors_in_flag_terms() -> Iterator[None]:
     except UserError as error:
         error.args = (in_flag_terms(error), *error.args[1:])
         raise
+
+
+class FlagTermsFilter(logging.Filter):
+    """Log lines in flag terms too: the library's warnings (a remote `model_dir` has no
+    writer lock) name its arguments; `engine.main` puts this on its log handler."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        try:
+            message = record.getMessage()
+        except (TypeError, ValueError):  # A bad format: the handler reports it as it would.
+            return True
+        if "`" in message:
+            record.msg, record.args = in_flag_terms(message), None
+        return True

@@ -10,7 +10,7 @@ import sys
 from absl import app, flags, logging
 
 from engine.cli import flags as engine_flags
-from engine.cli.flag_names import in_flag_terms
+from engine.cli.flag_names import FlagTermsFilter, in_flag_terms
 from engine.errors import USER_ERROR_EXIT, UserError, one_line
 
 HELP_FLAGS = ("--help", "-help", "-?", "--helpshort", "-helpshort", "--helpfull", "-helpfull", "--helpxml")
@@ -60,4 +60,5 @@ def parse_flags(argv: list[str]) -> list[str]:
 
 def run_cli() -> None:
     logging.set_verbosity(logging.INFO)
+    logging.get_absl_handler().addFilter(FlagTermsFilter())  # The library's warnings, in flags.
     app.run(lambda argv: sys.exit(main_with_clean_errors(argv)), flags_parser=parse_flags)
