@@ -281,7 +281,7 @@ def test_finite_data_stops_at_the_last_update_with_a_checkpoint(mirrored, tmp_pa
 def test_a_static_batch_of_the_wrong_size_is_refused_at_construction(mirrored, tmp_path):
     x, y = make_arrays(64)
     model, optimizer = make_model(mirrored)
-    with pytest.raises(engine.UserError, match=r"batches of 32 examples but global_batch_size=64"):
+    with pytest.raises(engine.UserError, match=r"batches of 32 examples but `global_batch_size=64`"):
         engine.Trainer(
             strategy=mirrored,
             model=model,
