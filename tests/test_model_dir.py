@@ -870,7 +870,7 @@ def test_restore_fallback_finds_the_newest_readable_checkpoint_when_the_state_na
     directory = str(tmp_path / "checkpoints")
     tf.compat.v1.train.update_checkpoint_state(directory, "ckpt-999", all_model_checkpoint_paths=["ckpt-999"])
     before = _tree(tmp_path)
-    with pytest.raises(UserError, match="ckpt-999 cannot be read.*--restore_fallback"):
+    with pytest.raises(UserError, match="ckpt-999 cannot be read.*`restore_fallback=True`"):
         _small_trainer(tmp_path)
     assert _tree(tmp_path) == before  # Without the flag, nothing changes.
     trainer = _small_trainer(tmp_path, restore_fallback=True)

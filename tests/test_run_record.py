@@ -31,7 +31,9 @@ def test_eval_mode_keeps_the_training_figures_and_training_keeps_the_evaluations
         assert after_eval[key] == after_training[key]
     assert [(e["step"], e["mode"]) for e in after_eval["evaluations"]] == [(10, "train_and_eval"), (10, "eval")]
     eval_mode = after_eval["evaluations"][1]["eval"]
-    assert after_eval["eval"] == eval_mode and eval_mode["num_examples"] == after_training["eval"]["num_examples"]
+    assert (
+        after_eval["eval"] == eval_mode and eval_mode["num_examples"] == after_training["eval"]["num_examples"]
+    )
     # The same checkpoint evaluated twice: the same numbers.
     assert eval_mode["loss"] == pytest.approx(after_training["eval"]["loss"], rel=1e-6)
 

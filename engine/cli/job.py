@@ -48,7 +48,17 @@ def run(config: RunConfig) -> dict[str, Any]:
     A run stopped by SIGTERM/SIGINT saves a checkpoint, skips the final
     evaluation and metrics.json, and returns its `exit_status` (128+signal;
     75 on the other workers of a multi-worker run, which stop with it).
+
+    Its UserErrors name flags: those of the library it calls (which name the
+    library's arguments) are translated (`engine.cli.flag_names`).
     """
+    from engine.cli.flag_names import errors_in_flag_terms
+
+    with errors_in_flag_terms():
+        return _run(config)
+
+
+def _run(config: RunConfig) -> dict[str, Any]:
     evaluation_mode = evaluator.evaluation_mode(config)
     if evaluation_mode is not None:  # --mode=eval/continuous_eval or an evaluator task: never trains.
         return evaluator.run(config, evaluation_mode)
