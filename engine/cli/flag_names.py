@@ -26,6 +26,7 @@ import logging
 import re
 from collections.abc import Iterator
 
+from engine.cli.settings import RunConfig
 from engine.errors import UserError
 
 # Library argument names that differ from the flag they back.
@@ -51,8 +52,6 @@ _CALL = re.compile(r"(?P<callable>[A-Za-z_][\w.]*)\((?P<name>[A-Za-z_]\w*)(?:=(?
 @functools.cache
 def flag_names() -> frozenset[str]:
     """Every flag of `engine.main` (the RunConfig fields, the cluster's among them)."""
-    from engine.cli.settings import RunConfig
-
     return frozenset(field.name for field in dataclasses.fields(RunConfig))
 
 
