@@ -1,12 +1,13 @@
 """`Trainer.predict`: one output row per example, in the data's order, as `model.predict`
 returns it, whatever the replicas and the partial last batch (issue 21's research half)."""
 
-import engine
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
 from helpers import NUM_FEATURES, global_batches, loss_fn, make_arrays, make_model
+
+import engine
 
 
 def trained(strategy, tmp_path=None, **options):
