@@ -213,11 +213,12 @@ def test_a_checkpoint_deleted_while_read_is_skipped_not_fatal(tmp_path, monkeypa
     ],
 )
 def test_bad_mode_flags_are_one_line_user_errors(tmp_path, flags, message):
+    from engine.cli.flag_names import errors_in_flag_terms
     from engine.cli.settings import RunConfig
     from engine.errors import UserError
 
     settings = dict(model="mlp", model_dir=str(tmp_path / "m"), strategy="multi_worker_mirrored") | flags
-    with pytest.raises(UserError) as error:
+    with pytest.raises(UserError) as error, errors_in_flag_terms():  # As engine.main prints them.
         RunConfig(**settings).validate()
     assert message in str(error.value) and "\n" not in str(error.value)
     assert not (tmp_path / "m").exists()
