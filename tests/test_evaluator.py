@@ -201,7 +201,7 @@ def test_a_checkpoint_deleted_while_read_is_skipped_not_fatal(tmp_path, monkeypa
     [
         (
             dict(mode="serve"),
-            "unknown --mode='serve'; choose one of: train, eval, train_and_eval, continuous_eval",
+            "unknown --mode='serve'; choose one of: train, eval, train_and_eval, continuous_eval, predict",
         ),
         (
             dict(mode="train", early_stop_metric="loss"),
