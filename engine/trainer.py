@@ -19,12 +19,13 @@ import keras
 import tensorflow as tf
 
 from engine.callbacks import CallbackLike, as_callbacks
-from engine.callbacks.progress import Progress, format_logs, logger
+from engine.callbacks.progress import Progress, format_logs
 from engine.checkpoint import Checkpointer
 from engine.compat import num_workers
 from engine.data import Data, DataForm, as_eval_form, as_train_form
 from engine.ema import WeightAverages, weight_averages
 from engine.errors import DataExhaustedError, NonFiniteLossError, UserError
+from engine.logger import logger
 from engine.options import DEFAULT_STEPS_PER_LOOP, NONFINITE_POLICIES, Cadence, CheckpointOptions, StepOptions
 from engine.resident import ResidentData, keeps_on_devices
 from engine.runners import EvalRunner, PredictRunner, TrainRunner, as_prediction_batches, fresh_copy

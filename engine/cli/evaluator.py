@@ -27,7 +27,7 @@ from absl import logging
 
 from engine import checkpoint as checkpoint_lib
 from engine import model_dir as model_dir_lib
-from engine.callbacks.progress import format_logs, logger
+from engine.callbacks.progress import format_logs
 from engine.checkpoint import CheckpointVanished, files_gone
 from engine.cli.assembly import CheckpointedModel
 from engine.cli.run_record import read_record, record_evaluations, record_path
@@ -36,6 +36,7 @@ from engine.cli.task import classification_task
 from engine.data import as_eval_form
 from engine.errors import UserError
 from engine.hooks.best_checkpoint import BestCheckpoint
+from engine.logger import logger
 from engine.model_dir import latest_checkpoint
 from engine.runners import EvalRunner
 from engine.summaries import SummaryWriters
