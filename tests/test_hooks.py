@@ -176,6 +176,7 @@ def test_early_stopping_modes():
     assert EarlyStopping("loss", patience=1).watch.mode == "min"
 
 
+@pytest.mark.cluster
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_two_real_workers_take_the_same_early_stopping_decision(tmp_path):

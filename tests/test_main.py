@@ -18,6 +18,7 @@ def scalar_tags(log_dir: Path) -> set[str]:
     return set(accumulator.Tags()["tensors"])
 
 
+@pytest.mark.process
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_default_job_reaches_the_accuracy_bar_offline(tmp_path):
@@ -37,6 +38,7 @@ def test_default_job_reaches_the_accuracy_bar_offline(tmp_path):
     assert "replicas=2" in result.stderr and "examples_per_second=" in result.stderr
 
 
+@pytest.mark.process
 @pytest.mark.slow
 def test_two_replicas_global_pipeline_and_restart_continues(tmp_path):
     common = [
@@ -58,6 +60,7 @@ def test_two_replicas_global_pipeline_and_restart_continues(tmp_path):
     assert metrics["train"]["learning_rate"] == pytest.approx(0.01)  # the flag wins over the checkpoint
 
 
+@pytest.mark.cli
 def test_flagfile_is_read(tmp_path):
     flagfile = tmp_path / "flags.txt"
     flagfile.write_text(f"--model=mlp\n--train_steps=5\n--model_dir={tmp_path / 'run'}\n")
@@ -114,6 +117,7 @@ BAD_FLAGS = [
 ]
 
 
+@pytest.mark.cli
 @pytest.mark.parametrize("flags,message", BAD_FLAGS, ids=[" ".join(f) for f, _ in BAD_FLAGS])
 def test_bad_flags_fail_with_one_line_and_leave_model_dir_alone(tmp_path, flags, message):
     model_dir = tmp_path / "run"
@@ -134,6 +138,7 @@ def test_bad_flags_fail_with_one_line_and_leave_model_dir_alone(tmp_path, flags,
     assert snapshot(model_dir) == before
 
 
+@pytest.mark.process
 @pytest.mark.slow
 def test_model_dir_that_is_a_file_is_refused(tmp_path):
     """The refusal kept as a real process: exit status 2 from `python -m engine.main`."""
@@ -145,6 +150,7 @@ def test_model_dir_that_is_a_file_is_refused(tmp_path):
     assert not_a_dir.read_text() == "keep me"
 
 
+@pytest.mark.cli
 def test_bad_tf_config_is_one_line(tmp_path):
     result = main_in_process(
         "--strategy=multi_worker_mirrored",

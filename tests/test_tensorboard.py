@@ -45,6 +45,7 @@ def finished_run(tmp_path_factory):
     return model_dir, result.stderr
 
 
+@pytest.mark.process
 @pytest.mark.slow
 def test_cli_run_logs_profiles_and_keeps_the_best(finished_run):
     model_dir, stderr = finished_run
@@ -80,6 +81,7 @@ def get_json(base: str, path: str, body: dict | None = None):
         return json.loads(response.read())
 
 
+@pytest.mark.process
 @pytest.mark.slow
 def test_tensorboard_server_shows_train_and_eval_scalars(finished_run):
     model_dir, _ = finished_run
