@@ -1,4 +1,5 @@
-"""State on disk: one `tf.train.CheckpointManager` under `<model_dir>/checkpoints`.
+"""State on disk: the `Checkpointer` (one `tf.train.CheckpointManager` under
+`<model_dir>/checkpoints`) and the read-only `CheckpointReader`.
 
 `CheckpointManager` writes a checkpoint's files first and updates the
 `checkpoint` index file last (atomically, by rename), so a write cut short
@@ -12,13 +13,17 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Mapping
+from typing import Any
 
+import keras
 import tensorflow as tf
 from absl import logging
 
 from engine import model_dir as model_dir_lib
 from engine import repairs
 from engine.errors import UserError, one_line
+from engine.options import CheckpointOptions
+from engine.variables import all_variables
 
 CHECKPOINT_SUBDIR = "checkpoints"
 UNREADABLE_SUBDIR = "unreadable"
@@ -184,3 +189,147 @@ def recorded_settings(model_dir: str) -> dict:
 def record_settings(model_dir: str, settings: Mapping[str, str]) -> None:
     """Writes the settings `check_settings` compares against (the chief, before training)."""
     model_dir_lib.write_json(os.path.join(checkpoint_dir(model_dir), SETTINGS_FILE), settings)
+
+
+class Checkpointer:
+    """Saves and restores a run's checkpoints in `<model_dir>/checkpoints`.
+
+    Built before anything is written: the model_dir's name, that every
+    model variable is reachable by `checkpoint`, and that the latest
+    checkpoint can be read (or, with `restore_fallback`, the newest one that
+    can) are checked here.
+
+    Args:
+      model_dir: where checkpoints are written.
+      checkpoint: what they hold (model, global_step, optimizer(s)).
+      model: the model whose every variable the checkpoint must reach.
+      step_counter: numbers each checkpoint (`ckpt-<step>`).
+      options: how many to keep and how to restore.
+    """
+
+    def __init__(
+        self,
+        model_dir: str,
+        checkpoint: tf.train.Checkpoint,
+        *,
+        model: Any,
+        step_counter: tf.Variable,
+        options: CheckpointOptions | None = None,
+    ):
+        options = options or CheckpointOptions()
+        model_dir_lib.check_name(model_dir)
+        _check_checkpointed(checkpoint, model)
+        set_aside_unreadable(model_dir, fallback=options.restore_fallback)
+        self.options = options
+        self.model = model
+        self.manager = make_manager(
+            model_dir, checkpoint, max_to_keep=options.max_checkpoints, step_counter=step_counter
+        )
+
+    @property
+    def checkpoint(self) -> tf.train.Checkpoint:
+        return self.manager.checkpoint
+
+    @property
+    def latest(self) -> str | None:
+        return self.manager.latest_checkpoint
+
+    def restore(self) -> str | None:
+        """Restores the newest checkpoint (of `options.restore_dir` if set); its path, or None."""
+        return restore_latest(
+            self.manager, directory=self.options.restore_dir, fresh_optimizer=self.options.reset_optimizer
+        )
+
+    def save(self, step: int) -> str:
+        """Writes `ckpt-<step>`; refuses weights holding NaN/Inf and a full disk, keeping the latest."""
+        if not _all_finite(self.model):
+            raise UserError(
+                f"the weights hold NaN or Inf at step {step}; not saved, the latest checkpoint "
+                f"({self.latest or 'none'}) is kept"
+            )
+        directory = self.manager.directory
+        model_dir_lib.set_aside_unlisted(directory, step, listed=self.manager.checkpoints)
+        try:
+            path = self.manager.save(checkpoint_number=step)
+        except (tf.errors.OpError, OSError) as error:
+            message = model_dir_lib.disk_full_message(directory, error)
+            if message is None:
+                raise
+            model_dir_lib.remove_orphan_temps(directory)  # This save's ckpt-N_temp.
+            raise UserError(
+                f"checkpoint at step {step} not saved: {message}; the latest checkpoint "
+                f"({self.latest or 'none'}) is kept"
+            ) from None
+        logging.info("Saved checkpoint %s", path)
+        return path
+
+
+class CheckpointVanished(Exception):
+    """The checkpoint's files went away (rotation) before or while it was read."""
+
+
+class CheckpointReader:
+    """Restores checkpoints another process writes, read-only.
+
+    A plain `tf.train.Checkpoint.read`: no `CheckpointManager`, which could
+    rotate or set aside the writer's files, and no writer lock. For the
+    checkpoint evaluator, which reads while a trainer writes and rotates.
+    """
+
+    def __init__(self, checkpoint: tf.train.Checkpoint):
+        self.checkpoint = checkpoint
+        # Made now so each read restores it at once: made later (by a best checkpoint's first save),
+        # it would be restored then, from a checkpoint rotation may have deleted since.
+        _ = checkpoint.save_counter
+
+    def read(self, path: str, *, strict: bool) -> None:
+        """Restores `path` into the objects at once.
+
+        Raises:
+          CheckpointVanished: its files went away (rotation) and not `strict`.
+          UserError: it cannot be read, or it does not match the objects.
+        """
+        try:
+            status = self.checkpoint.read(path)
+            status.assert_existing_objects_matched()
+        except (AssertionError, ValueError, tf.errors.OpError, IndexError) as error:  # IndexError: truncated
+            if files_gone(path) and not strict:
+                raise CheckpointVanished(f"{path}: {type(error).__name__}") from None
+            detail = one_line(error, 300)
+            if files_gone(path) or not isinstance(
+                error, (AssertionError, ValueError, tf.errors.InvalidArgumentError)
+            ):
+                raise UserError(f"checkpoint {path} cannot be read ({type(error).__name__}: {detail})") from None
+            raise UserError(
+                f"checkpoint {path} does not match this model ({detail}); pass the "
+                "model and flags it was trained with"
+            ) from None
+        status.expect_partial()
+
+
+def files_gone(path: str) -> bool:
+    """Whether a checkpoint's index or data files are missing, as rotation leaves them."""
+    return not (tf.io.gfile.exists(path + ".index") and tf.io.gfile.glob(path + ".data-*"))
+
+
+def _check_checkpointed(checkpoint: tf.train.Checkpoint, model: Any) -> None:
+    """Every model variable must be reachable by the checkpoint, or a resume loses it silently."""
+    reachable = {id(node) for node in tf.train.TrackableView(checkpoint).descendants()}
+    missing = [v for v in all_variables(model) if id(v) not in reachable]
+    if missing:
+        raise UserError(
+            f"{len(missing)} variable(s) of the model ({type(model).__name__}) would not be checkpointed, "
+            f"e.g. {missing[0].name!r}: keep them as attributes of the model (or of its tf.Module/Keras "
+            "parts), not in plain Python containers the checkpoint cannot see"
+        )
+
+
+def _all_finite(model: Any) -> bool:
+    """Whether every floating-point weight of the model is finite (checked before each save)."""
+    values = []
+    for variable in all_variables(model):
+        if isinstance(variable, keras.Variable):
+            variable = variable.value
+        if variable.dtype.is_floating:
+            values.append(tf.reduce_all(tf.math.is_finite(variable)))
+    return bool(tf.reduce_all(values)) if values else True

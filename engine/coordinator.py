@@ -24,6 +24,7 @@ What differs from one host, and why:
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from typing import Any
 
 import tensorflow as tf
@@ -33,11 +34,14 @@ from engine.data import Data, DataForm, as_train_form, eval_dataset_on_one_repli
 from engine.errors import UserError
 from engine.loop import CHECK_NONE, LoopResult, make_train_loop
 from engine.resident import ResidentData
+from engine.runners import EvalRunner, TrainRunner
+from engine.steps import PerExampleLoss, ReplicaStep
 from engine.trainer import Trainer
 
 
 class CoordinatedTrainer(Trainer):
-    """A `Trainer` for `ParameterServerStrategy`, to be run on the chief."""
+    """A `Trainer` for `ParameterServerStrategy`, to be run on the chief: the same outer
+    loop, with runners that schedule training on the workers and evaluate on the chief."""
 
     def __init__(self, *, strategy: tf.distribute.Strategy, train_data: Data, **kwargs: Any):
         if not isinstance(strategy, tf.distribute.experimental.ParameterServerStrategy):
@@ -50,26 +54,56 @@ class CoordinatedTrainer(Trainer):
             )
         self.coordinator = tf.distribute.experimental.coordinator.ClusterCoordinator(strategy)
         super().__init__(strategy=strategy, train_data=train_data, **kwargs)
-        self.num_workers = num_workers(strategy)
+
+    def _make_train_runner(self, data: DataForm | ResidentData, global_batch_size: int) -> TrainRunner:
+        assert not isinstance(data, ResidentData), "ResidentData trains from its host_data here"
+        return CoordinatedTrainRunner(
+            self.coordinator, self.replica_step, self.global_step, data, global_batch_size=global_batch_size
+        )
+
+    def _make_eval_runner(self, loss_fn: PerExampleLoss, data: DataForm, **options: Any) -> EvalRunner:
+        return CoordinatorEvalRunner(
+            self.strategy, self.model, loss_fn, data, batches_per_call=self.cadence.steps_per_loop, **options
+        )
+
+
+class CoordinatedTrainRunner(TrainRunner):
+    """Runs each training call as one closure per worker, scheduled by the coordinator."""
+
+    def __init__(
+        self,
+        coordinator: tf.distribute.experimental.coordinator.ClusterCoordinator,
+        replica_step: ReplicaStep,
+        global_step: tf.Variable,
+        data: DataForm,
+        *,
+        global_batch_size: int,
+    ):
+        self.coordinator = coordinator
+        self.global_step = global_step
+        super().__init__(
+            coordinator.strategy, replica_step, global_step, data, global_batch_size=global_batch_size
+        )
+        self.num_workers = num_workers(coordinator.strategy)
+
+    def _make_loop(self, global_step: tf.Variable | None):
         # The same replica step and loop as on one host, minus the in-loop step count.
-        self.train_loop = make_train_loop(strategy, self.replica_step, global_step=None)
+        return make_train_loop(self.strategy, self.replica_step, global_step=None)
 
-    def _train_input(self, start_step: int):
-        """Per-worker iterators, built once: the workers' streams run on by themselves."""
+    def run(self, start_step: int, num_steps: int) -> LoopResult:
+        """Schedules the call as one closure per worker; waits for all of them. The
+        per-worker iterators are built once: the workers' streams run on by themselves."""
         if self._iterator is None:
-            dataset_fn = per_worker_dataset_fn(self.strategy, self._train_data, start_step, self.num_workers)
+            assert not isinstance(self.data, ResidentData), "checked by CoordinatedTrainer"
+            dataset_fn = per_worker_dataset_fn(self.strategy, self.data, start_step, self.num_workers)
             self._iterator = iter(self.coordinator.create_per_worker_dataset(dataset_fn))
-        return self._iterator
-
-    def _run_train_loop(self, iterator, num_steps: int, **_: Any) -> LoopResult:
-        """Schedules the loop as one closure per worker; waits for all of them."""
         chunks = split_steps(num_steps, self.num_workers)
         no_check = tf.constant(CHECK_NONE, tf.int32)  # Remote calls bind every argument.
         scheduled = [
             (
                 steps,
                 self.coordinator.schedule(
-                    self.train_loop, args=(iterator, tf.constant(steps, tf.int32), no_check)
+                    self.loop, args=(self._iterator, tf.constant(steps, tf.int32), no_check)
                 ),
             )
             for steps in chunks
@@ -95,12 +129,14 @@ class CoordinatedTrainer(Trainer):
             first_nonfinite_index=first_nonfinite,
         )
 
-    def _run_eval_loop(self) -> bool:
-        """Exact evaluation on the coordinator: reads the weights from the ps tasks."""
-        assert self._eval_data is not None, "only called with eval_data"
-        data = eval_dataset_on_one_replica(self._eval_data)
+
+class CoordinatorEvalRunner(EvalRunner):
+    """Exact evaluation on the coordinator, in global batches: reads the weights from the ps tasks."""
+
+    def _run_calls(self, stop_requested: Callable[[], bool]) -> bool:
+        data = eval_dataset_on_one_replica(self.data)
         with _quiet_tf_warnings():  # "invoked without ClusterCoordinator.schedule": intended here.
-            return self._run_eval_chunks(iter(data))
+            return self._calls_until_exhausted(iter(data), stop_requested)
 
 
 @contextlib.contextmanager

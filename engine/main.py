@@ -1,8 +1,8 @@
-"""`python -m engine.main`: flags -> RunConfig -> training job -> exit code.
+"""`python -m engine.main`: train, evaluate or export from flags (the program: `engine.cli.main_command`).
 
-User errors (bad flags, data, model_dir, checkpoints) end the process with
-one line on stderr and exit status 2; anything else is a bug and keeps its
-traceback.
+Kept as small as this because two things must happen in the `__main__`
+module itself: the signal watcher starts before TensorFlow starts its
+threads, and `--help` lists the flags of the modules this one adopts.
 """
 
 import os
@@ -10,69 +10,19 @@ import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TF's C++ warnings; the start-up lines: engine.native_logs.
 
-from engine.preemption import install_watcher  # noqa: E402
+from engine.cli.preemption import install_watcher  # noqa: E402
 
 if __name__ == "__main__":
     install_watcher()  # Before TensorFlow starts threads: they must all block SIGTERM/SIGINT.
 
-from absl import app, flags, logging  # noqa: E402
+from absl import flags  # noqa: E402
 
-from engine import flags as engine_flags  # noqa: E402  (defines the flags)
-from engine.errors import USER_ERROR_EXIT, UserError, one_line  # noqa: E402
+from engine.cli import main_command  # noqa: E402  (defines the flags)
 
 # --help lists the flags of the __main__ module's key modules: every module of the engine that defines some
-# (engine.flags, the cluster's); --helpfull adds TensorFlow's and absl's.
+# (engine.cli.flags, the cluster's); --helpfull adds TensorFlow's and absl's.
 for _module in [sys.modules[name] for name in flags.FLAGS.flags_by_module_dict() if name.startswith("engine.")]:
     flags.adopt_module_key_flags(_module)
-HELP_FLAGS = ("--help", "-help", "-?", "--helpshort", "-helpshort", "--helpfull", "-helpfull", "--helpxml")
-
-
-def main(argv: list[str]) -> int:
-    if len(argv) > 1:
-        raise UserError(f"unexpected arguments {argv[1:]}; every setting is a --flag")
-    from engine.native_logs import import_tensorflow_quietly
-
-    import_tensorflow_quietly()  # The first import of TensorFlow (the flags do not import it).
-    from engine.config import RunConfig
-    from engine.job import run
-
-    config = RunConfig.from_flags(engine_flags.FLAGS)
-    return run(config).get("exit_status", 0)
-
-
-def _main_with_clean_errors(argv: list[str]) -> int:
-    try:
-        return main(argv)
-    except UserError as error:
-        logging.flush()
-        print(f"engine.main: error: {error}", file=sys.stderr)
-        return USER_ERROR_EXIT
-
-
-def _parse_flags(argv: list[str]) -> list[str]:
-    """absl's parsing, with its errors (unknown flag, bad value, missing --flagfile)
-    as one line and exit 2 like every other user error, instead of exit 1."""
-    from engine.flagfiles import check_flagfiles
-
-    try:
-        check_flagfiles(argv[1:])
-        return flags.FLAGS(argv)
-    except UserError as error:
-        print(f"engine.main: error: {error}", file=sys.stderr)
-        sys.exit(USER_ERROR_EXIT)
-    except flags.Error as error:
-        print(f"engine.main: error: {one_line(error)}; see --helpfull", file=sys.stderr)
-        sys.exit(USER_ERROR_EXIT)
-    except SystemExit as done:  # absl prints the help asked for, then exits 1: not a failure.
-        if done.code == 1 and any(arg.split("=")[0] in HELP_FLAGS for arg in argv[1:]):
-            sys.exit(0)
-        raise
-
-
-def run_cli() -> None:
-    logging.set_verbosity(logging.INFO)
-    app.run(lambda argv: sys.exit(_main_with_clean_errors(argv)), flags_parser=_parse_flags)
-
 
 if __name__ == "__main__":
-    run_cli()
+    main_command.run_cli()

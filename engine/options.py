@@ -1,10 +1,15 @@
 """The choices and defaults the library itself accepts, in one TF-free module.
 
 The library (`Trainer`, strategies, schedules, hooks) and the command line
-(`engine.config`, which builds its flags from them) share these names, so
+(`engine.cli.settings`, which builds its flags from them) share these names, so
 they live below both: the library never imports the command line, and
-`--help` lists them without importing TensorFlow.
+`--help` lists them without importing TensorFlow. The option groups the
+Trainer takes apart (`StepOptions`, `CheckpointOptions`, `Cadence`) are
+frozen dataclasses: one definition of each group and its defaults.
 """
+
+import dataclasses
+from typing import TypedDict
 
 SINGLE_HOST_STRATEGIES = ("default", "one_device", "mirrored")
 MULTI_HOST_STRATEGIES = ("multi_worker_mirrored", "parameter_server", "tpu")
@@ -19,3 +24,83 @@ COMMUNICATIONS = ("auto", "ring", "nccl")  # multi_worker_mirrored's collectives
 DEFAULT_STEPS_PER_LOOP = 50
 DEFAULT_COLLECTIVE_TIMEOUT = 300.0
 DEFAULT_STARTUP_TIMEOUT = 300.0
+
+
+class StepArguments(TypedDict):
+    """`StepOptions` as `engine.steps.make_train_step` takes them."""
+
+    clip_norm: float | None
+    grad_accum_steps: int
+    jit_compile: bool
+    skip_nonfinite: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class StepOptions:
+    """How the standard step turns a batch into an update. A `step_fn` replaces that
+    step, so the Trainer refuses any of these that differs from its default."""
+
+    clip_norm: float | None = None  # Clip the global gradient norm to this.
+    grad_accum_steps: int = 1  # Micro-batches per update.
+    jit_compile: bool = False  # XLA-compile the replica step.
+    on_nonfinite: str = "stop"  # A NaN/Inf loss or gradient: "stop" the run, or "skip" the update.
+
+    def step_arguments(self) -> StepArguments:
+        return StepArguments(
+            clip_norm=self.clip_norm,
+            grad_accum_steps=self.grad_accum_steps,
+            jit_compile=self.jit_compile,
+            skip_nonfinite=self.on_nonfinite == "skip",
+        )
+
+    def changed(self) -> list[str]:
+        """`name=value` of each option that is not its default."""
+        default = StepOptions()
+        return [
+            f"{field.name}={getattr(self, field.name)!r}"
+            for field in dataclasses.fields(self)
+            if getattr(self, field.name) != getattr(default, field.name)
+        ]
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointOptions:
+    """What the Checkpointer keeps and how it restores."""
+
+    max_checkpoints: int = 3  # Checkpoints kept in <model_dir>/checkpoints; older ones are deleted.
+    # An unreadable latest checkpoint: set it aside and restore the newest readable one
+    # (instead of refusing to start).
+    restore_fallback: bool = False
+    # Restore from this model_dir instead of the one written (a non-chief worker writes
+    # to a private model_dir but resumes from the chief's).
+    restore_dir: str | None = None
+    reset_optimizer: bool = False  # Restore the weights and step, not the optimizer's slots.
+
+
+@dataclasses.dataclass(frozen=True)
+class Cadence:
+    """When things happen between compiled calls, in global steps (None: never).
+
+    The outer loop asks it how long the next compiled call may run, so that
+    no call runs past an evaluation, a checkpoint or the target step, and
+    whether an evaluation or a checkpoint is due after a call.
+    """
+
+    steps_per_loop: int = DEFAULT_STEPS_PER_LOOP  # The most steps one compiled call runs.
+    eval_every: int | None = None
+    checkpoint_every: int | None = None
+    log_every: int | None = None  # Progress lines; None: after every loop.
+
+    def loop_length(self, start: int, target: int) -> int:
+        """Steps the call starting at `start` may run toward `target`."""
+        length = min(self.steps_per_loop, target - start)
+        for every in (self.eval_every, self.checkpoint_every):
+            if every:
+                length = min(length, every - start % every)
+        return length
+
+    def evaluates_after(self, step: int) -> bool:
+        return bool(self.eval_every and step % self.eval_every == 0)
+
+    def checkpoints_after(self, step: int) -> bool:
+        return bool(self.checkpoint_every and step % self.checkpoint_every == 0)

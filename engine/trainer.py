@@ -1,53 +1,37 @@
 """The outer loop: when to train, evaluate, save, log and stop.
 
-The compiled work lives in `loop.py`; this module only decides how many
-steps the next compiled call runs (never past the next evaluation,
-checkpoint or the target step) and what happens between calls. Everything
-here runs once per loop, not once per step.
+The Trainer decides how many steps the next compiled call runs (never
+past the next evaluation, checkpoint or the target step: `Cadence`) and
+what happens between calls. What one call does is the runners'
+(`engine.runners`: a `TrainRunner`, an `EvalRunner`), saving and
+restoring the `Checkpointer`'s (`engine.checkpoint`), the compiled
+functions `loop.py`'s. Everything here runs once per loop, not per step.
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, TypeAlias
 
 import keras
 import tensorflow as tf
 
-from engine import checkpoint as checkpoint_lib
-from engine import model_dir as model_dir_lib
 from engine.callbacks import CallbackLike, as_callbacks
 from engine.callbacks.progress import Progress, format_logs, logger
+from engine.checkpoint import Checkpointer
 from engine.compat import num_workers
-from engine.data import (
-    Data,
-    DataForm,
-    as_eval_form,
-    as_train_form,
-    distribute_eval_data,
-    distribute_train_data,
-    yields_global_batches,
-)
+from engine.data import Data, DataForm, as_eval_form, as_train_form
 from engine.ema import WeightAverages, weight_averages
 from engine.errors import DataExhaustedError, NonFiniteLossError, UserError
-from engine.loop import (
-    CHECK_EXACT,
-    CHECK_NONE,
-    CHECK_NOT_LARGER,
-    BatchSizeMismatch,
-    LoopResult,
-    make_eval_loop,
-    make_resident_train_loop,
-    make_train_loop,
-)
-from engine.options import DEFAULT_STEPS_PER_LOOP, NONFINITE_POLICIES
-from engine.resident import ResidentData, keeps_on_devices, place_on_replicas
+from engine.options import DEFAULT_STEPS_PER_LOOP, NONFINITE_POLICIES, Cadence, CheckpointOptions, StepOptions
+from engine.resident import ResidentData, keeps_on_devices
+from engine.runners import EvalRunner, TrainRunner, fresh_copy
 from engine.schedules import is_scheduled
-from engine.steps import EvalStep, PerExampleLoss, ReplicaStep, make_eval_step, make_train_step
+from engine.steps import EvalStep, PerExampleLoss, ReplicaStep, make_train_step
 from engine.summaries import SummaryWriters
-from engine.variables import all_variables, check_regularizers_visible, require_trainable_variables
+from engine.variables import check_regularizers_visible, require_trainable_variables
 
 __all__ = ["DataExhaustedError", "NonFiniteLossError", "Trainer"]  # The errors live in engine.errors.
 
@@ -143,72 +127,48 @@ class Trainer:
         reset_optimizer: bool = False,
         ema_decay: float | None = None,
     ):
-        if loss_fn is None and step_fn is None:
-            raise UserError("pass loss_fn, step_fn or both to Trainer")
-        _check_per_example_loss(loss_fn)
-        _check_metric_names(metrics, weighted_metrics)
-        if isinstance(eval_data, ResidentData):
-            raise UserError(
-                "eval_data cannot be ResidentData, an endless shuffled training stream: pass the eval split "
-                "as a tf.data.Dataset of global batches (every example once) or fn(input_context)"
-            )
-        if eval_data is not None and loss_fn is None:
-            raise UserError("evaluation needs loss_fn (per-example losses) besides step_fn")
+        step_options = StepOptions(
+            clip_norm=clip_norm,
+            grad_accum_steps=grad_accum_steps,
+            jit_compile=jit_compile,
+            on_nonfinite=on_nonfinite,
+        )
+        self.cadence = Cadence(
+            steps_per_loop=steps_per_loop,
+            eval_every=eval_every or None,
+            checkpoint_every=checkpoint_every or None,
+            log_every=log_every,
+        )
+        checkpoint_options = CheckpointOptions(
+            max_checkpoints=max_checkpoints,
+            restore_fallback=restore_fallback,
+            restore_dir=restore_dir,
+            reset_optimizer=reset_optimizer,
+        )
+        _check_arguments(
+            strategy, loss_fn, step_fn, metrics, weighted_metrics, eval_data, global_batch_size, step_options
+        )
         if steps_per_loop < 1:
             raise UserError(f"steps_per_loop={steps_per_loop} must be at least 1")
-        _check_batch(global_batch_size, strategy.num_replicas_in_sync, grad_accum_steps)
-        if on_nonfinite not in NONFINITE_POLICIES:
-            raise UserError(f"on_nonfinite={on_nonfinite!r} must be one of: {', '.join(NONFINITE_POLICIES)}")
-        if step_fn is not None:
-            _refuse_standard_step_options(
-                clip_norm=clip_norm,
-                grad_accum_steps=grad_accum_steps,
-                jit_compile=jit_compile,
-                on_nonfinite=on_nonfinite,
-            )
+        self.step_options = step_options
         self.optimizers = _named_optimizers(optimizer)
         if step_fn is None and len(self.optimizers) > 1:
             raise UserError(
                 f"the standard step applies one optimizer, got {len(self.optimizers)} "
                 f"({', '.join(self.optimizers)}); pass step_fn= to apply several"
             )
-        self._resident: ResidentData | None = None
-        if isinstance(train_data, ResidentData):
-            if train_data.global_batch_size not in (None, global_batch_size):
-                raise UserError(
-                    f"train_data (ResidentData) was made for global_batch_size={train_data.global_batch_size} "
-                    f"but the Trainer has global_batch_size={global_batch_size}; make both the same"
-                )
-            if keeps_on_devices(strategy):
-                self._resident = train_data
-            else:
-                logger.info("%s trains from ResidentData.host_data (tf.data)", type(strategy).__name__)
-                train_data = train_data.host_data
-        # Resident data kept on the devices needs no form; its host stream is checked all the same.
-        train_form = as_train_form(train_data.host_data if isinstance(train_data, ResidentData) else train_data)
+        train_form = _train_data_form(strategy, train_data, global_batch_size)
         eval_form = as_eval_form(eval_data) if eval_data is not None else None
-        _check_dataset_batch(train_form, global_batch_size)
         # Before the optimizer is built: Keras makes the averages when it builds it.
         self.weight_averages: WeightAverages | None = weight_averages(self.optimizers, ema_decay)
-        self.on_nonfinite = on_nonfinite
         self.strategy = strategy
         self.model = model
         # The optimizer (None when several are named: see `optimizers`).
         self.optimizer = optimizer if isinstance(optimizer, keras.optimizers.Optimizer) else None
         self.global_batch_size = global_batch_size
-        self.steps_per_loop = steps_per_loop
-        self.eval_every = eval_every or None
-        self.checkpoint_every = checkpoint_every or None
-        self._train_data: DataForm = train_form
-        # A non-chief worker writes to a private model_dir but resumes from the chief's.
-        self._restore_dir = restore_dir
-        self._eval_data: DataForm | None = eval_form
         self.model_dir = model_dir
         self.target_step: int | None = None  # The `steps` of the running train() call.
         self._summaries = SummaryWriters(model_dir)
-        self._iterator = None
-        self._iterator_step = -1
-        self._replica_tensors = None  # ResidentData's copies on the replicas, made at the first loop.
         self._steady_seconds = 0.0
         self._steady_steps = 0
         self._compiled_once = False
@@ -219,30 +179,12 @@ class Trainer:
         self.stop_training = False  # Set by a callback (early stopping): stop after this loop.
         self._stop_requested = False  # Set by request_stop() (a signal, a peer worker).
 
+        self.global_step = prepare_model_state(strategy, model, self.optimizers)
         with strategy.scope():
-            variables = require_trainable_variables(model)
-            check_regularizers_visible(model)
-            _check_created_in_scope(strategy, variables)
-            # Keras 3 optimizers must create their slots eagerly in the
-            # scope before the first traced step (and before a restore).
-            _build_optimizers(self.optimizers, model, variables)
-            self.global_step = tf.Variable(
-                0,
-                dtype=tf.int64,
-                trainable=False,
-                name="global_step",
-                aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
-            )
             # Keras compile's split: `metrics` see no sample weights, `weighted_metrics` do.
-            train_unweighted = [_fresh_copy(m) for m in metrics]
-            train_weighted = [_fresh_copy(m) for m in weighted_metrics]
-            eval_unweighted = [_fresh_copy(m) for m in metrics]
-            eval_weighted = [_fresh_copy(m) for m in weighted_metrics]
+            train_unweighted = [fresh_copy(m) for m in metrics]
+            train_weighted = [fresh_copy(m) for m in weighted_metrics]
             self.train_metrics = [*train_unweighted, *train_weighted]
-            self.eval_metrics = [*eval_unweighted, *eval_weighted]
-            self._eval_loss = keras.metrics.Mean(name="loss")
-            self._eval_count = keras.metrics.Sum(name="num_examples")
-
         if step_fn is None:
             assert loss_fn is not None, "checked above: loss_fn or step_fn"
             step_fn = make_train_step(
@@ -252,62 +194,46 @@ class Trainer:
                 global_batch_size=global_batch_size,
                 metrics=train_unweighted,
                 weighted_metrics=train_weighted,
-                clip_norm=clip_norm,
-                grad_accum_steps=grad_accum_steps,
-                jit_compile=jit_compile,
-                skip_nonfinite=on_nonfinite == "skip",
                 grad_norm=any(c.needs_grad_norm for c in self.callbacks),
+                **step_options.step_arguments(),
             )
         self.replica_step = step_fn
-        if self._resident is not None:
-            self.train_loop = make_resident_train_loop(
-                strategy, step_fn, self.global_step, self._resident, global_batch_size=global_batch_size
-            )
-        else:
-            self.train_loop = make_train_loop(
-                strategy,
-                step_fn,
-                self.global_step,
-                per_replica_batch_size=global_batch_size // strategy.num_replicas_in_sync,
-            )
+        self.train_runner = self._make_train_runner(train_form, global_batch_size)
         self._stop_agreement = _make_stop_agreement(strategy)
-        self.eval_loop: Callable[[Any, tf.Tensor], tf.Tensor] | None = None
-        if self._eval_data is not None:
+        self.eval_runner: EvalRunner | None = None
+        if eval_form is not None:
             assert loss_fn is not None, "checked above: eval_data needs loss_fn"
-            self.eval_loop = make_eval_loop(
-                strategy,
-                make_eval_step(
-                    model=model,
-                    loss_fn=loss_fn,
-                    loss_metric=self._eval_loss,
-                    count_metric=self._eval_count,
-                    metrics=eval_unweighted,
-                    weighted_metrics=eval_weighted,
-                    eval_step_fn=eval_step_fn,
-                ),
+            self.eval_runner = self._make_eval_runner(
+                loss_fn, eval_form, metrics=metrics, weighted_metrics=weighted_metrics, eval_step_fn=eval_step_fn
             )
+        self.eval_metrics = self.eval_runner.metrics if self.eval_runner is not None else []
 
         for callback in self.callbacks:  # Before anything touches the model_dir.
             callback.check_trainer(self)
 
-        self.checkpoint_manager = None
-        self._reset_optimizer = reset_optimizer
+        self.checkpointer: Checkpointer | None = None
         if model_dir is not None:
-            model_dir_lib.check_name(model_dir)
             # One optimizer keeps the key "optimizer" that existing checkpoints use.
             optimizer_state = (
                 {"optimizer": optimizer} if self.optimizer is not None else {"optimizers": dict(self.optimizers)}
             )
             checkpoint = tf.train.Checkpoint(model=model, global_step=self.global_step, **optimizer_state)
-            _check_checkpointed(checkpoint, model)
-            checkpoint_lib.set_aside_unreadable(model_dir, fallback=restore_fallback)
-            self.checkpoint_manager = checkpoint_lib.make_manager(
-                model_dir,
-                checkpoint,
-                max_to_keep=max_checkpoints,
-                step_counter=self.global_step,
+            self.checkpointer = Checkpointer(
+                model_dir, checkpoint, model=model, step_counter=self.global_step, options=checkpoint_options
             )
             self._restore()
+        for callback in self.callbacks:  # Their own state on disk, now that the step is known.
+            callback.restore_state(self)
+
+    def _make_train_runner(self, data: DataForm | ResidentData, global_batch_size: int) -> TrainRunner:
+        return TrainRunner(
+            self.strategy, self.replica_step, self.global_step, data, global_batch_size=global_batch_size
+        )
+
+    def _make_eval_runner(self, loss_fn: PerExampleLoss, data: DataForm, **options: Any) -> EvalRunner:
+        return EvalRunner(
+            self.strategy, self.model, loss_fn, data, batches_per_call=self.cadence.steps_per_loop, **options
+        )
 
     # ------------------------------------------------------------------ state
 
@@ -321,20 +247,34 @@ class Trainer:
     def keeps_data_on_devices(self) -> bool:
         """Whether training batches are gathered on the replicas' devices (`ResidentData`)
         rather than read through a tf.data iterator."""
-        return self._resident is not None
+        return self.train_runner.keeps_data_on_devices
+
+    @property
+    def train_loop(self):
+        """The compiled training call (one trace for every loop length)."""
+        return self.train_runner.loop
+
+    @property
+    def eval_loop(self):
+        """The compiled evaluation call; None without eval_data."""
+        return None if self.eval_runner is None else self.eval_runner.loop
+
+    @property
+    def checkpoint_manager(self) -> tf.train.CheckpointManager | None:
+        """The `tf.train.CheckpointManager` of `<model_dir>/checkpoints`; None without model_dir."""
+        return None if self.checkpointer is None else self.checkpointer.manager
 
     def _restore(self) -> None:
+        assert self.checkpointer is not None, "only with a model_dir"
         rates = {name: _constant_learning_rate(opt) for name, opt in self.optimizers.items()}
-        path = checkpoint_lib.restore_latest(
-            self.checkpoint_manager, directory=self._restore_dir, fresh_optimizer=self._reset_optimizer
-        )
+        path = self.checkpointer.restore()
         if path is None:
             return
-        if self._reset_optimizer and self.weight_averages is not None:
+        if self.checkpointer.options.reset_optimizer and self.weight_averages is not None:
             self.weight_averages.reset_to_weights()  # Not from zero: the step count is not 0.
         if not any(c.owns_learning_rate for c in self.callbacks):
             # The checkpoint holds the old run's learning rate; the optimizer
-            # the user passed now (e.g. a new --learning_rate) wins, unless a
+            # the user passed now (e.g. a new learning rate) wins, unless a
             # hook (reduce on plateau) set the rate and must find it again.
             for name, rate in rates.items():
                 if rate is not None:
@@ -343,30 +283,12 @@ class Trainer:
 
     def save(self) -> str | None:
         """Writes a checkpoint at the current step (no-op without model_dir)."""
-        if self.checkpoint_manager is None:
+        if self.checkpointer is None:
             return None
-        step = self.step
-        if not _all_finite(self.model):
-            raise UserError(
-                f"the weights hold NaN or Inf at step {step}; not saved, the latest checkpoint "
-                f"({self.checkpoint_manager.latest_checkpoint or 'none'}) is kept"
-            )
-        model_dir_lib.set_aside_unlisted(
-            self.checkpoint_manager.directory, step, listed=self.checkpoint_manager.checkpoints
-        )
-        try:
-            path = self.checkpoint_manager.save(checkpoint_number=step)
-        except (tf.errors.OpError, OSError) as error:
-            message = model_dir_lib.disk_full_message(self.checkpoint_manager.directory, error)
-            if message is None:
-                raise
-            model_dir_lib.remove_orphan_temps(self.checkpoint_manager.directory)  # This save's ckpt-N_temp.
-            raise UserError(
-                f"checkpoint at step {step} not saved: {message}; the latest checkpoint "
-                f"({self.checkpoint_manager.latest_checkpoint or 'none'}) is kept"
-            ) from None
-        logger.info("Saved checkpoint %s", path)
-        return path
+        return self.checkpointer.save(self.step)
+
+    def _latest_checkpoint(self) -> str | None:
+        return None if self.checkpointer is None else self.checkpointer.latest
 
     # ---------------------------------------------------------------- training
 
@@ -454,59 +376,53 @@ class Trainer:
         while self.step < steps and not self._should_stop():
             start = self.step
             num_steps = self._next_loop_length(start, steps)
-            fresh_iterator = self._resident is None and self._iterator_step != start
-            iterator = self._train_input(start)
-            # A run's first batch must be a full one; after a resume (or inside the stream) a
-            # smaller one is the data's partial last batch, trained as Keras fit trains it.
-            check = CHECK_NONE if not fresh_iterator else (CHECK_EXACT if start == 0 else CHECK_NOT_LARGER)
-            for metric in self.train_metrics:
-                metric.reset_state()
-            began = time.perf_counter()
-            try:
-                result = self._run_train_loop(iterator, num_steps, first_batch_check=check)
-            except BatchSizeMismatch as mismatch:  # Found while tracing: nothing ran.
-                raise UserError(self._batch_size_message(mismatch.size)) from None
-            if result.first_batch_size >= 0:  # Found by the loop, which then ran no step.
-                raise UserError(self._batch_size_message(result.first_batch_size))
-            steps_run = result.steps_run
-            if steps_run == 0:  # Not one batch was left: nothing ran, nothing to log.
-                self._end_on_exhausted_data(steps, last_saved, {})
-            first_nonfinite = result.first_nonfinite_index
-            logs = dict(result.logs)
-            if self.on_nonfinite == "skip":  # Under "stop" it is 0, or the run ends below.
-                logs["nonfinite_steps"] = float(result.nonfinite_steps)
-            seconds = time.perf_counter() - began
-            self._iterator_step = start + steps_run
-            if first_nonfinite >= 0 and self.on_nonfinite == "stop":
-                self._stop_on_nonfinite(start + first_nonfinite + 1)
-            logs.update({m.name: float(m.result()) for m in self.train_metrics})
-            logs.update(self._speed(steps_run, seconds))
-            logs.update(self._learning_rates())
-            self._summaries.write("train", self.step, logs)
+            logs = self._train_one_loop(start, num_steps, steps, last_saved)
             for callback in self.callbacks:
                 callback.on_loop_end(self, self.step, logs)
-            if steps_run < num_steps:
+            if self.step - start < num_steps:
                 self._end_on_exhausted_data(steps, last_saved, logs)
             if self.evaluates_after(self.step):
                 self.evaluate()
-            if self._due(self.checkpoint_every):
+            if self.cadence.checkpoints_after(self.step):
                 self.save()
                 last_saved = self.step
-        if self.step != last_saved or (
-            self.checkpoint_manager is not None and self.checkpoint_manager.latest_checkpoint is None
-        ):
-            self.save()
+        self._save_unless_saved(last_saved)
         for callback in self.callbacks:
             callback.on_train_end(self, logs)
         return logs
 
+    def _train_one_loop(self, start: int, num_steps: int, target: int, last_saved: int) -> dict[str, float]:
+        """Runs one compiled call and returns its logs (written to TensorBoard); ends the
+        run where the data ran out before its first step or a step was not finite."""
+        for metric in self.train_metrics:
+            metric.reset_state()
+        began = time.perf_counter()
+        result = self.train_runner.run(start, num_steps)
+        seconds = time.perf_counter() - began
+        if result.steps_run == 0:  # Not one batch was left: nothing ran, nothing to log.
+            self._end_on_exhausted_data(target, last_saved, {})
+        if result.first_nonfinite_index >= 0 and self.step_options.on_nonfinite == "stop":
+            self._stop_on_nonfinite(start + result.first_nonfinite_index + 1)
+        logs = dict(result.logs)
+        if self.step_options.on_nonfinite == "skip":  # Under "stop" it is 0, or the run ended above.
+            logs["nonfinite_steps"] = float(result.nonfinite_steps)
+        logs.update({m.name: float(m.result()) for m in self.train_metrics})
+        logs.update(self._speed(result.steps_run, seconds))
+        logs.update(self._learning_rates())
+        self._summaries.write("train", self.step, logs)
+        return logs
+
+    def _save_unless_saved(self, last_saved: int) -> None:
+        """The end of a run: a checkpoint at its last step, and at least one."""
+        if self.checkpointer is not None and (self.step != last_saved or self.checkpointer.latest is None):
+            self.save()
+
     def _stop_on_nonfinite(self, step: int) -> None:
         """Ends the run without saving: the weights may already hold NaNs."""
-        latest = self.checkpoint_manager.latest_checkpoint if self.checkpoint_manager else None
         self._summaries.close()
         raise NonFiniteLossError(
             f"non-finite loss at step {step}; stopped without saving, the latest checkpoint "
-            f"({latest or 'none'}) is kept; lower --learning_rate, set --clip_norm, or pass "
+            f"({self._latest_checkpoint() or 'none'}) is kept; lower --learning_rate, set --clip_norm, or pass "
             "--on_nonfinite=skip to skip such steps"
         )
 
@@ -514,33 +430,14 @@ class Trainer:
         """Saves at the last completed step, then stops the run: training on
         would need data that is not there, and returning quietly would
         leave the caller believing the target was reached."""
-        if self.step != last_saved or (
-            self.checkpoint_manager is not None and self.checkpoint_manager.latest_checkpoint is None
-        ):
-            self.save()
+        self._save_unless_saved(last_saved)
         for callback in self.callbacks:
             callback.on_train_end(self, logs)
-        saved = f"; checkpoint saved in {self.model_dir}" if self.checkpoint_manager is not None else ""
+        saved = f"; checkpoint saved in {self.model_dir}" if self.checkpointer is not None else ""
         raise DataExhaustedError(
             f"the training data ran out after step {self.step} of {target}{saved}; "
             "call .repeat() on the dataset (before .batch) to train longer than one pass",
             step=self.step,
-        )
-
-    def _batch_size_message(self, per_replica: int) -> str:
-        replicas = self.strategy.num_replicas_in_sync
-        untouched = "nothing was trained" if self.step == 0 else f"no update was applied after step {self.step}"
-        if yields_global_batches(self._train_data):
-            return (
-                f"train_data's first batch holds {per_replica * replicas} examples but "
-                f"global_batch_size={self.global_batch_size}; batch the dataset by "
-                f"{self.global_batch_size} (global batches) or change global_batch_size; {untouched}"
-            )
-        return (
-            f"train_data's first batch holds {per_replica} examples per replica but "
-            f"global_batch_size={self.global_batch_size} over {replicas} replica(s) needs "
-            f"{self.global_batch_size // replicas}; batch by "
-            f"input_context.get_per_replica_batch_size(global_batch_size); {untouched}"
         )
 
     def _learning_rates(self) -> dict[str, float]:
@@ -548,47 +445,17 @@ class Trainer:
             return {"learning_rate": _current_learning_rate(self.optimizer)}
         return {f"learning_rate/{name}": _current_learning_rate(opt) for name, opt in self.optimizers.items()}
 
-    def _run_train_loop(self, iterator, num_steps: int, *, first_batch_check: int = CHECK_NONE) -> LoopResult:
-        """One compiled call of `num_steps` steps (the parameter-server trainer
-        schedules it on workers instead)."""
-        if self._resident is not None:  # Gathered from the step number: always full batches.
-            outputs = self.train_loop(iterator, tf.constant(num_steps, tf.int32))
-        else:
-            outputs = self.train_loop(
-                iterator, tf.constant(num_steps, tf.int32), tf.constant(first_batch_check, tf.int32)
-            )
-        return LoopResult.from_outputs(outputs)
-
     def _next_loop_length(self, start: int, target: int) -> int:
-        length = min(self.steps_per_loop, target - start)
-        for every in (self.eval_every, self.checkpoint_every):
-            if every:
-                length = min(length, every - start % every)
+        length = self.cadence.loop_length(start, target)
         for callback in self.callbacks:
             limit = callback.loop_limit(self, start)
             if limit:
                 length = min(length, limit)
         return length
 
-    def _due(self, every: int | None) -> bool:
-        return bool(every and self.step % every == 0)
-
     def evaluates_after(self, step: int) -> bool:
         """Whether the loop that ends at `step` is followed by an evaluation (`TrainerView`)."""
-        return bool(self.eval_every and step % self.eval_every == 0) and self.eval_loop is not None
-
-    def _train_input(self, start_step: int):
-        """Where the next loop's batches come from: an iterator positioned at
-        `start_step`, or (resident tensors, start step) for `ResidentData`."""
-        if self._resident is not None:
-            if self._replica_tensors is None:
-                self._replica_tensors = place_on_replicas(self.strategy, self._resident)
-            return self._replica_tensors, tf.constant(start_step, tf.int64)
-        if self._iterator is None or self._iterator_step != start_step:
-            dataset = distribute_train_data(self.strategy, self._train_data, start_step=start_step)
-            self._iterator = iter(dataset)
-            self._iterator_step = start_step
-        return self._iterator
+        return self.cadence.evaluates_after(step) and self.eval_runner is not None
 
     def _speed(self, num_steps: int, seconds: float) -> dict[str, float]:
         """Throughput of this loop; the first loop (tracing, compiling) is left
@@ -611,7 +478,7 @@ class Trainer:
     def checkpoint(self) -> tf.train.Checkpoint | None:
         """What the checkpoints hold (model, step, optimizers), for a hook that saves one of
         its own (`TrainerView`); None without model_dir."""
-        return None if self.checkpoint_manager is None else self.checkpoint_manager.checkpoint
+        return None if self.checkpointer is None else self.checkpointer.checkpoint
 
     @property
     def steady_examples_per_second(self) -> float | None:
@@ -635,39 +502,20 @@ class Trainer:
         Raises:
           UserError: the trainer has no `eval_data` (or no `loss_fn`).
         """
-        if self.eval_loop is None:
+        if self.eval_runner is None:
             raise UserError("evaluate() needs eval_data and a loss_fn")
-        for metric in (self._eval_loss, self._eval_count, *self.eval_metrics):
-            metric.reset_state()
         with self.averaged_weights():
-            complete = self._run_eval_loop()
-        if not complete:
+            # Several workers must run the same chunks (each batch is agreed by all-reduce).
+            result = self.eval_runner.run(lambda: self._stop_requested and self._stop_agreement is None)
+        if result is None:
             logger.warning("evaluation at step %d stopped by a stop request; no eval results", self.step)
             return {}
-        logs = {"loss": float(self._eval_loss.result())}
-        logs.update({m.name: float(m.result()) for m in self.eval_metrics})
-        logs["num_examples"] = int(round(float(self._eval_count.result())))
-        self._summaries.write("eval", self.step, logs)
-        logger.info("eval at step %d  %s", self.step, format_logs(logs))
-        self.last_eval = (self.step, logs)
+        self._summaries.write("eval", self.step, result)
+        logger.info("eval at step %d  %s", self.step, format_logs(result))
+        self.last_eval = (self.step, result)
         for callback in self.callbacks:
-            callback.on_eval_end(self, self.step, logs)
-        return logs
-
-    def _run_eval_loop(self) -> bool:
-        assert self._eval_data is not None, "only called with eval_data"
-        return self._run_eval_chunks(iter(distribute_eval_data(self.strategy, self._eval_data)))
-
-    def _run_eval_chunks(self, iterator) -> bool:
-        """Evaluates in compiled calls of `steps_per_loop` batches, checking for a
-        stop request between them; False when one cut the evaluation short."""
-        assert self.eval_loop is not None, "only called with eval_data"
-        chunk = tf.constant(self.steps_per_loop, tf.int32)
-        while not bool(self.eval_loop(iterator, chunk)):
-            # Several workers must run the same chunks (each batch is agreed by all-reduce).
-            if self._stop_requested and self._stop_agreement is None:
-                return False
-        return True
+            callback.on_eval_end(self, self.step, result)
+        return result
 
     def evaluate_current(self) -> dict[str, float]:
         """The evaluation at the current step, reusing one the loop already ran."""
@@ -677,6 +525,87 @@ class Trainer:
 
     def close(self) -> None:
         self._summaries.close()
+
+
+def prepare_model_state(
+    strategy: tf.distribute.Strategy, model: Any, optimizers: Mapping[str, keras.optimizers.Optimizer]
+) -> tf.Variable:
+    """Checks the model and builds its optimizers in the strategy's scope; returns a new global step.
+
+    What a checkpoint of this model holds must exist before it is restored:
+    Keras 3 optimizers create their slots (and moving averages) when built,
+    which must also happen before the first traced step. Shared by the
+    Trainer and the checkpoint evaluator, which restores without training.
+    """
+    with strategy.scope():
+        variables = require_trainable_variables(model)
+        check_regularizers_visible(model)
+        _check_created_in_scope(strategy, variables)
+        _build_optimizers(optimizers, model, variables)
+        return tf.Variable(
+            0,
+            dtype=tf.int64,
+            trainable=False,
+            name="global_step",
+            aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
+        )
+
+
+def _check_arguments(
+    strategy: tf.distribute.Strategy,
+    loss_fn: PerExampleLoss | None,
+    step_fn: ReplicaStep | None,
+    metrics: Sequence[Any],
+    weighted_metrics: Sequence[Any],
+    eval_data: Data | None,
+    global_batch_size: int,
+    step_options: StepOptions,
+) -> None:
+    """The Trainer's arguments on their own and together, before anything is built."""
+    if loss_fn is None and step_fn is None:
+        raise UserError("pass loss_fn, step_fn or both to Trainer")
+    _check_per_example_loss(loss_fn)
+    _check_metric_names(metrics, weighted_metrics)
+    if isinstance(eval_data, ResidentData):
+        raise UserError(
+            "eval_data cannot be ResidentData, an endless shuffled training stream: pass the eval split "
+            "as a tf.data.Dataset of global batches (every example once) or fn(input_context)"
+        )
+    if eval_data is not None and loss_fn is None:
+        raise UserError("evaluation needs loss_fn (per-example losses) besides step_fn")
+    _check_batch(global_batch_size, strategy.num_replicas_in_sync, step_options.grad_accum_steps)
+    if step_options.on_nonfinite not in NONFINITE_POLICIES:
+        raise UserError(
+            f"on_nonfinite={step_options.on_nonfinite!r} must be one of: {', '.join(NONFINITE_POLICIES)}"
+        )
+    ignored = step_options.changed()
+    if step_fn is not None and ignored:  # A step_fn replaces the step these options shape.
+        raise UserError(
+            f"step_fn cannot honour {', '.join(ignored)}: those options shape the standard step; "
+            "do it in your step_fn, or drop step_fn and pass loss_fn"
+        )
+
+
+def _train_data_form(
+    strategy: tf.distribute.Strategy, data: Data, global_batch_size: int
+) -> DataForm | ResidentData:
+    """The declared form the train runner reads: `ResidentData` kept on the devices where the
+    strategy allows it, else a tf.data form (ResidentData's `host_data` on the others)."""
+    if isinstance(data, ResidentData):
+        if data.global_batch_size not in (None, global_batch_size):
+            raise UserError(
+                f"train_data (ResidentData) was made for global_batch_size={data.global_batch_size} "
+                f"but the Trainer has global_batch_size={global_batch_size}; make both the same"
+            )
+        host_form = as_train_form(data.host_data)  # Checked all the same.
+        _check_dataset_batch(host_form, global_batch_size)
+        if keeps_on_devices(strategy):
+            return data
+        logger.info("%s trains from ResidentData.host_data (tf.data)", type(strategy).__name__)
+        return host_form
+    form = as_train_form(data)
+    _check_dataset_batch(form, global_batch_size)
+    return form
 
 
 def _make_stop_agreement(strategy: tf.distribute.Strategy):
@@ -734,17 +663,6 @@ def _check_batch(global_batch_size: int, num_replicas: int, grad_accum_steps: in
         )
 
 
-def _refuse_standard_step_options(**options: Any) -> None:
-    """A `step_fn` replaces the step these options shape: refuse rather than ignore them."""
-    defaults = {"clip_norm": None, "grad_accum_steps": 1, "jit_compile": False, "on_nonfinite": "stop"}
-    ignored = [f"{name}={value!r}" for name, value in options.items() if value != defaults[name]]
-    if ignored:
-        raise UserError(
-            f"step_fn cannot honour {', '.join(ignored)}: those options shape the standard step; "
-            "do it in your step_fn, or drop step_fn and pass loss_fn"
-        )
-
-
 def _named_optimizers(optimizer: Optimizers) -> dict[str, keras.optimizers.Optimizer]:
     if isinstance(optimizer, keras.optimizers.Optimizer):
         return {"optimizer": optimizer}
@@ -783,18 +701,6 @@ def _build_optimizers(optimizers: Mapping[str, keras.optimizers.Optimizer], mode
         optimizer.build(require_trainable_variables(part))
 
 
-def _check_checkpointed(checkpoint: tf.train.Checkpoint, model: Any) -> None:
-    """Every model variable must be reachable by the checkpoint, or a resume loses it silently."""
-    reachable = {id(node) for node in tf.train.TrackableView(checkpoint).descendants()}
-    missing = [v for v in all_variables(model) if id(v) not in reachable]
-    if missing:
-        raise UserError(
-            f"{len(missing)} variable(s) of the model ({type(model).__name__}) would not be checkpointed, "
-            f"e.g. {missing[0].name!r}: keep them as attributes of the model (or of its tf.Module/Keras "
-            "parts), not in plain Python containers the checkpoint cannot see"
-        )
-
-
 def _check_dataset_batch(form: DataForm, global_batch_size: int) -> None:
     """A Dataset of global batches whose batch dimension is static is checked here, at once."""
     dataset = getattr(form, "dataset", None)
@@ -818,22 +724,6 @@ def _check_created_in_scope(strategy: tf.distribute.Strategy, variables: list) -
                 "the model's variables were created outside strategy.scope(); "
                 "build the model and optimizer inside `with strategy.scope():`"
             )
-
-
-def _all_finite(model: Any) -> bool:
-    """Whether every floating-point weight of the model is finite (checked before each save)."""
-    values = []
-    for variable in all_variables(model):
-        if isinstance(variable, keras.Variable):
-            variable = variable.value
-        if variable.dtype.is_floating:
-            values.append(tf.reduce_all(tf.math.is_finite(variable)))
-    return bool(tf.reduce_all(values)) if values else True
-
-
-def _fresh_copy(metric: keras.metrics.Metric) -> keras.metrics.Metric:
-    """A new, empty metric of the same config, created in the current scope."""
-    return type(metric).from_config(metric.get_config())
 
 
 def _constant_learning_rate(optimizer: keras.optimizers.Optimizer) -> float | None:

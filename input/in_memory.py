@@ -16,8 +16,9 @@ import tensorflow as tf
 
 from engine.resident import ResidentData, epoch_shuffled, gather_pipeline_options, host_tensor
 from input.source import (
+    BatchLayout,
     DataSource,
-    batch_layout,
+    InputContext,
     check_stream_args,
 )
 
@@ -114,21 +115,14 @@ class InMemorySource(DataSource):
             global_batch_size=global_batch_size,
         )
 
-    def train_dataset(
-        self,
-        *,
-        global_batch_size: int,
-        seed: int,
-        start_step: int = 0,
-        input_context: tf.distribute.InputContext | None = None,
+    def _train_stream(
+        self, layout: BatchLayout, *, seed: int, start_step: int, input_context: InputContext | None
     ) -> tf.data.Dataset:
-        check_stream_args(seed, start_step)
-        layout = batch_layout(global_batch_size, input_context)
         num_examples = self.num_train_examples
         assert num_examples is not None, "from_arrays sets it: the arrays are in memory"
 
         def step_indices(step: tf.Tensor) -> tf.Tensor:
-            first = step * global_batch_size + layout.offset
+            first = step * layout.global_batch_size + layout.offset
             positions = first + tf.range(layout.examples_per_step, dtype=tf.int64)
             indices = epoch_shuffled(positions, num_examples, seed)
             return tf.reshape(indices, [layout.replicas_per_pipeline, layout.per_replica])
@@ -145,15 +139,7 @@ class InMemorySource(DataSource):
             .with_options(gather_pipeline_options())
         )
 
-    def eval_dataset(
-        self,
-        *,
-        global_batch_size: int,
-        input_context: tf.distribute.InputContext | None = None,
-    ) -> tf.data.Dataset | None:
-        if self._eval_images is None:
-            return None
-        layout = batch_layout(global_batch_size, input_context)
+    def _eval_batches(self, layout: BatchLayout, input_context: InputContext | None) -> tf.data.Dataset:
         indices = tf.data.Dataset.range(self.num_eval_examples)
         if input_context is not None:
             indices = indices.shard(input_context.num_input_pipelines, input_context.input_pipeline_id)

@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
+from typing import TypeAlias
 
 import tensorflow as tf
+
+InputContext: TypeAlias = tf.distribute.InputContext
 
 
 @dataclass(frozen=True)
@@ -90,7 +93,6 @@ class DataSource(abc.ABC):
     num_train_examples: int | None  # None when unknown (tfrecord)
     num_eval_examples: int | None  # None when there is no eval split
 
-    @abc.abstractmethod
     def train_dataset(
         self,
         *,
@@ -105,8 +107,10 @@ class DataSource(abc.ABC):
         per-replica batches, in replica order, step after step (see
         `BatchLayout`), as `distribute_datasets_from_function` expects.
         """
+        check_stream_args(seed, start_step)
+        layout = batch_layout(global_batch_size, input_context)
+        return self._train_stream(layout, seed=seed, start_step=start_step, input_context=input_context)
 
-    @abc.abstractmethod
     def eval_dataset(
         self,
         *,
@@ -116,3 +120,16 @@ class DataSource(abc.ABC):
         """Every eval example once in a fixed order, last batch partial; with
         `input_context`, this pipeline's shard in per-replica batches. None
         when the source has no eval split."""
+        if self.num_eval_examples is None:
+            return None
+        return self._eval_batches(batch_layout(global_batch_size, input_context), input_context)
+
+    @abc.abstractmethod
+    def _train_stream(
+        self, layout: BatchLayout, *, seed: int, start_step: int, input_context: InputContext | None
+    ) -> tf.data.Dataset:
+        """`train_dataset`'s stream, for checked arguments and this pipeline's `layout`."""
+
+    @abc.abstractmethod
+    def _eval_batches(self, layout: BatchLayout, input_context: InputContext | None) -> tf.data.Dataset:
+        """`eval_dataset`'s batches, for a source with an eval split."""

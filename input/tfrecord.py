@@ -22,8 +22,7 @@ from input.images import fit_images
 from input.source import (
     BatchLayout,
     DataSource,
-    batch_layout,
-    check_stream_args,
+    InputContext,
     deterministic_options,
 )
 
@@ -244,22 +243,16 @@ class TFRecordSource(DataSource):
 
         return records
 
-    def train_dataset(
-        self,
-        *,
-        global_batch_size: int,
-        seed: int,
-        start_step: int = 0,
-        input_context: tf.distribute.InputContext | None = None,
+    def _train_stream(
+        self, layout: BatchLayout, *, seed: int, start_step: int, input_context: InputContext | None
     ) -> tf.data.Dataset:
-        """See DataSource. With several input pipelines and at least as many
+        """See DataSource.train_dataset. With several input pipelines and at least as many
         files, each pipeline reads its own files (per epoch, file i of the
         shuffled list goes to pipeline i mod P) and batches them itself, so the
         global batch is not the one a single pipeline would make; with fewer
         files, every pipeline reads all records and keeps its slice of each
         global batch (the exact per-replica contract, at P times the reads)."""
-        check_stream_args(seed, start_step)
-        layout = batch_layout(global_batch_size, input_context)
+        global_batch_size = layout.global_batch_size
         pipelines = 1 if input_context is None else input_context.num_input_pipelines
         shard_files = pipelines > 1 and len(self._train_files) >= pipelines
         shard = (1, 0)
@@ -313,15 +306,7 @@ class TFRecordSource(DataSource):
         )
         return holding or self._train_files
 
-    def eval_dataset(
-        self,
-        *,
-        global_batch_size: int,
-        input_context: tf.distribute.InputContext | None = None,
-    ) -> tf.data.Dataset | None:
-        if not self._eval_files:
-            return None
-        layout = batch_layout(global_batch_size, input_context)
+    def _eval_batches(self, layout: BatchLayout, input_context: InputContext | None) -> tf.data.Dataset:
         records = tf.data.TFRecordDataset(list(self._eval_files))
         if input_context is not None:
             records = records.shard(input_context.num_input_pipelines, input_context.input_pipeline_id)

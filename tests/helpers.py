@@ -68,7 +68,7 @@ def main_in_process(
     from absl import flags as absl_flags
     from absl import logging as absl_logging
 
-    from engine import main as cli
+    from engine.cli import main_command as cli
 
     stdout, stderr = io.StringIO(), io.StringIO()
     # What engine.main's process prints: the log lines (absl's at INFO, as run_cli sets; the
@@ -88,8 +88,8 @@ def main_in_process(
             contextlib.redirect_stderr(stderr),
         ):
             try:
-                argv = cli._parse_flags(["engine.main", *flags])
-                code = cli._main_with_clean_errors(argv)
+                argv = cli.parse_flags(["engine.main", *flags])
+                code = cli.main_with_clean_errors(argv)
             except SystemExit as exited:
                 code = exited.code if isinstance(exited.code, int) else 1
             finally:
@@ -107,7 +107,7 @@ def _imports_from(directory: Path):
     """Imports as in a process started in `directory`: it is the working directory and first
     on sys.path, the top-level modules it holds hide this process's of the same name, and
     whatever was imported from it is forgotten afterwards (the next test's files differ)."""
-    from engine import own_packages
+    from engine.cli import own_packages
 
     directory = Path(directory).resolve()
     names = {p.stem for p in directory.glob("*.py")} | {p.parent.name for p in directory.glob("*/__init__.py")}
@@ -133,8 +133,8 @@ def run_config(*flags: str, env: dict[str, str] | None = None):
     this process; raises its UserError. Nothing runs, so a check that fails cannot hang."""
     from absl import flags as absl_flags
 
-    from engine import main as cli  # noqa: F401  (defines the flags)
-    from engine.config import RunConfig
+    from engine.cli import main_command as cli  # noqa: F401  (defines the flags)
+    from engine.cli.settings import RunConfig
 
     with mock.patch.dict(os.environ, env or {}):
         try:

@@ -11,8 +11,8 @@ import pytest
 from helpers import REPO
 from test_readme import readme_example
 
-from engine import flag_reference
-from engine.config import RunConfig
+from engine.cli import flag_reference
+from engine.cli.settings import RunConfig
 
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 
@@ -21,7 +21,7 @@ def test_docs_flags_md_is_what_run_config_renders():
     page = REPO / "docs" / "flags.md"
     assert page.exists(), f"docs/flags.md is missing; write it with `{flag_reference.COMMAND}`"
     assert page.read_text() == flag_reference.render(), (
-        f"docs/flags.md is not what engine/config.py's RunConfig says; regenerate it with "
+        f"docs/flags.md is not what engine/cli/settings.py's RunConfig says; regenerate it with "
         f"`{flag_reference.COMMAND}`"
     )
 
@@ -104,7 +104,7 @@ def test_every_example_block_is_found_once():
 @pytest.mark.timeout(60)
 def test_the_regenerate_command_prints_the_page_without_tensorflow():
     result = subprocess.run(
-        [sys.executable, "-X", "importtime", "-m", "engine.flag_reference"],
+        [sys.executable, "-X", "importtime", "-m", "engine.cli.flag_reference"],
         cwd=REPO,
         env=dict(os.environ, PYTHONPATH=str(REPO)),
         capture_output=True,

@@ -13,7 +13,7 @@ import pytest
 import tensorflow as tf
 from helpers import main_in_process, one_error_line, snapshot
 
-from engine.trainer import Trainer
+from engine.runners import TrainRunner
 from input import write_tfrecords
 
 FLAGS = ["--model=mlp", "--dataset=tfrecord", "--global_batch_size=4", "--mode=train", "--steps_per_loop=2"]
@@ -74,7 +74,7 @@ def test_a_record_that_fails_its_checksum_mid_run_is_one_line_naming_its_file(co
 
 def _fails_on_the_second_loop(error: Exception):
     """The compiled loop as it runs, except that its second call raises `error`, as TF does."""
-    real = Trainer._run_train_loop
+    real = TrainRunner._call
     calls = []
 
     def run_train_loop(self, *args, **kwargs):
@@ -101,7 +101,7 @@ OOM = (
 def test_an_out_of_memory_in_the_compiled_step_is_one_line_naming_the_batch(copy, monkeypatch):
     """Injected: a real OOM needs a device to fill (the CPU allocator does not report one)."""
     error = tf.errors.ResourceExhaustedError(None, None, OOM)
-    monkeypatch.setattr(Trainer, "_run_train_loop", _fails_on_the_second_loop(error))
+    monkeypatch.setattr(TrainRunner, "_call", _fails_on_the_second_loop(error))
     flags = [*FLAGS, f"--data_dir={copy / 'data'}", "--train_steps=8", "--checkpoint_every=2"]
 
     line = one_error_line(main_in_process(*flags, f"--model_dir={copy / 'run'}"))
@@ -117,6 +117,6 @@ def test_an_out_of_memory_in_the_compiled_step_is_one_line_naming_the_batch(copy
     # full-disk line (engine.model_dir.disk_full_message), not the out-of-memory one.
     full = tf.errors.ResourceExhaustedError(None, None, "Could not flush events file: No space left on device")
     monkeypatch.undo()
-    monkeypatch.setattr(Trainer, "_run_train_loop", _fails_on_the_second_loop(full))
+    monkeypatch.setattr(TrainRunner, "_call", _fails_on_the_second_loop(full))
     line = one_error_line(main_in_process(*flags, f"--model_dir={copy / 'run'}"))
     assert "is full" in line and "out of memory" not in line, line

@@ -175,8 +175,8 @@ def test_continuous_eval_gives_up_after_eval_timeout_and_ends_on_sigterm(tmp_pat
 def test_a_checkpoint_deleted_while_read_is_skipped_not_fatal(two_checkpoints, tmp_path, monkeypatch, deleted):
     import shutil
 
-    from engine import evaluator as evaluator_lib
-    from engine.config import RunConfig
+    from engine.cli import evaluator as evaluator_lib
+    from engine.cli.settings import RunConfig
 
     shutil.copytree(two_checkpoints, tmp_path, dirs_exist_ok=True)
     rotated = tmp_path / "checkpoints" / "ckpt-10"
@@ -223,7 +223,7 @@ def test_a_checkpoint_deleted_while_read_is_skipped_not_fatal(two_checkpoints, t
     ],
 )
 def test_bad_mode_flags_are_one_line_user_errors(tmp_path, flags, message):
-    from engine.config import RunConfig
+    from engine.cli.settings import RunConfig
     from engine.errors import UserError
 
     settings = dict(model="mlp", model_dir=str(tmp_path / "m"), strategy="multi_worker_mirrored") | flags
@@ -235,8 +235,8 @@ def test_bad_mode_flags_are_one_line_user_errors(tmp_path, flags, message):
 
 def _trained_in_process(model_dir, **settings):
     """An mlp model_dir with a checkpoint every 10 steps, trained in-process (--mode=train)."""
-    from engine import job
-    from engine.config import RunConfig
+    from engine.cli import job
+    from engine.cli.settings import RunConfig
 
     config = RunConfig(
         **{**ROTATION_SETTINGS, **settings}, mode="train", checkpoint_every=10, model_dir=str(model_dir)
@@ -279,8 +279,8 @@ def test_rotation_deleting_a_checkpoint_at_any_moment_of_its_read_never_stops_th
 
     import tensorflow as tf
 
-    from engine import evaluator as evaluator_lib
-    from engine.config import RunConfig
+    from engine.cli import evaluator as evaluator_lib
+    from engine.cli.settings import RunConfig
 
     model_dir = tmp_path / "run"
     shutil.copytree(three_checkpoints, model_dir)
@@ -307,9 +307,11 @@ def test_rotation_deleting_a_checkpoint_at_any_moment_of_its_read_never_stops_th
         return wrapped
 
     if moment == "restore":
-        monkeypatch.setattr(evaluator._checkpoint, "read", deleting_first(evaluator._checkpoint.read))
+        monkeypatch.setattr(
+            evaluator.reader.checkpoint, "read", deleting_first(evaluator.reader.checkpoint.read)
+        )
     elif moment == "evaluation":
-        monkeypatch.setattr(evaluator.trainer, "evaluate", deleting_first(evaluator.trainer.evaluate))
+        monkeypatch.setattr(evaluator.runner, "run", deleting_first(evaluator.runner.run))
     else:
         monkeypatch.setattr(evaluator._best, "on_eval_end", deleting_first(evaluator._best.on_eval_end))
     # The three checkpoints as the evaluator's poll finds them; ckpt-10 goes while it is read.

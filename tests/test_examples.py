@@ -100,8 +100,8 @@ def test_slurm_batch_script_trains_two_workers_under_srun(tmp_path):
 
 def test_kubernetes_manifest_gives_each_pod_its_task_in_one_cluster():
     yaml = pytest.importorskip("yaml")
-    from engine import flags as engine_flags
-    from engine.config import RunConfig
+    from engine.cli import flags as engine_flags
+    from engine.cli.settings import RunConfig
 
     documents = list(yaml.safe_load_all((REPO / "examples" / "kubernetes" / "train.yaml").read_text()))
     by_kind = {(d["kind"], d["metadata"]["name"]): d for d in documents}

@@ -10,9 +10,9 @@ import tensorflow as tf
 from helpers import global_batches, loss_fn, main_in_process, make_arrays, make_model
 
 import engine
-from engine.config import RunConfig
+from engine.cli.hooks_from_flags import hooks_from_config
+from engine.cli.settings import RunConfig
 from engine.hooks import WeightHistograms
-from engine.hooks.from_config import hooks_from_config
 
 
 def read_histograms(log_dir: str) -> dict[str, dict[int, np.ndarray]]:

@@ -38,7 +38,7 @@ class Scripted(keras.metrics.Metric):
         return {"name": self.name, "values": self.values}
 
 
-def scripted_trainer(strategy, model_dir, values, hooks, learning_rate=0.5):
+def scripted_trainer(strategy, model_dir, values, hooks, learning_rate=0.5, checkpoint_every=None):
     x, y = make_arrays(32)
     model, optimizer = make_model(strategy)
     optimizer.learning_rate = learning_rate
@@ -54,6 +54,7 @@ def scripted_trainer(strategy, model_dir, values, hooks, learning_rate=0.5):
         eval_every=2,
         steps_per_loop=2,
         model_dir=str(model_dir),
+        checkpoint_every=checkpoint_every,
         callbacks=hooks,
     )
 
@@ -79,8 +80,7 @@ def test_early_stopping_stops_at_the_expected_step_and_stays_stopped(mirrored, t
 
 def test_early_stopping_ignores_evaluations_after_the_restored_checkpoint(mirrored, tmp_path):
     hook = EarlyStopping("score", patience=2, mode="max")
-    trainer = scripted_trainer(mirrored, tmp_path, [0.5, 0.4], [hook])
-    trainer.checkpoint_every = 2
+    trainer = scripted_trainer(mirrored, tmp_path, [0.5, 0.4], [hook], checkpoint_every=2)
     trainer.train(4)  # evaluations: 0.5 at 2 (best), 0.4 at 4 (wait 1)
     state = tmp_path / "hooks" / "early_stopping.json"
     history = json.loads(state.read_text())
@@ -223,8 +223,8 @@ def test_two_real_workers_take_the_same_early_stopping_decision(tmp_path):
 
 
 def test_flags_build_the_hooks_and_refuse_bad_combinations():
-    from engine.config import RunConfig
-    from engine.hooks.from_config import hooks_from_config
+    from engine.cli.hooks_from_flags import hooks_from_config
+    from engine.cli.settings import RunConfig
 
     config = RunConfig(
         early_stop_metric="accuracy",
@@ -314,8 +314,9 @@ def _older_versions_mismatch(model_dir, *, rolling_kept: bool):
 def test_a_best_json_naming_a_checkpoint_best_does_not_hold_is_repaired_from_the_rolling_one(
     default, tmp_path, caplog
 ):
-    trainer = scripted_trainer(default, tmp_path, [0.7, 0.5], [BestCheckpoint("score", mode="max")])
-    trainer.checkpoint_every = 2
+    trainer = scripted_trainer(
+        default, tmp_path, [0.7, 0.5], [BestCheckpoint("score", mode="max")], checkpoint_every=2
+    )
     trainer.train(4)  # best ckpt-2 (0.7); rolling ckpt-2, ckpt-4
     rolling = (tmp_path / "checkpoints" / "ckpt-4.index").read_bytes()
     _older_versions_mismatch(tmp_path, rolling_kept=True)
@@ -327,8 +328,9 @@ def test_a_best_json_naming_a_checkpoint_best_does_not_hold_is_repaired_from_the
 
 
 def test_a_best_json_naming_a_checkpoint_gone_everywhere_is_dropped_and_re_derived(default, tmp_path, caplog):
-    trainer = scripted_trainer(default, tmp_path, [0.7, 0.5], [BestCheckpoint("score", mode="max")])
-    trainer.checkpoint_every = 2
+    trainer = scripted_trainer(
+        default, tmp_path, [0.7, 0.5], [BestCheckpoint("score", mode="max")], checkpoint_every=2
+    )
     trainer.train(4)
     _older_versions_mismatch(tmp_path, rolling_kept=False)
     hook = BestCheckpoint("score", mode="max")

@@ -12,7 +12,7 @@ from unittest import mock
 import pytest
 from absl import flags
 
-from engine.cluster import launch
+from engine.cli import launcher as launch
 
 ONE_LAUNCHER = f"one launcher starts at most {launch.MAX_TASKS}"
 CASES = [

@@ -1,5 +1,5 @@
 """The library stands on its own: `import engine` and its public API never import the command
-line (`engine.config`, `engine.flags`, `engine.job`, `engine.main`) nor define an absl flag."""
+line (the `engine.cli` package, `engine.main`, `engine.launch`, `engine.server`) nor define an absl flag."""
 
 import subprocess
 import sys
@@ -12,9 +12,11 @@ import sys
 import engine
 for name in engine.__all__:
     getattr(engine, name)
-import engine.coordinator, engine.callbacks.keras_adapter, engine.cluster.multi_host
+import engine.coordinator, engine.callbacks.keras_adapter, engine.cluster.multi_host, engine.checkpoint
+import engine.hooks, engine.export, engine.model_dir, engine.ema, engine.summaries
 from absl import flags
-cli = sorted(m for m in sys.modules if m in ("engine.config", "engine.flags", "engine.job", "engine.main"))
+commands = ("engine.main", "engine.launch", "engine.server")
+cli = sorted(m for m in sys.modules if m.startswith("engine.cli") or m in commands)
 defined = [f for f in ("model_dir", "strategy", "steps_per_loop") if f in flags.FLAGS]
 print("cli modules:", cli, "flags:", defined)
 """

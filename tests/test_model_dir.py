@@ -860,8 +860,8 @@ def test_a_refused_run_after_state_damage_leaves_the_model_dir_byte_identical(
 ):
     """The state file is recovered (rewritten, the damaged one kept beside) to check the
     run; a check that refuses it afterwards takes every repair back."""
-    from engine import job
-    from engine.config import RunConfig
+    from engine.cli import job
+    from engine.cli.settings import RunConfig
 
     model_dir = copy_of(trained, tmp_path / "run")
     state = model_dir / "checkpoints" / model_dir_lib.STATE_FILE
@@ -907,9 +907,9 @@ def test_restore_fallback_finds_the_newest_readable_checkpoint_when_the_state_na
 
 
 def _run_in_process(model_dir: Path, **settings):
-    """engine.job.run on a RunConfig (what engine.main runs after parsing flags)."""
-    from engine import job
-    from engine.config import RunConfig
+    """engine.cli.job.run on a RunConfig (what engine.main runs after parsing flags)."""
+    from engine.cli import job
+    from engine.cli.settings import RunConfig
 
     config = RunConfig(**{"model": "mlp", "eval_every": 0, "model_dir": str(model_dir), **settings})
     config.validate()

@@ -34,7 +34,7 @@ Logs = Mapping[str, Any]
 class TrainerView(Protocol):
     """What a hook may use of the trainer that calls it, and nothing else.
 
-    `engine.Trainer` is one; so is the stand-in `engine.evaluator` gives
+    `engine.Trainer` is one; so is the view `engine.cli.evaluator` gives
     `BestCheckpoint`. Anything else on the trainer is internal and may change.
     """
 
@@ -93,6 +93,11 @@ class Callback:
         """Once, when the trainer is built, before anything is written: raise a `UserError`
         naming the hook where it cannot work with this trainer (e.g. one that sets the
         learning rate, given a dict of optimizers), rather than fail mid-training."""
+
+    def restore_state(self, trainer: TrainerView) -> None:
+        """Once, at the end of the trainer's construction (its checkpoint restored, nothing
+        written yet): read and check the hook's own state on disk, raising a `UserError`
+        where it cannot be trusted. Hooks that call it again themselves keep it idempotent."""
 
     def loop_limit(self, trainer: TrainerView, step: int) -> int | None:
         """Before each loop: how far it may run, so the hook sees the step it needs.

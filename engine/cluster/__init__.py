@@ -1,11 +1,13 @@
 """The cluster concern: which cluster a process is in, how its tasks start,
 and the multi-host strategies.
 
-- `resolve`: the cluster from flags, TF_CONFIG or Slurm (pure Python).
-- `flags`: the cluster flags shared by `engine.main` and `engine.server`.
+- `resolve`: the cluster from arguments, TF_CONFIG or Slurm (pure Python).
 - `multi_host`: MultiWorkerMirrored / ParameterServer / TPU strategies and the bounded start-up.
 - `startup_watchdog`: the start-up watchdog, run by path by `multi_host`.
-- `launch`, `server`: `python -m engine.launch` and `python -m engine.server`.
+
+The processes of a cluster (`python -m engine.launch`, `python -m engine.server`) and the
+cluster flags are the command line's: `engine.cli.launcher`, `engine.cli.task_server`,
+`engine.cli.cluster_flags`.
 
 Importing this package imports only `resolve` (no TensorFlow, no flags).
 """

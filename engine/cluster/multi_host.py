@@ -15,7 +15,8 @@ import socket
 import subprocess
 import sys
 import urllib.parse
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 
 import tensorflow as tf
 from absl import logging
@@ -23,7 +24,6 @@ from absl import logging
 from engine.cluster import Cluster, check_strategy_cluster
 from engine.errors import UserError, one_line
 from engine.options import COMMUNICATIONS, DEFAULT_COLLECTIVE_TIMEOUT, DEFAULT_STARTUP_TIMEOUT
-from engine.preemption import signals_left_pending
 
 _STARTUP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 WATCHDOG_GRACE_SECONDS = 3.0
@@ -41,6 +41,10 @@ class MultiHostOptions:
     tpu: str | None = None
     # Seconds the start-up (connecting to every peer) may take; 0 waits forever.
     startup_timeout: float = DEFAULT_STARTUP_TIMEOUT
+    # Held while TensorFlow's start-up call runs. That call holds the GIL, so a signal
+    # handler written in Python could never act: the command line passes a guard that
+    # leaves SIGTERM/SIGINT pending, for the start-up watchdog to see and end the task.
+    startup_guard: Callable[[], AbstractContextManager[None]] = contextlib.nullcontext
 
     def check(self, strategy: str) -> None:
         if self.communication not in COMMUNICATIONS:
@@ -61,7 +65,7 @@ class MultiHostOptions:
 def build_multi_host_strategy(name: str, options: MultiHostOptions) -> tf.distribute.Strategy:
     options.check(name)
     if name == "multi_worker_mirrored":
-        with bounded_startup(options.cluster, options.startup_timeout):
+        with bounded_startup(options.cluster, options.startup_timeout, guard=options.startup_guard):
             if options.cluster is not None and options.startup_timeout:
                 _configure_coordination(options.cluster, options.startup_timeout)
             strategy = _multi_worker_mirrored(options)
@@ -69,14 +73,19 @@ def build_multi_host_strategy(name: str, options: MultiHostOptions) -> tf.distri
                 _barrier(strategy)  # The first collective waits for every worker too.
         return strategy
     if name == "parameter_server":
-        with bounded_startup(options.cluster, options.startup_timeout):
+        with bounded_startup(options.cluster, options.startup_timeout, guard=options.startup_guard):
             return _parameter_server(options)
     assert options.tpu, "options.check: --strategy=tpu needs --tpu"
     return _tpu(options.tpu)
 
 
 @contextlib.contextmanager
-def bounded_startup(cluster: Cluster | None, timeout: float) -> Iterator[None]:
+def bounded_startup(
+    cluster: Cluster | None,
+    timeout: float,
+    *,
+    guard: Callable[[], AbstractContextManager[None]] = contextlib.nullcontext,
+) -> Iterator[None]:
     """Bounds the start-up of a cluster task and lets SIGTERM/SIGINT end it at any moment.
 
     TensorFlow connects to the peers inside one C++ call that holds the GIL
@@ -115,7 +124,7 @@ def bounded_startup(cluster: Cluster | None, timeout: float) -> Iterator[None]:
         stdin=subprocess.PIPE,
     )
     try:
-        with signals_left_pending():
+        with guard():
             yield
     except (tf.errors.DeadlineExceededError, tf.errors.UnavailableError) as error:
         logging.warning("start-up failed: %s", one_line(error, 500))

@@ -1,7 +1,7 @@
 """`docs/flags.md`, rendered from the one settings source: `RunConfig`'s fields
-(`engine/config.py`), whose default, help and choices also define the flags.
+(`engine/cli/settings.py`), whose default, help and choices also define the flags.
 
-    python -m engine.flag_reference > docs/flags.md
+    python -m engine.cli.flag_reference > docs/flags.md
 
 `tests/test_docs.py` fails when docs/flags.md is not what `render()` returns.
 Imports no TensorFlow (as `python -m engine.main --help` does not).
@@ -12,9 +12,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from engine.config import CLUSTER_SETTINGS, DEFAULT_EPOCHS, RunConfig
+from engine.cli.settings import CLUSTER_SETTINGS, DEFAULT_EPOCHS, RunConfig
 
-COMMAND = "python -m engine.flag_reference > docs/flags.md"
+COMMAND = "python -m engine.cli.flag_reference > docs/flags.md"
 
 # Where the docs say more about a flag (relative to docs/); tests/test_docs.py checks each link.
 SEE_ALSO = {
@@ -43,14 +43,14 @@ SEE_ALSO = {
 HEADER = f"""\
 # Flags
 
-<!-- Generated from engine/config.py (RunConfig) by `{COMMAND}`; do not edit. -->
+<!-- Generated from engine/cli/settings.py (RunConfig) by `{COMMAND}`; do not edit. -->
 
 Every flag of `python -m engine.main`, from `RunConfig` in
-[`engine/config.py`](../engine/config.py), the one place each setting is defined
+[`engine/cli/settings.py`](../engine/cli/settings.py), the one place each setting is defined
 (its default, help and choices; `python -m engine.main --help` prints the same
 help). The cluster flags (marked *also `engine.server`*) are defined by
-`engine/cluster/flags.py` and taken by `python -m engine.server` too; the rest by
-`engine/flags.py`. A flag with choices refuses any other value with one line.
+`engine/cli/cluster_flags.py` and taken by `python -m engine.server` too; the rest by
+`engine/cli/flags.py`. A flag with choices refuses any other value with one line.
 `--flagfile=FILE` reads flags from a file, as in absl. What bad input and the
 output look like: [The command line](command-line.md).
 

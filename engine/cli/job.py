@@ -21,17 +21,19 @@ import tensorflow as tf
 from absl import logging
 
 from engine import checkpoint as checkpoint_lib
-from engine import host_memory, repairs
 from engine import model_dir as model_dir_lib
+from engine import repairs
+from engine.cli import host_memory
+from engine.cli.environment import seed_everything, set_precision
+from engine.cli.hooks_from_flags import hooks_from_config
+from engine.cli.hparams import write_hparams
+from engine.cli.model_summary import model_summary
+from engine.cli.preemption import stop_on_signals
+from engine.cli.settings import TRAINER_SETTINGS, RunConfig, settings_of
+from engine.cli.task import classification_task
 from engine.cluster import task_model_dir
-from engine.config import RunConfig
-from engine.environment import seed_everything, set_precision
 from engine.errors import UserError, one_line
 from engine.export import export_saved_model
-from engine.hooks.from_config import hooks_from_config
-from engine.hparams import write_hparams
-from engine.model_summary import model_summary
-from engine.preemption import stop_on_signals
 from engine.resident import ResidentData
 from engine.schedules import LearningRate, learning_rate_schedule
 from engine.strategy import build_strategy, configure_cpu_devices
@@ -63,8 +65,8 @@ def run(config: RunConfig) -> dict[str, Any]:
     evaluation and metrics.json, and returns its `exit_status` (128+signal;
     75 on the other workers of a multi-worker run, which stop with it).
     """
-    from engine import evaluator
-    from engine.own_packages import own_package  # The engine's, beside a user's models.py/input.py.
+    from engine.cli import evaluator
+    from engine.cli.own_packages import own_package  # The engine's, beside a user's models.py/input.py.
 
     input_lib, models = own_package("input"), own_package("models")
     DataError, get_data_source = input_lib.DataError, input_lib.get_data_source  # noqa: N806
@@ -145,7 +147,7 @@ def _train_and_evaluate(
 ) -> dict[str, Any]:
     """The part of `run` that reads and writes model_dir: under the writer lock
     on the chief. Everything is checked before the first byte is written."""
-    from engine.own_packages import own_package
+    from engine.cli.own_packages import own_package
 
     metrics_path = os.path.join(model_dir, METRICS_FILE)
     if write_dir == model_dir:
@@ -212,29 +214,14 @@ def _train_and_evaluate(
         train_data=train_data,
         eval_data=eval_data,
         global_batch_size=batch,
-        loss_fn=keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None),
-        metrics=[keras.metrics.SparseCategoricalAccuracy(name="accuracy")],
         model_dir=write_dir,
         restore_dir=model_dir if write_dir != model_dir else None,
-        steps_per_loop=config.steps_per_loop,
-        eval_every=config.eval_every,
-        checkpoint_every=config.checkpoint_every,
-        max_checkpoints=config.max_checkpoints,
-        clip_norm=config.clip_norm,
-        grad_accum_steps=config.grad_accum_steps,
-        jit_compile=config.jit_compile,
-        on_nonfinite=config.on_nonfinite,
-        restore_fallback=config.restore_fallback,
         callbacks=hooks_from_config(config),
-        log_every=config.log_every,
         steps_per_epoch=max(1, source.num_train_examples // batch) if source.num_train_examples else None,
-        reset_optimizer=config.reset_optimizer,
         ema_decay=config.ema_decay or None,
+        **classification_task(),
+        **settings_of(config, TRAINER_SETTINGS),
     )
-    for callback in trainer.callbacks:  # Hook state on disk (hooks/*.json, best/) is checked now.
-        restore_state = getattr(callback, "restore_state", None)
-        if restore_state is not None:
-            restore_state(trainer)
     _log_banner(config, strategy, model, source, model_dir, total_steps, trainer)
     finished = _finished_result(trainer, total_steps, metrics_path) if write_dir == model_dir else None
     # Synchronous workers evaluate together, so there the chief evaluates again with them

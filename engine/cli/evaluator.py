@@ -4,7 +4,8 @@ The evaluator only reads the model_dir's checkpoints. It builds the model
 and optimizer as the training job does, restores each checkpoint with a
 plain `tf.train.Checkpoint.read` (no `CheckpointManager`, which could
 rotate or set aside the trainer's files, and no writer lock), and runs the
-Trainer's own compiled eval loop over the whole eval set. It writes only
+training's own compiled eval loop (`engine.runners.EvalRunner`) over the whole
+eval set. It writes only
 its eval summaries (at the checkpoint's step, to the `eval` run) and
 `metrics.json`, the latter in `--mode=eval` or once training has finished.
 
@@ -14,6 +15,7 @@ continuous evaluator beside a cluster: it never trains.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -22,33 +24,33 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-import keras
 import tensorflow as tf
 from absl import logging
 
 from engine import checkpoint as checkpoint_lib
 from engine import model_dir as model_dir_lib
-from engine.config import RunConfig
-from engine.data import PerReplicaBatches
-from engine.environment import seed_everything, set_precision
-from engine.errors import UserError, one_line
+from engine.callbacks.progress import format_logs, logger
+from engine.checkpoint import CheckpointReader, CheckpointVanished, files_gone
+from engine.cli.environment import seed_everything, set_precision
+from engine.cli.own_packages import own_package
+from engine.cli.settings import RunConfig
+from engine.cli.task import classification_task
+from engine.data import as_eval_form
+from engine.ema import weight_averages
+from engine.errors import UserError
 from engine.hooks.best_checkpoint import BestCheckpoint
 from engine.model_dir import latest_checkpoint, write_json
-from engine.own_packages import own_package
+from engine.runners import EvalRunner
 from engine.schedules import learning_rate_schedule
 from engine.strategy import build_strategy, configure_cpu_devices
 from engine.summaries import SummaryWriters
-from engine.trainer import Trainer
+from engine.trainer import prepare_model_state
 
 METRICS_FILE = "metrics.json"
 POLL_SECONDS = 1.0
 # How long a continuous evaluator waits, after the final step, for the trainer's metrics.json.
 TRAINER_FINISH_SECONDS = 60.0
 _CHECKPOINT_STEP = re.compile(r"-(\d+)$")
-
-
-class CheckpointVanished(Exception):
-    """The checkpoint's files went away (rotation) before or while it was read."""
 
 
 def evaluation_mode(config: RunConfig) -> str | None:
@@ -91,10 +93,15 @@ def _run(config: RunConfig, mode: str) -> dict[str, Any]:
 
 
 class Evaluator:
-    """A model, optimizer and Trainer built like the training job's, for reading checkpoints."""
+    """The training job's model, optimizer and eval data, for evaluating its checkpoints read-only.
+
+    What it builds is what the checkpoints hold (model, optimizer slots and
+    averages, global step), restored by a `CheckpointReader`; an `EvalRunner`
+    evaluates it. Nothing trains, nothing rotates, nothing takes the lock.
+    """
 
     def __init__(self, config: RunConfig):
-        from engine.job import build_optimizer
+        from engine.cli.job import build_optimizer
 
         input_lib, models = own_package("input"), own_package("models")
         DataError, get_data_source = input_lib.DataError, input_lib.get_data_source  # noqa: N806
@@ -123,40 +130,41 @@ class Evaluator:
         self.final_step = config.total_steps(source.num_train_examples)
         batch = config.global_batch_size
         with self.strategy.scope():
-            model = spec.build(spec.default_input_shape, source.num_classes)
+            self.model = spec.build(spec.default_input_shape, source.num_classes)
             try:  # As training checks it: before anything is read or written.
-                models.check_fits_data(config.model, model, source.image_shape, source.num_classes)
+                models.check_fits_data(config.model, self.model, source.image_shape, source.num_classes)
             except models.ModelError as error:
                 raise UserError(str(error)) from None
             learning_rate = learning_rate_schedule(
                 config.lr_schedule, config.learning_rate, self.final_step, config.warmup_steps
             )
-            optimizer = build_optimizer(config.optimizer, learning_rate, config.mixed_precision)
-
-        def never_trains(input_context):
-            raise RuntimeError("the evaluator never trains")
-
-        # No model_dir: the Trainer then has no CheckpointManager and writes nothing.
-        self.trainer = Trainer(
-            strategy=self.strategy,
-            model=model,
-            optimizer=optimizer,
-            train_data=PerReplicaBatches(fn=never_trains),
-            eval_data=lambda context: source.eval_dataset(global_batch_size=batch, input_context=context),
-            global_batch_size=batch,
-            model_dir=None,
-            ema_decay=_ema_decay(config),
-            loss_fn=keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None),
-            metrics=[keras.metrics.SparseCategoricalAccuracy(name="accuracy")],
+            self.optimizer = build_optimizer(config.optimizer, learning_rate, config.mixed_precision)
+        # As the Trainer prepares them: the averages (--ema_decay) exist once the optimizer is built.
+        self.weight_averages = weight_averages({"optimizer": self.optimizer}, _ema_decay(config))
+        self.global_step = prepare_model_state(self.strategy, self.model, {"optimizer": self.optimizer})
+        task = classification_task()
+        self.runner = EvalRunner(
+            self.strategy,
+            self.model,
+            task["loss_fn"],
+            as_eval_form(lambda context: source.eval_dataset(global_batch_size=batch, input_context=context)),
+            metrics=task["metrics"],
+            batches_per_call=config.steps_per_loop,
         )
-        self._checkpoint = tf.train.Checkpoint(
-            model=model, optimizer=optimizer, global_step=self.trainer.global_step
+        self.reader = CheckpointReader(
+            tf.train.Checkpoint(model=self.model, optimizer=self.optimizer, global_step=self.global_step)
         )
-        # Made now so each read restores it at once: made later (by the best checkpoint's first save),
-        # it would be restored then, from a checkpoint rotation may have deleted since.
-        _ = self._checkpoint.save_counter
         self._summaries = SummaryWriters(config.model_dir)
         self._best = self._best_checkpoint(config)
+
+    @property
+    def step(self) -> int:
+        return int(self.global_step.numpy())
+
+    def averaged_weights(self) -> contextlib.AbstractContextManager:
+        if self.weight_averages is None:
+            return contextlib.nullcontext()
+        return self.weight_averages.swapped_in()
 
     def _best_checkpoint(self, config: RunConfig) -> BestCheckpoint | None:
         """--best_checkpoint_metric: the hook the trainer would run, keeping <model_dir>/best
@@ -164,44 +172,30 @@ class Evaluator:
         if not config.best_checkpoint_metric:
             return None
         hook = BestCheckpoint(config.best_checkpoint_metric)
-        hook.on_train_begin(self._owner())
+        hook.on_train_begin(self._view())
         return hook
 
-    def _owner(self) -> _EvaluatorView:
+    def _view(self) -> _EvaluatorView:
         """The `TrainerView` BestCheckpoint sees: the training's model_dir and this evaluator's checkpoint."""
-        return _EvaluatorView(
-            self.trainer, checkpoint=self._checkpoint, model_dir=self.model_dir, summaries=self._summaries
-        )
+        return _EvaluatorView(self)
 
     def evaluate(self, path: str, *, strict: bool) -> tuple[int, dict[str, float]]:
         """Restores `path` (read only) and evaluates it; returns (its step, the eval logs).
 
         `strict`: a checkpoint that cannot be read is an error, not a skip.
         """
+        self.reader.read(path, strict=strict)
+        step = self.step
         try:
-            status = self._checkpoint.read(path)
-            status.assert_existing_objects_matched()
-        except (AssertionError, ValueError, tf.errors.OpError, IndexError) as error:  # IndexError: truncated
-            if _files_gone(path) and not strict:
-                raise CheckpointVanished(f"{path}: {type(error).__name__}") from None
-            detail = one_line(error, 300)
-            if _files_gone(path) or not isinstance(
-                error, (AssertionError, ValueError, tf.errors.InvalidArgumentError)
-            ):
-                raise UserError(f"checkpoint {path} cannot be read ({type(error).__name__}: {detail})") from None
-            raise UserError(
-                f"checkpoint {path} does not match this model ({detail}); pass the "
-                "model and flags it was trained with"
-            ) from None
-        status.expect_partial()
-        step = self.trainer.step
-        try:
-            logs = self.trainer.evaluate()
+            with self.averaged_weights():
+                logs = self.runner.run()
+            assert logs is not None, "nothing requests a stop during an evaluator's evaluation"
+            logger.info("eval at step %d  %s", step, format_logs(logs))
             self._summaries.write("eval", step, logs)
             if self._best is not None:
-                self._best.on_eval_end(self._owner(), step, logs)
+                self._best.on_eval_end(self._view(), step, logs)
         except tf.errors.OpError as error:  # A restoration deferred until now read the files.
-            if strict or not _files_gone(path):
+            if strict or not files_gone(path):
                 raise
             raise CheckpointVanished(f"{path}: {type(error).__name__} while evaluating it") from None
         return step, logs
@@ -298,36 +292,30 @@ def _ema_decay(config: RunConfig) -> float | None:
     return decay or None
 
 
-def _files_gone(path: str) -> bool:
-    """Whether a checkpoint's index or data files are missing, as rotation leaves them."""
-    return not (tf.io.gfile.exists(path + ".index") and tf.io.gfile.glob(path + ".data-*"))
-
-
 def _step_of(path: str | None) -> int:
     match = _CHECKPOINT_STEP.search(path or "")
     return int(match.group(1)) if match else -1
 
 
 class _EvaluatorView:
-    """A `TrainerView` of the evaluator's own (model_dir-less) trainer, with the
-    training's model_dir, its summary writers and the checkpoint the evaluator restores into."""
+    """The `TrainerView` the evaluator gives `BestCheckpoint`: the training's model_dir, the
+    evaluator's summary writers and the checkpoint it restores into."""
 
-    def __init__(
-        self, trainer: Trainer, *, checkpoint: tf.train.Checkpoint, model_dir: str, summaries: SummaryWriters
-    ):
-        self.model, self.optimizer, self.optimizers = trainer.model, trainer.optimizer, trainer.optimizers
-        self.strategy, self.summaries = trainer.strategy, summaries
-        self.checkpoint, self.model_dir = checkpoint, model_dir
+    def __init__(self, evaluator: Evaluator):
+        self.model, self.optimizer = evaluator.model, evaluator.optimizer
+        self.optimizers = {"optimizer": evaluator.optimizer}
+        self.strategy, self.summaries = evaluator.strategy, evaluator._summaries
+        self.checkpoint, self.model_dir = evaluator.reader.checkpoint, evaluator.model_dir
         self.target_step: int | None = None
         self.stop_training = False
-        self._trainer = trainer
+        self._evaluator = evaluator
 
     @property
     def step(self) -> int:
-        return self._trainer.step
+        return self._evaluator.step
 
     def evaluates_after(self, step: int) -> bool:
         return False  # The evaluator evaluates checkpoints, not loops.
 
     def averaged_weights(self):
-        return self._trainer.averaged_weights()
+        return self._evaluator.averaged_weights()

@@ -338,8 +338,8 @@ def _raise_interrupt(signum, frame) -> None:
 def check_main_flags(main_flags: Sequence[str]) -> str | None:
     """The error engine.main would die of in every task, found before any task starts:
     its flag parsing, and numbers it cannot count (nan, inf, a timeout past 1e9 s, a port)."""
-    from engine import flags as engine_flags  # noqa: F401  (defines engine.main's flags)
-    from engine.config import RunConfig
+    from engine.cli import flags as engine_flags  # noqa: F401  (defines engine.main's flags)
+    from engine.cli.settings import RunConfig
 
     try:
         FLAGS(["engine.main", *main_flags])

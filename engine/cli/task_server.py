@@ -19,7 +19,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 # Fail RPCs to a dead peer at once so the coordinator can reschedule its work.
 os.environ.setdefault("GRPC_FAIL_FAST", "use_caller")
 
-from engine.cluster import flags as cluster_flags  # noqa: E402  (defines the cluster flags)
+from engine.cli import cluster_flags  # noqa: E402  (defines the cluster flags)
 from engine.cluster import security_warning  # noqa: E402
 from engine.errors import USER_ERROR_EXIT, UserError, one_line  # noqa: E402
 

@@ -1,6 +1,6 @@
 """Every command-line flag of `python -m engine.main`, and nothing else.
 
-Each flag is a `RunConfig` field (`engine/config.py` holds its default, help and
+Each flag is a `RunConfig` field (`engine/cli/settings.py` holds its default, help and
 choices); this module only says which ones `engine.main` defines. Names with a
 fixed set of values are enums that `--help` lists; models and datasets stay
 strings (`--model` also takes package.module:function), checked by `RunConfig`.
@@ -10,8 +10,8 @@ import dataclasses
 
 from absl import flags
 
-from engine.cluster import flags as cluster_flags  # noqa: F401  (--worker_hosts, --ps_hosts, --task_type, ...)
-from engine.config import CLUSTER_SETTINGS, RunConfig, define_flags
+from engine.cli import cluster_flags  # noqa: F401  (--worker_hosts, --ps_hosts, --task_type, ...)
+from engine.cli.settings import CLUSTER_SETTINGS, RunConfig, define_flags
 
 define_flags(
     [field.name for field in dataclasses.fields(RunConfig) if field.name not in CLUSTER_SETTINGS],

@@ -1,8 +1,8 @@
 """`RunConfig`: the validated settings of one run of `engine.main`, and the one
 place each setting is defined.
 
-Each field carries its default, help and choices (`setting`); `engine.flags`
-and `engine.cluster.flags` define the command-line flags from them
+Each field carries its default, help and choices (`setting`); `engine.cli.flags`
+and `engine.cli.cluster_flags` define the command-line flags from them
 (`define_flags`), so a new setting is one field here. Every user mistake in
 the flags is caught here, before anything is written, as a `UserError`
 naming the bad value. This module imports no TensorFlow (flag parsing and
@@ -53,7 +53,7 @@ TIMEOUTS = ("collective_timeout", "startup_timeout", "eval_timeout")
 # Logical CPU devices to split the host into: each is a replica with its own copy of the model.
 MAX_CPU_DEVICES = 1024
 
-# The settings `engine.cluster.flags` defines for `engine.server` too; `engine.flags` defines the rest.
+# The settings `engine.cli.cluster_flags` defines for `engine.server` too; `engine.cli.flags` defines the rest.
 CLUSTER_SETTINGS = (
     "worker_hosts",
     "ps_hosts",
@@ -63,10 +63,29 @@ CLUSTER_SETTINGS = (
     "cluster_resolver",
     "slurm_port_base",
 )
+# The settings that are `engine.Trainer` arguments of the same name and meaning.
+TRAINER_SETTINGS = (
+    "steps_per_loop",
+    "eval_every",
+    "checkpoint_every",
+    "max_checkpoints",
+    "clip_norm",
+    "grad_accum_steps",
+    "jit_compile",
+    "on_nonfinite",
+    "restore_fallback",
+    "log_every",
+    "reset_optimizer",
+)
+
+
+def settings_of(values: Any, names: tuple[str, ...]) -> dict[str, Any]:
+    """`{name: values.name}`: the named settings of a RunConfig, or of parsed absl flags."""
+    return {name: getattr(values, name) for name in names}
 
 
 def setting(default: Any, help: str, *, choices: tuple[str, ...] | None = None) -> Any:
-    """A `RunConfig` field and its command-line flag: `engine.flags` defines `--NAME` from
+    """A `RunConfig` field and its command-line flag: `engine.cli.flags` defines `--NAME` from
     the default, this help and, with `choices`, as an enum that `--help` lists."""
     return dataclasses.field(default=default, metadata={"help": help, "choices": choices})
 
@@ -101,7 +120,7 @@ class RunConfig:
         None,
         "--strategy=tpu: `local` (TPU VM) or grpc://HOST:PORT; without a reachable TPU the run fails at once.",
     )
-    # Several machines (engine.cluster): these are defined by engine.cluster.flags.
+    # Several machines (engine.cluster): these are defined by engine.cli.cluster_flags.
     worker_hosts: list[str] | None = setting(
         None,
         "Comma-separated host:port of every worker task; the host flags build TF_CONFIG (an existing TF_CONFIG "
@@ -290,7 +309,7 @@ class RunConfig:
 
     def validate(self) -> None:
         """Raises UserError for the first bad setting; touches nothing on disk."""
-        from engine.own_packages import own_package  # Imports TensorFlow: only when validating.
+        from engine.cli.own_packages import own_package  # Imports TensorFlow: only when validating.
 
         input_lib, models = own_package("input"), own_package("models")
         _choose("strategy", self.strategy, STRATEGY_NAMES)
@@ -434,6 +453,7 @@ class RunConfig:
     def multi_host_options(self):
         """The cluster (from the flags, TF_CONFIG or Slurm) and multi-host settings;
         no cluster for the single-host strategies unless flags name one."""
+        from engine.cli.preemption import signals_left_pending
         from engine.cluster import resolve_cluster
         from engine.cluster.multi_host import MultiHostOptions
 
@@ -446,21 +466,14 @@ class RunConfig:
             or self.task_type is not None  # A task of a cluster: refused when none is given.
             or self.task_index is not None
         ):
-            cluster = resolve_cluster(
-                worker_hosts=self.worker_hosts,
-                ps_hosts=self.ps_hosts,
-                chief_host=self.chief_host,
-                task_type=self.task_type,
-                task_index=self.task_index,
-                cluster_resolver=self.cluster_resolver,
-                slurm_port_base=self.slurm_port_base,
-            )
+            cluster = resolve_cluster(**settings_of(self, CLUSTER_SETTINGS))
         return MultiHostOptions(
             cluster=cluster,
             communication=self.communication,
             collective_timeout=self.collective_timeout,
             tpu=self.tpu,
             startup_timeout=self.startup_timeout,
+            startup_guard=signals_left_pending,
         )
 
     def total_steps(self, num_train_examples: int | None) -> int:

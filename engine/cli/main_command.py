@@ -1,0 +1,62 @@
+"""The program behind `python -m engine.main`: flags -> RunConfig -> job -> exit code.
+
+User errors (bad flags, data, model_dir, checkpoints) end the process with
+one line on stderr and exit status 2; anything else is a bug and keeps its
+traceback.
+"""
+
+import sys
+
+from absl import app, flags, logging
+
+from engine.cli import flags as engine_flags
+from engine.errors import USER_ERROR_EXIT, UserError, one_line
+
+HELP_FLAGS = ("--help", "-help", "-?", "--helpshort", "-helpshort", "--helpfull", "-helpfull", "--helpxml")
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) > 1:
+        raise UserError(f"unexpected arguments {argv[1:]}; every setting is a --flag")
+    from engine.native_logs import import_tensorflow_quietly
+
+    import_tensorflow_quietly()  # The first import of TensorFlow (the flags do not import it).
+    from engine.cli.job import run
+    from engine.cli.settings import RunConfig
+
+    config = RunConfig.from_flags(engine_flags.FLAGS)
+    return run(config).get("exit_status", 0)
+
+
+def main_with_clean_errors(argv: list[str]) -> int:
+    try:
+        return main(argv)
+    except UserError as error:
+        logging.flush()
+        print(f"engine.main: error: {error}", file=sys.stderr)
+        return USER_ERROR_EXIT
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+    """absl's parsing, with its errors (unknown flag, bad value, missing --flagfile)
+    as one line and exit 2 like every other user error, instead of exit 1."""
+    from engine.cli.flagfiles import check_flagfiles
+
+    try:
+        check_flagfiles(argv[1:])
+        return flags.FLAGS(argv)
+    except UserError as error:
+        print(f"engine.main: error: {error}", file=sys.stderr)
+        sys.exit(USER_ERROR_EXIT)
+    except flags.Error as error:
+        print(f"engine.main: error: {one_line(error)}; see --helpfull", file=sys.stderr)
+        sys.exit(USER_ERROR_EXIT)
+    except SystemExit as done:  # absl prints the help asked for, then exits 1: not a failure.
+        if done.code == 1 and any(arg.split("=")[0] in HELP_FLAGS for arg in argv[1:]):
+            sys.exit(0)
+        raise
+
+
+def run_cli() -> None:
+    logging.set_verbosity(logging.INFO)
+    app.run(lambda argv: sys.exit(main_with_clean_errors(argv)), flags_parser=parse_flags)

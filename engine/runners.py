@@ -1,0 +1,208 @@
+"""The runners: what one training call and one evaluation do, apart from when they happen.
+
+The `Trainer` (the outer loop) decides when to train, evaluate and save;
+a `TrainRunner` runs one compiled call of N training steps from wherever
+the data stands, and an `EvalRunner` one pass over the whole eval set.
+The checkpoint evaluator (`engine.cli.evaluator`) uses an `EvalRunner`
+alone: it never trains. The parameter-server forms of both live in
+`engine.coordinator`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import keras
+import tensorflow as tf
+
+from engine.data import DataForm, distribute_eval_data, distribute_train_data, yields_global_batches
+from engine.errors import UserError
+from engine.loop import (
+    CHECK_EXACT,
+    CHECK_NONE,
+    CHECK_NOT_LARGER,
+    BatchSizeMismatch,
+    LoopResult,
+    make_eval_loop,
+    make_resident_train_loop,
+    make_train_loop,
+)
+from engine.resident import ResidentData, place_on_replicas
+from engine.steps import EvalStep, PerExampleLoss, ReplicaStep, make_eval_step
+
+
+class TrainRunner:
+    """Runs compiled training calls of the replica step over the training data.
+
+    Args:
+      strategy: the strategy the model was built under.
+      replica_step: the per-replica step (the standard one or the user's).
+      global_step: counted up by each step the loop runs.
+      data: the training data's declared form, or `ResidentData` kept on the devices.
+      global_batch_size: examples per step over all replicas.
+    """
+
+    def __init__(
+        self,
+        strategy: tf.distribute.Strategy,
+        replica_step: ReplicaStep,
+        global_step: tf.Variable,
+        data: DataForm | ResidentData,
+        *,
+        global_batch_size: int,
+    ):
+        self.strategy = strategy
+        self.replica_step = replica_step
+        self.global_batch_size = global_batch_size
+        self.data = data
+        self._iterator: Any = None
+        self._iterator_step = -1  # The global step the iterator's next batch is for.
+        self._replica_tensors: Any = None  # ResidentData's copies on the replicas, made at the first call.
+        self.loop = self._make_loop(global_step)
+
+    def _make_loop(self, global_step: tf.Variable | None):
+        if isinstance(self.data, ResidentData):
+            assert global_step is not None, "resident data is never scheduled by a coordinator"
+            return make_resident_train_loop(
+                self.strategy,
+                self.replica_step,
+                global_step,
+                self.data,
+                global_batch_size=self.global_batch_size,
+            )
+        return make_train_loop(
+            self.strategy,
+            self.replica_step,
+            global_step,
+            per_replica_batch_size=self.global_batch_size // self.strategy.num_replicas_in_sync,
+        )
+
+    @property
+    def keeps_data_on_devices(self) -> bool:
+        return isinstance(self.data, ResidentData)
+
+    def run(self, start_step: int, num_steps: int) -> LoopResult:
+        """One compiled call of at most `num_steps` steps, the first at global step `start_step`.
+
+        A run's first batch must be a full one; after a resume (or inside the
+        stream) a smaller one is the data's partial last batch, trained as
+        Keras `fit` trains it.
+
+        Raises:
+          UserError: the first batch does not hold `global_batch_size` examples (nothing ran).
+        """
+        if isinstance(self.data, ResidentData):  # Gathered from the step number: always full batches.
+            return LoopResult.from_outputs(self.loop(self._resident_input(start_step), tf.constant(num_steps)))
+        fresh = self._iterator is None or self._iterator_step != start_step
+        if fresh:
+            self._iterator = iter(distribute_train_data(self.strategy, self.data, start_step=start_step))
+        check = CHECK_NONE if not fresh else (CHECK_EXACT if start_step == 0 else CHECK_NOT_LARGER)
+        try:
+            result = self._call(self._iterator, num_steps, check)
+        except BatchSizeMismatch as mismatch:  # Found while tracing: nothing ran.
+            raise UserError(self._batch_size_message(mismatch.size, start_step)) from None
+        if result.first_batch_size >= 0:  # Found by the loop, which then ran no step.
+            raise UserError(self._batch_size_message(result.first_batch_size, start_step))
+        self._iterator_step = start_step + result.steps_run
+        return result
+
+    def _call(self, iterator: Any, num_steps: int, first_batch_check: int) -> LoopResult:
+        outputs = self.loop(iterator, tf.constant(num_steps, tf.int32), tf.constant(first_batch_check, tf.int32))
+        return LoopResult.from_outputs(outputs)
+
+    def _resident_input(self, start_step: int) -> tuple[Any, tf.Tensor]:
+        if self._replica_tensors is None:
+            assert isinstance(self.data, ResidentData), "only for resident data"
+            self._replica_tensors = place_on_replicas(self.strategy, self.data)
+        return self._replica_tensors, tf.constant(start_step, tf.int64)
+
+    def _batch_size_message(self, per_replica: int, step: int) -> str:
+        replicas = self.strategy.num_replicas_in_sync
+        untouched = "nothing was trained" if step == 0 else f"no update was applied after step {step}"
+        assert not isinstance(self.data, ResidentData), "resident batches are always full"
+        if yields_global_batches(self.data):
+            return (
+                f"train_data's first batch holds {per_replica * replicas} examples but "
+                f"global_batch_size={self.global_batch_size}; batch the dataset by "
+                f"{self.global_batch_size} (global batches) or change global_batch_size; {untouched}"
+            )
+        return (
+            f"train_data's first batch holds {per_replica} examples per replica but "
+            f"global_batch_size={self.global_batch_size} over {replicas} replica(s) needs "
+            f"{self.global_batch_size // replicas}; batch by "
+            f"input_context.get_per_replica_batch_size(global_batch_size); {untouched}"
+        )
+
+
+class EvalRunner:
+    """Exact evaluation: every example of the eval set once, Keras `evaluate`'s numbers.
+
+    Evaluates in compiled calls of `batches_per_call` batches so that a stop
+    request is seen between them. The loss is sum(w * l) / N plus the
+    model's regularization losses; `metrics` see no sample weights,
+    `weighted_metrics` do (Keras `compile`'s split). Fresh copies of the
+    metrics are made in the strategy's scope.
+    """
+
+    def __init__(
+        self,
+        strategy: tf.distribute.Strategy,
+        model: Any,
+        loss_fn: PerExampleLoss,
+        data: DataForm,
+        *,
+        metrics: Sequence[keras.metrics.Metric] = (),
+        weighted_metrics: Sequence[keras.metrics.Metric] = (),
+        eval_step_fn: EvalStep | None = None,
+        batches_per_call: int,
+    ):
+        self.strategy = strategy
+        self.data = data
+        self.batches_per_call = batches_per_call
+        with strategy.scope():
+            unweighted = [fresh_copy(m) for m in metrics]
+            weighted = [fresh_copy(m) for m in weighted_metrics]
+            self.loss = keras.metrics.Mean(name="loss")
+            self.count = keras.metrics.Sum(name="num_examples")
+        self.metrics = [*unweighted, *weighted]
+        self.loop = make_eval_loop(
+            strategy,
+            make_eval_step(
+                model=model,
+                loss_fn=loss_fn,
+                loss_metric=self.loss,
+                count_metric=self.count,
+                metrics=unweighted,
+                weighted_metrics=weighted,
+                eval_step_fn=eval_step_fn,
+            ),
+        )
+
+    def run(self, stop_requested: Callable[[], bool] = lambda: False) -> dict[str, float] | None:
+        """`{"loss", <metric>..., "num_examples"}` over the whole set; None when
+        `stop_requested()` turned True between two calls and cut it short."""
+        for metric in (self.loss, self.count, *self.metrics):
+            metric.reset_state()
+        if not self._run_calls(stop_requested):
+            return None
+        logs = {"loss": float(self.loss.result())}
+        logs.update({m.name: float(m.result()) for m in self.metrics})
+        logs["num_examples"] = int(round(float(self.count.result())))
+        return logs
+
+    def _run_calls(self, stop_requested: Callable[[], bool]) -> bool:
+        iterator = iter(distribute_eval_data(self.strategy, self.data))
+        return self._calls_until_exhausted(iterator, stop_requested)
+
+    def _calls_until_exhausted(self, iterator: Any, stop_requested: Callable[[], bool]) -> bool:
+        batches = tf.constant(self.batches_per_call, tf.int32)
+        while not bool(self.loop(iterator, batches)):
+            if stop_requested():
+                return False
+        return True
+
+
+def fresh_copy(metric: keras.metrics.Metric) -> keras.metrics.Metric:
+    """A new, empty metric of the same config, created in the current scope."""
+    return type(metric).from_config(metric.get_config())
