@@ -52,7 +52,8 @@ def test_two_replicas_global_pipeline_and_restart_continues(tmp_path):
     first = run_main(*common, "--train_steps=20")
     assert first.returncode == 0, first.stderr[-3000:]
     assert "replicas=2" in first.stderr
-    second = run_main(*common, "--train_steps=30", "--learning_rate=0.01")
+    # The restart (10 steps) in this process: the same two-replica strategy the tests share.
+    second = main_in_process(*common, "--train_steps=30", "--learning_rate=0.01")
     assert second.returncode == 0, second.stderr[-3000:]
     assert "Restored" in second.stderr and "steps=20->30" in second.stderr
     metrics = json.loads((tmp_path / "metrics.json").read_text())
