@@ -94,7 +94,7 @@ def hand_gradient_norm(model, x, y) -> float:
     return float(tf.linalg.global_norm(tape.gradient(loss, model.trainable_variables)))
 
 
-@pytest.mark.parametrize("clip_norm", [None, 0.05])
+@pytest.mark.parametrize("clip_norm", [None, pytest.param(0.05, marks=pytest.mark.slow)])
 def test_the_global_gradient_norm_is_written_beside_the_histograms(mirrored, default, tmp_path, clip_norm):
     x, y = make_arrays(64)
     model, optimizer = make_model(mirrored)

@@ -64,8 +64,8 @@ def test_two_replicas_global_pipeline_and_restart_continues(tmp_path):
 @pytest.mark.cli
 def test_flagfile_is_read(tmp_path):
     flagfile = tmp_path / "flags.txt"
-    flagfile.write_text(f"--model=mlp\n--train_steps=5\n--model_dir={tmp_path / 'run'}\n")
-    result = main_in_process(f"--flagfile={flagfile}")  # absl reads it as in a process; 5 steps
+    flagfile.write_text(f"--model=mlp\n--train_steps=5\n--mode=train\n--model_dir={tmp_path / 'run'}\n")
+    result = main_in_process(f"--flagfile={flagfile}")  # absl reads it as in a process; 5 steps, no eval
     assert result.returncode == 0, result.stderr[-3000:]
     assert json.loads((tmp_path / "run" / "metrics.json").read_text())["global_step"] == 5
 
