@@ -89,6 +89,7 @@ def test_training_is_unchanged_and_evaluation_uses_the_averages(mirrored):
     assert plain.evaluate() != ema_eval
 
 
+@pytest.mark.slow
 def test_resume_is_bitwise_with_the_averages(mirrored, tmp_path):
     straight = new_trainer(mirrored, model_dir=str(tmp_path / "a"), ema_decay=DECAY, steps_per_loop=4)
     straight.train(12)

@@ -18,7 +18,7 @@ def digits():
     return get_data_source("digits", image_shape=SHAPE)
 
 
-@pytest.fixture(params=["default", "mirrored"])
+@pytest.fixture(params=["default", pytest.param("mirrored", marks=pytest.mark.slow)])  # fast tier: default
 def strategy(request):
     return request.getfixturevalue(request.param)
 
