@@ -72,8 +72,8 @@ def set_aside_unreadable(model_dir: str, *, fallback: bool) -> None:
             break
         if not fallback:
             raise UserError(
-                f"checkpoint {path} cannot be read ({problem}); pass --restore_fallback to "
-                "restore the newest older readable checkpoint, or use a new --model_dir"
+                f"checkpoint {path} cannot be read ({problem}); pass `restore_fallback=True` to "
+                "restore the newest older readable checkpoint, or use a new `model_dir`"
             )
         logging.warning("checkpoint %s cannot be read (%s); falling back", path, problem)
         unreadable.append(path)
@@ -81,7 +81,7 @@ def set_aside_unreadable(model_dir: str, *, fallback: bool) -> None:
         return
     readable = [p for p in paths if p not in unreadable]
     if not readable:
-        raise UserError(f"no checkpoint in {directory} can be read (newest: {paths[-1]}); use a new --model_dir")
+        raise UserError(f"no checkpoint in {directory} can be read (newest: {paths[-1]}); use a new `model_dir`")
     aside = os.path.join(directory, UNREADABLE_SUBDIR)
     repairs.makedirs(aside)
     prefixes = {os.path.basename(path) + "." for path in unreadable}
@@ -104,7 +104,7 @@ def restore_latest(
 
     `directory` is a model_dir to read from instead of the manager's own
     (a non-chief worker writes elsewhere but resumes from the chief's).
-    `fresh_optimizer` restores everything but the optimizer (--reset_optimizer):
+    `fresh_optimizer` restores everything but the optimizer (`reset_optimizer`):
     its slots start over, its step count continues from the global step.
 
     Every variable of the program must be in the checkpoint with the same
@@ -134,20 +134,21 @@ def restore_latest(
         detail = one_line(error, 300)
         raise UserError(
             f"checkpoint {path} does not match this model ({detail}); "
-            "use a new --model_dir or the model and flags it was trained with"
+            "use a new `model_dir` or the model and settings it was trained with"
         ) from None
     except tf.errors.OpError as error:  # Damaged after the readability check, or never checked.
         detail = one_line(error, 200)
         raise UserError(
             f"checkpoint {path} cannot be read ({type(error).__name__}: {detail}); pass "
-            "--restore_fallback to restore the newest older readable checkpoint, or use a new --model_dir"
+            "`restore_fallback=True` to restore the newest older readable checkpoint, or use a new `model_dir`"
         ) from None
     return path
 
 
 def check_settings(model_dir: str, settings: Mapping[str, str], *, flags_may_change: bool = False) -> None:
     """Refuses to resume with settings that change what the checkpoint's optimizer
-    state means, naming the flag (`settings` maps flag name to value).
+    state means, naming the setting (`settings` maps a flag's name to its value; the
+    message spells it as `name=value`, which the command line prints as the flag).
 
     The settings of the run that wrote the checkpoints are kept in
     `checkpoints/settings.json` (`record_settings`); a model_dir without it
@@ -172,9 +173,9 @@ def check_settings(model_dir: str, settings: Mapping[str, str], *, flags_may_cha
     if changed:
         flag, old, new = changed[0]
         raise UserError(
-            f"--{flag}={new} differs from --{flag}={old} that the checkpoints in {directory} were "
-            f"trained with; pass --{flag}={old} to resume, --reset_optimizer to keep the weights "
-            "and start fresh optimizer state, or a new --model_dir"
+            f"`{flag}={new}` differs from `{flag}={old}` that the checkpoints in {directory} were "
+            f"trained with; pass `{flag}={old}` to resume, `reset_optimizer=True` to keep the weights "
+            "and start fresh optimizer state, or a new `model_dir`"
         )
 
 
@@ -302,7 +303,7 @@ class CheckpointReader:
                 raise UserError(f"checkpoint {path} cannot be read ({type(error).__name__}: {detail})") from None
             raise UserError(
                 f"checkpoint {path} does not match this model ({detail}); pass the "
-                "model and flags it was trained with"
+                "model and settings it was trained with"
             ) from None
         status.expect_partial()
 

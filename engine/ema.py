@@ -69,13 +69,13 @@ def weight_averages(
     averages are checkpointed, not swapped in).
     """
     if ema_decay is not None and not 0.0 < ema_decay < 1.0:
-        raise UserError(f"ema_decay={ema_decay} must be between 0 and 1 (e.g. 0.999), exclusive")
+        raise UserError(f"`ema_decay={ema_decay}` must be between 0 and 1 (e.g. 0.999), exclusive")
     if len(optimizers) > 1:
         if ema_decay is not None:
             raise UserError(
-                f"ema_decay={ema_decay} averages the weights of one optimizer, got "
+                f"`ema_decay={ema_decay}` averages the weights of one optimizer, got "
                 f"{len(optimizers)} ({', '.join(optimizers)}); create those optimizers "
-                "with use_ema=True and swap their averages in yourself"
+                "with `use_ema=True` and swap their averages in yourself"
             )
         return None
     (optimizer,) = optimizers.values()
@@ -83,16 +83,16 @@ def weight_averages(
     if inner.use_ema:
         if ema_decay is not None and ema_decay != inner.ema_momentum:
             raise UserError(
-                f"ema_decay={ema_decay} differs from the optimizer's ema_momentum="
-                f"{inner.ema_momentum}; pass one of them"
+                f"`ema_decay={ema_decay}` differs from the optimizer's "
+                f"`ema_momentum={inner.ema_momentum}`; pass one of them"
             )
         return WeightAverages(inner)
     if ema_decay is None:
         return None
     if inner.built:
         raise UserError(
-            f"ema_decay={ema_decay} needs an optimizer that is not built yet (its averages are "
-            f"made when it is built); create it with use_ema=True, ema_momentum={ema_decay}, "
+            f"`ema_decay={ema_decay}` needs an optimizer that is not built yet (its averages are "
+            f"made when it is built); create it with `use_ema=True, ema_momentum={ema_decay}`, "
             "or leave building it to the Trainer"
         )
     inner.use_ema, inner.ema_momentum, inner.ema_overwrite_frequency = True, ema_decay, None

@@ -39,13 +39,13 @@ GLOB_CHARACTERS = "*?[]\\"
 _CHECKPOINT_INDEX = re.compile(r"^ckpt-(\d+)\.index$")
 
 
-def check_name(model_dir: str, flag: str = "model_dir") -> None:
+def check_name(model_dir: str, argument: str = "model_dir") -> None:
     """Refuses names TensorFlow would read as glob patterns: with them, checkpoint
     rotation and discovery reach files outside the directory."""
     bad = sorted({c for c in model_dir if c in GLOB_CHARACTERS})
     if bad:
         raise UserError(
-            f"--{flag}={model_dir} contains {''.join(bad)!r}, which TensorFlow matches as a file "
+            f"`{argument}={model_dir!r}` contains {''.join(bad)!r}, which TensorFlow matches as a file "
             "pattern (checkpoint rotation could delete files of other directories); "
             "use a path without * ? [ ] \\"
         )
@@ -77,7 +77,7 @@ def check_kinds(model_dir: str) -> None:
                 kind = "a regular file" if stat.S_ISREG(status.st_mode) else _file_kind(status.st_mode)
         raise UserError(
             f"{path} is {kind}, not a directory: the run keeps its {what} there; move it away "
-            "or pass another --model_dir"
+            "or pass another `model_dir`"
         )
 
 
@@ -124,7 +124,7 @@ def _file_kind(mode: int) -> str:
 def _not_a_lock_file(path: str, what: str) -> UserError:
     return UserError(
         f"{path} is {what}, not the engine's lock file; nothing was written through it: if no run "
-        "uses this --model_dir, remove that entry (only it, not what it points to), or pass another --model_dir"
+        "uses this `model_dir`, remove that entry (only it, not what it points to), or pass another `model_dir`"
     )
 
 
@@ -155,8 +155,8 @@ def _open_lock_file(model_dir: str, path: str) -> tuple[int, bool]:
                     kind = f"a symbolic link to {os.readlink(path)}"
                 raise _not_a_lock_file(path, kind) from None
             raise UserError(
-                f"cannot open the lock file {path} ({error.strerror}); if no run uses this --model_dir, "
-                "make it readable and writable by this user or remove it, or pass another --model_dir"
+                f"cannot open the lock file {path} ({error.strerror}); if no run uses this `model_dir`, "
+                "make it readable and writable by this user or remove it, or pass another `model_dir`"
             ) from None
         status = os.fstat(fd)
         if not stat.S_ISREG(status.st_mode) or status.st_nlink > 1:
@@ -203,7 +203,7 @@ def writer_lock(model_dir: str) -> Iterator[None]:
     """
     if is_remote(model_dir):
         logging.warning(
-            "--model_dir=%s is not a local directory: it has no writer lock, so make sure "
+            "`model_dir=%r` is not a local directory: it has no writer lock, so make sure "
             "no other run writes to it",
             model_dir,
         )
@@ -223,8 +223,8 @@ def writer_lock(model_dir: str) -> Iterator[None]:
             holder = _describe_holder(_read_record(fd))
             os.close(fd)
             raise UserError(
-                f"--model_dir={model_dir} is in use by {holder}; wait for that run to end, "
-                "or pass another --model_dir"
+                f"`model_dir={model_dir!r}` is in use by {holder}; wait for that run to end, "
+                "or pass another `model_dir`"
             ) from None
         try:
             same_file = os.fstat(fd).st_ino == os.lstat(path).st_ino
@@ -349,7 +349,7 @@ def write_state(directory: str, latest: str, every: list[str]) -> None:
     as `tf.train.CheckpointManager` does, so the model_dir stays portable.
 
     Written here, not by `tf.compat.v1.train.update_checkpoint_state`: given a
-    name in a directory that is not absolute (ram://, a relative --model_dir)
+    name in a directory that is not absolute (ram://, a relative `model_dir`)
     it writes `../../ckpt-3`.
     """
     names = [os.path.basename(path) for path in every]
@@ -410,7 +410,7 @@ def recover_state(directory: str) -> str | None:
         raise UserError(
             f"{directory} holds checkpoints ({os.path.basename(found[-1])} the newest) but its "
             f"state file {STATE_FILE!r} is missing or damaged and none of them can be read; "
-            "use a new --model_dir"
+            "use a new `model_dir`"
         )
     what = "missing"
     if tf.io.gfile.exists(state_path):
@@ -552,4 +552,4 @@ def disk_full_message(path: str, error: BaseException) -> str | None:
         free = f"{usage.free / 2**20:.1f} MiB free of {usage.total / 2**20:.0f} MiB"
     except OSError:
         free = "free space unknown"
-    return f"the disk holding {path} is full ({free}); free space or use another --model_dir"
+    return f"the disk holding {path} is full ({free}); free space or use another `model_dir`"

@@ -124,12 +124,12 @@ class TrainRunner:
         if yields_global_batches(self.data):
             return (
                 f"train_data's first batch holds {per_replica * replicas} examples but "
-                f"global_batch_size={self.global_batch_size}; batch the dataset by "
-                f"{self.global_batch_size} (global batches) or change global_batch_size; {untouched}"
+                f"`global_batch_size={self.global_batch_size}`; batch the dataset by "
+                f"{self.global_batch_size} (global batches) or change `global_batch_size`; {untouched}"
             )
         return (
             f"train_data's first batch holds {per_replica} examples per replica but "
-            f"global_batch_size={self.global_batch_size} over {replicas} replica(s) needs "
+            f"`global_batch_size={self.global_batch_size}` over {replicas} replica(s) needs "
             f"{self.global_batch_size // replicas}; batch by "
             f"input_context.get_per_replica_batch_size(global_batch_size); {untouched}"
         )

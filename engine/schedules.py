@@ -1,4 +1,4 @@
-"""Learning-rate schedules for `--lr_schedule`, built from Keras's own.
+"""Learning-rate schedules by name (the command line's `--lr_schedule`), built from Keras's own.
 
 A schedule object is handed to the optimizer, which evaluates it at
 `optimizer.iterations`; that counter is in every checkpoint, so a restored
@@ -21,8 +21,10 @@ STEP_DECAY_RATE = 0.1  # `step`: the rate drops 10x after each third of the run.
 DEFAULT_WARMUP_FRACTION = 0.1
 
 
-def learning_rate_schedule(name: str, base_rate: float, total_steps: int, warmup_steps: int = 0) -> LearningRate:
-    """The learning rate (or schedule) called `name` over a run of `total_steps`.
+def learning_rate_schedule(
+    schedule: str, base_rate: float, total_steps: int, warmup_steps: int = 0
+) -> LearningRate:
+    """The learning rate (or schedule) called `schedule` over a run of `total_steps`.
 
     - constant: `base_rate` throughout;
     - cosine: cosine decay from `base_rate` to 0 at `total_steps`;
@@ -30,23 +32,23 @@ def learning_rate_schedule(name: str, base_rate: float, total_steps: int, warmup
     - warmup_cosine: linear warmup from 0 over `warmup_steps` (a tenth of
       the run when 0), then cosine decay to 0 at `total_steps`.
     """
-    if name not in SCHEDULE_NAMES:
-        raise UserError(f"unknown --lr_schedule={name!r}; choose one of: {', '.join(SCHEDULE_NAMES)}")
+    if schedule not in SCHEDULE_NAMES:
+        raise UserError(f"unknown `schedule={schedule!r}`; choose one of: {', '.join(SCHEDULE_NAMES)}")
     if total_steps < 1:
         raise UserError(f"a learning-rate schedule needs at least 1 training step, got {total_steps}")
     schedules = keras.optimizers.schedules
-    if name == "constant":
+    if schedule == "constant":
         return float(base_rate)
-    if name == "cosine":
+    if schedule == "cosine":
         return schedules.CosineDecay(base_rate, decay_steps=total_steps)
-    if name == "step":
+    if schedule == "step":
         return schedules.ExponentialDecay(
             base_rate, decay_steps=max(1, total_steps // 3), decay_rate=STEP_DECAY_RATE, staircase=True
         )
     warmup = warmup_steps or max(1, int(total_steps * DEFAULT_WARMUP_FRACTION))
     if warmup >= total_steps:
         raise UserError(
-            f"--warmup_steps={warmup} leaves no steps to decay over in a run of {total_steps}; "
+            f"`warmup_steps={warmup}` leaves no steps to decay over in a run of {total_steps}; "
             "use fewer warmup steps or train longer"
         )
     return schedules.CosineDecay(

@@ -18,34 +18,34 @@ if TYPE_CHECKING:
     from engine.cluster.multi_host import MultiHostOptions
 
 
-def configure_cpu_devices(count: int) -> None:
-    """Splits the first physical CPU into `count` logical devices (idempotent)."""
-    if count < 1:
-        raise UserError(f"--cpu_devices={count} must be at least 1")
+def configure_cpu_devices(cpu_devices: int) -> None:
+    """Splits the first physical CPU into `cpu_devices` logical devices (idempotent)."""
+    if cpu_devices < 1:
+        raise UserError(f"`cpu_devices={cpu_devices}` must be at least 1")
     cpu = tf.config.list_physical_devices("CPU")[0]
     existing = tf.config.get_logical_device_configuration(cpu)
-    if existing is not None and len(existing) == count:
+    if existing is not None and len(existing) == cpu_devices:
         return
     try:
-        tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * count)
+        tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * cpu_devices)
     except RuntimeError:
         have = len(tf.config.list_logical_devices("CPU"))
-        if have >= count:
-            return  # Already split into enough devices; use the first `count`.
+        if have >= cpu_devices:
+            return  # Already split into enough devices; use the first `cpu_devices`.
         raise UserError(
-            f"--cpu_devices={count} cannot be applied: TensorFlow already started "
-            f"with {have} CPU device(s); set it before any TensorFlow work"
+            f"`cpu_devices={cpu_devices}` cannot be applied: TensorFlow already started "
+            f"with {have} CPU device(s); split the CPU before any TensorFlow work"
         ) from None
 
 
 def build_strategy(
-    name: str = "default",
+    strategy: str = "default",
     *,
     cpu_devices: int = 1,
     num_gpus: int | None = None,
     multi_host: MultiHostOptions | None = None,
 ) -> tf.distribute.Strategy:
-    """Returns the strategy called `name`.
+    """Returns the strategy called `strategy`.
 
     `mirrored` uses `num_gpus` GPUs (all visible ones when None) and, when
     there are none, `cpu_devices` logical CPU devices, so several replicas
@@ -54,7 +54,7 @@ def build_strategy(
     (`engine.cluster.multi_host.MultiHostOptions`).
 
     Args:
-      name: one of `STRATEGY_NAMES` (default, one_device, mirrored,
+      strategy: one of `STRATEGY_NAMES` (default, one_device, mirrored,
         multi_worker_mirrored, parameter_server, tpu).
       cpu_devices: logical CPU devices `mirrored` uses as replicas without
         GPUs (split them first with `configure_cpu_devices`).
@@ -67,13 +67,17 @@ def build_strategy(
     Raises:
       UserError: an unknown name or an impossible device request, named.
     """
-    if name not in STRATEGY_NAMES:
-        raise UserError(f"unknown strategy {name!r}; choose one of: {', '.join(STRATEGY_NAMES)}")
-    if name in MULTI_HOST_STRATEGIES:
+    if strategy not in STRATEGY_NAMES:
+        raise UserError(f"unknown `strategy={strategy!r}`; choose one of: {', '.join(STRATEGY_NAMES)}")
+    if cpu_devices < 1:
+        raise UserError(f"`cpu_devices={cpu_devices}` must be at least 1")
+    if num_gpus is not None and num_gpus < 0:
+        raise UserError(f"`num_gpus={num_gpus}` must be at least 0 (None: every visible GPU)")
+    if strategy in MULTI_HOST_STRATEGIES:
         from engine.cluster.multi_host import MultiHostOptions, build_multi_host_strategy
 
-        return build_multi_host_strategy(name, multi_host or MultiHostOptions())
-    if name == "default":
+        return build_multi_host_strategy(strategy, multi_host or MultiHostOptions())
+    if strategy == "default":
         return tf.distribute.get_strategy()
     if cpu_devices > 1:
         configure_cpu_devices(cpu_devices)
@@ -81,11 +85,11 @@ def build_strategy(
     if num_gpus is not None:
         if num_gpus > len(gpus):
             raise UserError(
-                f"--num_gpus={num_gpus} but only {len(gpus)} GPU(s) are visible; "
-                "lower --num_gpus or use --cpu_devices on a CPU-only machine"
+                f"`num_gpus={num_gpus}` but only {len(gpus)} GPU(s) are visible; "
+                "lower `num_gpus` or use `cpu_devices` on a CPU-only machine"
             )
         gpus = gpus[:num_gpus]
-    if name == "one_device":
+    if strategy == "one_device":
         return tf.distribute.OneDeviceStrategy(gpus[0].name if gpus else "/cpu:0")
     if gpus:
         return _mirrored([gpu.name for gpu in gpus])

@@ -149,13 +149,13 @@ class Trainer:
             strategy, loss_fn, step_fn, metrics, weighted_metrics, eval_data, global_batch_size, step_options
         )
         if steps_per_loop < 1:
-            raise UserError(f"steps_per_loop={steps_per_loop} must be at least 1")
+            raise UserError(f"`steps_per_loop={steps_per_loop}` must be at least 1")
         self.step_options = step_options
         self.optimizers = _named_optimizers(optimizer)
         if step_fn is None and len(self.optimizers) > 1:
             raise UserError(
                 f"the standard step applies one optimizer, got {len(self.optimizers)} "
-                f"({', '.join(self.optimizers)}); pass step_fn= to apply several"
+                f"({', '.join(self.optimizers)}); pass `step_fn` to apply several"
             )
         train_form = _train_data_form(strategy, train_data, global_batch_size)
         eval_form = as_eval_form(eval_data) if eval_data is not None else None
@@ -184,20 +184,8 @@ class Trainer:
             # Keras compile's split: `metrics` see no sample weights, `weighted_metrics` do.
             train_unweighted = [fresh_copy(m) for m in metrics]
             train_weighted = [fresh_copy(m) for m in weighted_metrics]
-            self.train_metrics = [*train_unweighted, *train_weighted]
-        if step_fn is None:
-            assert loss_fn is not None, "checked above: loss_fn or step_fn"
-            step_fn = make_train_step(
-                model=model,
-                optimizer=optimizer,
-                loss_fn=loss_fn,
-                global_batch_size=global_batch_size,
-                metrics=train_unweighted,
-                weighted_metrics=train_weighted,
-                grad_norm=any(c.needs_grad_norm for c in self.callbacks),
-                **step_options.step_arguments(),
-            )
-        self.replica_step = step_fn
+        self.train_metrics = [*train_unweighted, *train_weighted]
+        self.replica_step = step_fn or self._standard_step(loss_fn, train_unweighted, train_weighted)
         self.train_runner = self._make_train_runner(train_form, global_batch_size)
         self._stop_agreement = _make_stop_agreement(strategy)
         self.eval_runner: EvalRunner | None = None
@@ -213,17 +201,37 @@ class Trainer:
 
         self.checkpointer: Checkpointer | None = None
         if model_dir is not None:
-            # One optimizer keeps the key "optimizer" that existing checkpoints use.
-            optimizer_state = (
-                {"optimizer": optimizer} if self.optimizer is not None else {"optimizers": dict(self.optimizers)}
-            )
-            checkpoint = tf.train.Checkpoint(model=model, global_step=self.global_step, **optimizer_state)
-            self.checkpointer = Checkpointer(
-                model_dir, checkpoint, model=model, step_counter=self.global_step, options=checkpoint_options
-            )
+            self.checkpointer = self._make_checkpointer(model_dir, checkpoint_options)
             self._restore()
         for callback in self.callbacks:  # Their own state on disk, now that the step is known.
             callback.restore_state(self)
+
+    def _standard_step(
+        self, loss_fn: PerExampleLoss | None, metrics: list[Any], weighted_metrics: list[Any]
+    ) -> ReplicaStep:
+        assert loss_fn is not None, "checked: loss_fn or step_fn"
+        return make_train_step(
+            model=self.model,
+            optimizer=next(iter(self.optimizers.values())),  # The standard step applies one.
+            loss_fn=loss_fn,
+            global_batch_size=self.global_batch_size,
+            metrics=metrics,
+            weighted_metrics=weighted_metrics,
+            grad_norm=any(c.needs_grad_norm for c in self.callbacks),
+            **self.step_options.step_arguments(),
+        )
+
+    def _make_checkpointer(self, model_dir: str, options: CheckpointOptions) -> Checkpointer:
+        # One optimizer keeps the key "optimizer" that existing checkpoints use.
+        optimizer_state = (
+            {"optimizer": self.optimizer}
+            if self.optimizer is not None
+            else {"optimizers": dict(self.optimizers)}
+        )
+        checkpoint = tf.train.Checkpoint(model=self.model, global_step=self.global_step, **optimizer_state)
+        return Checkpointer(
+            model_dir, checkpoint, model=self.model, step_counter=self.global_step, options=options
+        )
 
     def _make_train_runner(self, data: DataForm | ResidentData, global_batch_size: int) -> TrainRunner:
         return TrainRunner(
@@ -359,7 +367,7 @@ class Trainer:
           UserError: `steps` is negative, or the batch size is wrong.
         """
         if steps < 0:
-            raise UserError(f"train steps={steps} must not be negative")
+            raise UserError(f"train(`steps={steps}`) must not be negative")
         logs: dict[str, float] = {}
         last_saved = self.step
         self.target_step = steps
@@ -422,8 +430,8 @@ class Trainer:
         self._summaries.close()
         raise NonFiniteLossError(
             f"non-finite loss at step {step}; stopped without saving, the latest checkpoint "
-            f"({self._latest_checkpoint() or 'none'}) is kept; lower --learning_rate, set --clip_norm, or pass "
-            "--on_nonfinite=skip to skip such steps"
+            f"({self._latest_checkpoint() or 'none'}) is kept; lower the optimizer's `learning_rate`, set "
+            "`clip_norm`, or pass `on_nonfinite='skip'` to skip such steps"
         )
 
     def _end_on_exhausted_data(self, target: int, last_saved: int, logs: Mapping[str, float]) -> None:
@@ -576,7 +584,7 @@ def _check_arguments(
     _check_batch(global_batch_size, strategy.num_replicas_in_sync, step_options.grad_accum_steps)
     if step_options.on_nonfinite not in NONFINITE_POLICIES:
         raise UserError(
-            f"on_nonfinite={step_options.on_nonfinite!r} must be one of: {', '.join(NONFINITE_POLICIES)}"
+            f"`on_nonfinite={step_options.on_nonfinite!r}` must be one of: {', '.join(NONFINITE_POLICIES)}"
         )
     ignored = step_options.changed()
     if step_fn is not None and ignored:  # A step_fn replaces the step these options shape.
@@ -594,8 +602,8 @@ def _train_data_form(
     if isinstance(data, ResidentData):
         if data.global_batch_size not in (None, global_batch_size):
             raise UserError(
-                f"train_data (ResidentData) was made for global_batch_size={data.global_batch_size} "
-                f"but the Trainer has global_batch_size={global_batch_size}; make both the same"
+                f"`train_data` (ResidentData) was made for `global_batch_size={data.global_batch_size}` "
+                f"but the Trainer has `global_batch_size={global_batch_size}`; make both the same"
             )
         host_form = as_train_form(data.host_data)  # Checked all the same.
         _check_dataset_batch(host_form, global_batch_size)
@@ -654,7 +662,7 @@ def _check_batch(global_batch_size: int, num_replicas: int, grad_accum_steps: in
     if global_batch_size < 1:
         raise UserError(f"global batch size {global_batch_size} must be positive")
     if grad_accum_steps < 1:
-        raise UserError(f"grad_accum_steps={grad_accum_steps} must be at least 1")
+        raise UserError(f"`grad_accum_steps={grad_accum_steps}` must be at least 1")
     if global_batch_size % (num_replicas * grad_accum_steps):
         raise UserError(
             f"global batch size {global_batch_size} is not divisible by "
@@ -710,8 +718,8 @@ def _check_dataset_batch(form: DataForm, global_batch_size: int) -> None:
     size = leaves[0].shape[0] if leaves and leaves[0].shape.rank else None
     if size is not None and size != global_batch_size:
         raise UserError(
-            f"train_data yields batches of {size} examples but global_batch_size={global_batch_size}; "
-            f"batch the dataset (global batches) by {global_batch_size} or pass global_batch_size={size}"
+            f"`train_data` yields batches of {size} examples but `global_batch_size={global_batch_size}`; "
+            f"batch the dataset (global batches) by {global_batch_size} or pass `global_batch_size={size}`"
         )
 
 

@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import TypeAlias
+from typing import TYPE_CHECKING, TypeAlias
 
 import tensorflow as tf
+
+if TYPE_CHECKING:
+    from engine.resident import ResidentData
 
 InputContext: TypeAlias = tf.distribute.InputContext
 
@@ -123,6 +126,11 @@ class DataSource(abc.ABC):
         if self.num_eval_examples is None:
             return None
         return self._eval_batches(batch_layout(global_batch_size, input_context), input_context)
+
+    def resident_train_data(self, *, global_batch_size: int, seed: int) -> ResidentData | None:
+        """The training stream as `engine.ResidentData`, kept on every replica's device;
+        None (here) for a source that does not hold its train split in memory."""
+        return None
 
     @abc.abstractmethod
     def _train_stream(

@@ -130,13 +130,15 @@ def _imports_from(directory: Path):
 
 def run_config(*flags: str, env: dict[str, str] | None = None):
     """The `RunConfig` engine.main builds from FLAGS (absl's parsing, then validation) in
-    this process; raises its UserError. Nothing runs, so a check that fails cannot hang."""
+    this process; raises its UserError, spelled in flags as engine.main prints it. Nothing
+    runs, so a check that fails cannot hang."""
     from absl import flags as absl_flags
 
     from engine.cli import main_command as cli  # noqa: F401  (defines the flags)
+    from engine.cli.flag_names import errors_in_flag_terms
     from engine.cli.settings import RunConfig
 
-    with mock.patch.dict(os.environ, env or {}):
+    with mock.patch.dict(os.environ, env or {}), errors_in_flag_terms():
         try:
             absl_flags.FLAGS(["engine.main", *flags])
             return RunConfig.from_flags(absl_flags.FLAGS)

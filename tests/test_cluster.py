@@ -57,12 +57,15 @@ BAD = [
     (dict(worker_hosts=["a"], task_type="worker", environ={}), "worker address 'a' has no port"),
     (dict(worker_hosts=["a:http"], task_type="worker", environ={}), "bad port 'http'"),
     (dict(worker_hosts=["a:1", "a:1"], task_type="worker", environ={}), "a:1 used by more than one task"),
-    (dict(worker_hosts=["a:1"], environ={}), "need --task_type"),
+    (dict(worker_hosts=["a:1"], environ={}), "need `task_type` (worker, ps or chief) and `task_index`"),
     (dict(worker_hosts=["a:1"], task_type="ps", environ={}), "task type 'ps' from the cluster flags is not in"),
-    (dict(worker_hosts=["a:1"], task_type="worker", environ={"TF_CONFIG": "{}"}), "both cluster flags"),
-    (dict(task_type="worker", environ={}), "given without a cluster"),
-    (dict(cluster_resolver="k8s", environ={}), "unknown --cluster_resolver='k8s'"),
-    (dict(cluster_resolver="slurm", environ={}), "SLURM_PROCID is not set"),
+    (
+        dict(worker_hosts=["a:1"], task_type="worker", environ={"TF_CONFIG": "{}"}),
+        "both the cluster's hosts (`worker_hosts`/",
+    ),
+    (dict(task_type="worker", environ={}), "`task_type='worker'` / `task_index=None` given without a cluster"),
+    (dict(cluster_resolver="k8s", environ={}), "unknown `cluster_resolver='k8s'`"),
+    (dict(cluster_resolver="slurm", environ={}), "`cluster_resolver='slurm'` but SLURM_PROCID is not set"),
     (dict(environ={"TF_CONFIG": "[" * 100_000 + "]" * 100_000}), "TF_CONFIG is nested too deeply to parse"),
     (
         dict(cluster_resolver="slurm", environ=dict(SLURM, SLURM_PROCID="abc")),
@@ -88,6 +91,7 @@ def test_bad_clusters_are_one_line_user_errors(kwargs, message):
     with pytest.raises(UserError) as error:
         resolve_cluster(**kwargs)
     assert message in str(error.value) and "\n" not in str(error.value)
+    assert "--" not in str(error.value)  # The library's arguments, not the command line's flags.
 
 
 def test_slurm_variables_follow_tensorflows_rules():
@@ -99,7 +103,7 @@ def test_slurm_variables_follow_tensorflows_rules():
 
 def test_strategies_refuse_clusters_they_cannot_use():
     mwm = Cluster({"worker": ("a:1",), "ps": ("p:1",)}, "worker", 0)
-    with pytest.raises(UserError, match="does not use ps tasks"):
+    with pytest.raises(UserError, match="does not use ps tasks.*drop `ps_hosts`"):
         check_strategy_cluster("multi_worker_mirrored", mwm)
     ps = Cluster({"chief": ("c:1",), "worker": ("a:1",), "ps": ("p:1",)}, "worker", 0)
     with pytest.raises(UserError, match="run `python -m engine.server` there"):

@@ -113,7 +113,7 @@ def test_reset_optimizer_starts_the_averages_at_the_weights(default, tmp_path):
 
 
 def test_bad_ema_settings_are_refused(default):
-    with pytest.raises(UserError, match="ema_decay=1.5 must be between 0 and 1"):
+    with pytest.raises(UserError, match="`ema_decay=1.5` must be between 0 and 1"):
         new_trainer(default, ema_decay=1.5)
     with default.scope():
         model = keras.Sequential([keras.Input((FEATURES,)), keras.layers.Dense(CLASSES)])

@@ -159,7 +159,7 @@ def test_plateau_reduces_the_rate_and_a_restart_keeps_rate_and_patience(mirrored
 def test_plateau_refuses_a_scheduled_learning_rate(mirrored, tmp_path):
     trainer = scripted_trainer(mirrored, tmp_path, [1.0], [ReduceLROnPlateau("score")])
     trainer.optimizer._learning_rate = keras.optimizers.schedules.CosineDecay(0.1, 10)
-    with pytest.raises(engine.UserError, match="--lr_schedule=constant"):
+    with pytest.raises(engine.UserError, match="give the optimizer a float `learning_rate`"):
         trainer.train(2)
 
 

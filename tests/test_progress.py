@@ -62,5 +62,5 @@ def test_progress_bar_shows_on_a_terminal(capsys):
 
 
 def test_negative_log_every_is_refused():
-    with pytest.raises(engine.UserError, match="log_every=-1 must not be negative"):
+    with pytest.raises(engine.UserError, match="`log_every=-1` must not be negative"):
         Progress(-1)

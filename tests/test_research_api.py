@@ -281,7 +281,7 @@ def test_finite_data_stops_at_the_last_update_with_a_checkpoint(mirrored, tmp_pa
 def test_a_static_batch_of_the_wrong_size_is_refused_at_construction(mirrored, tmp_path):
     x, y = make_arrays(64)
     model, optimizer = make_model(mirrored)
-    with pytest.raises(engine.UserError, match=r"batches of 32 examples but global_batch_size=64"):
+    with pytest.raises(engine.UserError, match=r"batches of 32 examples but `global_batch_size=64`"):
         engine.Trainer(
             strategy=mirrored,
             model=model,
@@ -299,13 +299,13 @@ def test_a_dynamic_batch_of_the_wrong_size_is_refused_before_any_update(mirrored
     x, y = make_arrays(256)
     if form == "dataset":  # No drop_remainder: the batch dimension is unknown until it runs.
         data = tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(32)
-        expected = r"first batch holds 32 examples but global_batch_size=64"
+        expected = r"first batch holds 32 examples but `global_batch_size=64`"
     else:  # Batched by the global size instead of input_context.get_per_replica_batch_size.
 
         def data(input_context):
             return tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(64)
 
-        expected = r"first batch holds 64 examples per replica but global_batch_size=64 over 2 .* needs 32"
+        expected = r"first batch holds 64 examples per replica but `global_batch_size=64` over 2 .* needs 32"
     model, optimizer = make_model(mirrored)
     before = model.get_weights()
     trainer = engine.Trainer(

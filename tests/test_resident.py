@@ -188,7 +188,7 @@ def test_resident_data_made_for_another_batch_size_is_refused(default):
         model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
         optimizer = keras.optimizers.SGD(0.1)
     with pytest.raises(
-        engine.UserError, match=r"made for global_batch_size=8 but the Trainer has global_batch_size=16"
+        engine.UserError, match=r"made for `global_batch_size=8` but the Trainer has `global_batch_size=16`"
     ):
         engine.Trainer(
             strategy=default,

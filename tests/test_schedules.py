@@ -19,9 +19,9 @@ def test_schedule_shapes():
     assert [float(cosine(s)) for s in (0, 45, 90)] == pytest.approx([0.1, 0.05, 0.0], abs=1e-7)
     warm = learning_rate_schedule("warmup_cosine", 0.1, 100)  # warmup: a tenth of the run
     assert [float(warm(s)) for s in (0, 5, 10, 55, 100)] == pytest.approx([0, 0.05, 0.1, 0.05, 0], abs=1e-7)
-    with pytest.raises(engine.UserError, match="unknown --lr_schedule='linear'"):
+    with pytest.raises(engine.UserError, match="unknown `schedule='linear'`; choose one of: constant"):
         learning_rate_schedule("linear", 0.1, 10)
-    with pytest.raises(engine.UserError, match="--warmup_steps=10 leaves no steps"):
+    with pytest.raises(engine.UserError, match="`warmup_steps=10` leaves no steps"):
         learning_rate_schedule("warmup_cosine", 0.1, 10, warmup_steps=10)
 
 

@@ -44,13 +44,13 @@ _LOOP_ONLY_KEYS = frozenset({"examples_per_second", "steps_per_second", "learnin
 
 _REFUSED: dict[type, str] = {
     keras.callbacks.ModelCheckpoint: (
-        "the engine saves checkpoints itself: pass model_dir= and checkpoint_every= to Trainer "
-        "(--model_dir, --checkpoint_every), and engine.hooks.BestCheckpoint (--best_checkpoint_metric) "
-        "for save_best_only"
+        "the engine saves checkpoints itself: pass `model_dir` and `checkpoint_every` to Trainer, "
+        "and `engine.hooks.BestCheckpoint(metric)` for save_best_only"
     ),
     keras.callbacks.TensorBoard: (
         "the engine writes TensorBoard summaries itself to <model_dir>/train and <model_dir>/eval "
-        "(--histogram_every for weight histograms, --profile_steps for a profile)"
+        "(`engine.hooks.WeightHistograms(every)` for weight histograms, `engine.hooks.ProfileWindow` "
+        "for a profile)"
     ),
     keras.callbacks.BackupAndRestore: (
         "the engine resumes automatically from the latest checkpoint in model_dir; rerun the same "
@@ -128,11 +128,11 @@ class KerasCallbacks(Callback):
         if steps_per_epoch is None:
             names = ", ".join(type(c).__name__ for c in callbacks)
             raise UserError(
-                f"Keras callbacks ({names}) act at epoch ends; pass steps_per_epoch= to "
+                f"Keras callbacks ({names}) act at epoch ends; pass `steps_per_epoch` to "
                 "Trainer (e.g. the train split's examples // global batch size)"
             )
         if steps_per_epoch < 1:
-            raise UserError(f"steps_per_epoch={steps_per_epoch} must be at least 1")
+            raise UserError(f"`steps_per_epoch={steps_per_epoch}` must be at least 1")
         self.callbacks = list(callbacks)
         self.steps_per_epoch = steps_per_epoch
         self.view: ModelView | None = None

@@ -66,7 +66,7 @@ class Progress(Callback):
 
     def __init__(self, log_every: int | None = None, *, progress_bar: bool | None = None):
         if log_every is not None and log_every < 0:
-            raise UserError(f"log_every={log_every} must not be negative (0 logs after every loop)")
+            raise UserError(f"`log_every={log_every}` must not be negative (0 logs after every loop)")
         self.log_every = log_every or None
         self._progress_bar = sys.stdout.isatty() if progress_bar is None else progress_bar
         self._bar: keras.utils.Progbar | None = None

@@ -16,8 +16,6 @@ continuous evaluator beside a cluster: it never trains.
 from __future__ import annotations
 
 import contextlib
-import json
-import os
 import re
 import signal
 import time
@@ -31,22 +29,20 @@ from engine import checkpoint as checkpoint_lib
 from engine import model_dir as model_dir_lib
 from engine.callbacks.progress import format_logs, logger
 from engine.checkpoint import CheckpointReader, CheckpointVanished, files_gone
-from engine.cli.environment import seed_everything, set_precision
-from engine.cli.own_packages import own_package
+from engine.cli.assembly import build_model_and_optimizer, data_source, model_spec, prepare_process
+from engine.cli.run_record import read_record, record_evaluations, record_path
 from engine.cli.settings import RunConfig
 from engine.cli.task import classification_task
 from engine.data import as_eval_form
 from engine.ema import weight_averages
 from engine.errors import UserError
 from engine.hooks.best_checkpoint import BestCheckpoint
-from engine.model_dir import latest_checkpoint, write_json
+from engine.model_dir import latest_checkpoint
 from engine.runners import EvalRunner
-from engine.schedules import learning_rate_schedule
-from engine.strategy import build_strategy, configure_cpu_devices
+from engine.strategy import build_strategy
 from engine.summaries import SummaryWriters
 from engine.trainer import prepare_model_state
 
-METRICS_FILE = "metrics.json"
 POLL_SECONDS = 1.0
 # How long a continuous evaluator waits, after the final step, for the trainer's metrics.json.
 TRAINER_FINISH_SECONDS = 60.0
@@ -70,8 +66,10 @@ def _model_dir(config: RunConfig) -> str:
 
 
 def run(config: RunConfig, mode: str) -> dict[str, Any]:
-    """Evaluates as `mode` says; returns what metrics.json holds (or would)."""
+    """Evaluates as `mode` says; returns the step and the logs of the last evaluation
+    (`record_evaluations` adds them to metrics.json)."""
     model_dir_lib.check_kinds(_model_dir(config))
+    read_record(_model_dir(config))  # Damaged: refused now, not after evaluating.
     with model_dir_lib.disk_full_is_a_user_error(_model_dir(config)):
         return _run(config, mode)
 
@@ -86,9 +84,8 @@ def _run(config: RunConfig, mode: str) -> dict[str, Any]:
                 "train first or pass the --model_dir of a trained run"
             )
         step, logs = Evaluator(config).evaluate(path, strict=True)
-        result = {"global_step": step, "eval": logs, "model_dir": config.model_dir}
-        write_json(os.path.join(model_dir, METRICS_FILE), result)
-        return result
+        record_evaluations(model_dir, [(step, logs)], mode="eval")
+        return {"global_step": step, "eval": logs, "model_dir": config.model_dir}
     return Evaluator(config).run_continuously()
 
 
@@ -101,44 +98,23 @@ class Evaluator:
     """
 
     def __init__(self, config: RunConfig):
-        from engine.cli.job import build_optimizer
-
-        input_lib, models = own_package("input"), own_package("models")
-        DataError, get_data_source = input_lib.DataError, input_lib.get_data_source  # noqa: N806
-        get_model_spec = models.get_model_spec
-
-        tf.get_logger().setLevel("WARNING")
-        if config.cpu_devices > 1:
-            configure_cpu_devices(config.cpu_devices)
-        set_precision(config.mixed_precision)
-        seed_everything(config.seed, deterministic=config.deterministic)
+        prepare_process(config)
         self.config = config
         self.model_dir = _model_dir(config)
         # The cluster's strategy needs its peers; an evaluator reads alone on this host.
         local = "mirrored" if config.cpu_devices > 1 or config.num_gpus else "default"
         name = config.strategy if config.strategy in ("default", "one_device", "mirrored") else local
         self.strategy = build_strategy(name, cpu_devices=config.cpu_devices, num_gpus=config.num_gpus)
-        spec = get_model_spec(config.model)
-        try:
-            source = get_data_source(
-                config.dataset, image_shape=spec.default_input_shape, data_dir=config.data_dir
-            )
-        except DataError as error:
-            raise UserError(str(error)) from None
+        spec = model_spec(config)
+        source = data_source(config, spec)
         if source.num_eval_examples is None:
             raise UserError(f"--dataset={config.dataset} has no eval split to evaluate on")
         self.final_step = config.total_steps(source.num_train_examples)
         batch = config.global_batch_size
-        with self.strategy.scope():
-            self.model = spec.build(spec.default_input_shape, source.num_classes)
-            try:  # As training checks it: before anything is read or written.
-                models.check_fits_data(config.model, self.model, source.image_shape, source.num_classes)
-            except models.ModelError as error:
-                raise UserError(str(error)) from None
-            learning_rate = learning_rate_schedule(
-                config.lr_schedule, config.learning_rate, self.final_step, config.warmup_steps
-            )
-            self.optimizer = build_optimizer(config.optimizer, learning_rate, config.mixed_precision)
+        # As training builds them (checked against the data before anything is read or written).
+        self.model, self.optimizer = build_model_and_optimizer(
+            config, self.strategy, spec, source, self.final_step
+        )
         # As the Trainer prepares them: the averages (--ema_decay) exist once the optimizer is built.
         self.weight_averages = weight_averages({"optimizer": self.optimizer}, _ema_decay(config))
         self.global_step = prepare_model_state(self.strategy, self.model, {"optimizer": self.optimizer})
@@ -210,6 +186,7 @@ class Evaluator:
             config.eval_timeout,
         )
         last: tuple[int, dict[str, float]] | None = None
+        evaluations: list[tuple[int, dict[str, float]]] = []
         self._stop = _StopFlag()
         for path in self._new_checkpoints():
             try:
@@ -217,6 +194,7 @@ class Evaluator:
             except CheckpointVanished as error:
                 logging.warning("skipped %s: rotation deleted it while it was read", error)
                 continue
+            evaluations.append(last)
             if last[0] >= self.final_step:
                 break
         self._summaries.close()
@@ -227,7 +205,7 @@ class Evaluator:
             return {"global_step": None, "eval": {}}
         result = {"global_step": last[0], "eval": last[1], "model_dir": config.model_dir}
         if last[0] >= self.final_step:
-            self._merge_into_trainer_metrics(result)
+            self._merge_into_trainer_metrics(result, evaluations)
         return result
 
     def _new_checkpoints(self) -> Iterator[str]:
@@ -250,22 +228,27 @@ class Evaluator:
             time.sleep(POLL_SECONDS)
         logging.warning("%s received: stopping the evaluation", signal.Signals(self._stop.signum).name)
 
-    def _merge_into_trainer_metrics(self, result: dict[str, Any]) -> None:
-        """metrics.json is the trainer's until it finished: wait for its final version, then add eval."""
-        path = os.path.join(self.model_dir, METRICS_FILE)
+    def _merge_into_trainer_metrics(
+        self, result: dict[str, Any], evaluations: list[tuple[int, dict[str, float]]]
+    ) -> None:
+        """metrics.json is the trainer's until it finished: wait for its final version, then
+        add this evaluator's evaluations."""
         deadline = time.monotonic() + TRAINER_FINISH_SECONDS
         while time.monotonic() < deadline:
             try:
-                with tf.io.gfile.GFile(path) as handle:
-                    written = json.loads(handle.read())
-            except (tf.errors.OpError, ValueError):  # Not written yet, or being replaced.
+                written = read_record(self.model_dir)
+            except UserError:  # Being replaced (written atomically, but read between two writes).
                 written = {}
             if written.get("global_step") == result["global_step"]:
-                write_json(path, {**written, "eval": result["eval"]})
-                logging.info("wrote the final evaluation to %s", path)
+                record_evaluations(self.model_dir, evaluations, mode="continuous_eval")
+                logging.info("wrote the evaluations to %s", record_path(self.model_dir))
                 return
             time.sleep(POLL_SECONDS)
-        logging.warning("training has not written %s for step %d; left it alone", path, result["global_step"])
+        logging.warning(
+            "training has not written %s for step %d; left it alone",
+            record_path(self.model_dir),
+            result["global_step"],
+        )
 
 
 class _StopFlag:

@@ -16,46 +16,30 @@ import tempfile
 from collections.abc import Callable
 from typing import Any
 
-import keras
 import tensorflow as tf
 from absl import logging
 
 from engine import checkpoint as checkpoint_lib
 from engine import model_dir as model_dir_lib
 from engine import repairs
-from engine.cli import host_memory
-from engine.cli.environment import seed_everything, set_precision
+from engine.cli import evaluator, host_memory
+from engine.cli.assembly import build_model_and_optimizer, data_source, model_spec, prepare_process
 from engine.cli.hooks_from_flags import hooks_from_config
 from engine.cli.hparams import write_hparams
 from engine.cli.model_summary import model_summary
 from engine.cli.preemption import stop_on_signals
+from engine.cli.run_record import read_record, record_path, record_training
 from engine.cli.settings import TRAINER_SETTINGS, RunConfig, settings_of
 from engine.cli.task import classification_task
 from engine.cluster import task_model_dir
 from engine.errors import UserError, one_line
 from engine.export import export_saved_model
 from engine.resident import ResidentData
-from engine.schedules import LearningRate, learning_rate_schedule
-from engine.strategy import build_strategy, configure_cpu_devices
+from engine.strategy import build_strategy
 from engine.trainer import Trainer
 
-METRICS_FILE = "metrics.json"
 # A worker that stopped because a peer was signalled (EX_TEMPFAIL: run again).
 STOPPED_BY_PEER_EXIT = 75
-
-
-def build_optimizer(name: str, learning_rate: LearningRate, mixed_precision: str) -> keras.optimizers.Optimizer:
-    optimizers = {
-        "sgd": lambda: keras.optimizers.SGD(learning_rate),
-        "momentum": lambda: keras.optimizers.SGD(learning_rate, momentum=0.9),
-        "adam": lambda: keras.optimizers.Adam(learning_rate),
-        "adamw": lambda: keras.optimizers.AdamW(learning_rate),
-    }
-    optimizer = optimizers[name]()
-    if mixed_precision == "float16":
-        # float16 gradients underflow without a (dynamic) loss scale.
-        optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
-    return optimizer
 
 
 def run(config: RunConfig) -> dict[str, Any]:
@@ -64,25 +48,23 @@ def run(config: RunConfig) -> dict[str, Any]:
     A run stopped by SIGTERM/SIGINT saves a checkpoint, skips the final
     evaluation and metrics.json, and returns its `exit_status` (128+signal;
     75 on the other workers of a multi-worker run, which stop with it).
+
+    Its UserErrors name flags: those of the library it calls (which name the
+    library's arguments) are translated (`engine.cli.flag_names`).
     """
-    from engine.cli import evaluator
-    from engine.cli.own_packages import own_package  # The engine's, beside a user's models.py/input.py.
+    from engine.cli.flag_names import errors_in_flag_terms
 
-    input_lib, models = own_package("input"), own_package("models")
-    DataError, get_data_source = input_lib.DataError, input_lib.get_data_source  # noqa: N806
-    get_model_spec = models.get_model_spec
+    with errors_in_flag_terms():
+        return _run(config)
 
+
+def _run(config: RunConfig) -> dict[str, Any]:
     evaluation_mode = evaluator.evaluation_mode(config)
     if evaluation_mode is not None:  # --mode=eval/continuous_eval or an evaluator task: never trains.
         return evaluator.run(config, evaluation_mode)
-    # tf.distribute logs every cross-device reduction at INFO; keep the engine's lines readable.
-    tf.get_logger().setLevel("WARNING")
-    if config.cpu_devices > 1:
-        configure_cpu_devices(config.cpu_devices)
-    set_precision(config.mixed_precision)
+    prepare_process(config)
     if config.check_numerics:
         tf.debugging.enable_check_numerics()  # Names the first op that makes a NaN or Inf.
-    seed_everything(config.seed, deterministic=config.deterministic)
     multi_host = config.multi_host_options()
     strategy = build_strategy(
         config.strategy, cpu_devices=config.cpu_devices, num_gpus=config.num_gpus, multi_host=multi_host
@@ -93,12 +75,9 @@ def run(config: RunConfig) -> dict[str, Any]:
             "--jit_compile on a host without GPUs: XLA's CPU kernels ran the cnn "
             "5-7x slower than TensorFlow's oneDNN kernels here (benchmarks/RESULTS.md)"
         )
-    model_spec = get_model_spec(config.model)
-    image_shape = model_spec.default_input_shape
-    try:
-        source = get_data_source(config.dataset, image_shape=image_shape, data_dir=config.data_dir)
-    except DataError as error:
-        raise UserError(str(error)) from None
+    spec = model_spec(config)
+    image_shape = spec.default_input_shape
+    source = data_source(config, spec)
     check_batch_fits(config.global_batch_size, source.num_train_examples, config.dataset)
     check_batch_fits_memory(config.global_batch_size, cluster.num_workers if cluster else 1, source.image_shape)
     model_dir = config.model_dir or tempfile.mkdtemp(prefix="engine-")
@@ -112,7 +91,7 @@ def run(config: RunConfig) -> dict[str, Any]:
     # Repairs of on-disk state made while checking are undone if a later check refuses the run.
     with model_dir_lib.disk_full_is_a_user_error(model_dir), lock, repairs.undone_on_error():
         return _train_and_evaluate(
-            config, strategy, cluster, model_spec, image_shape, source, model_dir, write_dir, total_steps
+            config, strategy, cluster, spec, image_shape, source, model_dir, write_dir, total_steps
         )
 
 
@@ -143,65 +122,24 @@ def check_batch_fits_memory(global_batch_size: int, num_workers: int, image_shap
 
 
 def _train_and_evaluate(
-    config, strategy, cluster, model_spec, image_shape, source, model_dir: str, write_dir: str, total_steps: int
+    config, strategy, cluster, spec, image_shape, source, model_dir: str, write_dir: str, total_steps: int
 ) -> dict[str, Any]:
     """The part of `run` that reads and writes model_dir: under the writer lock
     on the chief. Everything is checked before the first byte is written."""
-    from engine.cli.own_packages import own_package
-
-    metrics_path = os.path.join(model_dir, METRICS_FILE)
+    metrics_path = record_path(model_dir)
     if write_dir == model_dir:
         if tf.io.gfile.isdir(metrics_path):
             raise UserError(f"{metrics_path} is a directory; move it away, the run writes its results there")
+        read_record(model_dir)  # Damaged: refused now, not after training.
         model_dir_lib.recover_state(checkpoint_lib.checkpoint_dir(model_dir))
         checkpoint_lib.check_settings(
             model_dir, _optimizer_settings(config), flags_may_change=config.reset_optimizer
         )
 
-    with strategy.scope():
-        try:
-            model = model_spec.build(image_shape, source.num_classes)
-            # Before the first write: a model that does not fit the data fails in the first step.
-            own_package("models").check_fits_data(config.model, model, source.image_shape, source.num_classes)
-        except own_package("models").ModelError as error:  # A user's builder returned something unusable.
-            raise UserError(str(error)) from None
-        learning_rate = learning_rate_schedule(
-            config.lr_schedule, config.learning_rate, total_steps, config.warmup_steps
-        )
-        optimizer = build_optimizer(config.optimizer, learning_rate, config.mixed_precision)
+    model, optimizer = build_model_and_optimizer(config, strategy, spec, source, total_steps)
 
-    batch, seed = config.global_batch_size, config.seed
-    if config.input_pipeline == "global":
-
-        def global_train_data(start_step):
-            return source.train_dataset(global_batch_size=batch, seed=seed, start_step=start_step)
-
-        # The trainer tells the two kinds apart by their parameters (input_context or not).
-        train_data: Callable[..., tf.data.Dataset] | ResidentData = global_train_data
-
-        eval_data = source.eval_dataset(global_batch_size=batch)
-    else:
-
-        def per_worker_train_data(input_context, start_step):
-            return source.train_dataset(
-                global_batch_size=batch, seed=seed, start_step=start_step, input_context=input_context
-            )
-
-        train_data = per_worker_train_data
-
-        eval_data = None
-        if source.num_eval_examples is not None:
-
-            def eval_data(input_context):
-                return source.eval_dataset(global_batch_size=batch, input_context=input_context)
-
-    resident = resident_train_data(
-        source, global_batch_size=batch, seed=seed, device_data_mb=config.device_data_mb, host_data=train_data
-    )
-    if resident is not None:
-        train_data = resident
-    if config.mode == "train":
-        eval_data = None
+    train_data, eval_data = _train_and_eval_data(config, source)
+    batch = config.global_batch_size
     if write_dir != model_dir:  # A restarted worker's scratch from the run it died in.
         model_dir_lib.remove_tree(write_dir)
     trainer_class = Trainer
@@ -244,54 +182,17 @@ def _train_and_evaluate(
         write_hparams(model_dir, dataclasses.asdict(config))
         checkpoint_lib.record_settings(model_dir, _optimizer_settings(config))
     try:
-        with stop_on_signals(trainer) as signal_record:
-            try:
-                train_logs = trainer.train(total_steps)
-                eval_logs = (
-                    trainer.evaluate_current() if eval_data is not None and not trainer.stop_requested else {}
-                )
-            except tf.errors.DataLossError as error:  # A record whose bytes fail their CRC, read mid-run.
-                message = damaged_data_message(config, source, error, _what_is_kept(trainer))
-                if message is None:
-                    raise
-                trainer.close()
-                raise UserError(message) from None
-            except tf.errors.ResourceExhaustedError as error:  # Disk-full ones are save()'s, not this.
-                message = out_of_memory_message(config, strategy, error, _what_is_kept(trainer))
-                if message is None:
-                    raise
-                trainer.close()
-                raise UserError(message) from None
-            except tf.errors.InvalidArgumentError as error:
-                if "label" not in str(error):
-                    raise
-                raise UserError(
-                    f"bad data in --dataset={config.dataset} --data_dir={config.data_dir}: "
-                    f"{str(error).splitlines()[0][:200]}; fix or remove that file"
-                ) from None
-        if trainer.stop_requested:
-            trainer.close()
-            cause = (
-                f"signal {signal_record.signum}"
-                if signal_record.signum is not None
-                else "a stop request from another worker"
-            )
-            logging.warning(
-                "stopped at step %d by %s; checkpoint saved in %s; rerun the same command to continue",
-                trainer.step,
-                cause,
-                model_dir,
-            )
-            return {
-                "global_step": trainer.step,
-                "exit_status": signal_record.exit_status or STOPPED_BY_PEER_EXIT,
-            }
-        trainer.close()
+        outcome = _train_with_clean_errors(
+            config, strategy, source, trainer, total_steps, evaluates=eval_data is not None, model_dir=model_dir
+        )
     finally:
         if write_dir != model_dir:
             model_dir_lib.remove_tree(write_dir)
             # The shared parent, once the last worker is done.
             model_dir_lib.remove_if_empty(os.path.dirname(write_dir))
+    if isinstance(outcome, int):  # Stopped by a signal or a peer: a checkpoint, no results.
+        return {"global_step": trainer.step, "exit_status": outcome}
+    train_logs, eval_logs = outcome
     if config.export_dir and strategy.extended.should_checkpoint:  # Only the chief exports.
         with trainer.averaged_weights():  # --ema_decay: the averages are the model to serve.
             export_saved_model(model, config.export_dir, [tf.TensorSpec([None, *image_shape], tf.float32)])
@@ -306,7 +207,7 @@ def _train_and_evaluate(
         "model_dir": model_dir,
     }
     if write_dir == model_dir:
-        model_dir_lib.write_json(metrics_path, result)
+        result = record_training(model_dir, result, mode=config.mode)
     logging.info(
         "done: step %d, eval %s, %.0f examples/s; wrote %s%s",
         trainer.step,
@@ -316,6 +217,90 @@ def _train_and_evaluate(
         "" if cluster is None else f"; weights_digest={_weights_digest(model)}",
     )
     return result
+
+
+def _train_and_eval_data(config: RunConfig, source) -> tuple[Any, Any]:
+    """The Trainer's train_data and eval_data (None: no evaluation) from `source`, in the
+    form --input_pipeline asks for, or kept on the devices where --device_data_mb allows."""
+    batch, seed = config.global_batch_size, config.seed
+    if config.input_pipeline == "global":
+
+        def global_train_data(start_step):
+            return source.train_dataset(global_batch_size=batch, seed=seed, start_step=start_step)
+
+        # The trainer tells the two kinds apart by their parameters (input_context or not).
+        train_data: Callable[..., tf.data.Dataset] | ResidentData = global_train_data
+
+        eval_data = source.eval_dataset(global_batch_size=batch)
+    else:
+
+        def per_worker_train_data(input_context, start_step):
+            return source.train_dataset(
+                global_batch_size=batch, seed=seed, start_step=start_step, input_context=input_context
+            )
+
+        train_data = per_worker_train_data
+
+        eval_data = None
+        if source.num_eval_examples is not None:
+
+            def eval_data(input_context):
+                return source.eval_dataset(global_batch_size=batch, input_context=input_context)
+
+    resident = resident_train_data(
+        source, global_batch_size=batch, seed=seed, device_data_mb=config.device_data_mb, host_data=train_data
+    )
+    if resident is not None:
+        train_data = resident
+    if config.mode == "train":
+        eval_data = None
+    return train_data, eval_data
+
+
+def _train_with_clean_errors(
+    config: RunConfig, strategy, source, trainer: Trainer, total_steps: int, *, evaluates: bool, model_dir: str
+) -> tuple[dict[str, float], dict[str, float]] | int:
+    """Trains to `total_steps` and evaluates; (train logs, eval logs), or the exit status of a
+    run stopped by a signal or a peer worker. Errors of the data or the memory the run meets
+    mid-run become one line naming what is kept."""
+    with stop_on_signals(trainer) as signal_record:
+        try:
+            train_logs = trainer.train(total_steps)
+            eval_logs = trainer.evaluate_current() if evaluates and not trainer.stop_requested else {}
+        except tf.errors.DataLossError as error:  # A record whose bytes fail their CRC, read mid-run.
+            message = damaged_data_message(config, source, error, _what_is_kept(trainer))
+            if message is None:
+                raise
+            trainer.close()
+            raise UserError(message) from None
+        except tf.errors.ResourceExhaustedError as error:  # Disk-full ones are save()'s, not this.
+            message = out_of_memory_message(config, strategy, error, _what_is_kept(trainer))
+            if message is None:
+                raise
+            trainer.close()
+            raise UserError(message) from None
+        except tf.errors.InvalidArgumentError as error:
+            if "label" not in str(error):
+                raise
+            raise UserError(
+                f"bad data in --dataset={config.dataset} --data_dir={config.data_dir}: "
+                f"{str(error).splitlines()[0][:200]}; fix or remove that file"
+            ) from None
+    trainer.close()
+    if trainer.stop_requested:
+        cause = (
+            f"signal {signal_record.signum}"
+            if signal_record.signum is not None
+            else "a stop request from another worker"
+        )
+        logging.warning(
+            "stopped at step %d by %s; checkpoint saved in %s; rerun the same command to continue",
+            trainer.step,
+            cause,
+            model_dir,
+        )
+        return signal_record.exit_status or STOPPED_BY_PEER_EXIT
+    return train_logs, eval_logs
 
 
 def _what_is_kept(trainer: Trainer) -> str:
@@ -385,10 +370,11 @@ def resident_train_data(
     """The train split as `ResidentData` (kept on every replica's device) where the
     source holds it in memory and one copy fits in `device_data_mb` MiB; None
     otherwise. `host_data` is what strategies that cannot keep it train from."""
-    make = getattr(source, "resident_train_data", None)
-    if make is None or device_data_mb == 0:
+    if device_data_mb == 0:
         return None
-    resident = make(global_batch_size=global_batch_size, seed=seed)  # Cheap: nothing is copied yet.
+    resident = source.resident_train_data(global_batch_size=global_batch_size, seed=seed)  # Nothing copied yet.
+    if resident is None:
+        return None
     size_mb = resident.num_bytes / 2**20
     if size_mb > device_data_mb:
         logging.info(

@@ -43,6 +43,7 @@ from typing import Any
 
 from absl import flags
 
+from engine.cli.flag_names import in_flag_terms
 from engine.cluster import Cluster, security_warning
 from engine.errors import USER_ERROR_EXIT, UserError, one_line
 
@@ -348,7 +349,7 @@ def check_main_flags(main_flags: Sequence[str]) -> str | None:
     except flags.Error as error:
         return f"the flags after -- are not engine.main's: {one_line(error)}"
     except UserError as error:
-        return f"engine.main would refuse the flags after --: {error}"
+        return f"engine.main would refuse the flags after --: {in_flag_terms(error)}"
     return None
 
 
@@ -401,7 +402,7 @@ def main(argv: list[str]) -> int:
     try:
         check_launcher_flags()
     except UserError as error:
-        print(f"{PROGRAM}: error: {error}", file=sys.stderr)
+        print(f"{PROGRAM}: error: {in_flag_terms(error)}", file=sys.stderr)
         return USER_ERROR_EXIT
     if FLAGS.max_restarts and FLAGS.num_ps:
         print(

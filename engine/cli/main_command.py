@@ -10,6 +10,7 @@ import sys
 from absl import app, flags, logging
 
 from engine.cli import flags as engine_flags
+from engine.cli.flag_names import FlagTermsFilter, in_flag_terms
 from engine.errors import USER_ERROR_EXIT, UserError, one_line
 
 HELP_FLAGS = ("--help", "-help", "-?", "--helpshort", "-helpshort", "--helpfull", "-helpfull", "--helpxml")
@@ -33,7 +34,7 @@ def main_with_clean_errors(argv: list[str]) -> int:
         return main(argv)
     except UserError as error:
         logging.flush()
-        print(f"engine.main: error: {error}", file=sys.stderr)
+        print(f"engine.main: error: {in_flag_terms(error)}", file=sys.stderr)
         return USER_ERROR_EXIT
 
 
@@ -46,7 +47,7 @@ def parse_flags(argv: list[str]) -> list[str]:
         check_flagfiles(argv[1:])
         return flags.FLAGS(argv)
     except UserError as error:
-        print(f"engine.main: error: {error}", file=sys.stderr)
+        print(f"engine.main: error: {in_flag_terms(error)}", file=sys.stderr)
         sys.exit(USER_ERROR_EXIT)
     except flags.Error as error:
         print(f"engine.main: error: {one_line(error)}; see --helpfull", file=sys.stderr)
@@ -59,4 +60,5 @@ def parse_flags(argv: list[str]) -> list[str]:
 
 def run_cli() -> None:
     logging.set_verbosity(logging.INFO)
+    logging.get_absl_handler().addFilter(FlagTermsFilter())  # The library's warnings, in flags.
     app.run(lambda argv: sys.exit(main_with_clean_errors(argv)), flags_parser=parse_flags)

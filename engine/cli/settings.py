@@ -357,6 +357,8 @@ class RunConfig:
             raise UserError(f"--ema_decay={self.ema_decay} must be in [0, 1), e.g. 0.999; 0 turns it off")
         if not 0 <= self.seed < 2**32:
             raise UserError(f"--seed={self.seed} must be between 0 and {2**32 - 1}")
+        # The library's checks name its arguments; the command line's boundary (main_command,
+        # job.run, the launcher) prints them as flags (engine.cli.flag_names).
         self.multi_host_options().check(self.strategy)
         if self.model_dir:
             from engine.model_dir import check_name

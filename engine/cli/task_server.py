@@ -20,6 +20,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("GRPC_FAIL_FAST", "use_caller")
 
 from engine.cli import cluster_flags  # noqa: E402  (defines the cluster flags)
+from engine.cli.flag_names import in_flag_terms  # noqa: E402
 from engine.cluster import security_warning  # noqa: E402
 from engine.errors import USER_ERROR_EXIT, UserError, one_line  # noqa: E402
 
@@ -79,6 +80,6 @@ def main(argv: list[str]) -> int:
     try:
         serve()
     except UserError as error:
-        print(f"engine.server: error: {error}", file=sys.stderr)
+        print(f"engine.server: error: {in_flag_terms(error)}", file=sys.stderr)
         return USER_ERROR_EXIT
     return 0

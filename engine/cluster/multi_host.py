@@ -49,16 +49,16 @@ class MultiHostOptions:
     def check(self, strategy: str) -> None:
         if self.communication not in COMMUNICATIONS:
             raise UserError(
-                f"unknown --communication={self.communication!r}; choose one of: {', '.join(COMMUNICATIONS)}"
+                f"unknown `communication={self.communication!r}`; choose one of: {', '.join(COMMUNICATIONS)}"
             )
         if self.collective_timeout < 0:
-            raise UserError(f"--collective_timeout={self.collective_timeout} must be >= 0 (0: no timeout)")
+            raise UserError(f"`collective_timeout={self.collective_timeout!r}` must be >= 0 (0: no timeout)")
         if self.startup_timeout < 0:
-            raise UserError(f"--startup_timeout={self.startup_timeout} must be >= 0 (0: no timeout)")
+            raise UserError(f"`startup_timeout={self.startup_timeout!r}` must be >= 0 (0: no timeout)")
         if strategy == "tpu" and not self.tpu:
-            raise UserError("--strategy=tpu needs --tpu=local (a TPU VM) or --tpu=grpc://HOST:PORT")
+            raise UserError("`strategy='tpu'` needs `tpu='local'` (a TPU VM) or `tpu='grpc://HOST:PORT'`")
         if self.tpu and strategy != "tpu":
-            raise UserError(f"--tpu={self.tpu} needs --strategy=tpu")
+            raise UserError(f"`tpu={self.tpu!r}` needs `strategy='tpu'`")
         check_strategy_cluster(strategy, self.cluster)
 
 
@@ -75,7 +75,7 @@ def build_multi_host_strategy(name: str, options: MultiHostOptions) -> tf.distri
     if name == "parameter_server":
         with bounded_startup(options.cluster, options.startup_timeout, guard=options.startup_guard):
             return _parameter_server(options)
-    assert options.tpu, "options.check: --strategy=tpu needs --tpu"
+    assert options.tpu, "options.check: strategy 'tpu' needs options.tpu"
     return _tpu(options.tpu)
 
 
@@ -103,7 +103,7 @@ def bounded_startup(
         yield
         return
     logging.info(
-        "%s:%d connecting to %s (--startup_timeout=%gs)",
+        "%s:%d connecting to %s (`startup_timeout=%g`s)",
         cluster.task_type,
         cluster.task_index,
         ", ".join(f"{name} at {address}" for name, address in cluster.peers()) or "no peer",
@@ -153,8 +153,8 @@ def _startup_timeout_message(cluster: Cluster, timeout: float) -> str:
     waited_for = ", ".join(f"{task} ({address})" for task, address in peers if task in silent or not silent)
     return (
         f"{cluster.task_type}:{cluster.task_index} could not reach its peers within "
-        f"--startup_timeout={timeout:g}s; waited for {waited_for}; start every task of the "
-        "cluster, check their addresses, or raise --startup_timeout"
+        f"`startup_timeout={timeout:g}`s; waited for {waited_for}; start every task of the "
+        "cluster, check their addresses, or raise `startup_timeout`"
     )
 
 
@@ -208,8 +208,8 @@ def _tpu(address: str) -> tf.distribute.Strategy:
     if address == "local":
         if not tf.config.list_physical_devices("TPU"):
             raise UserError(
-                "--tpu=local but this machine has no TPU devices; run on a TPU VM, "
-                "pass --tpu=grpc://HOST:8470, or use another --strategy"
+                "`tpu='local'` but this machine has no TPU devices; run on a TPU VM, "
+                "pass `tpu='grpc://HOST:8470'`, or use another `strategy`"
             )
     else:
         _check_reachable(address)
@@ -220,7 +220,7 @@ def _tpu(address: str) -> tf.distribute.Strategy:
         return tf.distribute.TPUStrategy(resolver)
     except (ValueError, RuntimeError, tf.errors.OpError) as error:
         detail = one_line(error, 300)
-        raise UserError(f"--tpu={address}: cannot connect to the TPU ({detail})") from None
+        raise UserError(f"`tpu={address!r}`: cannot connect to the TPU ({detail})") from None
 
 
 def _check_reachable(address: str, timeout: float = 5.0) -> None:
@@ -228,12 +228,12 @@ def _check_reachable(address: str, timeout: float = 5.0) -> None:
     wait for it for minutes."""
     parsed = urllib.parse.urlparse(address if "://" in address else f"grpc://{address}")
     if not parsed.hostname or not parsed.port:
-        raise UserError(f"--tpu={address} is neither `local` nor grpc://HOST:PORT")
+        raise UserError(f"`tpu={address!r}` is neither 'local' nor 'grpc://HOST:PORT'")
     try:
         with socket.create_connection((parsed.hostname, parsed.port), timeout=timeout):
             pass
     except OSError as error:
         raise UserError(
-            f"--tpu={address}: nothing answers at {parsed.hostname}:{parsed.port} ({error.strerror or error}); "
-            "check the TPU's address and that it is running"
+            f"`tpu={address!r}`: nothing answers at {parsed.hostname}:{parsed.port} "
+            f"({error.strerror or error}); check the TPU's address and that it is running"
         ) from None

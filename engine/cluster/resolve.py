@@ -102,17 +102,20 @@ def resolve_cluster(
     """The cluster the flags or the environment describe; None for one host."""
     if cluster_resolver not in RESOLVERS:
         raise UserError(
-            f"unknown --cluster_resolver={cluster_resolver!r}; choose one of: {', '.join(RESOLVERS)}"
+            f"unknown `cluster_resolver={cluster_resolver!r}`; choose one of: {', '.join(RESOLVERS)}"
         )
     from_flags = bool(worker_hosts or ps_hosts or chief_host)
     if from_flags and environ.get("TF_CONFIG"):
         raise UserError(
-            "both cluster flags (--worker_hosts/--ps_hosts/--chief_host) and a TF_CONFIG "
-            "environment variable are set; pass one of them (unset TF_CONFIG to use the flags)"
+            "both the cluster's hosts (`worker_hosts`/`ps_hosts`/`chief_host`) and a TF_CONFIG "
+            "environment variable are set; pass one of them (unset TF_CONFIG to use the hosts)"
         )
     if cluster_resolver == "slurm":
         if from_flags:
-            raise UserError("--cluster_resolver=slurm reads SLURM_* variables; drop the --*_hosts flags")
+            raise UserError(
+                "`cluster_resolver='slurm'` reads SLURM_* variables; "
+                "drop `worker_hosts`, `ps_hosts` and `chief_host`"
+            )
         return cluster_from_slurm(environ, port_base=slurm_port_base)
     if task_type == "evaluator" and not environ.get("TF_CONFIG"):
         # A sidecar evaluator reads the model_dir only; the hosts, if given, are not contacted.
@@ -126,7 +129,7 @@ def resolve_cluster(
     if from_flags:
         spec = {"worker": worker_hosts or (), "ps": ps_hosts or (), "chief": [chief_host] if chief_host else ()}
         if task_type is None:
-            raise UserError("cluster flags need --task_type (worker, ps or chief) and --task_index")
+            raise UserError("the cluster's hosts need `task_type` (worker, ps or chief) and `task_index`")
         return _checked(
             {job: hosts for job, hosts in spec.items() if hosts},
             task_type,
@@ -136,14 +139,14 @@ def resolve_cluster(
     if environ.get("TF_CONFIG"):
         if task_type is not None or task_index is not None:
             raise UserError(
-                "--task_type/--task_index are set but the cluster comes from TF_CONFIG, "
-                'whose "task" entry says which task this is; drop the flags or unset TF_CONFIG'
+                "`task_type`/`task_index` are set but the cluster comes from TF_CONFIG, "
+                'whose "task" entry says which task this is; drop them or unset TF_CONFIG'
             )
         return cluster_from_tf_config(environ["TF_CONFIG"])
     if task_type is not None or task_index is not None:
         raise UserError(
-            f"--task_type={task_type} / --task_index={task_index} given without a cluster; "
-            "pass --worker_hosts (and --ps_hosts, --chief_host) or set TF_CONFIG"
+            f"`task_type={task_type!r}` / `task_index={task_index!r}` given without a cluster; "
+            "pass `worker_hosts` (and `ps_hosts`, `chief_host`) or set TF_CONFIG"
         )
     return None
 
@@ -186,7 +189,7 @@ def cluster_from_slurm(environ: Mapping[str, str], *, port_base: int) -> Cluster
     def variable(name: str, fallback: str | None = None) -> str:
         value = environ.get(f"SLURM_STEP_{name}") or (environ.get(f"SLURM_{fallback}") if fallback else None)
         if not value:
-            raise UserError(f"--cluster_resolver=slurm but SLURM_STEP_{name} is not set; run inside `srun`")
+            raise UserError(f"`cluster_resolver='slurm'` but SLURM_STEP_{name} is not set; run inside `srun`")
         return value
 
     def parsed(parse, name: str, fallback: str, example: str):
@@ -202,7 +205,7 @@ def cluster_from_slurm(environ: Mapping[str, str], *, port_base: int) -> Cluster
             ) from None
 
     if "SLURM_PROCID" not in environ:
-        raise UserError("--cluster_resolver=slurm but SLURM_PROCID is not set; run inside `srun`")
+        raise UserError("`cluster_resolver='slurm'` but SLURM_PROCID is not set; run inside `srun`")
     procid = environ["SLURM_PROCID"].strip()
     if not procid.isdigit():
         raise UserError(
@@ -230,14 +233,14 @@ def check_strategy_cluster(strategy: str, cluster: Cluster | None) -> None:
     if strategy == "parameter_server":
         if cluster is None:
             raise UserError(
-                "--strategy=parameter_server needs a cluster with chief, worker and ps tasks: "
-                "pass --chief_host, --worker_hosts and --ps_hosts, set TF_CONFIG, or try it "
+                "`strategy='parameter_server'` needs a cluster with chief, worker and ps tasks: "
+                "pass `chief_host`, `worker_hosts` and `ps_hosts`, set TF_CONFIG, or try it "
                 "locally with `python -m engine.launch --num_workers=2 --num_ps=1 -- ...`"
             )
         missing = [job for job in ("chief", "worker", "ps") if not cluster.spec.get(job)]
         if missing:
             raise UserError(
-                f"--strategy=parameter_server needs {' and '.join(missing)} task(s) in the cluster "
+                f"`strategy='parameter_server'` needs {' and '.join(missing)} task(s) in the cluster "
                 f"(has {', '.join(sorted(cluster.spec))}); the chief is the coordinator"
             )
         if cluster.task_type != "chief":
@@ -248,12 +251,12 @@ def check_strategy_cluster(strategy: str, cluster: Cluster | None) -> None:
     elif strategy == "multi_worker_mirrored":
         if cluster is not None and cluster.spec.get("ps"):
             raise UserError(
-                "--strategy=multi_worker_mirrored does not use ps tasks but the cluster has "
-                f"{len(cluster.spec['ps'])}; drop --ps_hosts or use --strategy=parameter_server"
+                "`strategy='multi_worker_mirrored'` does not use ps tasks but the cluster has "
+                f"{len(cluster.spec['ps'])}; drop `ps_hosts` or use `strategy='parameter_server'`"
             )
     elif cluster is not None and strategy != "tpu":
         raise UserError(
-            f"--strategy={strategy} runs on one host but a cluster was given "
+            f"`strategy={strategy!r}` runs on one host but a cluster was given "
             f"({cluster.task_type}:{cluster.task_index}); use multi_worker_mirrored or parameter_server"
         )
 

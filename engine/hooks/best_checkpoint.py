@@ -63,7 +63,9 @@ class BestCheckpoint(Callback):
         if self._directory is not None:
             return
         if trainer.checkpoint is None or trainer.model_dir is None:
-            raise UserError(f"keeping the best checkpoint by {self.metric!r} needs a model_dir; pass one")
+            raise UserError(
+                f"keeping the best checkpoint by {self.metric!r} needs the Trainer's `model_dir`; pass one"
+            )
         directory = os.path.join(trainer.model_dir, BEST_SUBDIR)
         self._load(trainer.model_dir, directory)
         self._directory = directory
@@ -123,7 +125,7 @@ class BestCheckpoint(Callback):
         if (metric, mode) != (self.metric, self.watch.mode):
             raise UserError(
                 f"{directory} keeps the best checkpoint by {metric} ({mode}), not by {self.metric} "
-                f"({self.watch.mode}); pass --best_checkpoint_metric={metric}, or move {directory} "
+                f"({self.watch.mode}); pass `BestCheckpoint(metric={metric!r})`, or move {directory} "
                 "away to keep a new best"
             )
         if not _readable(os.path.join(directory, name)) and not _copy_from_elsewhere(model_dir, directory, name):

@@ -28,7 +28,7 @@ class WeightHistograms(Callback):
 
     def __init__(self, every: int):
         if every < 1:
-            raise UserError(f"histogram every={every} steps must be at least 1")
+            raise UserError(f"`WeightHistograms(every={every})` must be at least 1 (steps)")
         self.every = every
 
     def loop_limit(self, trainer: TrainerView, step: int) -> int | None:

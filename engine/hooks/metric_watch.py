@@ -47,7 +47,7 @@ class MetricWatch:
 
     def __init__(self, metric: str, mode: str = "auto", min_delta: float = 0.0):
         if min_delta < 0:
-            raise UserError(f"min_delta={min_delta} must not be negative")
+            raise UserError(f"`min_delta={min_delta}` must not be negative")
         self.metric = metric
         self.mode = resolve_mode(metric, mode)
         self.min_delta = min_delta
@@ -84,7 +84,7 @@ class PatienceHook(Callback):
 
     def __init__(self, metric: str, *, patience: int, mode: str = "auto", min_delta: float = 0.0):
         if patience < 1:
-            raise UserError(f"patience={patience} for metric {metric!r} must be at least 1")
+            raise UserError(f"`patience={patience}` for metric {metric!r} must be at least 1")
         self.metric = metric
         self.patience = patience
         self._mode, self._min_delta = mode, min_delta

@@ -36,9 +36,9 @@ class ReduceLROnPlateau(PatienceHook):
     ):
         super().__init__(metric, patience=patience, mode=mode, min_delta=min_delta)
         if not 0.0 < factor < 1.0:
-            raise UserError(f"reduce-on-plateau factor={factor} must be between 0 and 1 (exclusive)")
+            raise UserError(f"`ReduceLROnPlateau(factor={factor})` must be between 0 and 1 (exclusive)")
         if min_rate < 0:
-            raise UserError(f"min learning rate {min_rate} must not be negative")
+            raise UserError(f"`ReduceLROnPlateau(min_rate={min_rate})` must not be negative")
         self.factor = factor
         self.min_rate = min_rate
 
@@ -60,7 +60,8 @@ class ReduceLROnPlateau(PatienceHook):
         if is_scheduled(trainer.optimizer):
             raise UserError(
                 "reducing the learning rate on a plateau needs a constant learning rate, but the "
-                "optimizer follows a schedule; use --lr_schedule=constant or drop --reduce_lr_metric"
+                "optimizer follows a schedule; give the optimizer a float `learning_rate` (not a "
+                "schedule), or drop the ReduceLROnPlateau callback"
             )
 
     def on_patience_exhausted(self, trainer: TrainerView, step: int, replaying: bool) -> None:

@@ -1,0 +1,81 @@
+"""The parts of a run built from its settings, shared by the training job and the evaluator.
+
+Both must build the same process state (devices, precision, seeds), data
+source, model and optimizer from the same flags: the evaluator restores
+what the trainer saved, so one definition keeps them from drifting apart.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import keras
+import tensorflow as tf
+
+from engine.cli.environment import seed_everything, set_precision
+from engine.cli.own_packages import own_package  # The engine's, beside a user's models.py/input.py.
+from engine.cli.settings import RunConfig
+from engine.errors import UserError
+from engine.schedules import LearningRate, learning_rate_schedule
+from engine.strategy import configure_cpu_devices
+
+
+def prepare_process(config: RunConfig) -> None:
+    """Process-wide settings, before any model or strategy exists: logical CPU
+    devices, the Keras dtype policy, seeds (and op determinism)."""
+    # tf.distribute logs every cross-device reduction at INFO; keep the engine's lines readable.
+    tf.get_logger().setLevel("WARNING")
+    if config.cpu_devices > 1:
+        configure_cpu_devices(config.cpu_devices)
+    set_precision(config.mixed_precision)
+    seed_everything(config.seed, deterministic=config.deterministic)
+
+
+def model_spec(config: RunConfig) -> Any:
+    """The `--model` builder (`models.ModelSpec`): a name of the zoo or package.module:function."""
+    return own_package("models").get_model_spec(config.model)
+
+
+def data_source(config: RunConfig, spec: Any) -> Any:
+    """The `--dataset` (`input.DataSource`), its images shaped for `spec`'s default input."""
+    input_lib = own_package("input")
+    try:
+        return input_lib.get_data_source(
+            config.dataset, image_shape=spec.default_input_shape, data_dir=config.data_dir
+        )
+    except input_lib.DataError as error:
+        raise UserError(str(error)) from None
+
+
+def build_model_and_optimizer(
+    config: RunConfig, strategy: tf.distribute.Strategy, spec: Any, source: Any, total_steps: int
+) -> tuple[keras.Model, keras.optimizers.Optimizer]:
+    """The model (checked against the data before anything is written) and its optimizer,
+    created in `strategy`'s scope; the learning-rate schedule spans `total_steps`."""
+    models = own_package("models")
+    with strategy.scope():
+        try:
+            model = spec.build(spec.default_input_shape, source.num_classes)
+            # Before the first write: a model that does not fit the data fails in the first step.
+            models.check_fits_data(config.model, model, source.image_shape, source.num_classes)
+        except models.ModelError as error:  # A user's builder returned something unusable.
+            raise UserError(str(error)) from None
+        learning_rate = learning_rate_schedule(
+            config.lr_schedule, config.learning_rate, total_steps, config.warmup_steps
+        )
+        optimizer = build_optimizer(config.optimizer, learning_rate, config.mixed_precision)
+    return model, optimizer
+
+
+def build_optimizer(name: str, learning_rate: LearningRate, mixed_precision: str) -> keras.optimizers.Optimizer:
+    optimizers = {
+        "sgd": lambda: keras.optimizers.SGD(learning_rate),
+        "momentum": lambda: keras.optimizers.SGD(learning_rate, momentum=0.9),
+        "adam": lambda: keras.optimizers.Adam(learning_rate),
+        "adamw": lambda: keras.optimizers.AdamW(learning_rate),
+    }
+    optimizer = optimizers[name]()
+    if mixed_precision == "float16":
+        # float16 gradients underflow without a (dynamic) loss scale.
+        optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
+    return optimizer

@@ -1,0 +1,87 @@
+"""The layout shows the architecture: no import circles in engine/, no module name twice,
+and the library never imports the command line (statically, including imports inside
+functions; test_library_alone checks the same at run time)."""
+
+import ast
+from pathlib import Path
+
+from helpers import REPO
+
+ENGINE = REPO / "engine"
+COMMANDS = {"engine.main", "engine.launch", "engine.server"}  # The entry points over engine.cli.
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(REPO).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports() -> dict[str, set[str]]:
+    """engine module -> the engine modules it imports anywhere in its body."""
+    modules = {_module_name(path): path for path in ENGINE.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                found.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                found.add(node.module)
+                found.update(f"{node.module}.{alias.name}" for alias in node.names)
+        graph[name] = {target for target in found if target in modules and target != name}
+    return graph
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import circle of `graph` (a package's __init__ importing its own submodules excepted)."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done.
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for target in sorted(graph[node]):
+            if node.startswith(target + "."):  # A submodule imports its own package: not a circle.
+                continue
+            if state.get(target) == 1:
+                return path[path.index(target) :] + [target]
+            if target not in state:
+                found = visit(target)
+                if found:
+                    return found
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state:
+            found = visit(node)
+            if found:
+                return found
+    return None
+
+
+def test_engine_has_no_import_circles():
+    assert _cycle(_imports()) is None, " -> ".join(_cycle(_imports()) or [])
+
+
+def test_the_cycle_finder_finds_one():
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_no_module_name_twice_in_engine():
+    names: dict[str, list[str]] = {}
+    for path in ENGINE.rglob("*.py"):
+        if path.name != "__init__.py":
+            names.setdefault(path.stem, []).append(str(path.relative_to(REPO)))
+    assert {name: paths for name, paths in names.items() if len(paths) > 1} == {}
+
+
+def test_the_library_never_imports_the_command_line():
+    graph = _imports()
+    library = [name for name in graph if not name.startswith("engine.cli") and name not in COMMANDS]
+    importing_cli = {
+        name: sorted(t for t in graph[name] if t.startswith("engine.cli") or t in COMMANDS) for name in library
+    }
+    assert {name: targets for name, targets in importing_cli.items() if targets} == {}
