@@ -17,6 +17,16 @@ tf.config.set_logical_device_configuration(_cpu, [tf.config.LogicalDeviceConfigu
 import pytest  # noqa: E402
 
 
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
+def pytest_collection_modifyitems(items):
+    """A test that starts processes (tier process or cluster, setup.cfg) is in the full suite only:
+    it is marked slow, so that -m "not slow" (the fast tier) starts none."""
+    for item in items:
+        if item.get_closest_marker("process") or item.get_closest_marker("cluster"):
+            if not item.get_closest_marker("slow"):
+                item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(scope="session")
 def mirrored():
     """The two-replica MirroredStrategy (build_strategy keeps one per device
