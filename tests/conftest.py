@@ -6,6 +6,7 @@ import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+import engine  # noqa: E402, F401  (imports TensorFlow with its C++ start-up lines held back, in every worker)
 import tensorflow as tf  # noqa: E402
 
 TEST_CPU_DEVICES = 2
