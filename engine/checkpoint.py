@@ -22,6 +22,7 @@ from absl import logging
 from engine import model_dir as model_dir_lib
 from engine import repairs
 from engine.errors import UserError, one_line
+from engine.logger import logger
 from engine.options import CheckpointOptions
 from engine.variables import all_variables
 
@@ -261,7 +262,7 @@ class Checkpointer:
                 f"checkpoint at step {step} not saved: {message}; the latest checkpoint "
                 f"({self.latest or 'none'}) is kept"
             ) from None
-        logging.info("Saved checkpoint %s", path)
+        logger.info("Saved checkpoint %s", path)
         return path
 
 

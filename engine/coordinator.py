@@ -34,7 +34,7 @@ from engine.data import Data, DataForm, as_train_form, eval_dataset_on_one_repli
 from engine.errors import UserError
 from engine.loop import CHECK_NONE, LoopResult, make_train_loop
 from engine.resident import ResidentData
-from engine.runners import EvalRunner, TrainRunner
+from engine.runners import EvalRunner, PredictRunner, TrainRunner
 from engine.steps import PerExampleLoss, ReplicaStep
 from engine.trainer import Trainer
 
@@ -60,6 +60,9 @@ class CoordinatedTrainer(Trainer):
         return CoordinatedTrainRunner(
             self.coordinator, self.replica_step, self.global_step, data, global_batch_size=global_batch_size
         )
+
+    def _make_predict_runner(self) -> PredictRunner:
+        return CoordinatorPredictRunner(self.strategy, self.model)
 
     def _make_eval_runner(self, loss_fn: PerExampleLoss, data: DataForm, **options: Any) -> EvalRunner:
         return CoordinatorEvalRunner(
@@ -137,6 +140,16 @@ class CoordinatorEvalRunner(EvalRunner):
         data = eval_dataset_on_one_replica(self.data)
         with _quiet_tf_warnings():  # "invoked without ClusterCoordinator.schedule": intended here.
             return self._calls_until_exhausted(iter(data), stop_requested)
+
+
+class CoordinatorPredictRunner(PredictRunner):
+    """Predictions on the coordinator, batch by batch in order: reads the weights from the ps tasks."""
+
+    def _outputs(self, dataset: tf.data.Dataset) -> Any:
+        on_coordinator = tf.function(self._replica_outputs)
+        with _quiet_tf_warnings():  # "invoked without ClusterCoordinator.schedule": intended here.
+            for batch in dataset:
+                yield on_coordinator(batch)
 
 
 @contextlib.contextmanager

@@ -1,8 +1,9 @@
-"""The runners: what one training call and one evaluation do, apart from when they happen.
+"""The runners: what one training call, one evaluation and one prediction do, apart from when.
 
 The `Trainer` (the outer loop) decides when to train, evaluate and save;
 a `TrainRunner` runs one compiled call of N training steps from wherever
-the data stands, and an `EvalRunner` one pass over the whole eval set.
+the data stands, an `EvalRunner` one pass over the whole eval set, and a
+`PredictRunner` the model's outputs for every example of a data set.
 The checkpoint evaluator (`engine.cli.evaluator`) uses an `EvalRunner`
 alone: it never trains. The parameter-server forms of both live in
 `engine.coordinator`.
@@ -10,10 +11,11 @@ alone: it never trains. The parameter-server forms of both live in
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from engine.data import DataForm, distribute_eval_data, distribute_train_data, yields_global_batches
@@ -29,7 +31,7 @@ from engine.loop import (
     make_train_loop,
 )
 from engine.resident import ResidentData, place_on_replicas
-from engine.steps import EvalStep, PerExampleLoss, ReplicaStep, make_eval_step
+from engine.steps import EvalStep, PerExampleLoss, ReplicaStep, call_model, make_eval_step
 
 
 class TrainRunner:
@@ -201,6 +203,62 @@ class EvalRunner:
             if stop_requested():
                 return False
         return True
+
+
+class PredictRunner:
+    """The model's outputs for every example, in the data's order, computed over the replicas.
+
+    Each global batch is split over the replicas (a partial last batch too, a replica
+    may get none) and the outputs are gathered back in replica order, which is the
+    batch's own order: row i of the result is example i of the data, as `model.predict`
+    returns it.
+    """
+
+    def __init__(self, strategy: tf.distribute.Strategy, model: Any):
+        self.strategy = strategy
+        self.model = model
+
+        def replica_outputs(batch: Any) -> Any:
+            features, _, _ = keras.utils.unpack_x_y_sample_weight(batch)
+            return call_model(model, features, training=False)
+
+        @tf.function
+        def predict_batch(iterator: Any) -> Any:
+            # The iterator, not the batch, is the argument: its spec (batch size unknown) is the
+            # same for every batch, so a partial last batch does not trace the function again.
+            batch = next(iterator)
+            return strategy.gather(strategy.run(replica_outputs, args=(batch,)), axis=0)
+
+        self._replica_outputs = replica_outputs
+        self.loop = predict_batch
+
+    def run(self, dataset: tf.data.Dataset) -> Any:
+        """Outputs (numpy, nested as the model's) for every example of `dataset`, a finite
+        `tf.data.Dataset` of global batches of features or of `(features, labels[, weights])`."""
+        batches = [tf.nest.map_structure(np.asarray, outputs) for outputs in self._outputs(dataset)]
+        if not batches:
+            raise UserError("predict() got a dataset with no batches; pass at least one example")
+        return tf.nest.map_structure(lambda *parts: np.concatenate(parts, axis=0), *batches)
+
+    def _outputs(self, dataset: tf.data.Dataset) -> Any:
+        iterator = iter(self.strategy.experimental_distribute_dataset(dataset))
+        while True:
+            try:
+                yield self.loop(iterator)
+            except tf.errors.OutOfRangeError:  # The end of the data.
+                return
+
+
+def as_prediction_batches(data: Any, global_batch_size: int) -> tf.data.Dataset:
+    """`predict()`'s input as a dataset of global batches: a `tf.data.Dataset` (already
+    batched) as it is, arrays (or a dict or tuple of them) batched by `global_batch_size`."""
+    if isinstance(data, tf.data.Dataset):
+        return data
+    if isinstance(data, (np.ndarray, tf.Tensor, Mapping, tuple)):
+        return tf.data.Dataset.from_tensor_slices(data).batch(global_batch_size)
+    raise UserError(
+        f"predict() takes a tf.data.Dataset of global batches or arrays of examples, got {type(data).__name__}"
+    )
 
 
 def fresh_copy(metric: keras.metrics.Metric) -> keras.metrics.Metric:

@@ -19,15 +19,16 @@ import keras
 import tensorflow as tf
 
 from engine.callbacks import CallbackLike, as_callbacks
-from engine.callbacks.progress import Progress, format_logs, logger
+from engine.callbacks.progress import Progress, format_logs
 from engine.checkpoint import Checkpointer
 from engine.compat import num_workers
 from engine.data import Data, DataForm, as_eval_form, as_train_form
 from engine.ema import WeightAverages, weight_averages
 from engine.errors import DataExhaustedError, NonFiniteLossError, UserError
+from engine.logger import logger
 from engine.options import DEFAULT_STEPS_PER_LOOP, NONFINITE_POLICIES, Cadence, CheckpointOptions, StepOptions
 from engine.resident import ResidentData, keeps_on_devices
-from engine.runners import EvalRunner, TrainRunner, fresh_copy
+from engine.runners import EvalRunner, PredictRunner, TrainRunner, as_prediction_batches, fresh_copy
 from engine.schedules import is_scheduled
 from engine.steps import EvalStep, PerExampleLoss, ReplicaStep, make_train_step
 from engine.summaries import SummaryWriters
@@ -195,6 +196,7 @@ class Trainer:
                 loss_fn, eval_form, metrics=metrics, weighted_metrics=weighted_metrics, eval_step_fn=eval_step_fn
             )
         self.eval_metrics = self.eval_runner.metrics if self.eval_runner is not None else []
+        self._predict_runner: PredictRunner | None = None  # Made by the first predict().
 
         for callback in self.callbacks:  # Before anything touches the model_dir.
             callback.check_trainer(self)
@@ -232,6 +234,9 @@ class Trainer:
         return Checkpointer(
             model_dir, checkpoint, model=self.model, step_counter=self.global_step, options=options
         )
+
+    def _make_predict_runner(self) -> PredictRunner:
+        return PredictRunner(self.strategy, self.model)
 
     def _make_train_runner(self, data: DataForm | ResidentData, global_batch_size: int) -> TrainRunner:
         return TrainRunner(
@@ -524,6 +529,23 @@ class Trainer:
         for callback in self.callbacks:
             callback.on_eval_end(self, self.step, result)
         return result
+
+    def predict(self, data: Any) -> Any:
+        """The model's outputs for every example of `data`, in its order, as `model.predict`
+        returns them, computed over the replicas (on the averaged weights with `ema_decay`).
+
+        Args:
+          data: a finite `tf.data.Dataset` of global batches (of features, or of
+            `(features, labels[, sample_weight])` whose labels are ignored), or arrays
+            (a dict or tuple of arrays) of examples, batched by `global_batch_size`.
+
+        Returns:
+          numpy arrays nested as the model's outputs, one row per example.
+        """
+        if self._predict_runner is None:
+            self._predict_runner = self._make_predict_runner()
+        with self.averaged_weights():
+            return self._predict_runner.run(as_prediction_batches(data, self.global_batch_size))
 
     def evaluate_current(self) -> dict[str, float]:
         """The evaluation at the current step, reusing one the loop already ran."""

@@ -6,6 +6,7 @@ import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+import engine  # noqa: E402, F401  (imports TensorFlow with its C++ start-up lines held back, in every worker)
 import tensorflow as tf  # noqa: E402
 
 TEST_CPU_DEVICES = 2
@@ -15,6 +16,16 @@ tf.config.set_logical_device_configuration(_cpu, [tf.config.LogicalDeviceConfigu
 
 
 import pytest  # noqa: E402
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
+def pytest_collection_modifyitems(items):
+    """A test that starts processes (tier process or cluster, setup.cfg) is in the full suite only:
+    it is marked slow, so that -m "not slow" (the fast tier) starts none."""
+    for item in items:
+        if item.get_closest_marker("process") or item.get_closest_marker("cluster"):
+            if not item.get_closest_marker("slow"):
+                item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(scope="session")

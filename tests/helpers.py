@@ -7,6 +7,7 @@ file does not collect another's tests or depend on its fixtures."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import hashlib
 import io
@@ -143,6 +144,23 @@ def run_config(*flags: str, env: dict[str, str] | None = None):
             return RunConfig.from_flags(absl_flags.FLAGS)
         finally:
             absl_flags.FLAGS.unparse_flags()
+
+
+def in_background(function, *args, **kwargs) -> concurrent.futures.Future:
+    """`function(*args, **kwargs)` (a `run_main`, a `subprocess.run`) in a thread of its own, so that
+    a test runs independent processes at once instead of one after another; `.result()` waits
+    for it and returns its value or raises its exception. Each call has its own thread: a
+    process that hangs ends at its own timeout, never blocking another test's."""
+    future: concurrent.futures.Future = concurrent.futures.Future()
+
+    def run() -> None:
+        try:
+            future.set_result(function(*args, **kwargs))
+        except BaseException as error:  # handed to the caller of .result()
+            future.set_exception(error)
+
+    threading.Thread(target=run, daemon=True).start()
+    return future
 
 
 def popen_main(*flags: str) -> subprocess.Popen:

@@ -44,6 +44,7 @@ def _run(args, timeout):
     return completed
 
 
+@pytest.mark.process
 @pytest.mark.timeout(400)
 def test_throughput_writes_json_with_a_row_per_runner(tmp_path):
     out = tmp_path / "out.json"
@@ -104,6 +105,7 @@ def test_throughput_writes_json_with_a_row_per_runner(tmp_path):
     assert "engine" in completed.stdout and "ratios:" in completed.stdout
 
 
+@pytest.mark.process
 @pytest.mark.timeout(400)
 def test_throughput_tfrecord_mode_reads_files_with_engine_and_tfdata(tmp_path):
     out, records = tmp_path / "out.json", tmp_path / "records"
@@ -177,6 +179,7 @@ def test_tfrecord_files_are_reused_rewritten_or_refused(tmp_path):
         check_config(BenchConfig(runners=("engine", "tfdata")))
 
 
+@pytest.mark.process
 @pytest.mark.timeout(400)
 def test_sweep_writes_png_and_markdown(tmp_path):
     pytest.importorskip("matplotlib")

@@ -28,6 +28,7 @@ def python(*args: str, env: dict[str, str] | None = None, timeout: float = 240) 
     )
 
 
+@pytest.mark.process
 @pytest.mark.slow
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("flag", ["--help", "--helpfull"])
@@ -42,16 +43,20 @@ def test_help_lists_the_engines_flags_quickly_and_exits_0(flag):
     assert seconds < HELP_SECONDS, seconds
 
 
+@pytest.mark.process
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_run_prints_no_native_start_up_lines_unless_asked():
+    from helpers import in_background
+
     flags = ["-m", "engine.main", "--model=mlp", "--train_steps=2", "--steps_per_loop=1", "--mode=train"]
+    verbose = in_background(python, *flags, env={"TF_CPP_MIN_LOG_LEVEL": "0"})  # Both processes at once.
     quiet = python(*flags)  # engine.main's default: TF_CPP_MIN_LOG_LEVEL=2
     assert quiet.returncode == 0, quiet.stderr[-3000:]
     assert "Total params" in quiet.stdout + quiet.stderr  # The engine's own start-up output is there.
     leaked = [line for line in quiet.stderr.splitlines() if any(s in line for s in START_UP_LINES)]
     assert leaked == []
-    verbose = python(*flags, env={"TF_CPP_MIN_LOG_LEVEL": "0"})
+    verbose = verbose.result()
     assert verbose.returncode == 0, verbose.stderr[-3000:]
     assert "InitializeLog" in verbose.stderr  # Asked for: nothing held back.
 
@@ -75,6 +80,7 @@ def test_only_native_log_lines_are_held_back():
     assert kept_lines(text, 0) == text
 
 
+@pytest.mark.process
 @pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_the_launcher_checks_engine_main_flags_without_importing_tensorflow():
@@ -87,6 +93,7 @@ def test_the_launcher_checks_engine_main_flags_without_importing_tensorflow():
     assert seconds < HELP_SECONDS, seconds
 
 
+@pytest.mark.cluster
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_launched_cluster_prints_no_native_start_up_lines(tmp_path):

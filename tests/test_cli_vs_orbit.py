@@ -118,6 +118,7 @@ def _without_orbit(module: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.process
 @pytest.mark.slow  # a Python process each, importing TensorFlow
 @pytest.mark.parametrize("module", ["benchmarks.cli_vs_orbit", "benchmarks.orbit_peer"])
 def test_without_orbit_it_says_how_to_install_it_in_one_line(module):
@@ -129,6 +130,7 @@ def test_without_orbit_it_says_how_to_install_it_in_one_line(module):
     assert "pip install --no-deps tf-models-official==2.20.0" in line
 
 
+@pytest.mark.process
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_a_tiny_run_of_both_sides_writes_the_table_and_json(tmp_path):

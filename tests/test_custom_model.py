@@ -50,6 +50,7 @@ def user_project(directory: Path) -> Path:
     return directory
 
 
+@pytest.mark.process
 @pytest.mark.slow  # a real `python -m engine.main` from the user's directory
 def test_a_users_model_trains_from_the_cli_beside_their_models_and_input_py(tmp_path):
     project = user_project(tmp_path)
@@ -84,6 +85,7 @@ BAD_MODELS = [
 ]
 
 
+@pytest.mark.cli
 @pytest.mark.parametrize("model,message", BAD_MODELS, ids=[model for model, _ in BAD_MODELS])
 def test_a_bad_user_model_is_one_line_exit_2_and_writes_nothing(tmp_path, model, message):
     project = user_project(tmp_path)

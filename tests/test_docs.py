@@ -99,6 +99,7 @@ def test_every_example_block_is_found_once():
         assert readme_example(name).strip()
 
 
+@pytest.mark.process
 @pytest.mark.slow  # starts a process
 @pytest.mark.timeout(60)
 def test_the_regenerate_command_prints_the_page_without_tensorflow():

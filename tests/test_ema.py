@@ -89,6 +89,7 @@ def test_training_is_unchanged_and_evaluation_uses_the_averages(mirrored):
     assert plain.evaluate() != ema_eval
 
 
+@pytest.mark.slow
 def test_resume_is_bitwise_with_the_averages(mirrored, tmp_path):
     straight = new_trainer(mirrored, model_dir=str(tmp_path / "a"), ema_decay=DECAY, steps_per_loop=4)
     straight.train(12)
@@ -154,9 +155,12 @@ def engine_main(*flags: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.process
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_cli_evaluates_exports_and_keeps_best_with_the_averages(tmp_path):
+    from helpers import main_in_process
+
     run = engine_main(
         "--ema_decay=0.9",
         f"--model_dir={tmp_path}",
@@ -196,8 +200,9 @@ def test_cli_evaluates_exports_and_keeps_best_with_the_averages(tmp_path):
         atol=1e-6,
     )
 
-    # --mode=eval without the flag evaluates the averages, as the run's own final evaluation did.
-    evaluated = engine_main("--mode=eval", f"--model_dir={tmp_path}")
+    # --mode=eval without the flag evaluates the averages, as the run's own final evaluation did
+    # (this evaluation and the refusal below in this process: helpers.main_in_process).
+    evaluated = main_in_process(*CLI, "--mode=eval", f"--model_dir={tmp_path}")
     assert evaluated.returncode == 0, evaluated.stderr[-3000:]
     again = json.loads((tmp_path / "metrics.json").read_text())["eval"]
     assert again["loss"] == pytest.approx(final["loss"], rel=1e-6) and again["accuracy"] == final["accuracy"]
@@ -216,6 +221,6 @@ def test_cli_evaluates_exports_and_keeps_best_with_the_averages(tmp_path):
     assert best_averages
 
     # A resume with EMA turned off is refused, naming the flag.
-    changed = engine_main("--train_steps=40", f"--model_dir={tmp_path}")
+    changed = main_in_process(*CLI, "--train_steps=40", f"--model_dir={tmp_path}")
     assert changed.returncode == 2
     assert "--ema_decay=0.0 differs from --ema_decay=0.9" in changed.stderr

@@ -171,6 +171,7 @@ def test_changed_settings_are_named_as_settings(tmp_path):
 # ------------------------------------------------------------------ the command line's
 
 
+@pytest.mark.cli
 def test_the_command_line_prints_the_same_error_with_its_flags(tmp_path):
     model_dir = tmp_path / "run"
     flags = [*SMALL, "--checkpoint_every=2", "--steps_per_loop=2", f"--model_dir={model_dir}"]

@@ -54,6 +54,7 @@ def _flip_a_byte_of_the_last_record(path) -> int:
     return last + 12
 
 
+@pytest.mark.cli
 def test_a_record_that_fails_its_checksum_mid_run_is_one_line_naming_its_file(copy):
     damaged = copy / "data" / "train-1"
     offset = _flip_a_byte_of_the_last_record(damaged)
@@ -96,6 +97,7 @@ OOM = (
 )
 
 
+@pytest.mark.cli
 def test_an_out_of_memory_in_the_compiled_step_is_one_line_naming_the_batch(copy, monkeypatch):
     """Injected: a real OOM needs a device to fill (the CPU allocator does not report one)."""
     error = tf.errors.ResourceExhaustedError(None, None, OOM)

@@ -1,6 +1,7 @@
 """--mode and the evaluator: it reads checkpoints another process writes, evaluates
-each once at its step, and writes metrics.json only when it may. Real processes,
-each with a timeout; the refusal of --mode=eval without a checkpoint in-process."""
+each once at its step, and writes metrics.json only when it may. The evaluators that
+wait for checkpoints are real processes, each with a timeout; the trainers beside them,
+the single evaluations and the refusal of --mode=eval without a checkpoint run in-process."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import threading
 import time
 
 import pytest
-from helpers import REPO, eval_steps, main_in_process
+from helpers import REPO, eval_steps, in_background, main_in_process
 
 FLAGS = [
     "--model=mlp",
@@ -37,16 +38,19 @@ def engine_main(*flags: str, timeout: float = 150) -> subprocess.CompletedProces
     )
 
 
+@pytest.mark.process
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_train_then_eval_modes_on_a_finished_dir(tmp_path):
+    # train_and_eval's run on the same settings (compared at the end): a process beside this one.
+    both = in_background(engine_main, *FLAGS, "--train_steps=30", f"--model_dir={tmp_path / 'both'}")
     trained = engine_main(*FLAGS, "--train_steps=30", "--mode=train", f"--model_dir={tmp_path}")
     assert trained.returncode == 0, trained.stderr[-3000:]
     assert json.loads((tmp_path / "metrics.json").read_text())["eval"] == {}  # --mode=train: no evaluation
     assert not (tmp_path / "eval").exists()
     checkpoint_files = {p.name: p.read_bytes() for p in (tmp_path / "checkpoints").iterdir()}
 
-    evaluated = engine_main(*FLAGS, "--train_steps=30", "--mode=eval", f"--model_dir={tmp_path}")
+    evaluated = main_in_process(*FLAGS, "--train_steps=30", "--mode=eval", f"--model_dir={tmp_path}")
     assert evaluated.returncode == 0, evaluated.stderr[-3000:]
     metrics = json.loads((tmp_path / "metrics.json").read_text())
     assert metrics["global_step"] == 30 and metrics["eval"]["num_examples"] == 297, metrics
@@ -56,13 +60,14 @@ def test_train_then_eval_modes_on_a_finished_dir(tmp_path):
     assert {p.name: p.read_bytes() for p in (tmp_path / "checkpoints").iterdir()} == checkpoint_files
 
     # The same evaluation as train_and_eval's final one on the same weights.
-    both = engine_main(*FLAGS, "--train_steps=30", f"--model_dir={tmp_path / 'both'}")
+    both = both.result()
     assert both.returncode == 0, both.stderr[-3000:]
     final = json.loads((tmp_path / "both" / "metrics.json").read_text())["eval"]
     assert final["loss"] == pytest.approx(metrics["eval"]["loss"], rel=1e-6)
     assert final["accuracy"] == metrics["eval"]["accuracy"]
 
 
+@pytest.mark.cli
 def test_eval_without_a_checkpoint_is_a_one_line_error(tmp_path):
     result = main_in_process(*FLAGS, "--mode=eval", f"--model_dir={tmp_path}")
     assert result.returncode == 2
@@ -104,6 +109,7 @@ def evaluators():
         evaluator.process.wait(timeout=30)
 
 
+@pytest.mark.process
 @pytest.mark.slow
 @pytest.mark.timeout(700)
 def test_an_evaluator_started_before_training_evaluates_each_checkpoint_once(tmp_path, evaluators):
@@ -116,11 +122,12 @@ def test_an_evaluator_started_before_training_evaluates_each_checkpoint_once(tmp
         f"--model_dir={tmp_path}",
     )
     evaluator.wait_for("continuous evaluation of", timeout=240)
-    first = engine_main(*FLAGS, "--train_steps=30", "--mode=train", f"--model_dir={tmp_path}")
+    # The trainer's two runs (30 and 60 mlp steps) in this process, the evaluator a process of its own.
+    first = main_in_process(*FLAGS, "--train_steps=30", "--mode=train", f"--model_dir={tmp_path}")
     assert first.returncode == 0, first.stderr[-3000:]
     evaluator.wait_for("eval at step 30", timeout=240)
     assert evaluator.process.poll() is None  # 30 is not the final step: it waits on
-    second = engine_main(
+    second = main_in_process(
         *FLAGS, "--train_steps=60", "--mode=train", "--checkpoint_every=10", f"--model_dir={tmp_path}"
     )
     assert second.returncode == 0, second.stderr[-3000:]
@@ -139,37 +146,39 @@ def test_an_evaluator_started_before_training_evaluates_each_checkpoint_once(tmp
     ]
 
 
+@pytest.mark.process
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_continuous_eval_gives_up_after_eval_timeout_and_ends_on_sigterm(tmp_path, evaluators):
-    idle = evaluators(
+    # The evaluator SIGTERM ends is a process (started first: its start-up overlaps the idle one's wait).
+    waiting = evaluators(*FLAGS, "--train_steps=60", "--mode=continuous_eval", f"--model_dir={tmp_path / 'w'}")
+    idle = main_in_process(  # in this process: the exit status and the line, after a short --eval_timeout
         *FLAGS,
         "--train_steps=60",
         "--mode=continuous_eval",
-        "--eval_timeout=3",
+        "--eval_timeout=1",
         f"--model_dir={tmp_path / 'idle'}",
     )
-    assert idle.process.wait(timeout=240) == 0, "\n".join(idle.lines[-20:])
-    assert any("no new checkpoint for 3s" in line for line in idle.lines)
+    assert idle.returncode == 0, idle.stderr[-3000:]
+    assert "no new checkpoint for 1s" in idle.stderr
     assert not (tmp_path / "idle" / "metrics.json").exists()
 
-    waiting = evaluators(*FLAGS, "--train_steps=60", "--mode=continuous_eval", f"--model_dir={tmp_path / 'w'}")
     waiting.wait_for("continuous evaluation of", timeout=240)
     waiting.process.send_signal(signal.SIGTERM)
     assert waiting.process.wait(timeout=20) == 128 + signal.SIGTERM  # like a training run stopped by it
 
 
+@pytest.mark.cli
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("deleted", ["data-00000-of-00001", "index"])
-def test_a_checkpoint_deleted_while_read_is_skipped_not_fatal(tmp_path, monkeypatch, deleted):
+def test_a_checkpoint_deleted_while_read_is_skipped_not_fatal(two_checkpoints, tmp_path, monkeypatch, deleted):
+    import shutil
+
     from engine.cli import evaluator as evaluator_lib
     from engine.cli.settings import RunConfig
 
-    trained = engine_main(
-        *FLAGS, "--train_steps=20", "--checkpoint_every=10", "--mode=train", f"--model_dir={tmp_path}"
-    )
-    assert trained.returncode == 0, trained.stderr[-3000:]
+    shutil.copytree(two_checkpoints, tmp_path, dirs_exist_ok=True)
     rotated = tmp_path / "checkpoints" / "ckpt-10"
     (tmp_path / "checkpoints" / f"ckpt-10.{deleted}").unlink()  # rotation, half done
     config = RunConfig(
@@ -196,12 +205,13 @@ def test_a_checkpoint_deleted_while_read_is_skipped_not_fatal(tmp_path, monkeypa
         evaluator.evaluate(str(rotated), strict=True)
 
 
+@pytest.mark.cli
 @pytest.mark.parametrize(
     "flags,message",
     [
         (
             dict(mode="serve"),
-            "unknown --mode='serve'; choose one of: train, eval, train_and_eval, continuous_eval",
+            "unknown --mode='serve'; choose one of: train, eval, train_and_eval, continuous_eval, predict",
         ),
         (
             dict(mode="train", early_stop_metric="loss"),
@@ -213,27 +223,40 @@ def test_a_checkpoint_deleted_while_read_is_skipped_not_fatal(tmp_path, monkeypa
     ],
 )
 def test_bad_mode_flags_are_one_line_user_errors(tmp_path, flags, message):
+    from engine.cli.flag_names import errors_in_flag_terms
     from engine.cli.settings import RunConfig
     from engine.errors import UserError
 
     settings = dict(model="mlp", model_dir=str(tmp_path / "m"), strategy="multi_worker_mirrored") | flags
-    with pytest.raises(UserError) as error:
+    with pytest.raises(UserError) as error, errors_in_flag_terms():  # As engine.main prints them.
         RunConfig(**settings).validate()
     assert message in str(error.value) and "\n" not in str(error.value)
     assert not (tmp_path / "m").exists()
 
 
-@pytest.fixture(scope="module")
-def three_checkpoints(tmp_path_factory):
-    """An mlp model_dir with ckpt-10, ckpt-20 and ckpt-30, trained in-process (--mode=train)."""
+def _trained_in_process(model_dir, **settings):
+    """An mlp model_dir with a checkpoint every 10 steps, trained in-process (--mode=train)."""
     from engine.cli import job
     from engine.cli.settings import RunConfig
 
-    model_dir = tmp_path_factory.mktemp("rotation") / "run"
-    config = RunConfig(**ROTATION_SETTINGS, mode="train", checkpoint_every=10, model_dir=str(model_dir))
+    config = RunConfig(
+        **{**ROTATION_SETTINGS, **settings}, mode="train", checkpoint_every=10, model_dir=str(model_dir)
+    )
     config.validate()
     job.run(config)
     return model_dir
+
+
+@pytest.fixture(scope="module")
+def three_checkpoints(tmp_path_factory):
+    """ckpt-10, ckpt-20 and ckpt-30 of a run to step 30."""
+    return _trained_in_process(tmp_path_factory.mktemp("rotation") / "run")
+
+
+@pytest.fixture(scope="module")
+def two_checkpoints(tmp_path_factory):
+    """ckpt-10 and ckpt-20 of a run to step 20 (FLAGS, --train_steps=20 --checkpoint_every=10 --mode=train)."""
+    return _trained_in_process(tmp_path_factory.mktemp("deleted") / "run", train_steps=20)
 
 
 ROTATION_SETTINGS = dict(
@@ -248,6 +271,7 @@ ROTATION_SETTINGS = dict(
 )
 
 
+@pytest.mark.cli
 @pytest.mark.parametrize("moment", ["restore", "evaluation", "best-checkpoint save"])
 def test_rotation_deleting_a_checkpoint_at_any_moment_of_its_read_never_stops_the_evaluator(
     three_checkpoints, tmp_path, monkeypatch, caplog, moment
@@ -311,6 +335,7 @@ def test_rotation_deleting_a_checkpoint_at_any_moment_of_its_read_never_stops_th
     assert tf.train.load_checkpoint(str(model_dir / "best" / best["checkpoint"])) is not None
 
 
+@pytest.mark.process
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_an_evaluator_beside_a_trainer_that_keeps_one_checkpoint_survives_rotation(tmp_path, evaluators):

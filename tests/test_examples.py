@@ -46,6 +46,7 @@ def _free(port: int) -> bool:
     return True
 
 
+@pytest.mark.cluster
 @pytest.mark.slow
 @pytest.mark.timeout(500)
 def test_slurm_batch_script_trains_two_workers_under_srun(tmp_path):

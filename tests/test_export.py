@@ -51,10 +51,13 @@ def test_exported_saved_model_reproduces_predictions(tmp_path, kind):
     np.testing.assert_allclose(output.numpy(), np.asarray(model(x)), rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.cli
 @pytest.mark.slow
 def test_cli_exports_a_servable_model(tmp_path):
+    from helpers import main_in_process
+
     export_dir = tmp_path / "export"
-    result = run_main(
+    result = main_in_process(  # 5 steps: the command line in this process
         "--model=mlp", "--train_steps=5", f"--model_dir={tmp_path / 'run'}", f"--export_dir={export_dir}"
     )
     assert result.returncode == 0, result.stderr[-3000:]
@@ -82,6 +85,7 @@ engine.Trainer(strategy=strategy, model=model, optimizer=optimizer, train_data=d
 """
 
 
+@pytest.mark.process
 @pytest.mark.slow
 def test_check_numerics_names_the_op_that_made_a_nan(tmp_path):
     result = subprocess.run(
@@ -97,6 +101,7 @@ def test_check_numerics_names_the_op_that_made_a_nan(tmp_path):
     assert "Log/CheckNumerics" in result.stderr and "bad_loss" in result.stderr  # the op and its line
 
 
+@pytest.mark.process
 @pytest.mark.slow
 def test_cli_check_numerics_fails_at_the_first_op_with_inf(tmp_path):
     result = run_main(

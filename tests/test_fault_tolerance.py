@@ -2,8 +2,8 @@
 
 Every test runs the real command line in subprocesses with timeouts, but for the
 refusals of a bad checkpoint or bad data (and the --restore_fallback run after one),
-which run it in-process (`helpers.main_in_process`) on a copy of a model_dir a real
-process trained.
+which run it in-process (`helpers.main_in_process`) on a copy of a model_dir trained
+in-process too, and the restarts after a signal (20 steps, in-process).
 """
 
 import json
@@ -19,6 +19,7 @@ import pytest
 import tensorflow as tf
 from helpers import (
     copy_of,
+    in_background,
     latest_step,
     main_in_process,
     one_error_line,
@@ -30,7 +31,7 @@ from helpers import (
     wait_for_checkpoint,
 )
 
-pytestmark = pytest.mark.slow  # every test here starts processes
+pytestmark = pytest.mark.slow  # processes, and the refusals on the model_dir trained for them
 
 RESUME_FLAGS = [
     "--model=mlp",
@@ -61,20 +62,24 @@ def assert_bitwise_equal(a: dict, b: dict) -> None:
         np.testing.assert_array_equal(a[name], b[name], err_msg=name)
 
 
+@pytest.mark.process
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize(
     "strategy", [["--strategy=default"], ["--strategy=mirrored", "--cpu_devices=2"]], ids=["default", "mirrored"]
 )
 def test_interrupted_run_resumes_bitwise_equal(tmp_path, strategy):
     whole, halves = tmp_path / "whole", tmp_path / "halves"
-    assert run_main(*strategy, *RESUME_FLAGS, "--train_steps=40", f"--model_dir={whole}").returncode == 0
+    # The uninterrupted run and the first half are independent processes: at once.
+    uninterrupted = in_background(run_main, *strategy, *RESUME_FLAGS, "--train_steps=40", f"--model_dir={whole}")
     assert run_main(*strategy, *RESUME_FLAGS, "--train_steps=20", f"--model_dir={halves}").returncode == 0
+    assert uninterrupted.result().returncode == 0
     resumed = run_main(*strategy, *RESUME_FLAGS, "--train_steps=40", f"--model_dir={halves}")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "steps=20->40" in resumed.stderr
     assert_bitwise_equal(final_state(whole), final_state(halves))
 
 
+@pytest.mark.process
 @pytest.mark.timeout(900)
 def test_kill_9_at_random_moments_then_resume_bitwise_equal(tmp_path):
     # 2,000 steps run for several seconds past the first checkpoint (~470 steps/s on 2 quiet cores),
@@ -82,7 +87,7 @@ def test_kill_9_at_random_moments_then_resume_bitwise_equal(tmp_path):
     target = 2000
     flags = [*RESUME_FLAGS, f"--train_steps={target}", "--checkpoint_every=20", "--steps_per_loop=5"]
     whole, killed = tmp_path / "whole", tmp_path / "killed"
-    assert run_main(*flags, f"--model_dir={whole}", timeout=400).returncode == 0
+    uninterrupted = in_background(run_main, *flags, f"--model_dir={whole}", timeout=400)  # beside the kills
     rng = random.Random(1234)
     step = -1
     for _ in range(2):
@@ -97,11 +102,13 @@ def test_kill_9_at_random_moments_then_resume_bitwise_equal(tmp_path):
         assert step is not None and step < target, step  # killed while training
     finished = run_main(*flags, f"--model_dir={killed}", timeout=400)
     assert finished.returncode == 0, finished.stderr[-3000:]
+    assert uninterrupted.result().returncode == 0
     resumed_from = int(re.search(rf"steps=(\d+)->{target}", finished.stderr).group(1))
     assert 0 < resumed_from < target and resumed_from % 20 == 0, resumed_from  # it resumed, then trained
     assert_bitwise_equal(final_state(whole), final_state(killed))
 
 
+@pytest.mark.process
 @pytest.mark.timeout(480)
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_signal_saves_and_exits_then_restart_continues(tmp_path, signum):
@@ -127,7 +134,7 @@ def test_signal_saves_and_exits_then_restart_continues(tmp_path, signum):
     assert saved is not None
     step = int(saved.rsplit("-", 1)[1])
     assert step > 0 and step % 20 == 0 and f"stopped at step {step}" in stderr
-    restarted = run_main(
+    restarted = main_in_process(  # 20 steps: the restart's resume, in this process
         "--model=mlp", f"--train_steps={step + 20}", "--eval_every=0", f"--model_dir={tmp_path}"
     )
     assert restarted.returncode == 0, restarted.stderr[-3000:]
@@ -136,15 +143,16 @@ def test_signal_saves_and_exits_then_restart_continues(tmp_path, signum):
 
 @pytest.fixture(scope="module")
 def trained_mlp_dir(tmp_path_factory) -> Path:
-    """A model_dir with mlp checkpoints at steps 10 and 20."""
+    """A model_dir with mlp checkpoints at steps 10 and 20 (20 steps, trained in-process)."""
     model_dir = tmp_path_factory.mktemp("trained") / "run"
-    result = run_main(
+    result = main_in_process(
         "--model=mlp", "--train_steps=20", "--checkpoint_every=10", "--eval_every=0", f"--model_dir={model_dir}"
     )
     assert result.returncode == 0, result.stderr[-3000:]
     return model_dir
 
 
+@pytest.mark.cli
 def test_checkpoint_of_another_model_is_refused_and_left_alone(trained_mlp_dir, tmp_path):
     model_dir = copy_of(trained_mlp_dir, tmp_path / "run")
     before = snapshot(model_dir)
@@ -153,6 +161,7 @@ def test_checkpoint_of_another_model_is_refused_and_left_alone(trained_mlp_dir, 
     assert snapshot(model_dir) == before
 
 
+@pytest.mark.cli
 def test_truncated_checkpoint_is_named_and_fallback_restores_the_previous(trained_mlp_dir, tmp_path):
     model_dir = copy_of(trained_mlp_dir, tmp_path / "run")
     data_file = next((model_dir / "checkpoints").glob("ckpt-20.data-*"))
@@ -178,6 +187,7 @@ def test_truncated_checkpoint_is_named_and_fallback_restores_the_previous(traine
     assert tf.train.latest_checkpoint(str(model_dir / "checkpoints")).endswith("ckpt-30")
 
 
+@pytest.mark.cli
 def test_bad_data_is_named_and_model_dir_left_alone(trained_mlp_dir, tmp_path):
     from input import write_tfrecords
 
@@ -218,6 +228,7 @@ def _best_record(model_dir: Path) -> dict | None:
     return json.loads(path.read_text()) if path.exists() else None
 
 
+@pytest.mark.process
 @pytest.mark.timeout(600)
 def test_kill_9_around_a_best_checkpoint_save_never_leaves_best_json_naming_what_best_lacks(tmp_path):
     """Killed 0-30 ms after the evaluation that makes a new best is logged (inside the

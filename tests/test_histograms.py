@@ -7,7 +7,7 @@ import os
 import numpy as np
 import pytest
 import tensorflow as tf
-from helpers import global_batches, loss_fn, make_arrays, make_model, run_main
+from helpers import global_batches, loss_fn, main_in_process, make_arrays, make_model
 
 import engine
 from engine.cli.hooks_from_flags import hooks_from_config
@@ -65,9 +65,10 @@ def test_the_flag_builds_the_hook_and_is_validated():
         RunConfig(histogram_every=-1).validate()
 
 
+@pytest.mark.cli
 @pytest.mark.slow
 def test_histograms_from_the_command_line(tmp_path):
-    result = run_main(
+    result = main_in_process(  # 10 steps: the command line in this process
         "--model=mlp", "--train_steps=10", "--histogram_every=5", "--eval_every=0", f"--model_dir={tmp_path}"
     )
     assert result.returncode == 0, result.stderr[-3000:]
@@ -93,7 +94,7 @@ def hand_gradient_norm(model, x, y) -> float:
     return float(tf.linalg.global_norm(tape.gradient(loss, model.trainable_variables)))
 
 
-@pytest.mark.parametrize("clip_norm", [None, 0.05])
+@pytest.mark.parametrize("clip_norm", [None, pytest.param(0.05, marks=pytest.mark.slow)])
 def test_the_global_gradient_norm_is_written_beside_the_histograms(mirrored, default, tmp_path, clip_norm):
     x, y = make_arrays(64)
     model, optimizer = make_model(mirrored)

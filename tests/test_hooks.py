@@ -78,6 +78,7 @@ def test_early_stopping_stops_at_the_expected_step_and_stays_stopped(mirrored, t
     assert patient.step == 14
 
 
+@pytest.mark.slow
 def test_early_stopping_ignores_evaluations_after_the_restored_checkpoint(mirrored, tmp_path):
     hook = EarlyStopping("score", patience=2, mode="max")
     trainer = scripted_trainer(mirrored, tmp_path, [0.5, 0.4], [hook], checkpoint_every=2)
@@ -100,6 +101,7 @@ class WeightsAt(Callback):
         self.weights[step] = [w.copy() for w in trainer.model.get_weights()]
 
 
+@pytest.mark.slow
 def test_best_checkpoint_keeps_the_best_step_across_a_restart(mirrored, tmp_path):
     recorder = WeightsAt()
     trainer = scripted_trainer(
@@ -176,6 +178,7 @@ def test_early_stopping_modes():
     assert EarlyStopping("loss", patience=1).watch.mode == "min"
 
 
+@pytest.mark.cluster
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_two_real_workers_take_the_same_early_stopping_decision(tmp_path):

@@ -68,8 +68,8 @@ def train_with(strategy, data, model_dir, steps, *, seed=3):
     "data",
     [
         per_replica_fn,
-        per_replica_from_step,
-        PerReplicaBatches(fn=per_replica_fn),
+        pytest.param(per_replica_from_step, marks=pytest.mark.slow),  # The fast tier: one fn form, one Dataset.
+        pytest.param(PerReplicaBatches(fn=per_replica_fn), marks=pytest.mark.slow),
         ids_dataset(400).repeat().batch(GLOBAL_BATCH, drop_remainder=True),
     ],
     ids=["fn(input_context)", "fn(input_context, start_step)", "PerReplicaBatches(fn=)", "Dataset"],
@@ -131,7 +131,7 @@ class KerasAroundModule(keras.Model):
         return self.inner(x, training=training)
 
 
-@pytest.mark.parametrize("wrap", ["module", "keras_around_module"])
+@pytest.mark.parametrize("wrap", ["module", pytest.param("keras_around_module", marks=pytest.mark.slow)])
 def test_regularizers_behind_a_tf_module_train_as_the_model_alone(mirrored, wrap):
     x, y = make_arrays(64)
     data = tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(GLOBAL_BATCH, drop_remainder=True)
@@ -310,7 +310,11 @@ def test_duplicate_metric_names_are_refused(mirrored):
 
 @pytest.mark.parametrize(
     "examples, steps_per_loop",
-    [(200, 1), (200, 3), (200, 6), (200, 50), (193, 3)],  # 193: the last batch holds 1, one replica none.
+    [  # 193: the last batch holds 1, one replica none. The fast tier: a loop length that cuts the last loop.
+        *[pytest.param(200, spl, marks=pytest.mark.slow) for spl in (1, 6, 50)],
+        (200, 3),
+        (193, 3),
+    ],
 )
 def test_a_partial_last_batch_trains_as_fit_for_any_loop_length(mirrored, tmp_path, examples, steps_per_loop):
     x, y = make_arrays(examples, seed=4)

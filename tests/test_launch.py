@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from helpers import REPO, SMALL, eval_steps, model_weights
 
-pytestmark = pytest.mark.slow  # every test here starts processes
+pytestmark = [pytest.mark.slow, pytest.mark.cluster]  # every test here starts a cluster
 
 
 MWM = ["--strategy=multi_worker_mirrored", *SMALL, "--deterministic", "--steps_per_loop=4"]
@@ -24,14 +24,13 @@ MWM = ["--strategy=multi_worker_mirrored", *SMALL, "--deterministic", "--steps_p
 @pytest.mark.timeout(700)
 def test_a_killed_worker_restarts_the_cluster_and_ends_with_the_uninterrupted_weights(tmp_path, launch):
     flags = [*MWM, "--train_steps=300", "--checkpoint_every=20"]
-    plain = launch("--num_workers=2", "--", *flags, f"--model_dir={tmp_path / 'plain'}")
-    assert plain.wait(timeout=240) == 0, plain.output[-4000:]
-
+    plain = launch("--num_workers=2", "--", *flags, f"--model_dir={tmp_path / 'plain'}")  # beside the other
     run = launch("--num_workers=2", "--max_restarts=2", "--", *flags, f"--model_dir={tmp_path / 'restarted'}")
     run.wait_for(r"\[worker:0\].*step 4\d/300", timeout=240)
     pid = int(run.wait_for(r"started worker:1 \(pid (\d+)\)", timeout=1).group(1))
     os.kill(pid, signal.SIGKILL)
     assert run.wait(timeout=300) == 0, run.output[-5000:]
+    assert plain.wait(timeout=240) == 0, plain.output[-4000:]
     restarts = [line for line in run.lines if "restarting the cluster" in line]
     assert restarts == ["[launch] restarting the cluster (1/2): worker:1 exited with signal 9"], restarts
     assert re.search(r"\[worker:0\].*steps=([1-9]\d*)->300", run.output), run.output[-3000:]  # resumed

@@ -72,6 +72,7 @@ def launch_in_process(*argv: str, open_files: int = 65536) -> subprocess.Complet
     return subprocess.CompletedProcess(["engine.launch", *argv], code, "", stderr.getvalue())
 
 
+@pytest.mark.cli
 @pytest.mark.parametrize("argv,message", CASES, ids=[" ".join(argv) for argv, _ in CASES])
 def test_a_launcher_number_it_cannot_count_is_one_line_naming_the_flag(argv, message):
     result = launch_in_process(*argv)
@@ -81,6 +82,7 @@ def test_a_launcher_number_it_cannot_count_is_one_line_naming_the_flag(argv, mes
     assert "started" not in result.stderr
 
 
+@pytest.mark.cli
 def test_few_open_files_lower_the_task_limit():
     result = launch_in_process("--num_workers=100", "--", open_files=256)
     assert result.returncode == 2

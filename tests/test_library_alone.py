@@ -22,6 +22,7 @@ print("cli modules:", cli, "flags:", defined)
 """
 
 
+@pytest.mark.process
 @pytest.mark.slow  # A fresh interpreter: the test process has imported the CLI already.
 def test_the_public_api_imports_no_command_line():
     result = subprocess.run(

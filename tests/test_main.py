@@ -18,6 +18,7 @@ def scalar_tags(log_dir: Path) -> set[str]:
     return set(accumulator.Tags()["tensors"])
 
 
+@pytest.mark.process
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_default_job_reaches_the_accuracy_bar_offline(tmp_path):
@@ -37,6 +38,7 @@ def test_default_job_reaches_the_accuracy_bar_offline(tmp_path):
     assert "replicas=2" in result.stderr and "examples_per_second=" in result.stderr
 
 
+@pytest.mark.process
 @pytest.mark.slow
 def test_two_replicas_global_pipeline_and_restart_continues(tmp_path):
     common = [
@@ -50,7 +52,8 @@ def test_two_replicas_global_pipeline_and_restart_continues(tmp_path):
     first = run_main(*common, "--train_steps=20")
     assert first.returncode == 0, first.stderr[-3000:]
     assert "replicas=2" in first.stderr
-    second = run_main(*common, "--train_steps=30", "--learning_rate=0.01")
+    # The restart (10 steps) in this process: the same two-replica strategy the tests share.
+    second = main_in_process(*common, "--train_steps=30", "--learning_rate=0.01")
     assert second.returncode == 0, second.stderr[-3000:]
     assert "Restored" in second.stderr and "steps=20->30" in second.stderr
     metrics = json.loads((tmp_path / "metrics.json").read_text())
@@ -58,10 +61,11 @@ def test_two_replicas_global_pipeline_and_restart_continues(tmp_path):
     assert metrics["train"]["learning_rate"] == pytest.approx(0.01)  # the flag wins over the checkpoint
 
 
+@pytest.mark.cli
 def test_flagfile_is_read(tmp_path):
     flagfile = tmp_path / "flags.txt"
-    flagfile.write_text(f"--model=mlp\n--train_steps=5\n--model_dir={tmp_path / 'run'}\n")
-    result = main_in_process(f"--flagfile={flagfile}")  # absl reads it as in a process; 5 steps
+    flagfile.write_text(f"--model=mlp\n--train_steps=5\n--mode=train\n--model_dir={tmp_path / 'run'}\n")
+    result = main_in_process(f"--flagfile={flagfile}")  # absl reads it as in a process; 5 steps, no eval
     assert result.returncode == 0, result.stderr[-3000:]
     assert json.loads((tmp_path / "run" / "metrics.json").read_text())["global_step"] == 5
 
@@ -114,6 +118,7 @@ BAD_FLAGS = [
 ]
 
 
+@pytest.mark.cli
 @pytest.mark.parametrize("flags,message", BAD_FLAGS, ids=[" ".join(f) for f, _ in BAD_FLAGS])
 def test_bad_flags_fail_with_one_line_and_leave_model_dir_alone(tmp_path, flags, message):
     model_dir = tmp_path / "run"
@@ -134,6 +139,7 @@ def test_bad_flags_fail_with_one_line_and_leave_model_dir_alone(tmp_path, flags,
     assert snapshot(model_dir) == before
 
 
+@pytest.mark.process
 @pytest.mark.slow
 def test_model_dir_that_is_a_file_is_refused(tmp_path):
     """The refusal kept as a real process: exit status 2 from `python -m engine.main`."""
@@ -145,6 +151,7 @@ def test_model_dir_that_is_a_file_is_refused(tmp_path):
     assert not_a_dir.read_text() == "keep me"
 
 
+@pytest.mark.cli
 def test_bad_tf_config_is_one_line(tmp_path):
     result = main_in_process(
         "--strategy=multi_worker_mirrored",

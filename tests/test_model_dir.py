@@ -49,9 +49,9 @@ def checkpoint_files(model_dir: Path) -> dict[str, tuple[bytes, int]]:
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory) -> Path:
     """An mlp model_dir with checkpoints at steps 10 and 20, an early-stopping
-    history and a best checkpoint by accuracy."""
+    history and a best checkpoint by accuracy (20 steps, trained in-process)."""
     model_dir = tmp_path_factory.mktemp("trained") / "run"
-    result = run_main(
+    result = main_in_process(
         "--model=mlp",
         "--train_steps=20",
         "--checkpoint_every=10",
@@ -209,6 +209,7 @@ print("taken", taken)
 """
 
 
+@pytest.mark.process
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_processes_taking_the_lock_in_a_tight_loop_on_a_new_model_dir_never_fail(tmp_path):
@@ -242,6 +243,7 @@ def test_processes_taking_the_lock_in_a_tight_loop_on_a_new_model_dir_never_fail
     assert not model_dir.exists() or list(model_dir.iterdir()) == []
 
 
+@pytest.mark.process
 @pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_second_run_on_a_model_dir_exits_2_naming_the_holder(tmp_path):
@@ -257,7 +259,8 @@ def test_second_run_on_a_model_dir_exits_2_naming_the_holder(tmp_path):
     try:
         wait_for_checkpoint(model_dir, first)
         assert model_dir_lib.holder_pid(str(model_dir)) == first.pid
-        second = run_main("--model=mlp", "--train_steps=50", "--eval_every=0", f"--model_dir={model_dir}")
+        # The second run in this process (another pid than the holder's): refused before it trains.
+        second = main_in_process("--model=mlp", "--train_steps=50", "--eval_every=0", f"--model_dir={model_dir}")
         line = one_error_line(second)
         assert f"is in use by pid {first.pid} on host" in line, line
         assert first.poll() is None  # the holder is untouched and still training
@@ -269,6 +272,7 @@ def test_second_run_on_a_model_dir_exits_2_naming_the_holder(tmp_path):
     assert not (model_dir / model_dir_lib.LOCK_FILE).exists()  # released on a clean stop
 
 
+@pytest.mark.process
 @pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_lock_left_by_kill_9_is_taken_over_with_a_warning(tmp_path):
@@ -279,7 +283,7 @@ def test_lock_left_by_kill_9_is_taken_over_with_a_warning(tmp_path):
     finally:
         stop(killed)  # SIGKILL: the lock file stays, naming a dead process
     assert model_dir_lib.holder_pid(str(model_dir)) == killed.pid
-    rerun = run_main(*MLP, "--train_steps=5", f"--model_dir={model_dir}")
+    rerun = main_in_process(*MLP, "--train_steps=5", f"--model_dir={model_dir}")  # 5 steps, in this process
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     assert f"took over the writer lock of pid {killed.pid}" in rerun.stderr
     assert not (model_dir / model_dir_lib.LOCK_FILE).exists()
@@ -288,6 +292,7 @@ def test_lock_left_by_kill_9_is_taken_over_with_a_warning(tmp_path):
 # --------------------------------------------------- checkpoint discovery
 
 
+@pytest.mark.cli
 @pytest.mark.slow
 @pytest.mark.parametrize("damage", ["deleted", "garbage", "empty"])
 def test_lost_state_file_recovers_the_newest_checkpoint_and_overwrites_nothing(trained, tmp_path, damage):
@@ -309,6 +314,7 @@ def test_lost_state_file_recovers_the_newest_checkpoint_and_overwrites_nothing(t
         assert (model_dir / "checkpoints" / "checkpoint.damaged").exists()
 
 
+@pytest.mark.cli
 @pytest.mark.slow
 def test_lost_state_file_with_no_readable_checkpoint_is_refused(trained, tmp_path):
     model_dir = copy_of(trained, tmp_path / "run")
@@ -321,6 +327,7 @@ def test_lost_state_file_with_no_readable_checkpoint_is_refused(trained, tmp_pat
     assert snapshot(model_dir) == before
 
 
+@pytest.mark.cli
 @pytest.mark.slow
 @pytest.mark.parametrize("damage", ["zeroed index", "deleted data", "flipped data"])
 def test_unreadable_checkpoint_of_any_kind_is_one_line_and_fallback_recovers(trained, tmp_path, damage):
@@ -346,6 +353,7 @@ def test_unreadable_checkpoint_of_any_kind_is_one_line_and_fallback_recovers(tra
     assert "steps=10->30" in recovered.stderr
 
 
+@pytest.mark.cli
 @pytest.mark.slow
 def test_orphan_temp_dirs_are_removed_at_start(trained, tmp_path):
     model_dir = copy_of(trained, tmp_path / "run")
@@ -357,6 +365,7 @@ def test_orphan_temp_dirs_are_removed_at_start(trained, tmp_path):
     assert str(orphan) in result.stderr and not orphan.exists()
 
 
+@pytest.mark.cli
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["run[1]", "run*", "run?"])
 def test_model_dir_with_pattern_characters_is_refused_and_siblings_untouched(trained, tmp_path, name):
@@ -371,6 +380,7 @@ def test_model_dir_with_pattern_characters_is_refused_and_siblings_untouched(tra
 # ------------------------------------------------------------- reruns, resume
 
 
+@pytest.mark.cli
 @pytest.mark.slow
 def test_rerun_of_a_finished_run_leaves_metrics_json_and_says_where_it_is(trained, tmp_path):
     model_dir = copy_of(trained, tmp_path / "run")
@@ -382,6 +392,7 @@ def test_rerun_of_a_finished_run_leaves_metrics_json_and_says_where_it_is(traine
     assert json.loads((model_dir / "metrics.json").read_text())["train"]  # not emptied
 
 
+@pytest.mark.cli
 @pytest.mark.slow
 @pytest.mark.parametrize("flag", ["--optimizer=sgd", "--lr_schedule=cosine", "--mixed_precision=bfloat16"])
 def test_changed_optimizer_settings_on_resume_are_refused_naming_the_flag(trained, tmp_path, flag):
@@ -393,6 +404,7 @@ def test_changed_optimizer_settings_on_resume_are_refused_naming_the_flag(traine
     assert snapshot(model_dir) == before
 
 
+@pytest.mark.cli
 @pytest.mark.slow
 def test_reset_optimizer_keeps_the_weights_and_starts_fresh_optimizer_state(trained, tmp_path):
     import tensorflow as tf
@@ -420,6 +432,7 @@ def _write_hook_state(model_dir: Path, damage: str) -> None:
         target.write_text({"garbage": "{not json", "empty": "", "wrong shape": "[1, 2, 3]"}[damage])
 
 
+@pytest.mark.cli
 @pytest.mark.slow
 @pytest.mark.parametrize("damage", ["garbage", "empty", "wrong shape", "directory"])
 def test_damaged_hook_state_is_one_line_and_the_model_dir_is_left_alone(trained, tmp_path, damage):
@@ -432,6 +445,7 @@ def test_damaged_hook_state_is_one_line_and_the_model_dir_is_left_alone(trained,
     assert snapshot(model_dir) == before
 
 
+@pytest.mark.cli
 @pytest.mark.slow
 @pytest.mark.parametrize("damage", ["garbage", "wrong shape", "missing", "directory"])
 def test_best_checkpoint_is_never_compared_against_nothing(trained, tmp_path, damage):
@@ -451,6 +465,7 @@ def test_best_checkpoint_is_never_compared_against_nothing(trained, tmp_path, da
     assert snapshot(model_dir) == before
 
 
+@pytest.mark.cli
 @pytest.mark.slow
 def test_changed_best_checkpoint_metric_is_refused(trained, tmp_path):
     model_dir = copy_of(trained, tmp_path / "run")
@@ -463,6 +478,7 @@ def test_changed_best_checkpoint_metric_is_refused(trained, tmp_path):
     assert snapshot(model_dir) == before
 
 
+@pytest.mark.cli
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "flag",
@@ -493,6 +509,7 @@ def test_bad_flags_are_one_line_and_exit_2_with_the_model_dir_left_alone(trained
     assert snapshot(model_dir) == before
 
 
+@pytest.mark.cli
 @pytest.mark.slow
 def test_metrics_json_as_a_directory_is_refused_before_training(trained, tmp_path):
     model_dir = copy_of(trained, tmp_path / "run")
@@ -518,6 +535,7 @@ def _fake_mnist(path: Path, **override) -> Path:
     return path
 
 
+@pytest.mark.cli
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "override, expected",
@@ -544,6 +562,7 @@ def test_bad_mnist_file_is_one_line(trained, tmp_path, override, expected):
     assert snapshot(model_dir) == before
 
 
+@pytest.mark.cli
 @pytest.mark.slow
 def test_out_of_range_label_late_in_a_tfrecord_file_is_one_line(tmp_path):
     from input import write_tfrecords
@@ -572,6 +591,7 @@ def test_out_of_range_label_late_in_a_tfrecord_file_is_one_line(tmp_path):
 # ----------------------------------------------------------------- bounded stop
 
 
+@pytest.mark.process
 @pytest.mark.slow
 @pytest.mark.timeout(480)
 def test_sigterm_during_a_large_evaluation_stops_within_one_chunk(tmp_path):
@@ -606,6 +626,7 @@ def test_sigterm_during_a_large_evaluation_stops_within_one_chunk(tmp_path):
     assert (model_dir / "checkpoints" / "ckpt-4.index").exists()
 
 
+@pytest.mark.process
 @pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_second_signal_ends_the_process_at_once(tmp_path):
@@ -650,6 +671,7 @@ def _mount_tmpfs(path: Path, size: str) -> bool:
     return mounted.returncode == 0
 
 
+@pytest.mark.process
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_full_disk_is_one_line_and_the_previous_checkpoint_stays_latest(tmp_path):
@@ -736,6 +758,7 @@ def test_trainer_refuses_a_model_dir_with_pattern_characters(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.cli
 @pytest.mark.slow
 def test_checkpoint_files_the_state_does_not_list_are_moved_aside_not_overwritten(trained, tmp_path):
     import tensorflow as tf
@@ -821,6 +844,7 @@ def test_copied_and_moved_model_dirs_resume_from_their_own_checkpoints(tmp_path,
         assert model_dir_lib.latest_checkpoint(str(model_dir / "checkpoints")) == latest
 
 
+@pytest.mark.cli
 @pytest.mark.parametrize("damage", ["garbage", "missing"])
 @pytest.mark.parametrize(
     "bad, expected",
@@ -892,6 +916,7 @@ def _run_in_process(model_dir: Path, **settings):
     return job.run(config)
 
 
+@pytest.mark.cli
 @pytest.mark.parametrize("name", ["checkpoints", "hooks", "train", "best"])
 def test_a_subdirectory_replaced_by_a_file_is_one_line_and_nothing_changes(trained, tmp_path, name):
     import shutil
@@ -952,6 +977,7 @@ def _latest_is_readable(model_dir: Path, step: int) -> None:
     assert model_dir_lib.read_problem(latest) is None
 
 
+@pytest.mark.cli
 def test_a_disk_full_at_start_or_in_eval_mode_is_one_line_and_changes_nothing(small_disk):
     disk, fill = small_disk
     model_dir = disk / "run"
@@ -968,6 +994,7 @@ def test_a_disk_full_at_start_or_in_eval_mode_is_one_line_and_changes_nothing(sm
     _latest_is_readable(model_dir, 10)
 
 
+@pytest.mark.cli
 def test_a_disk_that_fills_mid_run_is_one_line_and_the_previous_checkpoint_stays_latest(small_disk, monkeypatch):
     from engine.summaries import SummaryWriters
 
@@ -988,6 +1015,7 @@ def test_a_disk_that_fills_mid_run_is_one_line_and_the_previous_checkpoint_stays
     _latest_is_readable(model_dir, 10)
 
 
+@pytest.mark.cli
 def test_a_disk_full_during_the_best_checkpoint_save_keeps_the_old_best_pair(small_disk, monkeypatch):
     from engine.hooks.best_checkpoint import BestCheckpoint
 

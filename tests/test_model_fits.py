@@ -56,6 +56,7 @@ CASES = [
 ]
 
 
+@pytest.mark.cli
 @pytest.mark.parametrize("function,message", CASES, ids=[function for function, _ in CASES])
 def test_a_misfit_model_is_refused_before_any_write(tmp_path, monkeypatch, function, message):
     (tmp_path / "misfit_nets.py").write_text(textwrap.dedent(MISFITS))
@@ -71,6 +72,7 @@ def test_a_misfit_model_is_refused_before_any_write(tmp_path, monkeypatch, funct
     assert sorted(p.name for p in model_dir.iterdir()) == ["notes.txt"]  # No settings, event file or lock.
 
 
+@pytest.mark.cli
 @pytest.mark.parametrize("mode", ["eval", "continuous_eval"])
 def test_a_misfit_model_is_refused_by_the_evaluator_too(tmp_path, monkeypatch, mode):
     (tmp_path / "misfit_nets.py").write_text(textwrap.dedent(MISFITS))

@@ -15,13 +15,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import REPO, SMALL, free_ports, kill_group, model_weights
+from helpers import REPO, SMALL, free_ports, in_background, kill_group, model_weights
 
-pytestmark = pytest.mark.slow  # every test here starts processes
+pytestmark = [pytest.mark.slow, pytest.mark.cluster]  # every test here starts cluster processes
 
 
-def run_single_process(*flags: str) -> None:
-    result = subprocess.run(
+def run_single_process(*flags: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
         [sys.executable, "-m", "engine.main", *flags],
         cwd=REPO,
         capture_output=True,
@@ -29,12 +29,15 @@ def run_single_process(*flags: str) -> None:
         env=dict(os.environ, PYTHONPATH=str(REPO), TF_CPP_MIN_LOG_LEVEL="2"),
         timeout=300,
     )
-    assert result.returncode == 0, result.stderr[-3000:]
 
 
 @pytest.mark.timeout(600)
 def test_two_mirrored_workers_equal_one_process_and_resume(tmp_path, launch):
     flags = [*SMALL, "--steps_per_loop=4"]
+    # The one-process run to compare with, beside the cluster.
+    single = in_background(
+        run_single_process, "--strategy=default", *flags, "--train_steps=12", f"--model_dir={tmp_path / 'one'}"
+    )
     first = launch(
         "--num_workers=2",
         "--",
@@ -48,7 +51,7 @@ def test_two_mirrored_workers_equal_one_process_and_resume(tmp_path, launch):
     digests = re.findall(r"\[worker:(\d)\].*done: step 12.*weights_digest=(\w+)", first.output)
     assert sorted(digests)[0][0] == "0" and len(digests) == 2 and digests[0][1] == digests[1][1], digests
 
-    run_single_process("--strategy=default", *flags, "--train_steps=12", f"--model_dir={tmp_path / 'one'}")
+    assert single.result().returncode == 0, single.result().stderr[-3000:]
     multi, single = model_weights(tmp_path / "mw", 12), model_weights(tmp_path / "one", 12)
     assert multi.keys() == single.keys() and multi
     for name in multi:

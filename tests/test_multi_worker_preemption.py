@@ -15,7 +15,7 @@ import pytest
 import tensorflow as tf
 from helpers import REPO, free_ports
 
-pytestmark = pytest.mark.slow  # every test here starts processes
+pytestmark = [pytest.mark.slow, pytest.mark.cluster]  # every test here starts a cluster
 FLAGS = [
     "--strategy=multi_worker_mirrored",
     "--model=mlp",

@@ -56,7 +56,10 @@ def test_stop_names_the_step_and_keeps_the_last_good_checkpoint(mirrored, tmp_pa
             assert np.all(np.isfinite(value)), name
 
 
-@pytest.mark.parametrize("bad_rows", [slice(None), slice(0, 1)], ids=["whole_batch", "one_replica"])
+ONE_REPLICA = pytest.param(slice(0, 1), marks=pytest.mark.slow)  # The fast tier: the whole batch's case.
+
+
+@pytest.mark.parametrize("bad_rows", [slice(None), ONE_REPLICA], ids=["whole_batch", "one_replica"])
 def test_skip_leaves_weights_untouched_on_bad_steps_and_counts_them(mirrored, bad_rows):
     model, optimizer = make_model(mirrored)
     trainer = engine.Trainer(

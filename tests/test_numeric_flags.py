@@ -54,6 +54,7 @@ def test_the_table_covers_every_numeric_flag():
     assert set(NUMERIC) <= covered and {"train_steps", "eval_timeout", "startup_timeout"} <= set(NUMERIC)
 
 
+@pytest.mark.cli
 @pytest.mark.parametrize("flags,message", CASES, ids=[" ".join(flags) for flags, _ in CASES])
 def test_a_numeric_flag_the_engine_cannot_count_is_one_line(flags, message):
     with pytest.raises(UserError) as refused:
@@ -61,6 +62,7 @@ def test_a_numeric_flag_the_engine_cannot_count_is_one_line(flags, message):
     assert message in str(refused.value) and "\n" not in str(refused.value)
 
 
+@pytest.mark.cli
 @pytest.mark.parametrize("name", INT32_ACCEPTED)
 def test_the_largest_count_is_accepted(name):
     assert getattr(run_config(f"--{name}={2**31 - 1}"), name) == 2**31 - 1
@@ -78,6 +80,7 @@ JOB_CASES = [
 ]
 
 
+@pytest.mark.cli
 @pytest.mark.parametrize("flags,message", JOB_CASES, ids=[" ".join(flags) for flags, _ in JOB_CASES])
 def test_a_run_too_long_to_count_is_refused_before_any_write(tmp_path, flags, message):
     model_dir = tmp_path / "run"
@@ -89,6 +92,7 @@ def test_a_run_too_long_to_count_is_refused_before_any_write(tmp_path, flags, me
     assert snapshot(model_dir) == before
 
 
+@pytest.mark.cli
 def test_a_batch_that_cannot_fit_in_memory_is_refused_before_any_allocation(tmp_path):
     """TFRecord files do not say how many examples they hold, so only the memory bounds the batch."""
     import numpy as np

@@ -27,6 +27,7 @@ FLAGFILES = [
 ]
 
 
+@pytest.mark.cli
 @pytest.mark.parametrize("files,given,message", FLAGFILES, ids=["binary", "self", "cycle", "nested_binary"])
 def test_a_bad_flagfile_is_one_line_naming_it(tmp_path, files, given, message):
     for name, content in files.items():
@@ -52,6 +53,7 @@ MODULE_CASES = [
 ]
 
 
+@pytest.mark.cli
 @pytest.mark.parametrize("model,message", MODULE_CASES, ids=[model for model, _ in MODULE_CASES])
 def test_a_user_module_that_fails_oddly_is_one_line(tmp_path, monkeypatch, model, message):
     for name, source in USER_MODULES.items():
@@ -65,6 +67,7 @@ def test_a_user_module_that_fails_oddly_is_one_line(tmp_path, monkeypatch, model
     assert snapshot(model_dir) == before
 
 
+@pytest.mark.cli
 def test_a_truncated_data_file_is_refused_before_any_write(tmp_path):
     import numpy as np
 

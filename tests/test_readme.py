@@ -9,7 +9,7 @@ import sys
 import pytest
 from helpers import REPO, snapshot
 
-pytestmark = pytest.mark.slow  # every test here starts processes
+pytestmark = [pytest.mark.slow, pytest.mark.process]  # every test here starts processes
 
 
 def readme_example(name: str) -> str:

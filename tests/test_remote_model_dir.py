@@ -87,6 +87,7 @@ def test_a_trainer_restarts_and_resumes_on_ram_with_its_hooks_files_there(ram_di
     assert tf.io.gfile.exists(f"{ram_dir}/hooks/early_stopping.json")
 
 
+@pytest.mark.slow
 def test_an_unreadable_checkpoint_on_ram_is_set_aside_and_the_older_one_resumed(ram_dir):
     first = make_trainer(ram_dir, seed=1)
     first.train(6)

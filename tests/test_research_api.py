@@ -513,6 +513,7 @@ def run_script(tmp_path, source: str, *, native_log_level: str | None = "2") -> 
     )
 
 
+@pytest.mark.process
 @pytest.mark.slow
 def test_public_names_work_after_import_engine_alone(tmp_path):
     result = run_script(
@@ -553,11 +554,17 @@ trainer.save()
 """
 
 
+@pytest.mark.process
 @pytest.mark.slow
 def test_progress_reaches_an_embedded_user_without_tensorflow_info_logs(tmp_path):
+    from helpers import in_background
+
     from engine.native_logs import kept_lines
 
     # As the README has it: engine imported first, no TF_CPP_MIN_LOG_LEVEL set by the user.
+    (tmp_path / "silenced").mkdir()
+    silence = 'logging.getLogger("engine").setLevel(logging.WARNING)'
+    silenced = in_background(run_script, tmp_path / "silenced", EMBEDDED.format(silence=silence))  # At once.
     shown = run_script(tmp_path, EMBEDDED.format(silence=""), native_log_level=None)
     assert shown.returncode == 0, shown.stderr[-3000:]
     progress = [line for line in shown.stderr.splitlines() if " engine] step " in line]
@@ -570,28 +577,27 @@ def test_progress_reaches_an_embedded_user_without_tensorflow_info_logs(tmp_path
     assert len(engine_lines) == 2 and all(" engine] Saved checkpoint" in line for line in engine_lines), (
         engine_lines
     )
-    silenced = run_script(
-        tmp_path, EMBEDDED.format(silence='logging.getLogger("engine").setLevel(logging.WARNING)')
-    )
+    silenced = silenced.result()
     assert silenced.returncode == 0, silenced.stderr[-3000:]
     assert " engine] " not in silenced.stderr
 
 
+@pytest.mark.cli
 @pytest.mark.slow
 def test_float16_with_a_schedule_reruns_in_the_same_model_dir(tmp_path):
     """A LossScaleOptimizer's own `_learning_rate` is not the rate: the restore must not reset a schedule."""
-    from helpers import run_main
+    from helpers import main_in_process
 
-    common = [
+    common = [  # 4 and 8 steps: both runs in this process (main_in_process puts the dtype policy back)
         "--model=mlp",
         "--mixed_precision=float16",
         "--lr_schedule=cosine",
         "--steps_per_loop=2",
         f"--model_dir={tmp_path}",
     ]
-    first = run_main(*common, "--train_steps=4")
+    first = main_in_process(*common, "--train_steps=4")
     assert first.returncode == 0, first.stderr[-3000:]
-    rerun = run_main(*common, "--train_steps=8")
+    rerun = main_in_process(*common, "--train_steps=8")
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     assert "done: step 8" in rerun.stderr
 

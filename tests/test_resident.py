@@ -18,7 +18,7 @@ def digits():
     return get_data_source("digits", image_shape=SHAPE)
 
 
-@pytest.fixture(params=["default", "mirrored"])
+@pytest.fixture(params=["default", pytest.param("mirrored", marks=pytest.mark.slow)])  # fast tier: default
 def strategy(request):
     return request.getfixturevalue(request.param)
 
@@ -141,13 +141,15 @@ def test_resident_data_refuses_tensors_of_different_lengths():
         engine.ResidentData(tensors=(np.zeros((3, 2)), np.zeros(4)), indices=tf.identity, host_data=None)
 
 
+@pytest.mark.process
 @pytest.mark.slow
 def test_cli_keeps_digits_on_the_devices_and_trains_as_through_tf_data(tmp_path):
-    from helpers import model_weights, run_main
+    from helpers import in_background, model_weights, run_main
 
     common = ("--model=mlp", "--train_steps=120", "--steps_per_loop=25", "--eval_every=0", "--seed=4")
-    resident = run_main(*common, f"--model_dir={tmp_path / 'resident'}")
-    streamed = run_main(*common, "--device_data_mb=0", f"--model_dir={tmp_path / 'streamed'}")
+    streamed = in_background(run_main, *common, "--device_data_mb=0", f"--model_dir={tmp_path / 'streamed'}")
+    resident = run_main(*common, f"--model_dir={tmp_path / 'resident'}")  # Both processes at once.
+    streamed = streamed.result()
     assert resident.returncode == 0 and streamed.returncode == 0, (
         resident.stderr[-2000:] + streamed.stderr[-2000:]
     )

@@ -15,6 +15,7 @@ def record(model_dir):
     return json.loads((model_dir / "metrics.json").read_text())
 
 
+@pytest.mark.cli
 def test_eval_mode_keeps_the_training_figures_and_training_keeps_the_evaluations(tmp_path):
     model_dir = tmp_path / "run"
     trained = main_in_process(*FLAGS, "--train_steps=10", f"--model_dir={model_dir}")
@@ -49,6 +50,7 @@ def test_eval_mode_keeps_the_training_figures_and_training_keeps_the_evaluations
     assert after_more["eval"] == after_more["evaluations"][-1]["eval"]
 
 
+@pytest.mark.cli
 def test_eval_mode_on_a_run_with_no_record_starts_one(tmp_path):
     model_dir = tmp_path / "run"
     trained = main_in_process(*FLAGS, "--train_steps=5", "--mode=train", f"--model_dir={model_dir}")
@@ -61,6 +63,7 @@ def test_eval_mode_on_a_run_with_no_record_starts_one(tmp_path):
     assert [(e["step"], e["mode"]) for e in written["evaluations"]] == [(5, "eval")]
 
 
+@pytest.mark.cli
 @pytest.mark.parametrize("mode", ["train_and_eval", "eval"])
 def test_a_damaged_record_is_one_line_before_anything_is_written(tmp_path, mode):
     model_dir = tmp_path / "run"

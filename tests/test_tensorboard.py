@@ -13,7 +13,7 @@ import urllib.parse
 import urllib.request
 
 import pytest
-from helpers import global_batches, loss_fn, make_arrays, make_model, run_main
+from helpers import global_batches, loss_fn, main_in_process, make_arrays, make_model
 
 import engine
 from engine.hooks import BestCheckpoint, EarlyStopping, ProfileWindow, ReduceLROnPlateau, TrainGraph
@@ -23,10 +23,10 @@ TRAIN_STEPS = 12
 
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory):
-    """One CLI run with every new flag; the tests below read what it left."""
+    """One CLI run with every new flag (12 steps, in-process); the tests below read what it left."""
     root = tmp_path_factory.mktemp("tb")
     model_dir, export_dir = root / "run", root / "export"
-    result = run_main(
+    result = main_in_process(
         "--model=mlp",
         f"--train_steps={TRAIN_STEPS}",
         "--steps_per_loop=6",
@@ -45,6 +45,7 @@ def finished_run(tmp_path_factory):
     return model_dir, result.stderr
 
 
+@pytest.mark.cli
 @pytest.mark.slow
 def test_cli_run_logs_profiles_and_keeps_the_best(finished_run):
     model_dir, stderr = finished_run
@@ -80,6 +81,7 @@ def get_json(base: str, path: str, body: dict | None = None):
         return json.loads(response.read())
 
 
+@pytest.mark.process
 @pytest.mark.slow
 def test_tensorboard_server_shows_train_and_eval_scalars(finished_run):
     model_dir, _ = finished_run

@@ -38,7 +38,11 @@ def train_weights(strategy, data, *, batch=16, steps=12, l2=0.0, **trainer_kwarg
     return model.get_weights()
 
 
-@pytest.mark.parametrize("input_form", ["global_dataset", "per_replica_fn"])
+# The fast tier trains the per-replica function form in the eval test below; here the global dataset.
+PER_REPLICA_FN_SLOW = pytest.param("per_replica_fn", marks=pytest.mark.slow)
+
+
+@pytest.mark.parametrize("input_form", ["global_dataset", PER_REPLICA_FN_SLOW])
 def test_two_replicas_train_to_the_same_weights_as_one_device(default, mirrored, input_form):
     x, y = make_arrays(64)
     data = global_batches(x, y, 16) if input_form == "global_dataset" else per_replica_batches(x, y, 16)
@@ -59,7 +63,7 @@ def test_clipping_and_accumulation_keep_replicas_equal(default, mirrored):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("grad_accum_steps", [1, 2])
+@pytest.mark.parametrize("grad_accum_steps", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_regularized_two_replicas_equal_one_device_whole_batch(default, mirrored, grad_accum_steps):
     """With l2 > 0 the regularization loss is divided by the replicas and by
     the micro-batches: 2 replicas (accumulating or not) match 1 device."""
@@ -244,7 +248,7 @@ def test_xla_step_trains_to_the_same_weights(mirrored):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
+@pytest.mark.parametrize("policy", [pytest.param("mixed_float16", marks=pytest.mark.slow), "mixed_bfloat16"])
 def test_mixed_precision_trains_with_two_replicas(mirrored, policy):
     x, y = make_arrays(256)
     keras.mixed_precision.set_global_policy(policy)

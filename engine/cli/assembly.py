@@ -7,17 +7,22 @@ what the trainer saved, so one definition keeps them from drifting apart.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import keras
 import tensorflow as tf
+from absl import logging
 
+from engine.checkpoint import CheckpointReader, recorded_settings
 from engine.cli.environment import seed_everything, set_precision
 from engine.cli.own_packages import own_package  # The engine's, beside a user's models.py/input.py.
 from engine.cli.settings import RunConfig
+from engine.ema import weight_averages
 from engine.errors import UserError
 from engine.schedules import LearningRate, learning_rate_schedule
-from engine.strategy import configure_cpu_devices
+from engine.strategy import build_strategy, configure_cpu_devices
+from engine.trainer import prepare_model_state
 
 
 def prepare_process(config: RunConfig) -> None:
@@ -79,3 +84,51 @@ def build_optimizer(name: str, learning_rate: LearningRate, mixed_precision: str
         # float16 gradients underflow without a (dynamic) loss scale.
         optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
     return optimizer
+
+
+class CheckpointedModel:
+    """The training's model, optimizer and global step, rebuilt from the settings to read its
+    checkpoints read-only (`CheckpointReader`): what `--mode=eval`, `continuous_eval` and
+    `predict` restore into. Built on this host alone, whatever the training's cluster."""
+
+    def __init__(self, config: RunConfig, *, model_dir: str):
+        prepare_process(config)
+        # The cluster's strategy needs its peers; a reader works alone on this host.
+        local = "mirrored" if config.cpu_devices > 1 or config.num_gpus else "default"
+        name = config.strategy if config.strategy in ("default", "one_device", "mirrored") else local
+        self.strategy = build_strategy(name, cpu_devices=config.cpu_devices, num_gpus=config.num_gpus)
+        self.spec = model_spec(config)
+        self.source = data_source(config, self.spec)
+        self.final_step = config.total_steps(self.source.num_train_examples)
+        # As training builds them (checked against the data before anything is read or written).
+        self.model, self.optimizer = build_model_and_optimizer(
+            config, self.strategy, self.spec, self.source, self.final_step
+        )
+        # As the Trainer prepares them: the averages (--ema_decay) exist once the optimizer is built.
+        self.weight_averages = weight_averages(
+            {"optimizer": self.optimizer}, trained_ema_decay(config, model_dir)
+        )
+        self.global_step = prepare_model_state(self.strategy, self.model, {"optimizer": self.optimizer})
+        self.reader = CheckpointReader(
+            tf.train.Checkpoint(model=self.model, optimizer=self.optimizer, global_step=self.global_step)
+        )
+
+    @property
+    def step(self) -> int:
+        return int(self.global_step.numpy())
+
+    def averaged_weights(self) -> contextlib.AbstractContextManager:
+        """The moving averages swapped in (the model the checkpoints were judged by), if any."""
+        if self.weight_averages is None:
+            return contextlib.nullcontext()
+        return self.weight_averages.swapped_in()
+
+
+def trained_ema_decay(config: RunConfig, model_dir: str) -> float | None:
+    """The --ema_decay the checkpoints were trained with (their averages are what is
+    evaluated or predicted with), else this command's."""
+    recorded = recorded_settings(model_dir).get("ema_decay")
+    decay = float(recorded) if recorded is not None else config.ema_decay
+    if decay != config.ema_decay:
+        logging.info("using --ema_decay=%s, as the checkpoints were trained", decay)
+    return decay or None

@@ -27,21 +27,19 @@ from absl import logging
 
 from engine import checkpoint as checkpoint_lib
 from engine import model_dir as model_dir_lib
-from engine.callbacks.progress import format_logs, logger
-from engine.checkpoint import CheckpointReader, CheckpointVanished, files_gone
-from engine.cli.assembly import build_model_and_optimizer, data_source, model_spec, prepare_process
+from engine.callbacks.progress import format_logs
+from engine.checkpoint import CheckpointVanished, files_gone
+from engine.cli.assembly import CheckpointedModel
 from engine.cli.run_record import read_record, record_evaluations, record_path
 from engine.cli.settings import RunConfig
 from engine.cli.task import classification_task
 from engine.data import as_eval_form
-from engine.ema import weight_averages
 from engine.errors import UserError
 from engine.hooks.best_checkpoint import BestCheckpoint
+from engine.logger import logger
 from engine.model_dir import latest_checkpoint
 from engine.runners import EvalRunner
-from engine.strategy import build_strategy
 from engine.summaries import SummaryWriters
-from engine.trainer import prepare_model_state
 
 POLL_SECONDS = 1.0
 # How long a continuous evaluator waits, after the final step, for the trainer's metrics.json.
@@ -98,26 +96,15 @@ class Evaluator:
     """
 
     def __init__(self, config: RunConfig):
-        prepare_process(config)
         self.config = config
         self.model_dir = _model_dir(config)
-        # The cluster's strategy needs its peers; an evaluator reads alone on this host.
-        local = "mirrored" if config.cpu_devices > 1 or config.num_gpus else "default"
-        name = config.strategy if config.strategy in ("default", "one_device", "mirrored") else local
-        self.strategy = build_strategy(name, cpu_devices=config.cpu_devices, num_gpus=config.num_gpus)
-        spec = model_spec(config)
-        source = data_source(config, spec)
+        restored = CheckpointedModel(config, model_dir=self.model_dir)
+        source = restored.source
         if source.num_eval_examples is None:
             raise UserError(f"--dataset={config.dataset} has no eval split to evaluate on")
-        self.final_step = config.total_steps(source.num_train_examples)
+        self.restored, self.strategy, self.final_step = restored, restored.strategy, restored.final_step
+        self.model, self.optimizer, self.reader = restored.model, restored.optimizer, restored.reader
         batch = config.global_batch_size
-        # As training builds them (checked against the data before anything is read or written).
-        self.model, self.optimizer = build_model_and_optimizer(
-            config, self.strategy, spec, source, self.final_step
-        )
-        # As the Trainer prepares them: the averages (--ema_decay) exist once the optimizer is built.
-        self.weight_averages = weight_averages({"optimizer": self.optimizer}, _ema_decay(config))
-        self.global_step = prepare_model_state(self.strategy, self.model, {"optimizer": self.optimizer})
         task = classification_task()
         self.runner = EvalRunner(
             self.strategy,
@@ -127,20 +114,15 @@ class Evaluator:
             metrics=task["metrics"],
             batches_per_call=config.steps_per_loop,
         )
-        self.reader = CheckpointReader(
-            tf.train.Checkpoint(model=self.model, optimizer=self.optimizer, global_step=self.global_step)
-        )
         self._summaries = SummaryWriters(config.model_dir)
         self._best = self._best_checkpoint(config)
 
     @property
     def step(self) -> int:
-        return int(self.global_step.numpy())
+        return self.restored.step
 
     def averaged_weights(self) -> contextlib.AbstractContextManager:
-        if self.weight_averages is None:
-            return contextlib.nullcontext()
-        return self.weight_averages.swapped_in()
+        return self.restored.averaged_weights()
 
     def _best_checkpoint(self, config: RunConfig) -> BestCheckpoint | None:
         """--best_checkpoint_metric: the hook the trainer would run, keeping <model_dir>/best
@@ -263,16 +245,6 @@ class _StopFlag:
         self.signum = signum
         for handled in (signal.SIGTERM, signal.SIGINT):  # A second signal ends the process.
             signal.signal(handled, signal.SIG_DFL)
-
-
-def _ema_decay(config: RunConfig) -> float | None:
-    """The --ema_decay the checkpoints were trained with (their averages are what is evaluated),
-    else this command's."""
-    recorded = checkpoint_lib.recorded_settings(_model_dir(config)).get("ema_decay")
-    decay = float(recorded) if recorded is not None else config.ema_decay
-    if decay != config.ema_decay:
-        logging.info("evaluating with --ema_decay=%s, as the checkpoints were trained", decay)
-    return decay or None
 
 
 def _step_of(path: str | None) -> int:

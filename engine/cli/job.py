@@ -22,7 +22,7 @@ from absl import logging
 from engine import checkpoint as checkpoint_lib
 from engine import model_dir as model_dir_lib
 from engine import repairs
-from engine.cli import evaluator, host_memory
+from engine.cli import evaluator, host_memory, predictor
 from engine.cli.assembly import build_model_and_optimizer, data_source, model_spec, prepare_process
 from engine.cli.hooks_from_flags import hooks_from_config
 from engine.cli.hparams import write_hparams
@@ -59,6 +59,8 @@ def run(config: RunConfig) -> dict[str, Any]:
 
 
 def _run(config: RunConfig) -> dict[str, Any]:
+    if config.mode == "predict":  # Reads a trained model_dir, writes the --predict_output file only.
+        return predictor.run(config)
     evaluation_mode = evaluator.evaluation_mode(config)
     if evaluation_mode is not None:  # --mode=eval/continuous_eval or an evaluator task: never trains.
         return evaluator.run(config, evaluation_mode)

@@ -39,7 +39,13 @@ from engine.options import (  # noqa: F401 (re-exported: the command line's name
 OPTIMIZER_NAMES = ("sgd", "momentum", "adam", "adamw")
 INPUT_PIPELINES = ("per_replica", "global")
 EVAL_METRIC_NAMES = ("loss", "accuracy")  # What job.py evaluates.
-MODES = ("train", "eval", "train_and_eval", "continuous_eval")  # TF Model Garden's names.
+MODES = (
+    "train",
+    "eval",
+    "train_and_eval",
+    "continuous_eval",
+    "predict",
+)  # TF Model Garden's names, and predict.
 DEFAULT_EPOCHS = 20.0
 # Per-device memory (MiB) up to which an in-memory train split is kept on the replicas' devices.
 DEFAULT_DEVICE_DATA_MB = 1024
@@ -153,6 +159,15 @@ class RunConfig:
     )
     eval_timeout: float = setting(
         3600.0, "continuous_eval: exit after this many seconds without a new checkpoint."
+    )
+    predict_input: str | None = setting(
+        None,
+        "--mode=predict: the examples, an .npz with an x array or a .csv of numbers (a header row, one "
+        "example a row), each example the model's input shape or that many values; uint8 pixels are scaled "
+        "by 1/255 as in training, floats taken as they are.",
+    )
+    predict_output: str | None = setting(
+        None, "--mode=predict: where the model's outputs go, one row per example: a new .npy or .csv file."
     )
     # Model and data: strings, not enums, since --model also takes package.module:function.
     model: str = setting(
@@ -408,6 +423,10 @@ class RunConfig:
             )
         if self.mode in ("eval", "continuous_eval") and not self.model_dir:
             raise UserError(f"--mode={self.mode} evaluates the checkpoints of a --model_dir; pass one")
+        if self.mode == "predict":
+            _check_predict_paths(self.model_dir, self.predict_input, self.predict_output)
+        elif self.predict_input or self.predict_output:
+            raise UserError("--predict_input/--predict_output need --mode=predict")
 
     def _validate_schedule_and_hooks(self) -> None:
         _choose("lr_schedule", self.lr_schedule, SCHEDULE_NAMES)
@@ -559,6 +578,25 @@ def check_model_dir(model_dir: str, flag: str = "model_dir") -> None:
         existing = os.path.dirname(existing)
     if not os.path.isdir(existing) or not os.access(existing, os.W_OK | os.X_OK):
         raise UserError(f"--{flag}={model_dir} is not writable ({existing}); pass a writable directory")
+
+
+def _check_predict_paths(model_dir: str | None, predict_input: str | None, predict_output: str | None) -> None:
+    """--mode=predict reads a trained --model_dir and an input file, and writes a new output file."""
+    if not model_dir:
+        raise UserError("--mode=predict restores the latest checkpoint of a --model_dir; pass one")
+    if not predict_input or not predict_output:
+        raise UserError("--mode=predict needs --predict_input=PATH (.npz or .csv) and --predict_output=PATH")
+    if os.path.splitext(predict_input)[1] not in (".npz", ".csv"):
+        raise UserError(f"--predict_input={predict_input} must be an .npz (with an x array) or a .csv file")
+    if not os.path.isfile(predict_input):
+        raise UserError(f"--predict_input={predict_input} does not exist or is not a file")
+    if os.path.splitext(predict_output)[1] not in (".npy", ".csv"):
+        raise UserError(f"--predict_output={predict_output} must end in .npy or .csv")
+    if os.path.lexists(predict_output):
+        raise UserError(f"--predict_output={predict_output} exists; remove it or pass a new path")
+    parent = os.path.dirname(os.path.abspath(predict_output))
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
+        raise UserError(f"--predict_output={predict_output}: {parent} is not a writable directory")
 
 
 def _choose(name: str, value: str, choices) -> None:
