@@ -6,8 +6,9 @@ import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import engine  # noqa: E402, F401  (imports TensorFlow with its C++ start-up lines held back, in every worker)
 import tensorflow as tf  # noqa: E402
+
+import engine  # noqa: E402, F401  (imports TensorFlow with its C++ start-up lines held back, in every worker)
 
 TEST_CPU_DEVICES = 2
 
@@ -32,14 +33,12 @@ def pytest_collection_modifyitems(items):
 def mirrored():
     """The two-replica MirroredStrategy (build_strategy keeps one per device
     list and process: see engine/strategy.py)."""
-    import engine
 
     return engine.build_strategy("mirrored", cpu_devices=TEST_CPU_DEVICES)
 
 
 @pytest.fixture(scope="session")
 def default():
-    import engine
 
     return engine.build_strategy("default")
 
