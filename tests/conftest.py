@@ -6,9 +6,13 @@ import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+from engine.native_logs import import_tensorflow_quietly  # noqa: E402
+
+import_tensorflow_quietly()  # In every xdist worker too: TensorFlow's C++ start-up lines held back.
+
 import tensorflow as tf  # noqa: E402
 
-import engine  # noqa: E402, F401  (imports TensorFlow with its C++ start-up lines held back, in every worker)
+import engine  # noqa: E402
 
 TEST_CPU_DEVICES = 2
 
