@@ -422,5 +422,26 @@ def loss_fn():
     return keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
 
 
+def small_trainer(model_dir, **kwargs):
+    """A Trainer of the small model on repeated global batches of 16, in the current strategy's
+    scope, checkpointing every 2 steps into `model_dir`: for tests of what lands on disk."""
+    import engine
+
+    strategy = tf.distribute.get_strategy()
+    model, optimizer = make_model(strategy)
+    return engine.Trainer(
+        strategy=strategy,
+        model=model,
+        optimizer=optimizer,
+        train_data=global_batches(*make_arrays(64), 16),
+        global_batch_size=16,
+        loss_fn=loss_fn(),
+        steps_per_loop=2,
+        checkpoint_every=2,
+        model_dir=str(model_dir),
+        **kwargs,
+    )
+
+
 def global_batches(x, y, batch):
     return tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(batch, drop_remainder=True)

@@ -5,7 +5,12 @@ flags (--restore_fallback), translated by `engine.cli.flag_names`."""
 from pathlib import Path
 
 import pytest
-from helpers import SMALL, global_batches, loss_fn, main_in_process, make_arrays, make_model, one_error_line
+from helpers import (
+    SMALL,
+    main_in_process,
+    one_error_line,
+    small_trainer,
+)
 
 import engine
 from engine.cli.flag_names import (
@@ -95,41 +100,22 @@ def test_the_command_lines_log_lines_name_flags_too():
 # ------------------------------------------------------------------ the library's errors
 
 
-def _trainer(model_dir: Path, **kwargs) -> engine.Trainer:
-    import tensorflow as tf
-
-    strategy = tf.distribute.get_strategy()
-    model, optimizer = make_model(strategy)
-    return engine.Trainer(
-        strategy=strategy,
-        model=model,
-        optimizer=optimizer,
-        train_data=global_batches(*make_arrays(32), 16),
-        global_batch_size=16,
-        loss_fn=loss_fn(),
-        steps_per_loop=2,
-        checkpoint_every=2,
-        model_dir=str(model_dir),
-        **kwargs,
-    )
-
-
 def _zero_index(model_dir: Path, step: int) -> None:
     index = model_dir / "checkpoints" / f"ckpt-{step}.index"
     index.write_bytes(b"\0" * index.stat().st_size)
 
 
 def test_trainer_restoring_an_unreadable_checkpoint_names_restore_fallback(tmp_path):
-    _trainer(tmp_path).train(4)  # ckpt-2, ckpt-4
+    small_trainer(tmp_path).train(4)  # ckpt-2, ckpt-4
     _zero_index(tmp_path, 4)
     with pytest.raises(UserError) as error:
-        _trainer(tmp_path)
+        small_trainer(tmp_path)
     message = str(error.value)
     assert "ckpt-4 cannot be read" in message
     assert "pass `restore_fallback=True` to restore the newest older readable checkpoint" in message
     assert "or use a new `model_dir`" in message
     assert "--" not in message
-    assert _trainer(tmp_path, restore_fallback=True).step == 2  # What the message offers works.
+    assert small_trainer(tmp_path, restore_fallback=True).step == 2  # What the message offers works.
 
 
 def test_strategy_errors_name_build_strategys_arguments():
@@ -156,7 +142,7 @@ def test_multi_host_options_name_their_fields():
 def test_changed_settings_are_named_as_settings(tmp_path):
     from engine import checkpoint as checkpoint_lib
 
-    _trainer(tmp_path).train(2)
+    small_trainer(tmp_path).train(2)
     checkpoint_lib.record_settings(str(tmp_path), {"optimizer": "adam"})
     with pytest.raises(UserError) as error:
         checkpoint_lib.check_settings(str(tmp_path), {"optimizer": "sgd"})

@@ -26,6 +26,7 @@ from helpers import (
     python_env,
     read_stderr_until,
     run_main,
+    small_trainer,
     snapshot,
     stop,
     wait_for_checkpoint,
@@ -778,28 +779,6 @@ def test_checkpoint_files_the_state_does_not_list_are_moved_aside_not_overwritte
     assert tf.train.latest_checkpoint(str(checkpoints)).endswith("ckpt-30")
 
 
-def _small_trainer(model_dir: Path, **kwargs):
-    import tensorflow as tf
-    from helpers import global_batches, loss_fn, make_arrays, make_model
-
-    import engine
-
-    strategy = tf.distribute.get_strategy()
-    model, optimizer = make_model(strategy)
-    return engine.Trainer(
-        strategy=strategy,
-        model=model,
-        optimizer=optimizer,
-        train_data=global_batches(*make_arrays(64), 16),
-        global_batch_size=16,
-        loss_fn=loss_fn(),
-        steps_per_loop=2,
-        checkpoint_every=2,
-        model_dir=str(model_dir),
-        **kwargs,
-    )
-
-
 def _state_paths(model_dir: Path) -> list[str]:
     text = (model_dir / "checkpoints" / model_dir_lib.STATE_FILE).read_text()
     return re.findall(r'checkpoint_paths?: "(.*)"', text)
@@ -810,11 +789,11 @@ def test_copied_and_moved_model_dirs_resume_from_their_own_checkpoints(tmp_path,
     import tensorflow as tf
 
     original = tmp_path / "original"
-    _small_trainer(original).train(4)  # ckpt-2, ckpt-4
+    small_trainer(original).train(4)  # ckpt-2, ckpt-4
     state = original / "checkpoints" / model_dir_lib.STATE_FILE
     if written_by == "recovery":
         state.unlink()
-        _small_trainer(original)  # Rebuilds the state file from the files on disk.
+        small_trainer(original)  # Rebuilds the state file from the files on disk.
         assert _state_paths(original) == ["ckpt-4", "ckpt-2", "ckpt-4"]  # Names, not paths.
     else:
         directory = str(original / "checkpoints")
@@ -827,7 +806,7 @@ def test_copied_and_moved_model_dirs_resume_from_their_own_checkpoints(tmp_path,
     moved = tmp_path / "moved"
     original.rename(moved)
     for model_dir in (copy, moved):
-        trainer = _small_trainer(model_dir)
+        trainer = small_trainer(model_dir)
         assert trainer.step == 4
         assert trainer.checkpoint_manager.latest_checkpoint == str(model_dir / "checkpoints" / "ckpt-4")
         trainer.train(6)
@@ -890,14 +869,14 @@ def test_a_refused_run_after_state_damage_leaves_the_model_dir_byte_identical(
 def test_restore_fallback_finds_the_newest_readable_checkpoint_when_the_state_names_only_missing_ones(tmp_path):
     import tensorflow as tf
 
-    _small_trainer(tmp_path, max_checkpoints=5).train(6)  # ckpt-2, ckpt-4, ckpt-6
+    small_trainer(tmp_path, max_checkpoints=5).train(6)  # ckpt-2, ckpt-4, ckpt-6
     directory = str(tmp_path / "checkpoints")
     tf.compat.v1.train.update_checkpoint_state(directory, "ckpt-999", all_model_checkpoint_paths=["ckpt-999"])
     before = _tree(tmp_path)
     with pytest.raises(UserError, match="ckpt-999 cannot be read.*`restore_fallback=True`"):
-        _small_trainer(tmp_path)
+        small_trainer(tmp_path)
     assert _tree(tmp_path) == before  # Without the flag, nothing changes.
-    trainer = _small_trainer(tmp_path, restore_fallback=True)
+    trainer = small_trainer(tmp_path, restore_fallback=True)
     assert trainer.step == 6
     assert trainer.checkpoint_manager.latest_checkpoint == os.path.join(directory, "ckpt-6")
     trainer.train(8)
