@@ -57,6 +57,7 @@ when any runner uses it) on the same devices, measured in the same run.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -89,44 +90,28 @@ FLAGS = flags.FLAGS
 
 
 def define_flags() -> None:
-    """The CLI flags; defined only when run as a script, so importing this
-    module (the sweep does) defines none."""
-    flags.DEFINE_string("model", "cnn", "Model name from the models registry (cnn, resnet50, wide_mlp, ...).")
-    flags.DEFINE_string("strategy", "default", "default, one_device or mirrored.")
-    flags.DEFINE_list(
-        "runners",
-        list(DEFAULT_RUNNERS),
-        "Runners, in interleaving order: engine, fit, raw, tfdata (--data=tfrecord), each "
-        "optionally with suffixes _bf16/_fp16/_fp32 and _jit/_nojit.",
-    )
-    flags.DEFINE_enum("data", "synthetic", list(DATA_MODES), "In-memory synthetic data or TFRecord files of it.")
-    flags.DEFINE_string(
-        "tfrecord_dir",
-        None,
-        "--data=tfrecord: where the record files are written (kept and reused by later runs with "
-        "the same data settings); default: a temporary directory removed at the end.",
-    )
-    flags.DEFINE_integer("tfrecord_examples", 4096, "--data=tfrecord: train records to write.")
-    flags.DEFINE_integer("tfrecord_files", 8, "--data=tfrecord: files the records are split into.")
+    """The CLI flags, one per `BenchConfig` field (its default and help); defined only when
+    run as a script, so importing this module (the sweep does) defines none."""
+    for setting in dataclasses.fields(BenchConfig):
+        help_text, choices = setting.metadata["help"], setting.metadata.get("choices")
+        default = setting.default
+        if choices:
+            flags.DEFINE_enum(setting.name, default, list(choices), help_text)
+        elif isinstance(default, bool):
+            flags.DEFINE_boolean(setting.name, default, help_text)
+        elif isinstance(default, tuple):
+            flags.DEFINE_list(setting.name, list(default), help_text)
+        elif setting.metadata.get("integer"):
+            flags.DEFINE_integer(setting.name, default, help_text)
+        else:
+            flags.DEFINE_string(setting.name, default, help_text)
     flags.DEFINE_string("json", None, "Write the results as JSON to this path.")
-    flags.DEFINE_integer("global_batch_size", 64, "Global batch size (all replicas).")
-    flags.DEFINE_integer("steps_per_loop", 50, "Engine steps per compiled call (also the raw loop's).")
-    flags.DEFINE_integer(
-        "fit_steps_per_execution",
-        None,
-        "Keras fit steps_per_execution to try first (default: --steps_per_loop).",
-    )
-    flags.DEFINE_integer("cpu_devices", 1, "Logical CPU devices (replicas of --strategy=mirrored).")
-    flags.DEFINE_boolean("jit_compile", False, "XLA-compile the forward/backward pass.")
-    flags.DEFINE_enum("mixed_precision", "float32", list(PRECISION_POLICIES), "Compute precision.")
-    flags.DEFINE_integer("warmup_steps", 100, "Untimed steps per runner (tracing, compiling, warm caches).")
-    flags.DEFINE_integer("steps", 200, "Steps per timed window.")
-    flags.DEFINE_integer("repeats", 5, "Timed windows per runner (interleaved across runners).")
-    flags.DEFINE_integer("num_classes", 10, "Classes of the synthetic data.")
-    flags.DEFINE_integer("seed", 42, "Seed of every model and of the data stream.")
-    flags.DEFINE_integer(
-        "peak_matmul_size", 2048, "Side of the square matmul that measures peak FLOP/s (0: skip)."
-    )
+
+
+def _option(default: Any, help_text: str, *, choices: tuple[str, ...] | None = None) -> Any:
+    """A BenchConfig field and its flag (`define_flags`): the default and help, in one place."""
+    integer = isinstance(default, int) and not isinstance(default, bool)
+    return field(default=default, metadata={"help": help_text, "choices": choices, "integer": integer})
 
 
 # --------------------------------------------------------------------- config
@@ -134,25 +119,41 @@ def define_flags() -> None:
 
 @dataclass(frozen=True)
 class BenchConfig:
-    model: str = "cnn"
-    strategy: str = "default"
-    runners: tuple[str, ...] = DEFAULT_RUNNERS
-    global_batch_size: int = 64
-    steps_per_loop: int = 50
-    fit_steps_per_execution: int | None = None
-    cpu_devices: int = 1
-    jit_compile: bool = False
-    mixed_precision: str = "float32"
-    warmup_steps: int = 100
-    steps: int = 200
-    repeats: int = 5
-    num_classes: int = 10
-    seed: int = 42
-    peak_matmul_size: int = 2048
-    data: str = "synthetic"
-    tfrecord_dir: str | None = None
-    tfrecord_examples: int = 4096
-    tfrecord_files: int = 8
+    model: str = _option("cnn", "Model name from the models registry (cnn, resnet50, wide_mlp, ...).")
+    strategy: str = _option("default", "default, one_device or mirrored.")
+    runners: tuple[str, ...] = _option(
+        DEFAULT_RUNNERS,
+        "Runners, in interleaving order: engine, fit, raw, tfdata (--data=tfrecord), each "
+        "optionally with suffixes _bf16/_fp16/_fp32 and _jit/_nojit.",
+    )
+    global_batch_size: int = _option(64, "Global batch size (all replicas).")
+    steps_per_loop: int = _option(50, "Engine steps per compiled call (also the raw loop's).")
+    fit_steps_per_execution: int | None = field(
+        default=None,
+        metadata={
+            "help": "Keras fit steps_per_execution to try first (default: --steps_per_loop).",
+            "integer": True,
+        },
+    )
+    cpu_devices: int = _option(1, "Logical CPU devices (replicas of --strategy=mirrored).")
+    jit_compile: bool = _option(False, "XLA-compile the forward/backward pass.")
+    mixed_precision: str = _option("float32", "Compute precision.", choices=tuple(PRECISION_POLICIES))
+    warmup_steps: int = _option(100, "Untimed steps per runner (tracing, compiling, warm caches).")
+    steps: int = _option(200, "Steps per timed window.")
+    repeats: int = _option(5, "Timed windows per runner (interleaved across runners).")
+    num_classes: int = _option(10, "Classes of the synthetic data.")
+    seed: int = _option(42, "Seed of every model and of the data stream.")
+    peak_matmul_size: int = _option(2048, "Side of the square matmul that measures peak FLOP/s (0: skip).")
+    data: str = _option("synthetic", "In-memory synthetic data or TFRecord files of it.", choices=DATA_MODES)
+    tfrecord_dir: str | None = field(
+        default=None,
+        metadata={
+            "help": "--data=tfrecord: where the record files are written (kept and reused by later runs "
+            "with the same data settings); default: a temporary directory removed at the end."
+        },
+    )
+    tfrecord_examples: int = _option(4096, "--data=tfrecord: train records to write.")
+    tfrecord_files: int = _option(8, "--data=tfrecord: files the records are split into.")
 
 
 def check_config(config: BenchConfig) -> None:
@@ -932,27 +933,8 @@ def _log(message: str) -> None:
 
 
 def config_from_flags() -> BenchConfig:
-    return BenchConfig(
-        model=FLAGS.model,
-        strategy=FLAGS.strategy,
-        runners=tuple(FLAGS.runners),
-        global_batch_size=FLAGS.global_batch_size,
-        steps_per_loop=FLAGS.steps_per_loop,
-        fit_steps_per_execution=FLAGS.fit_steps_per_execution,
-        cpu_devices=FLAGS.cpu_devices,
-        jit_compile=FLAGS.jit_compile,
-        mixed_precision=FLAGS.mixed_precision,
-        warmup_steps=FLAGS.warmup_steps,
-        steps=FLAGS.steps,
-        repeats=FLAGS.repeats,
-        num_classes=FLAGS.num_classes,
-        seed=FLAGS.seed,
-        peak_matmul_size=FLAGS.peak_matmul_size,
-        data=FLAGS.data,
-        tfrecord_dir=FLAGS.tfrecord_dir,
-        tfrecord_examples=FLAGS.tfrecord_examples,
-        tfrecord_files=FLAGS.tfrecord_files,
-    )
+    values = {setting.name: FLAGS[setting.name].value for setting in dataclasses.fields(BenchConfig)}
+    return BenchConfig(**{**values, "runners": tuple(values["runners"])})
 
 
 def main(argv) -> None:
