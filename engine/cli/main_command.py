@@ -5,6 +5,7 @@ one line on stderr and exit status 2; anything else is a bug and keeps its
 traceback.
 """
 
+import logging as py_logging
 import sys
 
 from absl import app, flags, logging
@@ -58,7 +59,20 @@ def parse_flags(argv: list[str]) -> list[str]:
         raise
 
 
+class _TensorFlowPerSaveLines(py_logging.Filter):
+    """TensorFlow's checkpoint writer logs "Sharding callback duration: N microseconds" at INFO,
+    through absl, at every save: a line per checkpoint that tells the user nothing."""
+
+    def filter(self, record: py_logging.LogRecord) -> bool:
+        return not (
+            record.levelno == py_logging.INFO
+            and record.pathname.endswith("functional_saver.py")
+            and str(record.msg).startswith("Sharding callback duration")
+        )
+
+
 def run_cli() -> None:
     logging.set_verbosity(logging.INFO)
     logging.get_absl_handler().addFilter(FlagTermsFilter())  # The library's warnings, in flags.
+    logging.get_absl_handler().addFilter(_TensorFlowPerSaveLines())
     app.run(lambda argv: sys.exit(main_with_clean_errors(argv)), flags_parser=parse_flags)
