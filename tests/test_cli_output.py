@@ -57,6 +57,7 @@ def test_a_run_prints_no_native_start_up_lines_unless_asked():
     leaked = [line for line in quiet.stderr.splitlines() if any(s in line for s in START_UP_LINES)]
     assert leaked == []
     assert "Saved checkpoint" in quiet.stderr and "Sharding callback duration" not in quiet.stderr
+    assert "done: step 2, eval none, " in quiet.stderr  # --mode=train: no evaluation to report.
     verbose = verbose.result()
     assert verbose.returncode == 0, verbose.stderr[-3000:]
     assert "InitializeLog" in verbose.stderr  # Asked for: nothing held back.

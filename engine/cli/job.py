@@ -22,6 +22,7 @@ from absl import logging
 from engine import checkpoint as checkpoint_lib
 from engine import model_dir as model_dir_lib
 from engine import repairs
+from engine.callbacks.progress import format_logs
 from engine.cli import evaluator, host_memory, predictor
 from engine.cli.assembly import build_model_and_optimizer, data_source, model_spec, prepare_process
 from engine.cli.hooks_from_flags import hooks_from_config
@@ -213,7 +214,7 @@ def _train_and_evaluate(
     logging.info(
         "done: step %d, eval %s, %.0f examples/s; wrote %s%s",
         trainer.step,
-        eval_logs,
+        format_logs(eval_logs) if eval_logs else "none",
         speed or 0.0,
         metrics_path if write_dir == model_dir else "nothing (not the chief)",
         "" if cluster is None else f"; weights_digest={_weights_digest(model)}",
