@@ -162,3 +162,23 @@ def test_bad_tf_config_is_one_line(tmp_path):
     assert result.returncode == 2, result.stderr[-2000:]
     assert "Traceback" not in result.stderr
     assert "engine.main: error: TF_CONFIG is not valid JSON" in result.stderr
+
+
+@pytest.mark.cli
+def test_print_config_shows_the_resolved_settings_and_writes_nothing(tmp_path):
+    flagfile = tmp_path / "run.flags"
+    flagfile.write_text("--model=mlp\n--learning_rate=0.05\n--train_steps=7\n")
+    model_dir = tmp_path / "run"
+    # A flag after the flagfile wins, as absl reads them in order.
+    result = main_in_process(
+        f"--flagfile={flagfile}", "--learning_rate=0.2", f"--model_dir={model_dir}", "--print_config"
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    settings = json.loads(result.stdout)
+    assert (settings["model"], settings["learning_rate"], settings["train_steps"]) == ("mlp", 0.2, 7)
+    assert settings["global_batch_size"] == 64 and settings["model_dir"] == str(model_dir)  # Defaults too.
+    assert "print_config" not in settings
+    assert not model_dir.exists()  # Nothing written: no model_dir, no lock, no checkpoint.
+    # Checked before it is printed: a bad setting is the usual one line.
+    refused = main_in_process("--model=mlp", "--learning_rate=-1", "--print_config")
+    assert refused.returncode == 2 and "--learning_rate=-1.0 must be positive" in refused.stderr

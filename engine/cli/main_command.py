@@ -5,6 +5,8 @@ one line on stderr and exit status 2; anything else is a bug and keeps its
 traceback.
 """
 
+import dataclasses
+import json
 import logging as py_logging
 import sys
 
@@ -27,6 +29,10 @@ def main(argv: list[str]) -> int:
     from engine.cli.settings import RunConfig
 
     config = RunConfig.from_flags(engine_flags.FLAGS)
+    if config.print_config:  # Checked, printed, nothing run or written.
+        settings = {name: value for name, value in dataclasses.asdict(config).items() if name != "print_config"}
+        print(json.dumps(settings, indent=2))
+        return 0
     return run(config).get("exit_status", 0)
 
 

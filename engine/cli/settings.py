@@ -150,6 +150,11 @@ class RunConfig:
         DEFAULT_SLURM_PORT_BASE, "With --cluster_resolver=slurm, a node's tasks listen on this port and up."
     )
     # What this process does (TF Model Garden's modes).
+    print_config: bool = setting(
+        False,
+        "Print every setting as this command resolves it (defaults, --flagfile, flags), as JSON, after "
+        "checking them; then exit without training or writing anything.",
+    )
     mode: str = setting(
         "train_and_eval",
         "train: no evaluation at all; eval: the latest checkpoint of --model_dir once (eval summaries at its "
