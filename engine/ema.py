@@ -57,6 +57,11 @@ class WeightAverages:
             average.assign(tf.convert_to_tensor(variable))
 
 
+def averages_swapped_in(averages: WeightAverages | None) -> contextlib.AbstractContextManager[None]:
+    """`averages.swapped_in()`, or nothing to do where there are no averages (no EMA)."""
+    return contextlib.nullcontext() if averages is None else averages.swapped_in()
+
+
 def weight_averages(
     optimizers: Mapping[str, keras.optimizers.Optimizer], ema_decay: float | None
 ) -> WeightAverages | None:

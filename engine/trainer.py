@@ -23,7 +23,7 @@ from engine.callbacks.progress import Progress, format_logs
 from engine.checkpoint import Checkpointer
 from engine.compat import num_workers
 from engine.data import Data, DataForm, as_eval_form, as_train_form
-from engine.ema import WeightAverages, weight_averages
+from engine.ema import WeightAverages, averages_swapped_in, weight_averages
 from engine.errors import DataExhaustedError, NonFiniteLossError, UserError
 from engine.logger import logger
 from engine.options import DEFAULT_STEPS_PER_LOOP, NONFINITE_POLICIES, Cadence, CheckpointOptions, StepOptions
@@ -309,9 +309,7 @@ class Trainer:
         """`with trainer.averaged_weights():` the model holds the moving averages of its
         weights (`ema_decay`), and the training weights again, exactly, after the block;
         without averages the weights stay as they are."""
-        if self.weight_averages is None:
-            return contextlib.nullcontext()
-        return self.weight_averages.swapped_in()
+        return averages_swapped_in(self.weight_averages)
 
     def request_stop(self) -> None:
         """Stops training after the current loop (with a checkpoint); safe to

@@ -709,22 +709,9 @@ def test_full_disk_is_one_line_and_the_previous_checkpoint_stays_latest(tmp_path
 
 def test_weights_that_are_not_finite_are_never_saved(tmp_path):
     import tensorflow as tf
-    from helpers import global_batches, loss_fn, make_arrays, make_model
 
-    import engine
-
-    strategy = tf.distribute.get_strategy()
-    model, optimizer = make_model(strategy)
-    trainer = engine.Trainer(
-        strategy=strategy,
-        model=model,
-        optimizer=optimizer,
-        train_data=global_batches(*make_arrays(64), 16),
-        global_batch_size=16,
-        loss_fn=loss_fn(),
-        steps_per_loop=2,
-        model_dir=str(tmp_path),
-    )
+    trainer = small_trainer(tmp_path)
+    model = trainer.model
     trainer.train(2)
     saved = trainer.checkpoint_manager.latest_checkpoint
     assert saved.endswith("ckpt-2")

@@ -18,7 +18,7 @@ from engine.checkpoint import CheckpointReader, recorded_settings
 from engine.cli.environment import seed_everything, set_precision
 from engine.cli.own_packages import own_package  # The engine's, beside a user's models.py/input.py.
 from engine.cli.settings import RunConfig
-from engine.ema import weight_averages
+from engine.ema import averages_swapped_in, weight_averages
 from engine.errors import UserError
 from engine.schedules import LearningRate, learning_rate_schedule
 from engine.strategy import build_strategy, configure_cpu_devices
@@ -119,9 +119,7 @@ class CheckpointedModel:
 
     def averaged_weights(self) -> contextlib.AbstractContextManager:
         """The moving averages swapped in (the model the checkpoints were judged by), if any."""
-        if self.weight_averages is None:
-            return contextlib.nullcontext()
-        return self.weight_averages.swapped_in()
+        return averages_swapped_in(self.weight_averages)
 
 
 def trained_ema_decay(config: RunConfig, model_dir: str) -> float | None:
