@@ -43,12 +43,13 @@ if "tensorflow" not in sys.modules and not _started_as_engine_command():
 
     import_tensorflow_quietly()
 
-_SUBMODULES = ("callbacks", "data", "export", "hooks", "schedules", "variables")
+_SUBMODULES = ("callbacks", "data", "export", "hooks", "objectives", "schedules", "variables")
 _LAZY = {
     "Callback": "engine.callbacks",
     "GlobalBatches": "engine.data",
     "PerReplicaBatches": "engine.data",
     "ResidentData": "engine.resident",
+    "Task": "engine.task",
     "Trainer": "engine.trainer",
     "TrainerView": "engine.callbacks",
     "build_strategy": "engine.strategy",
@@ -65,6 +66,7 @@ __all__ = [
     "NonFiniteLossError",
     "PerReplicaBatches",
     "ResidentData",
+    "Task",
     "Trainer",
     "TrainerView",
     "UserError",
@@ -77,6 +79,7 @@ __all__ = [
     "hooks",
     "make_eval_step",
     "make_train_step",
+    "objectives",
     "schedules",
     "variables",
 ]

@@ -5,13 +5,21 @@ run sees exactly the batches an uninterrupted run would have seen.
 """
 
 from input.errors import DataError
-from input.registry import dataset_names, get_data_source
+from input.labels import LabelSpec
+from input.registry import FORMS as DATASET_FORMS
+from input.registry import DataOptions, check_dataset_name, dataset_names, get_data_source
 from input.source import DataSource
 from input.tfrecord import write_tfrecords
+from input.user_data import as_data_source
 
 __all__ = [
+    "DATASET_FORMS",
     "DataError",
+    "DataOptions",
     "DataSource",
+    "LabelSpec",
+    "as_data_source",
+    "check_dataset_name",
     "dataset_names",
     "get_data_source",
     "write_tfrecords",

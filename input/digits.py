@@ -9,6 +9,7 @@ import tensorflow as tf
 from input.errors import DataError
 from input.images import fit_images
 from input.in_memory import InMemorySource
+from input.labels import classes
 
 NUM_EVAL = 297  # deliberately not a multiple of common batch sizes
 # The held-out split must not depend on the run's --seed, or runs with
@@ -31,7 +32,7 @@ def load_digits(image_shape: tuple[int, int, int], num_classes: int) -> InMemory
     labels = labels[order]
     return InMemorySource.from_arrays(
         "digits",
-        num_classes,
+        classes(num_classes),
         train=(images[:-NUM_EVAL], labels[:-NUM_EVAL]),
         eval_split=(images[-NUM_EVAL:], labels[-NUM_EVAL:]),
     )

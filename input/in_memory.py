@@ -1,4 +1,4 @@
-"""Sources whose examples fit in memory (digits, mnist, synthetic): batches are
+"""Sources whose examples fit in memory (digits, mnist, synthetic, .npz and .csv files): batches are
 gathered by index, so the stream position can be computed, not replayed.
 
 Stream position i (0, 1, 2, ...) is example perm(seed, e)[i mod n] with
@@ -15,6 +15,7 @@ import numpy as np
 import tensorflow as tf
 
 from engine.resident import ResidentData, epoch_shuffled, gather_pipeline_options, host_tensor
+from input.labels import LabelSpec
 from input.source import (
     BatchLayout,
     DataSource,
@@ -24,7 +25,7 @@ from input.source import (
 
 
 def _scaled(batch: tuple[tf.Tensor, tf.Tensor]) -> tuple[tf.Tensor, tf.Tensor]:
-    """uint8 pixels to float32 in [0, 1]; float32 images as they are."""
+    """uint8 pixels to float32 in [0, 1]; float32 features as they are."""
     images, labels = batch
     if images.dtype == tf.uint8:
         images = tf.cast(images, tf.float32) / 255.0
@@ -33,8 +34,8 @@ def _scaled(batch: tuple[tf.Tensor, tf.Tensor]) -> tuple[tf.Tensor, tf.Tensor]:
 
 @dataclass(frozen=True)
 class InMemorySource(DataSource):
-    """Images stored as uint8 (scaled by 1/255 when gathered) or float32 in
-    [0, 1], already at `image_shape`; labels int32."""
+    """Features stored as uint8 (scaled by 1/255 when gathered: pixels) or float32,
+    already at `feature_shape`; labels int32 class ids or float32."""
 
     _train_images: tf.Tensor = field(repr=False, compare=False)
     _train_labels: tf.Tensor = field(repr=False, compare=False)
@@ -45,39 +46,44 @@ class InMemorySource(DataSource):
     def from_arrays(
         cls,
         name: str,
-        num_classes: int,
+        labels: LabelSpec,
         train: tuple[np.ndarray, np.ndarray],
         eval_split: tuple[np.ndarray, np.ndarray] | None,
     ) -> InMemorySource:
-        """Build from (images (N, H, W, C), labels (N,)) pairs."""
+        """Build from (features (N, ...), labels (N,) or (N, k)) pairs; labels are stored
+        as `labels.dtype`."""
         splits = [train] if eval_split is None else [train, eval_split]
-        for images, labels in splits:
-            if images.ndim != 4 or images.dtype not in (np.uint8, np.float32):
+        for features, split_labels in splits:
+            if features.ndim < 2 or features.dtype not in (np.uint8, np.float32):
                 raise ValueError(
-                    f"{name}: images must be uint8 or float32 of shape "
-                    f"(N, H, W, C), got {images.dtype} {images.shape}"
+                    f"{name}: features must be uint8 or float32 of shape (N, ...), got "
+                    f"{features.dtype} {features.shape}"
                 )
-            if len(images) != len(labels) or len(images) == 0:
+            if len(features) != len(split_labels) or len(features) == 0:
                 raise ValueError(
-                    f"{name}: got {len(images)} images and {len(labels)} labels; need the same non-zero number"
+                    f"{name}: got {len(features)} examples and {len(split_labels)} labels; "
+                    "need the same non-zero number"
                 )
-        height, width, channels = (int(d) for d in train[0].shape[1:])  # ndim 4, checked above
+            if tuple(split_labels.shape[1:]) != labels.shape:
+                raise ValueError(f"{name}: labels of shape {split_labels.shape} are not {labels.describe()}")
+        if eval_split is not None and eval_split[0].shape[1:] != train[0].shape[1:]:
+            raise ValueError(
+                f"{name}: eval features of shape {eval_split[0].shape[1:]} differ from the train split's "
+                f"{train[0].shape[1:]}"
+            )
         eval_images, eval_labels = (
             (None, None)
             if eval_split is None
-            else (
-                host_tensor(eval_split[0]),
-                host_tensor(eval_split[1].astype(np.int32)),
-            )
+            else (host_tensor(eval_split[0]), host_tensor(eval_split[1].astype(labels.dtype)))
         )
         return cls(
             name=name,
-            num_classes=num_classes,
-            image_shape=(height, width, channels),
+            labels=labels,
+            feature_shape=tuple(int(d) for d in train[0].shape[1:]),
             num_train_examples=len(train[0]),
             num_eval_examples=None if eval_split is None else len(eval_split[0]),
             _train_images=host_tensor(train[0]),
-            _train_labels=host_tensor(train[1].astype(np.int32)),
+            _train_labels=host_tensor(train[1].astype(labels.dtype)),
             _eval_images=eval_images,
             _eval_labels=eval_labels,
         )

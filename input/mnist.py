@@ -13,6 +13,7 @@ import tensorflow as tf
 from input.errors import DataError
 from input.images import fit_images
 from input.in_memory import InMemorySource
+from input.labels import classes
 
 FILE_NAME = "mnist.npz"  # the file keras.datasets.mnist.load_data() caches
 _KEYS = ("x_train", "y_train", "x_test", "y_test")
@@ -101,7 +102,7 @@ def load_mnist(image_shape: tuple[int, int, int], num_classes: int, data_dir: st
     _check_arrays(path, arrays, num_classes)
     return InMemorySource.from_arrays(
         "mnist",
-        num_classes,
+        classes(num_classes),
         train=(_fit_uint8(arrays["x_train"], image_shape), arrays["y_train"]),
         eval_split=(_fit_uint8(arrays["x_test"], image_shape), arrays["y_test"]),
     )

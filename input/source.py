@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, TypeAlias
 
 import tensorflow as tf
 
+from input.labels import LabelSpec
+
 if TYPE_CHECKING:
     from engine.resident import ResidentData
 
@@ -86,15 +88,21 @@ def check_stream_args(seed: int, start_step: int) -> None:
 class DataSource(abc.ABC):
     """A named data set with a resumable training stream and an eval split.
 
-    Elements are (images float32 in [0, 1], shape (batch, H, W, C); labels
-    int32, shape (batch,)).
+    Elements are (features float32, shape (batch, *feature_shape), images in
+    [0, 1]; labels of shape (batch, *labels.shape): int32 class ids, else
+    float32).
     """
 
     name: str
-    num_classes: int
-    image_shape: tuple[int, int, int]  # (H, W, C) of the images it yields
+    labels: LabelSpec
+    feature_shape: tuple[int, ...]  # One example's features, e.g. (H, W, C) of an image.
     num_train_examples: int | None  # None when unknown (tfrecord)
     num_eval_examples: int | None  # None when there is no eval split
+
+    @property
+    def num_classes(self) -> int | None:
+        """The number of classes of class-id labels; None for other label kinds."""
+        return self.labels.num_classes
 
     def train_dataset(
         self,

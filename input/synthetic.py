@@ -7,6 +7,7 @@ import numpy as np
 
 from input.errors import DataError
 from input.in_memory import InMemorySource
+from input.labels import classes
 
 NUM_TRAIN = 1024
 NUM_EVAL = 256
@@ -25,4 +26,4 @@ def load_synthetic(image_shape: tuple[int, int, int], num_classes: int) -> InMem
         return images, labels
 
     train = split(NUM_TRAIN)
-    return InMemorySource.from_arrays("synthetic", num_classes, train=train, eval_split=split(NUM_EVAL))
+    return InMemorySource.from_arrays("synthetic", classes(num_classes), train=train, eval_split=split(NUM_EVAL))

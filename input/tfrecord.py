@@ -19,6 +19,7 @@ import tensorflow as tf
 
 from input.errors import DataError
 from input.images import fit_images
+from input.labels import classes
 from input.source import (
     BatchLayout,
     DataSource,
@@ -138,7 +139,7 @@ class _Parser:
         tf.debugging.assert_less(
             labels,
             tf.constant(self._num_classes, tf.int64),
-            message=f"tfrecord label >= num_classes={self._num_classes}",
+            message=f"tfrecord label >= num_classes={self._num_classes} (pass --num_classes)",
         )
         tf.debugging.assert_non_negative(labels, message="tfrecord label < 0")
         return images, tf.cast(labels, tf.int32)
@@ -318,19 +319,60 @@ class TFRecordSource(DataSource):
         )
 
 
-def load_tfrecord(image_shape: tuple[int, int, int], num_classes: int, data_dir: str | None) -> TFRecordSource:
+def load_tfrecord(
+    image_shape: tuple[int, int, int] | None, num_classes: int | None, data_dir: str | None
+) -> TFRecordSource:
     """Check the files named by --data_dir; count the eval records (train
-    files are not counted: that would read the whole data set)."""
+    files are not counted: that would read the whole data set).
+
+    Images are served at `image_shape`, else at the first train record's own
+    size and channels (records of another size are resized to it); the
+    classes are `num_classes`, else the largest label + 1 of the eval
+    records (or, without eval files, of the first train file): a larger
+    label met later stops the run with a line asking for --num_classes.
+    """
     train_files, eval_files = _find_files(data_dir)
+    if image_shape is None:
+        image_shape = _first_image_shape(train_files[0])
+    # Every file readable first (its first record decoded), whatever the number of classes.
+    _check_files(train_files + eval_files, _Parser(image_shape, np.iinfo(np.int64).max))
+    if num_classes is None:
+        num_classes = _largest_label(eval_files or train_files[:1]) + 1
     parser = _Parser(image_shape, num_classes)
-    _check_files(train_files + eval_files, parser)
     return TFRecordSource(
         name="tfrecord",
-        num_classes=num_classes,
-        image_shape=image_shape,
+        labels=classes(max(num_classes, 2)),
+        feature_shape=image_shape,
         num_train_examples=None,
         num_eval_examples=_count_records(eval_files) if eval_files else None,
         _train_files=train_files,
         _eval_files=eval_files,
         _parser=parser,
     )
+
+
+def _first_image_shape(path: str) -> tuple[int, int, int]:
+    """(H, W, C) of the first record's PNG, as stored."""
+    try:
+        for record in tf.data.TFRecordDataset(path).take(1):
+            example = tf.io.parse_single_example(record, _FEATURES)
+            height, width, channels = (int(d) for d in tf.io.decode_png(example["image"]).shape)
+            return height, width, channels
+    except tf.errors.OpError as err:
+        raise DataError(f"cannot read TFRecord file {path}: {_op_error_text(err)}; {_LAYOUT_HELP}") from None
+    raise DataError(f"TFRecord file {path} is empty; {_LAYOUT_HELP}")
+
+
+def _largest_label(files: tuple[str, ...]) -> int:
+    """The largest label of the (small) eval files, read once at start-up."""
+    records = tf.data.TFRecordDataset(list(files)).batch(1024)
+    largest = -1
+    try:
+        for batch in records:
+            labels = tf.io.parse_example(batch, {"label": _FEATURES["label"]})["label"]
+            largest = max(largest, int(tf.reduce_max(labels)))
+    except tf.errors.OpError as err:
+        raise DataError(
+            f"cannot read eval TFRecord files {', '.join(files)}: {_op_error_text(err)}; {_LAYOUT_HELP}"
+        ) from None
+    return largest

@@ -2,9 +2,17 @@
 
 from models.fits import check_fits_data
 from models.flops import flops_per_example
-from models.registry import ModelError, ModelSpec, get_model_spec, is_user_model, model_names
+from models.registry import (
+    USER_MODEL_INPUT_SHAPE,
+    ModelError,
+    ModelSpec,
+    get_model_spec,
+    is_user_model,
+    model_names,
+)
 
 __all__ = [
+    "USER_MODEL_INPUT_SHAPE",
     "ModelError",
     "ModelSpec",
     "flops_per_example",

@@ -15,33 +15,33 @@ import keras
 from models.registry import ModelError
 
 
-def check_fits_data(name: str, model: keras.Model, image_shape: tuple[int, ...], num_classes: int) -> None:
-    """Raises ModelError naming both shapes when `model` cannot take batches of
-    `image_shape` images or does not return one (batch, num_classes) tensor of logits.
+def check_fits_data(name: str, model: keras.Model, input_shape: tuple[int, ...], num_outputs: int) -> None:
+    """Raises ModelError naming both shapes when `model` cannot take batches of examples of
+    `input_shape` or does not return one (batch, num_outputs) tensor (logits or values).
 
     A model that is not built yet (a subclassed model never called) has no
     variables to train; the Trainer refuses it with its own message.
     """
     if not model.built:
         return
-    data = (None, *image_shape)
+    data = (None, *input_shape)
     declared = _declared_input_shapes(model)
     if declared is not None:
         if len(declared) != 1:
             raise ModelError(
                 f"--model={name} takes {len(declared)} inputs {declared}; the data gives one: "
-                f"images of shape {data}; build the model on a single keras.Input(input_shape)"
+                f"examples of shape {data}; build the model on a single keras.Input(input_shape)"
             )
         if not _compatible(declared[0], data):
             raise ModelError(
-                f"--model={name} takes inputs of shape {declared[0]} but the data's images have "
+                f"--model={name} takes inputs of shape {declared[0]} but the data's examples have "
                 f"shape {data}; build it on keras.Input(input_shape) with the input_shape it is given"
             )
     try:
         outputs = model.compute_output_spec(keras.KerasTensor(data, dtype="float32"))
     except Exception as error:  # Whatever a layer raises on the data's shape.
         raise ModelError(
-            f"--model={name} cannot take the data's images of shape {data}: "
+            f"--model={name} cannot take the data's examples of shape {data}: "
             f"{type(error).__name__}: {_first_line(error)}"
         ) from None
     flat = keras.tree.flatten(outputs)
@@ -49,12 +49,12 @@ def check_fits_data(name: str, model: keras.Model, image_shape: tuple[int, ...],
     if len(flat) != 1:
         raise ModelError(
             f"--model={name} returns {len(flat)} outputs {shapes}; the engine trains one output "
-            f"of logits of shape (batch, {num_classes}): return a single tensor"
+            f"of shape (batch, {num_outputs}): return a single tensor"
         )
-    if len(shapes[0]) != 2 or shapes[0][-1] not in (None, num_classes):
+    if len(shapes[0]) != 2 or shapes[0][-1] not in (None, num_outputs):
         raise ModelError(
-            f"--model={name} outputs shape {shapes[0]}; the data set has {num_classes} classes: "
-            f"return logits of shape (batch, {num_classes}), e.g. end with a Dense({num_classes})"
+            f"--model={name} outputs shape {shapes[0]}; the data's labels need {num_outputs} outputs: "
+            f"return shape (batch, {num_outputs}), e.g. end with a Dense({num_outputs})"
         )
 
 

@@ -25,7 +25,7 @@ class ModelError(ValueError):
 
 # The input shape a user's builder receives: the one the built-in data sets
 # (digits, mnist, synthetic) are served at for the small built-in models.
-USER_MODEL_INPUT_SHAPE = (28, 28, 1)
+USER_MODEL_INPUT_SHAPE = (28, 28, 1)  # digits, mnist and synthetic only: other data at its own.
 
 
 @dataclass(frozen=True)
@@ -130,8 +130,8 @@ def _check_user_model(name: str, model, num_classes: int) -> None:
         return
     if outputs and len(outputs) == 1 and outputs[0].shape[-1] not in (None, num_classes):
         raise ModelError(
-            f"--model={name} outputs shape {tuple(outputs[0].shape)}; the data set has "
-            f"{num_classes} classes: end with a Dense({num_classes}) of logits"
+            f"--model={name} outputs shape {tuple(outputs[0].shape)}; the data's labels need "
+            f"{num_classes} outputs: end with a Dense({num_classes})"
         )
     last = model.layers[-1] if model.layers else None
     if isinstance(last, keras.layers.Softmax) or getattr(last, "activation", None) is keras.activations.softmax:

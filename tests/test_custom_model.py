@@ -81,7 +81,7 @@ BAD_MODELS = [
     ("nets.small:nothing", "has no function 'nothing'"),
     ("nets.small:not_a_model", "--model=nets.small:not_a_model returned builtins.str, not a keras.Model"),
     ("nets.small:with_softmax", "ends with a softmax; the engine's loss takes logits"),
-    ("nets.small:wrong_classes", "outputs shape (None, 3); the data set has 10 classes"),
+    ("nets.small:wrong_classes", "outputs shape (None, 3); the data's labels need 10 outputs"),
 ]
 
 

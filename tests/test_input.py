@@ -53,7 +53,7 @@ def rows(images: np.ndarray) -> list[bytes]:
 
 def test_digits_split_sizes_values_and_labels(digits: DataSource) -> None:
     assert (digits.num_train_examples, digits.num_eval_examples) == (1500, 297)
-    assert (digits.num_classes, digits.image_shape) == (10, MNIST_SHAPE)
+    assert (digits.num_classes, digits.feature_shape) == (10, MNIST_SHAPE)
     images, labels = take(digits.train_dataset(global_batch_size=500, seed=0), 1)[0]
     assert images.shape == (500, 28, 28, 1) and images.dtype == np.float32
     assert labels.shape == (500,) and labels.dtype == np.int32
@@ -386,7 +386,10 @@ def test_unknown_dataset_lists_choices() -> None:
     assert dataset_names() == ["digits", "mnist", "synthetic", "tfrecord"]
     with pytest.raises(DataError) as error:
         get_data_source("cifar10", image_shape=(32, 32, 3))
-    assert str(error.value) == ("unknown dataset 'cifar10'; choose one of: digits, mnist, synthetic, tfrecord")
+    assert str(error.value) == (
+        "unknown dataset 'cifar10'; choose one of: digits, mnist, synthetic, tfrecord, or PATH.npz, PATH.csv, "
+        "tfds:NAME[/CONFIG], package.module:function"
+    )
 
 
 def test_synthetic_has_any_shape_and_class_count() -> None:

@@ -47,12 +47,12 @@ def subclassed_three_classes(input_shape, num_classes):
 CASES = [
     (
         "wrong_input",
-        "takes inputs of shape (None, 32, 32, 3) but the data's images have shape (None, 28, 28, 1)",
+        "takes inputs of shape (None, 32, 32, 3) but the data's examples have shape (None, 28, 28, 1)",
     ),
-    ("flat_input", "takes inputs of shape (None, 784) but the data's images have shape (None, 28, 28, 1)"),
+    ("flat_input", "takes inputs of shape (None, 784) but the data's examples have shape (None, 28, 28, 1)"),
     ("two_outputs", "returns 2 outputs [(None, 10), (None, 10)]; the engine trains one output"),
-    ("per_pixel_logits", "outputs shape (None, 28, 28, 10); the data set has 10 classes"),
-    ("subclassed_three_classes", "outputs shape (None, 3); the data set has 10 classes"),
+    ("per_pixel_logits", "outputs shape (None, 28, 28, 10); the data's labels need 10 outputs"),
+    ("subclassed_three_classes", "outputs shape (None, 3); the data's labels need 10 outputs"),
 ]
 
 

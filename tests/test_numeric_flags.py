@@ -112,7 +112,7 @@ def test_a_batch_that_cannot_fit_in_memory_is_refused_before_any_allocation(tmp_
         f"--model_dir={model_dir}",
     )
     line = one_error_line(result)
-    assert "--global_batch_size=1000000000 needs 2924.4 GiB per batch of (28, 28, 1) float32 images" in line, (
+    assert "--global_batch_size=1000000000 needs 2924.4 GiB per batch of (28, 28, 1) float32 examples" in line, (
         line
     )
     assert "this process may use; use at most" in line

@@ -1,14 +1,13 @@
 """The parts of a run built from its settings, shared by the training job and the evaluator.
 
-Both must build the same process state (devices, precision, seeds), data
-source, model and optimizer from the same flags: the evaluator restores
+Both must build the same process state (devices, precision, seeds), task
+(data, model, loss), optimizer from the same flags: the evaluator restores
 what the trainer saved, so one definition keeps them from drifting apart.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Any
 
 import keras
 import tensorflow as tf
@@ -16,10 +15,9 @@ from absl import logging
 
 from engine.checkpoint import CheckpointReader, recorded_settings
 from engine.cli.environment import seed_everything, set_precision
-from engine.cli.own_packages import own_package  # The engine's, beside a user's models.py/input.py.
 from engine.cli.settings import RunConfig
+from engine.cli.run_task import RunTask, resolve_task
 from engine.ema import averages_swapped_in, weight_averages
-from engine.errors import UserError
 from engine.schedules import LearningRate, learning_rate_schedule
 from engine.strategy import build_strategy, configure_cpu_devices
 from engine.trainer import prepare_model_state
@@ -36,35 +34,13 @@ def prepare_process(config: RunConfig) -> None:
     seed_everything(config.seed, deterministic=config.deterministic)
 
 
-def model_spec(config: RunConfig) -> Any:
-    """The `--model` builder (`models.ModelSpec`): a name of the zoo or package.module:function."""
-    return own_package("models").get_model_spec(config.model)
-
-
-def data_source(config: RunConfig, spec: Any) -> Any:
-    """The `--dataset` (`input.DataSource`), its images shaped for `spec`'s default input."""
-    input_lib = own_package("input")
-    try:
-        return input_lib.get_data_source(
-            config.dataset, image_shape=spec.default_input_shape, data_dir=config.data_dir
-        )
-    except input_lib.DataError as error:
-        raise UserError(str(error)) from None
-
-
 def build_model_and_optimizer(
-    config: RunConfig, strategy: tf.distribute.Strategy, spec: Any, source: Any, total_steps: int
+    config: RunConfig, strategy: tf.distribute.Strategy, task: RunTask, total_steps: int
 ) -> tuple[keras.Model, keras.optimizers.Optimizer]:
-    """The model (checked against the data before anything is written) and its optimizer,
+    """The task's model (checked against the data before anything is written) and its optimizer,
     created in `strategy`'s scope; the learning-rate schedule spans `total_steps`."""
-    models = own_package("models")
     with strategy.scope():
-        try:
-            model = spec.build(spec.default_input_shape, source.num_classes)
-            # Before the first write: a model that does not fit the data fails in the first step.
-            models.check_fits_data(config.model, model, source.image_shape, source.num_classes)
-        except models.ModelError as error:  # A user's builder returned something unusable.
-            raise UserError(str(error)) from None
+        model = task.build_model()
         learning_rate = learning_rate_schedule(
             config.lr_schedule, config.learning_rate, total_steps, config.warmup_steps
         )
@@ -97,13 +73,11 @@ class CheckpointedModel:
         local = "mirrored" if config.cpu_devices > 1 or config.num_gpus else "default"
         name = config.strategy if config.strategy in ("default", "one_device", "mirrored") else local
         self.strategy = build_strategy(name, cpu_devices=config.cpu_devices, num_gpus=config.num_gpus)
-        self.spec = model_spec(config)
-        self.source = data_source(config, self.spec)
+        self.task = resolve_task(config)
+        self.source = self.task.source
         self.final_step = config.total_steps(self.source.num_train_examples)
         # As training builds them (checked against the data before anything is read or written).
-        self.model, self.optimizer = build_model_and_optimizer(
-            config, self.strategy, self.spec, self.source, self.final_step
-        )
+        self.model, self.optimizer = build_model_and_optimizer(config, self.strategy, self.task, self.final_step)
         # As the Trainer prepares them: the averages (--ema_decay) exist once the optimizer is built.
         self.weight_averages = weight_averages(
             {"optimizer": self.optimizer}, trained_ema_decay(config, model_dir)

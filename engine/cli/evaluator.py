@@ -32,7 +32,7 @@ from engine.checkpoint import CheckpointVanished, files_gone
 from engine.cli.assembly import CheckpointedModel
 from engine.cli.run_record import read_record, record_evaluations, record_path
 from engine.cli.settings import RunConfig
-from engine.cli.task import classification_task
+from engine.cli.run_task import check_reported
 from engine.data import as_eval_form
 from engine.errors import UserError
 from engine.hooks.best_checkpoint import BestCheckpoint
@@ -105,13 +105,15 @@ class Evaluator:
         self.restored, self.strategy, self.final_step = restored, restored.strategy, restored.final_step
         self.model, self.optimizer, self.reader = restored.model, restored.optimizer, restored.reader
         batch = config.global_batch_size
-        task = classification_task()
+        check_reported(config, restored.task)
+        task = restored.task.trainer_arguments()
         self.runner = EvalRunner(
             self.strategy,
             self.model,
             task["loss_fn"],
             as_eval_form(lambda context: source.eval_dataset(global_batch_size=batch, input_context=context)),
             metrics=task["metrics"],
+            eval_step_fn=task.get("eval_step_fn"),
             batches_per_call=config.steps_per_loop,
         )
         self._summaries = SummaryWriters(config.model_dir)

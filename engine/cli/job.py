@@ -24,14 +24,14 @@ from engine import model_dir as model_dir_lib
 from engine import repairs
 from engine.callbacks.progress import format_logs
 from engine.cli import evaluator, host_memory, predictor
-from engine.cli.assembly import build_model_and_optimizer, data_source, model_spec, prepare_process
+from engine.cli.assembly import build_model_and_optimizer, prepare_process
 from engine.cli.hooks_from_flags import hooks_from_config
 from engine.cli.hparams import write_hparams
 from engine.cli.model_summary import model_summary
 from engine.cli.preemption import stop_on_signals
 from engine.cli.run_record import read_record, record_path, record_training
 from engine.cli.settings import TRAINER_SETTINGS, RunConfig, settings_of
-from engine.cli.task import classification_task
+from engine.cli.run_task import RunTask, check_reported, resolve_task
 from engine.cluster import task_model_dir
 from engine.errors import UserError, one_line
 from engine.export import export_saved_model
@@ -78,11 +78,12 @@ def _run(config: RunConfig) -> dict[str, Any]:
             "--jit_compile on a host without GPUs: XLA's CPU kernels ran the cnn "
             "5-7x slower than TensorFlow's oneDNN kernels here (benchmarks/RESULTS.md)"
         )
-    spec = model_spec(config)
-    image_shape = spec.default_input_shape
-    source = data_source(config, spec)
+    task = resolve_task(config)
+    check_reported(config, task)
+    source = task.source
     check_batch_fits(config.global_batch_size, source.num_train_examples, config.dataset)
-    check_batch_fits_memory(config.global_batch_size, cluster.num_workers if cluster else 1, source.image_shape)
+    workers = cluster.num_workers if cluster else 1
+    check_batch_fits_memory(config.global_batch_size, workers, source.feature_shape)
     model_dir = config.model_dir or tempfile.mkdtemp(prefix="engine-")
     model_dir_lib.check_name(model_dir)
     model_dir_lib.check_kinds(model_dir)
@@ -93,9 +94,7 @@ def _run(config: RunConfig) -> dict[str, Any]:
     lock = model_dir_lib.writer_lock(model_dir) if write_dir == model_dir else contextlib.nullcontext()
     # Repairs of on-disk state made while checking are undone if a later check refuses the run.
     with model_dir_lib.disk_full_is_a_user_error(model_dir), lock, repairs.undone_on_error():
-        return _train_and_evaluate(
-            config, strategy, cluster, spec, image_shape, source, model_dir, write_dir, total_steps
-        )
+        return _train_and_evaluate(config, strategy, cluster, task, model_dir, write_dir, total_steps)
 
 
 def check_batch_fits(global_batch_size: int, num_train_examples: int | None, dataset: str) -> None:
@@ -108,24 +107,24 @@ def check_batch_fits(global_batch_size: int, num_train_examples: int | None, dat
         )
 
 
-def check_batch_fits_memory(global_batch_size: int, num_workers: int, image_shape: tuple[int, ...]) -> None:
-    """This host's share of a batch of float32 images must fit in half the memory this
+def check_batch_fits_memory(global_batch_size: int, num_workers: int, feature_shape: tuple[int, ...]) -> None:
+    """This host's share of a batch of float32 examples must fit in half the memory this
     process may use (tf.data prefetches more than one), checked before anything is allocated:
     where the data's size is unknown (tfrecord) nothing else stops an absurd batch before it crashes."""
     limit = host_memory.memory_limit_bytes()
-    example_bytes = math.prod(image_shape) * 4 + 4  # float32 pixels, an int32 label
+    example_bytes = math.prod(feature_shape) * 4 + 4  # float32 features, an int32 label
     batch_bytes = global_batch_size // max(1, num_workers) * example_bytes
     if limit is not None and batch_bytes > limit // 2:
         most = limit // 2 // example_bytes * max(1, num_workers)
         raise UserError(
             f"--global_batch_size={global_batch_size} needs {batch_bytes / 2**30:.1f} GiB per batch of "
-            f"{image_shape} float32 images on this host, more than half of the {limit / 2**30:.1f} GiB "
+            f"{feature_shape} float32 examples on this host, more than half of the {limit / 2**30:.1f} GiB "
             f"this process may use; use at most {most}"
         )
 
 
 def _train_and_evaluate(
-    config, strategy, cluster, spec, image_shape, source, model_dir: str, write_dir: str, total_steps: int
+    config, strategy, cluster, task: RunTask, model_dir: str, write_dir: str, total_steps: int
 ) -> dict[str, Any]:
     """The part of `run` that reads and writes model_dir: under the writer lock
     on the chief. Everything is checked before the first byte is written."""
@@ -139,7 +138,8 @@ def _train_and_evaluate(
             model_dir, _optimizer_settings(config), flags_may_change=config.reset_optimizer
         )
 
-    model, optimizer = build_model_and_optimizer(config, strategy, spec, source, total_steps)
+    model, optimizer = build_model_and_optimizer(config, strategy, task, total_steps)
+    source = task.source
 
     train_data, eval_data = _train_and_eval_data(config, source)
     batch = config.global_batch_size
@@ -160,10 +160,10 @@ def _train_and_evaluate(
         callbacks=hooks_from_config(config),
         steps_per_epoch=max(1, source.num_train_examples // batch) if source.num_train_examples else None,
         ema_decay=config.ema_decay or None,
-        **classification_task(),
+        **task.trainer_arguments(),
         **settings_of(config, TRAINER_SETTINGS),
     )
-    _log_banner(config, strategy, model, source, model_dir, total_steps, trainer)
+    _log_banner(config, strategy, model, task, model_dir, total_steps, trainer)
     finished = _finished_result(trainer, total_steps, metrics_path) if write_dir == model_dir else None
     # Synchronous workers evaluate together, so there the chief evaluates again with them
     # and keeps the train part of metrics.json; everywhere else a finished run does nothing.
@@ -198,7 +198,7 @@ def _train_and_evaluate(
     train_logs, eval_logs = outcome
     if config.export_dir and strategy.extended.should_checkpoint:  # Only the chief exports.
         with trainer.averaged_weights():  # --ema_decay: the averages are the model to serve.
-            export_saved_model(model, config.export_dir, [tf.TensorSpec([None, *image_shape], tf.float32)])
+            export_saved_model(model, config.export_dir, [tf.TensorSpec([None, *task.input_shape], tf.float32)])
     if finished is not None and not train_logs:
         train_logs = finished.get("train") or {}
     speed = trainer.steady_examples_per_second or train_logs.get("examples_per_second")
@@ -397,7 +397,8 @@ def _weights_digest(model) -> str:
     return digest.hexdigest()[:16]
 
 
-def _log_banner(config, strategy, model, source, model_dir, total_steps, trainer: Trainer) -> None:
+def _log_banner(config, strategy, model, task: RunTask, model_dir, total_steps, trainer: Trainer) -> None:
+    source = task.source
     replicas = strategy.num_replicas_in_sync
     try:
         devices = strategy.extended.worker_devices
@@ -405,23 +406,25 @@ def _log_banner(config, strategy, model, source, model_dir, total_steps, trainer
         devices = ("default device",)
     logging.info(
         "strategy=%s replicas=%d devices=%s global_batch=%d per_replica_batch=%d "
-        "model=%s params=%d dataset=%s (%s train / %s eval, %s) steps=%d->%d model_dir=%s",
+        "model=%s params=%d dataset=%s (%s train / %s eval, %s, examples %s) %s steps=%d->%d model_dir=%s",
         config.strategy,
         replicas,
         ",".join(devices),
         config.global_batch_size,
         config.global_batch_size // replicas,
-        config.model,
+        task.model_name,
         model.count_params(),
-        config.dataset,
+        config.task or config.dataset,
         source.num_train_examples,
         source.num_eval_examples,
         "kept on the devices" if trainer.keeps_data_on_devices else "tf.data",
+        tuple(source.feature_shape),
+        task.describe(),
         trainer.step,
         total_steps,
         model_dir,
     )
-    logging.info("model %s:\n%s", config.model, model_summary(model))
+    logging.info("model %s:\n%s", task.model_name, model_summary(model))
 
 
 def _optimizer_settings(config: RunConfig) -> dict[str, str]:

@@ -38,7 +38,7 @@ def run(config: RunConfig) -> dict[str, Any]:
             f"--mode=predict: no checkpoint in {directory}; train first or pass the --model_dir of a trained run"
         )
     restored = CheckpointedModel(config, model_dir=config.model_dir)
-    inputs = read_examples(config.predict_input, tuple(restored.source.image_shape))
+    inputs = read_examples(config.predict_input, restored.task.input_shape)
     restored.reader.read(path, strict=True)
     with restored.averaged_weights():
         outputs = PredictRunner(restored.strategy, restored.model).run(

@@ -38,7 +38,6 @@ from engine.options import (  # noqa: F401 (re-exported: the command line's name
 # The library's own choices and defaults (engine.options); the command line's below.
 OPTIMIZER_NAMES = ("sgd", "momentum", "adam", "adamw")
 INPUT_PIPELINES = ("per_replica", "global")
-EVAL_METRIC_NAMES = ("loss", "accuracy")  # What job.py evaluates.
 MODES = (
     "train",
     "eval",
@@ -174,18 +173,55 @@ class RunConfig:
     predict_output: str | None = setting(
         None, "--mode=predict: where the model's outputs go, one row per example: a new .npy or .csv file."
     )
-    # Model and data: strings, not enums, since --model also takes package.module:function.
+    # The problem: model, data, loss and metrics (strings, not enums: they also take package.module:function).
+    task: str | None = setting(
+        None,
+        "package.module:function returning an engine.Task (model, data, loss, metrics, custom steps); what it "
+        "leaves None comes from --model, --dataset, --loss and --metrics. Called with the config's task_params.",
+    )
     model: str = setting(
         "cnn",
-        "Model name (models/registry.py): cnn (Conv32-pool-Conv64-pool-Dense64-Dense10), mlp, resnet (a small "
-        "ResNet), resnet50, wide_mlp; or package.module:function: your function(input_shape, num_classes) "
-        "returning a keras.Model of logits.",
+        "Model name (models/registry.py): cnn (Conv32-pool-Conv64-pool-Dense64-Dense), mlp (any input shape), "
+        "resnet (a small ResNet), resnet50, wide_mlp; or package.module:function: your "
+        "function(input_shape, num_outputs) returning a keras.Model of logits (or values, for a regression), "
+        "given the data's example shape and the size the labels need.",
     )
     dataset: str = setting(
         "digits",
-        "digits (offline, real; the default), mnist (Keras cache or --data_dir), synthetic or tfrecord.",
+        "digits (offline, real; the default), mnist (Keras cache or --data_dir), synthetic, tfrecord (image "
+        "files in --data_dir, at their own size); PATH.npz (x_train, y_train, optionally x_test, y_test); "
+        "PATH.csv (numeric columns, with --label_column); tfds:NAME[/CONFIG] (prepared in --data_dir); or "
+        "package.module:function returning (train, eval) tf.data.Datasets of unbatched (features, labels) "
+        "or an input.DataSource.",
     )
-    data_dir: str | None = setting(None, "Where mnist.npz or the TFRecord files are.")
+    data_dir: str | None = setting(
+        None, "Where mnist.npz, the TFRecord files or the tensorflow-datasets sets are."
+    )
+    label_column: str | None = setting(
+        None, "--dataset=PATH.csv: the column of labels; every other is a feature."
+    )
+    eval_file: str | None = setting(None, "--dataset=PATH.csv: the eval split, a .csv with the same columns.")
+    eval_fraction: float = setting(
+        0.1,
+        "A .csv without --eval_file or an .npz without x_test: this fraction of the examples is held out to "
+        "evaluate (always the same ones, whatever --seed); 0: no evaluation.",
+    )
+    num_classes: int | None = setting(
+        None, "Classes of integer labels (default: the largest label + 1; tfrecord: of the eval files)."
+    )
+    loss: str | None = setting(
+        None,
+        "A Keras loss name: sparse_categorical_crossentropy, categorical_crossentropy, "
+        "binary_crossentropy, binary_focal_crossentropy, mse, mae, huber, log_cosh, msle, mape (default: by "
+        "the labels: integer class ids sparse_categorical_crossentropy, 0/1 label columns binary_crossentropy, "
+        "floats mse). A regression loss reads integer labels as values.",
+    )
+    metrics: list[str] | None = setting(
+        None,
+        "Eval (and train) metrics besides the loss, comma-separated: accuracy, top_5_accuracy, auc, precision, "
+        "recall, mae, mse, rmse, r2, or a keras.metrics name; they see probabilities for classification "
+        "(default: accuracy; mae for values).",
+    )
     input_pipeline: str = setting(
         "per_replica",
         "per_replica: distribute_datasets_from_function, one sharded pipeline per worker yielding per-replica "
@@ -274,24 +310,24 @@ class RunConfig:
     )
     # Decisions from eval metrics (loss or accuracy), made after each evaluation.
     early_stop_metric: str | None = setting(
-        None, "Stop when this eval metric stops improving.", choices=EVAL_METRIC_NAMES
+        None, "Stop when this eval metric (loss or a --metrics name) stops improving."
     )
     early_stop_patience: int = setting(3, "Evaluations without improvement before stopping.")
     early_stop_mode: str = setting(
         "auto",
-        "Whether --early_stop_metric should go down or up; auto: max for accuracy, min otherwise.",
+        "Whether --early_stop_metric should go down or up; auto: max for accuracy, auc, precision, recall, r2, "
+        "min otherwise.",
         choices=METRIC_MODES,
     )
     best_checkpoint_metric: str | None = setting(
         None,
-        "Also keep the checkpoint with the best value of this eval metric in <model_dir>/best.",
-        choices=EVAL_METRIC_NAMES,
+        "Also keep the checkpoint with the best value of this eval metric (loss or a --metrics name) in "
+        "<model_dir>/best.",
     )
     reduce_lr_metric: str | None = setting(
         None,
         "Multiply the learning rate by --reduce_lr_factor when this eval metric plateaus "
         "(constant schedule only).",
-        choices=EVAL_METRIC_NAMES,
     )
     reduce_lr_patience: int = setting(2, "Evaluations without improvement before reducing.")
     reduce_lr_factor: float = setting(0.5, "Factor for reduce-on-plateau, between 0 and 1.")
@@ -340,13 +376,20 @@ class RunConfig:
                 raise UserError(str(error)) from None
         else:
             _choose("model", self.model, models.model_names())
-        _choose("dataset", self.dataset, input_lib.dataset_names())
+        try:
+            input_lib.check_dataset_name(self.dataset)
+        except input_lib.DataError:
+            forms = ", ".join(input_lib.DATASET_FORMS)
+            raise UserError(
+                f"{_choice_message('dataset', self.dataset, input_lib.dataset_names())}, or {forms}"
+            ) from None
         _choose("optimizer", self.optimizer, OPTIMIZER_NAMES)
         _choose("input_pipeline", self.input_pipeline, INPUT_PIPELINES)
         _choose("on_nonfinite", self.on_nonfinite, NONFINITE_POLICIES)
         _choose("communication", self.communication, COMMUNICATIONS)
         _choose("mixed_precision", self.mixed_precision, tuple(PRECISION_POLICIES))
         self.validate_numbers()
+        self._validate_problem()
         for name in (
             "cpu_devices",
             "global_batch_size",
@@ -412,6 +455,34 @@ class RunConfig:
         if not 1 <= self.slurm_port_base <= 65535:
             raise UserError(f"--slurm_port_base={self.slurm_port_base} must be a port, 1-65535")
 
+    def _validate_problem(self) -> None:
+        """--task, --loss and the data-form flags, each against what it applies to."""
+        from engine.objectives import LOSS_NAMES
+
+        if self.loss is not None:
+            _choose("loss", self.loss, LOSS_NAMES)
+        if self.task:
+            from engine.user_code import UserCodeError, import_callable
+
+            try:
+                import_callable(self.task, setting="task")
+            except UserCodeError as error:
+                raise UserError(str(error)) from None
+        csv_file = self.dataset.endswith(".csv") and not self.task
+        if self.label_column is not None and not csv_file:
+            raise UserError(f"--label_column={self.label_column} is for --dataset=PATH.csv; drop it")
+        if self.eval_file is not None:
+            if not csv_file:
+                raise UserError(f"--eval_file={self.eval_file} is for --dataset=PATH.csv; drop it")
+            if not self.eval_file.endswith(".csv"):
+                raise UserError(f"--eval_file={self.eval_file} must be a .csv file with --dataset's columns")
+        if not 0.0 <= self.eval_fraction < 1.0:
+            raise UserError(f"--eval_fraction={self.eval_fraction} must be in [0, 1); 0 holds out nothing")
+        if self.num_classes is not None:
+            _at_least("num_classes", self.num_classes, 2)
+        if self.metrics is not None and not all(self.metrics):
+            raise UserError(f"--metrics={','.join(self.metrics)} has an empty name")
+
     def _validate_mode(self) -> None:
         _choose("mode", self.mode, MODES)
         if not self.eval_timeout > 0:
@@ -443,7 +514,6 @@ class RunConfig:
             metric = getattr(self, name)
             if metric is None:
                 continue
-            _choose(name, metric, EVAL_METRIC_NAMES)
             if self.eval_every == 0 and name != "best_checkpoint_metric":
                 raise UserError(
                     f"--{name}={metric} needs evaluations during training; "

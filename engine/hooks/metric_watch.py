@@ -23,7 +23,7 @@ from engine.errors import UserError
 from engine.options import METRIC_MODES as MODES
 
 # Metrics where larger is better; anything else (losses, errors) is minimized under "auto".
-_MAX_HINTS = ("acc", "auc", "precision", "recall", "f1", "iou", "top")
+_MAX_HINTS = ("acc", "auc", "precision", "recall", "f1", "iou", "top", "r2")
 STATE_SUBDIR = "hooks"
 
 

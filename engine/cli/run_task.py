@@ -1,0 +1,212 @@
+"""The problem a command-line run trains: `--task=package.module:function`, or the
+`engine.Task` the flags make (`--model`, `--dataset`, `--loss`, `--metrics`).
+
+Resolved once, and identically, by the training job, the checkpoint evaluator
+and predict, so that `--mode=eval` reports the numbers the evaluation inside
+training reports. Order matters: the loss says how the labels are read (a
+regression loss reads integer labels as values), the data then say the input
+shape, the label kind and the output size, and only then is the model built.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import keras
+
+from engine import objectives
+from engine.cli.own_packages import own_package  # The engine's, beside a user's models.py/input.py.
+from engine.cli.settings import RunConfig
+from engine.errors import UserError
+from engine.steps import EvalStep, PerExampleLoss, ReplicaStep
+from engine.task import Task
+from engine.user_code import UserCodeError, first_line, import_callable
+
+# The built-in image sets are served at the model's input shape; every other form at its own.
+IMAGE_SETS_AT_MODEL_SHAPE = ("digits", "mnist", "synthetic")
+
+
+@dataclass(frozen=True)
+class RunTask:
+    """A task resolved against its data: everything the Trainer and the readers need."""
+
+    model_name: str  # How messages name the model: --model's value, or the task's.
+    build: Callable[[tuple[int, ...], int], keras.Model]
+    source: Any  # input.DataSource
+    loss_name: str  # A Keras name, or the user's function's name.
+    loss_fn: PerExampleLoss
+    num_outputs: int
+    metric_names: tuple[str, ...]
+    _metrics: Callable[[], list[keras.metrics.Metric]] = field(repr=False)
+    step_fn: ReplicaStep | None = None
+    eval_step_fn: EvalStep | None = None
+
+    @property
+    def input_shape(self) -> tuple[int, ...]:
+        return tuple(self.source.feature_shape)
+
+    @property
+    def reported(self) -> tuple[str, ...]:
+        """The eval metrics a run reports: what --best_checkpoint_metric and the others may name."""
+        return ("loss", *self.metric_names)
+
+    def trainer_arguments(self) -> dict[str, Any]:
+        """`loss_fn`, `metrics` (new objects each call) and any custom steps, as the Trainer takes them."""
+        arguments: dict[str, Any] = {"loss_fn": self.loss_fn, "metrics": self._metrics()}
+        if self.step_fn is not None:
+            arguments["step_fn"] = self.step_fn
+        if self.eval_step_fn is not None:
+            arguments["eval_step_fn"] = self.eval_step_fn
+        return arguments
+
+    def build_model(self) -> keras.Model:
+        """The model at the data's shape, checked against the data before anything is written;
+        call it in the strategy's scope."""
+        models = own_package("models")
+        try:
+            model = self.build(self.input_shape, self.num_outputs)
+            models.check_fits_data(self.model_name, model, self.input_shape, self.num_outputs)
+        except models.ModelError as error:  # A user's builder returned something unusable.
+            raise UserError(str(error)) from None
+        return model
+
+    def describe(self) -> str:
+        labels = self.source.labels.describe()
+        return f"loss={self.loss_name} metrics={','.join(self.metric_names) or 'none'} labels={labels}"
+
+
+def user_task(config: RunConfig) -> Task:
+    """The `engine.Task` of --task (called with the config's task_params), else an empty one."""
+    if not config.task:
+        return Task()
+    try:
+        function, where = import_callable(config.task, setting="task")
+    except UserCodeError as error:
+        raise UserError(str(error)) from None
+    params = dict(getattr(config, "task_params", None) or {})
+    try:
+        inspect.signature(function).bind(**params)
+    except TypeError:
+        raise UserError(
+            f"--task={config.task}: {function.__name__}{_signature(function)} ({where}) cannot take the "
+            f"task_params {sorted(params)}; give the function those keyword parameters"
+        ) from None
+    except ValueError:  # No signature to inspect.
+        pass
+    try:
+        task = function(**params)
+    except UserError:
+        raise
+    except Exception as error:  # Whatever the user's function raises.
+        raise UserError(
+            f"--task={config.task} ({where}) raised {type(error).__name__}: {first_line(error)}"
+        ) from None
+    if not isinstance(task, Task):
+        raise UserError(
+            f"--task={config.task} ({where}) returned {type(task).__name__}, not an engine.Task; "
+            "return engine.Task(model=..., data=..., loss=..., metrics=...)"
+        )
+    return task
+
+
+def resolve_task(config: RunConfig) -> RunTask:
+    """The run's task, its data loaded (or checked) and its loss and metrics chosen."""
+    task = user_task(config)
+    models, input_lib = own_package("models"), own_package("input")
+    loss = task.loss if task.loss is not None else config.loss
+    wanted_kind = objectives.loss_kind(loss) if isinstance(loss, str) else None
+    if task.model is not None:
+        model_name, build, default_shape = f"--task={config.task}'s model", task.model, None
+    else:
+        try:
+            spec = models.get_model_spec(config.model)
+        except models.ModelError as error:
+            raise UserError(str(error)) from None
+        model_name, build, default_shape = config.model, spec.build, spec.default_input_shape
+    options = {
+        "num_classes": config.num_classes,
+        "data_dir": config.data_dir,
+        "label_column": config.label_column,
+        "eval_file": config.eval_file,
+        "eval_fraction": config.eval_fraction,
+        "label_kind": wanted_kind,
+    }
+    try:
+        if task.data is not None:
+            source = input_lib.as_data_source(
+                task.data,
+                input_lib.DataOptions(**options),
+                name=config.task,
+                where=f"--task={config.task}'s data",
+            )
+        else:
+            shape = default_shape if config.dataset in IMAGE_SETS_AT_MODEL_SHAPE else None
+            if config.dataset in IMAGE_SETS_AT_MODEL_SHAPE and shape is None:
+                shape = models.USER_MODEL_INPUT_SHAPE
+            source = input_lib.get_data_source(config.dataset, image_shape=shape, **options)
+    except input_lib.DataError as error:
+        raise UserError(str(error)) from None
+    labels = source.labels
+    if loss is None:
+        loss = objectives.DEFAULT_LOSSES[labels.kind]
+    if isinstance(loss, str):
+        if objectives.loss_kind(loss) != labels.kind:
+            raise UserError(
+                f"--loss={loss} reads {objectives.loss_kind(loss)} labels but the data's labels are "
+                f"{labels.describe()} ({labels.kind}); use a loss for them, e.g. "
+                f"--loss={objectives.DEFAULT_LOSSES[labels.kind]}"
+            )
+        loss_fn: PerExampleLoss = objectives.PerExampleLoss(loss, labels.width)
+        loss_name = loss
+        num_outputs = labels.width
+    else:
+        loss_fn, loss_name = loss, getattr(loss, "__name__", type(loss).__name__)
+        num_outputs = task.num_outputs or labels.width
+    metric_specs = list(task.metrics if task.metrics is not None else config.metrics or ())
+    if task.metrics is None and config.metrics is None:
+        metric_specs = list(objectives.DEFAULT_METRICS[labels.kind])
+    names = tuple(spec if isinstance(spec, str) else spec.name for spec in metric_specs)
+    if len(set(names)) != len(names) or "loss" in names:
+        raise UserError(
+            f"--metrics={','.join(names)} names a metric twice (or `loss`, which is always reported)"
+        )
+
+    def metrics() -> list[keras.metrics.Metric]:
+        return [
+            objectives.build_metric(spec, labels.kind, num_outputs) if isinstance(spec, str) else spec
+            for spec in metric_specs
+        ]
+
+    metrics()  # Unknown names fail now, before anything is written.
+    return RunTask(
+        model_name=model_name,
+        build=build,
+        source=source,
+        loss_name=loss_name,
+        loss_fn=loss_fn,
+        num_outputs=num_outputs,
+        metric_names=names,
+        _metrics=metrics,
+        step_fn=task.step_fn,
+        eval_step_fn=task.eval_step_fn,
+    )
+
+
+def check_reported(config: RunConfig, task: RunTask) -> None:
+    """The metrics the decision flags name must be ones the run reports (checked before writing)."""
+    for name in ("early_stop_metric", "best_checkpoint_metric", "reduce_lr_metric"):
+        metric = getattr(config, name)
+        if metric is not None and metric not in task.reported:
+            raise UserError(
+                f"--{name}={metric} is not an eval metric of this run; it reports: {', '.join(task.reported)}"
+            )
+
+
+def _signature(function: Callable) -> str:
+    try:
+        return str(inspect.signature(function))
+    except ValueError:
+        return "(...)"

@@ -1,0 +1,143 @@
+"""A user's own data in one file, with no code: `--dataset=PATH.npz` or `--dataset=PATH.csv`.
+
+.npz: the layout of `keras.datasets` files, arrays `x_train`, `y_train` and
+optionally `x_test`, `y_test`. .csv: a header row, one example a row, numeric
+feature columns and the `--label_column`; the eval split from `--eval_file`
+(the same columns) or `--eval_fraction`. Both are read into memory whole.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import zipfile
+import zlib
+
+import numpy as np
+
+from input.arrays import source_from_arrays, split_off_eval
+from input.errors import DataError
+from input.in_memory import InMemorySource
+
+NPZ_KEYS = ("x_train", "y_train", "x_test", "y_test")
+
+
+def is_file_dataset(name: str) -> bool:
+    return name.endswith((".npz", ".csv"))
+
+
+def load_npz(
+    path: str, *, eval_fraction: float, label_kind: str | None, num_classes: int | None
+) -> InMemorySource:
+    """x_train/y_train, and x_test/y_test as the eval split if present (else `eval_fraction`)."""
+    arrays = _read_npz(path)
+    missing = [key for key in ("x_train", "y_train") if key not in arrays]
+    if missing:
+        raise DataError(
+            f"--dataset={path} holds {sorted(arrays)} but no {' or '.join(missing)}; an .npz data set needs "
+            "x_train and y_train (and optionally x_test, y_test), as keras.datasets files do"
+        )
+    if ("x_test" in arrays) != ("y_test" in arrays):
+        raise DataError(f"--dataset={path} has only one of x_test and y_test; give both or neither")
+    train = (arrays["x_train"], arrays["y_train"])
+    if "x_test" in arrays:
+        eval_split: tuple[np.ndarray, np.ndarray] | None = (arrays["x_test"], arrays["y_test"])
+    else:
+        train, eval_split = split_off_eval(*train, eval_fraction, path)
+    return source_from_arrays(
+        os.path.basename(path), train, eval_split, label_kind=label_kind, num_classes=num_classes
+    )
+
+
+def _read_npz(path: str) -> dict[str, np.ndarray]:
+    if not os.path.isfile(path):
+        raise DataError(f"--dataset={path} does not exist or is not a file")
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            if not hasattr(data, "files"):
+                raise DataError(f"--dataset={path} is a single .npy array, not an .npz of named arrays")
+            return {key: data[key] for key in data.files if key in NPZ_KEYS}
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error) as error:
+        raise DataError(
+            f"cannot read --dataset={path}: {type(error).__name__}: {error}; write it with "
+            "np.savez(path, x_train=..., y_train=..., x_test=..., y_test=...)"
+        ) from None
+
+
+def load_csv(
+    path: str,
+    *,
+    label_column: str | None,
+    eval_file: str | None,
+    eval_fraction: float,
+    label_kind: str | None,
+    num_classes: int | None,
+) -> InMemorySource:
+    """Feature columns (every column but the label) as float32, in the header's order."""
+    if not label_column:
+        raise DataError(f"--dataset={path} needs --label_column=NAME, the column that holds the labels")
+    columns, features, labels = read_table(path, label_column)
+    assert labels is not None, "read_table gives labels with a label column"
+    eval_split: tuple[np.ndarray, np.ndarray] | None
+    if eval_file:
+        eval_columns, eval_features, eval_labels = read_table(eval_file, label_column, flag="eval_file")
+        assert eval_labels is not None, "read_table gives labels with a label column"
+        if eval_columns != columns:
+            raise DataError(
+                f"--eval_file={eval_file} has the feature columns {eval_columns}, --dataset={path} has "
+                f"{columns}; give both files the same columns"
+            )
+        train, eval_split = (features, labels), (eval_features, eval_labels)
+    else:
+        train, eval_split = split_off_eval(features, labels, eval_fraction, path)
+    return source_from_arrays(
+        os.path.basename(path), train, eval_split, label_kind=label_kind, num_classes=num_classes
+    )
+
+
+def read_table(
+    path: str, label_column: str | None, flag: str = "dataset"
+) -> tuple[list[str], np.ndarray, np.ndarray | None]:
+    """(feature column names, features (N, F) float32, labels (N,) or None without a
+    label column): every cell a number, or one line naming the row and column."""
+    if not os.path.isfile(path):
+        raise DataError(f"--{flag}={path} does not exist or is not a file")
+    try:
+        with open(path, newline="") as handle:
+            rows = [row for row in csv.reader(handle) if row]
+    except (OSError, UnicodeDecodeError, csv.Error) as error:
+        raise DataError(f"cannot read --{flag}={path}: {error}") from None
+    if len(rows) < 2:
+        raise DataError(f"--{flag}={path} needs a header row and at least one example row")
+    header = [name.strip() for name in rows[0]]
+    if label_column is not None and label_column not in header:
+        raise DataError(f"--{flag}={path} has no column {label_column!r}; its columns are {header}")
+    values = np.empty((len(rows) - 1, len(header)), dtype=np.float64)
+    for line, row in enumerate(rows[1:], start=2):
+        if len(row) != len(header):
+            raise DataError(f"--{flag}={path} line {line} has {len(row)} values under {len(header)} columns")
+        for column, cell in enumerate(row):
+            try:
+                values[line - 2, column] = float(cell)
+            except ValueError:
+                raise DataError(
+                    f"--{flag}={path} line {line}, column {header[column]!r}: {cell!r} is not a number; "
+                    "every column must be numeric (encode categories as numbers first)"
+                ) from None
+    integral = np.all(values == np.round(values), axis=0) & np.isfinite(values).all(axis=0)
+    if label_column is None:
+        return header, values.astype(np.float32), None
+    index = header.index(label_column)
+    names = [name for name in header if name != label_column]
+    label_cells = [row[index].strip() for row in rows[1:]]
+    # Class ids are written as integers ("3"); "3.0" or "151.5" are values to regress.
+    as_integers = bool(integral[index]) and all(_is_integer_text(cell) for cell in label_cells)
+    labels = values[:, index].astype(np.int64) if as_integers else values[:, index]
+    features = np.delete(values, index, axis=1).astype(np.float32)
+    if features.shape[1] == 0:
+        raise DataError(f"--{flag}={path} has no feature column besides {label_column!r}")
+    return names, features, labels
+
+
+def _is_integer_text(cell: str) -> bool:
+    return cell.lstrip("+-").isdigit()
