@@ -67,7 +67,14 @@ class RunTask:
         call it in the strategy's scope."""
         models = own_package("models")
         try:
-            model = self.build(self.input_shape, self.num_outputs)
+            try:
+                model = self.build(self.input_shape, self.num_outputs)
+            except (ValueError, TypeError) as error:  # What Keras raises for layers that cannot take the shape.
+                hint = "; --model=mlp takes any shape" if len(self.input_shape) != 3 else ""
+                raise UserError(
+                    f"--model={self.model_name} cannot take the data's examples of shape "
+                    f"{(None, *self.input_shape)}: {type(error).__name__}: {first_line(error)}{hint}"
+                ) from None
             models.check_fits_data(self.model_name, model, self.input_shape, self.num_outputs)
         except models.ModelError as error:  # A user's builder returned something unusable.
             raise UserError(str(error)) from None

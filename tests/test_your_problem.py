@@ -1,0 +1,387 @@
+"""A user's own problem from the command line, as the README shows it: a CSV regression,
+an .npz of colour images with 20 classes, 0/1 label columns, a user's data function and
+task module; every bad input one line and exit 2 before anything is written.
+
+Numbers are checked against references computed here: numpy on the exported model's
+outputs for the eval loss, the predict-the-mean baseline, the data's own shapes.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tensorflow as tf
+from helpers import main_in_process, one_error_line, run_main, snapshot
+
+pytestmark = pytest.mark.cli
+
+
+def write_csv(path: Path, header: list[str], rows) -> Path:
+    with open(path, "w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(header)
+        writer.writerows(rows)
+    return path
+
+
+def diabetes_files(tmp_path: Path) -> tuple[Path, Path, np.ndarray, np.ndarray, np.ndarray]:
+    """scikit-learn's diabetes set (offline): 400 train rows and 42 eval rows, as files."""
+    from sklearn.datasets import load_diabetes
+
+    data = load_diabetes()
+    header = [*data.feature_names, "progression"]
+    rows = [[*map(float, x), float(y)] for x, y in zip(data.data, data.target, strict=True)]
+    train = write_csv(tmp_path / "diabetes.csv", header, rows[:400])
+    evaluation = write_csv(tmp_path / "diabetes_eval.csv", header, rows[400:])
+    return train, evaluation, data.data[400:].astype(np.float32), data.target[400:], data.target[:400]
+
+
+def metrics_of(model_dir: Path) -> dict:
+    return json.loads((model_dir / "metrics.json").read_text())
+
+
+@pytest.mark.slow
+def test_a_csv_regression_beats_the_mean_and_reports_the_mse_of_its_own_export(tmp_path):
+    train, evaluation, x_eval, y_eval, y_train = diabetes_files(tmp_path)
+    model_dir, export_dir = tmp_path / "run", tmp_path / "export"
+    result = main_in_process(
+        f"--dataset={train}",
+        "--label_column=progression",
+        f"--eval_file={evaluation}",
+        "--model=mlp",
+        "--train_steps=500",
+        "--eval_every=0",
+        "--learning_rate=0.02",
+        "--global_batch_size=40",
+        "--metrics=mae,r2",
+        f"--model_dir={model_dir}",
+        f"--export_dir={export_dir}",
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    evaluated = metrics_of(model_dir)["eval"]
+    assert evaluated["num_examples"] == len(y_eval)
+    baseline = float(np.mean((y_eval - y_train.mean()) ** 2))  # Predict the train mean.
+    assert evaluated["loss"] < 0.8 * baseline, (evaluated, baseline)
+    # The reference: the exported model's outputs on the eval rows, scored with numpy.
+    served = tf.saved_model.load(str(export_dir)).signatures["serving_default"]
+    outputs = np.concatenate([np.asarray(v) for v in served(tf.constant(x_eval)).values()], axis=-1)
+    assert outputs.shape == (len(y_eval), 1)
+    mse = float(np.mean((outputs[:, 0] - y_eval) ** 2))
+    mae = float(np.mean(np.abs(outputs[:, 0] - y_eval)))
+    r2 = 1.0 - float(np.sum((outputs[:, 0] - y_eval) ** 2) / np.sum((y_eval - y_eval.mean()) ** 2))
+    np.testing.assert_allclose([evaluated["loss"], evaluated["mae"], evaluated["r2"]], [mse, mae, r2], rtol=1e-4)
+    assert "labels=one value" in result.stderr and "loss=mse" in result.stderr
+
+
+USER_NETS = """
+import keras
+
+seen = []
+
+
+def colour_net(input_shape, num_outputs):
+    seen.append((tuple(input_shape), num_outputs))
+    inputs = keras.Input(input_shape)
+    x = keras.layers.Conv2D(8, 3, activation="relu")(inputs)
+    x = keras.layers.GlobalAveragePooling2D()(x)
+    return keras.Model(inputs, keras.layers.Dense(num_outputs)(x))
+"""
+
+
+def test_an_npz_of_colour_images_with_20_classes_trains_the_users_model_at_that_shape(tmp_path, monkeypatch):
+    rng = np.random.RandomState(0)
+    images = rng.randint(0, 256, size=(120, 32, 32, 3), dtype=np.uint8)
+    labels = np.arange(120) % 20
+    np.savez(
+        tmp_path / "colour.npz",
+        x_train=images[:100],
+        y_train=labels[:100],
+        x_test=images[100:],
+        y_test=labels[100:],
+    )
+    (tmp_path / "colour_nets.py").write_text(USER_NETS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    model_dir = tmp_path / "run"
+    result = main_in_process(
+        f"--dataset={tmp_path / 'colour.npz'}",
+        "--model=colour_nets:colour_net",
+        "--train_steps=3",
+        "--eval_every=0",
+        "--global_batch_size=20",
+        f"--model_dir={model_dir}",
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    import colour_nets
+
+    assert colour_nets.seen == [((32, 32, 3), 20)]
+    evaluated = metrics_of(model_dir)["eval"]
+    assert evaluated["num_examples"] == 20 and 0.0 <= evaluated["accuracy"] <= 1.0
+    assert "labels=20 classes" in result.stderr
+
+
+def multi_label_npz(path: Path) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.RandomState(1)
+    x = rng.normal(size=(200, 6)).astype(np.float32)
+    y = np.stack([x[:, 0] > 0, x[:, 1] + x[:, 2] > 0, x[:, 3] < -0.5], axis=1).astype(np.int64)
+    np.savez(path, x_train=x[:160], y_train=y[:160], x_test=x[160:], y_test=y[160:])
+    return x[160:], y[160:]
+
+
+@pytest.mark.slow
+def test_multi_label_columns_train_with_binary_crossentropy_and_keep_the_best_auc(tmp_path):
+    x_eval, y_eval = multi_label_npz(tmp_path / "tags.npz")
+    model_dir = tmp_path / "run"
+    result = main_in_process(
+        f"--dataset={tmp_path / 'tags.npz'}",
+        "--model=mlp",
+        "--metrics=accuracy,auc",
+        "--best_checkpoint_metric=auc",
+        "--train_steps=60",
+        "--eval_every=20",
+        "--global_batch_size=32",
+        "--learning_rate=0.01",
+        f"--model_dir={model_dir}",
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "loss=binary_crossentropy" in result.stderr and "labels=3 binary labels" in result.stderr
+    evaluated = metrics_of(model_dir)["eval"]
+    assert evaluated["auc"] > 0.8 and evaluated["accuracy"] > 0.7, evaluated
+    assert (model_dir / "best").is_dir()
+    # Predict: one row of 3 logits per example, in order; their sigmoid scores as the eval did.
+    np.savez(tmp_path / "new.npz", x=x_eval)
+    out = tmp_path / "tags.npy"
+    predicted = main_in_process(
+        "--mode=predict",
+        f"--dataset={tmp_path / 'tags.npz'}",
+        "--model=mlp",
+        f"--model_dir={model_dir}",
+        f"--predict_input={tmp_path / 'new.npz'}",
+        f"--predict_output={out}",
+    )
+    assert predicted.returncode == 0, predicted.stderr[-3000:]
+    logits = np.load(out)
+    assert logits.shape == (len(x_eval), 3)
+    accuracy = float(np.mean((logits > 0) == (y_eval == 1)))
+    np.testing.assert_allclose(accuracy, evaluated["accuracy"], atol=1e-6)
+
+
+def test_integer_labels_read_as_values_by_a_regression_loss(tmp_path):
+    x = np.linspace(-1, 1, 64, dtype=np.float32)[:, None]
+    y = np.round(3 * x[:, 0] + 5).astype(np.int64)  # Integers: class ids unless the loss says values.
+    np.savez(tmp_path / "line.npz", x_train=x, y_train=y)
+    result = main_in_process(
+        f"--dataset={tmp_path / 'line.npz'}",
+        "--model=mlp",
+        "--loss=huber",
+        "--train_steps=2",
+        "--eval_every=0",
+        "--global_batch_size=16",
+        f"--model_dir={tmp_path / 'run'}",
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "loss=huber metrics=mae labels=one value" in result.stderr
+    # The default --eval_fraction held out a tenth, always the same rows.
+    assert metrics_of(tmp_path / "run")["eval"]["num_examples"] == 6
+
+
+def test_binary_crossentropy_on_0_1_class_ids_has_one_output(tmp_path):
+    x = np.random.RandomState(2).normal(size=(50, 4)).astype(np.float32)
+    np.savez(tmp_path / "yes_no.npz", x_train=x, y_train=(x[:, 0] > 0).astype(np.int32))
+    result = main_in_process(
+        f"--dataset={tmp_path / 'yes_no.npz'}",
+        "--model=mlp",
+        "--loss=binary_crossentropy",
+        "--train_steps=2",
+        "--eval_every=0",
+        "--global_batch_size=15",
+        f"--model_dir={tmp_path / 'run'}",
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "labels=1 binary labels" in result.stderr
+    assert "(None, 1)" in result.stderr  # The model summary's output layer.
+
+
+DATA_FUNCTIONS = """
+import numpy as np
+import tensorflow as tf
+
+
+def pairs():
+    rng = np.random.RandomState(3)
+    x = rng.normal(size=(90, 5)).astype(np.float32)
+    y = (x.sum(axis=1) > 0).astype(np.int64) + 2 * (x[:, 0] > 1)
+    train = tf.data.Dataset.from_tensor_slices((x[:70], y[:70]))
+    return train, tf.data.Dataset.from_tensor_slices((x[70:], y[70:]))
+
+
+def batched():
+    return tf.data.Dataset.from_tensor_slices((np.zeros((8, 2), np.float32), np.zeros(8))).batch(4), None
+
+
+def endless():
+    return tf.data.Dataset.from_tensor_slices((np.zeros((8, 2), np.float32), np.zeros(8))).repeat(), None
+
+
+def not_data():
+    return [1, 2, 3]
+"""
+
+
+def test_a_data_function_of_tf_data_datasets_trains_with_their_shapes_and_classes(tmp_path, monkeypatch):
+    (tmp_path / "my_data.py").write_text(DATA_FUNCTIONS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    result = main_in_process(
+        "--dataset=my_data:pairs",
+        "--model=mlp",
+        "--train_steps=2",
+        "--eval_every=0",
+        "--global_batch_size=10",
+        f"--model_dir={tmp_path / 'run'}",
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "labels=4 classes" in result.stderr and "examples (5,)" in result.stderr
+    assert metrics_of(tmp_path / "run")["eval"]["num_examples"] == 20
+
+
+def _refused(tmp_path: Path, *flags: str, cwd: Path | None = None) -> str:
+    """Runs the command on a model_dir holding an earlier run's file; returns its one error line
+    after checking that it exited 2 and left the directory as it was."""
+    model_dir = tmp_path / "run"
+    model_dir.mkdir(exist_ok=True)
+    (model_dir / "notes.txt").write_text("an earlier run's files")
+    before = snapshot(model_dir)
+    result = main_in_process(*flags, "--train_steps=2", f"--model_dir={model_dir}", cwd=cwd)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    assert snapshot(model_dir) == before
+    return one_error_line(result)
+
+
+def test_bad_data_is_one_line_before_anything_is_written(tmp_path, monkeypatch):
+    table = write_csv(tmp_path / "t.csv", ["a", "b", "y"], [[1, 2, 0], [3, 4, 1], [5, 6, 1]])
+    words = write_csv(tmp_path / "w.csv", ["a", "colour", "y"], [[1, "red", 0], [3, "blue", 1]])
+    np.savez(tmp_path / "no_x.npz", features=np.zeros((4, 2)), y_train=np.zeros(4))
+    np.savez(tmp_path / "five.npz", x_train=np.zeros((10, 2), np.float32), y_train=np.arange(10) % 5)
+    (tmp_path / "my_data.py").write_text(DATA_FUNCTIONS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cases = [
+        ([f"--dataset={table}", "--label_column=label"], f"--dataset={table} has no column 'label'"),
+        ([f"--dataset={table}"], "needs --label_column=NAME"),
+        ([f"--dataset={words}", "--label_column=y"], "line 2, column 'colour': 'red' is not a number"),
+        ([f"--dataset={tmp_path / 'no_x.npz'}"], "but no x_train; an .npz data set needs x_train and y_train"),
+        (
+            [
+                f"--dataset={tmp_path / 'five.npz'}",
+                "--model=mlp",
+                "--loss=binary_crossentropy",
+                "--global_batch_size=3",
+            ],
+            "a binary loss takes labels of 0 and 1, but they hold [2, 3, 4]",
+        ),
+        (
+            [f"--dataset={tmp_path / 'five.npz'}", "--model=cnn", "--global_batch_size=3"],
+            "--model=cnn cannot take the data's examples of shape (None, 2)",
+        ),
+        (["--dataset=my_data:batched"], "look batched; return unbatched examples"),
+        (["--dataset=my_data:endless"], "is infinite (a repeat()?)"),
+        (["--dataset=my_data:not_data"], "gave list; give (train, eval) tf.data.Datasets"),
+        (["--dataset=my_data:missing"], "has no function 'missing'"),
+        (["--label_column=y"], "--label_column=y is for --dataset=PATH.csv"),
+        (
+            ["--loss=cross_entropy"],
+            "unknown --loss='cross_entropy'; choose one of: sparse_categorical_crossentropy",
+        ),
+        (["--loss=mse"], "--loss=mse reads values labels but the data's labels are 10 classes"),
+        (["--metrics=accuracy,mae"], "metric 'mae' has no meaning for classes labels"),
+        (["--metrics=no_such_metric"], "unknown metric 'no_such_metric'"),
+        (
+            ["--best_checkpoint_metric=auc"],
+            "--best_checkpoint_metric=auc is not an eval metric of this run; it reports: loss, accuracy",
+        ),
+        (["--early_stop_metric=acc"], "--early_stop_metric=acc is not an eval metric of this run"),
+    ]
+    for flags, message in cases:
+        line = _refused(tmp_path, *flags)
+        assert message in line, (flags, line)
+
+
+TASKS = """
+import keras
+import numpy as np
+import tensorflow as tf
+
+import engine
+
+
+def build(input_shape, num_outputs):
+    inputs = keras.Input(input_shape)
+    hidden = keras.layers.Dense(16, activation="tanh")(inputs)
+    return keras.Model(inputs, keras.layers.Dense(num_outputs)(hidden))
+
+
+def data():
+    rng = np.random.RandomState(4)
+    x = rng.normal(size=(256, 3)).astype(np.float32)
+    y = np.stack([x[:, 0] * 2 - x[:, 1], np.sin(x[:, 2])], axis=1).astype(np.float32)
+    return (tf.data.Dataset.from_tensor_slices((x[:200], y[:200])), tf.data.Dataset.from_tensor_slices((x[200:], y[200:])))
+
+
+def regression(width=16):
+    return engine.Task(model=build, data=data, loss="mse", metrics=["mae", "rmse"])
+
+
+def wrong():
+    return {"model": build}
+"""
+
+
+def test_a_task_module_gives_the_whole_problem(tmp_path, monkeypatch):
+    (tmp_path / "my_tasks.py").write_text(TASKS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    result = main_in_process(
+        "--task=my_tasks:regression",
+        "--train_steps=20",
+        "--eval_every=0",
+        "--global_batch_size=20",
+        f"--model_dir={tmp_path / 'run'}",
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    evaluated = metrics_of(tmp_path / "run")["eval"]
+    assert sorted(evaluated) == ["loss", "mae", "num_examples", "rmse"] and evaluated["num_examples"] == 56
+    assert "labels=2 value(s)" in result.stderr
+    assert "--task=my_tasks:wrong" in _refused(tmp_path, "--task=my_tasks:wrong")
+    assert "returned dict, not an engine.Task" in _refused(tmp_path, "--task=my_tasks:wrong")
+
+
+@pytest.mark.slow
+@pytest.mark.process
+def test_a_task_module_trains_mirrored_and_resumes_bitwise(tmp_path):
+    (tmp_path / "my_tasks.py").write_text(TASKS)
+    common = [
+        "--task=my_tasks:regression",
+        "--strategy=mirrored",
+        "--cpu_devices=2",
+        "--global_batch_size=20",
+        "--eval_every=0",
+        "--checkpoint_every=6",
+        "--deterministic",
+    ]
+    whole, parts = tmp_path / "whole", tmp_path / "parts"
+    done = run_main(*common, "--train_steps=12", f"--model_dir={whole}", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    first = run_main(*common, "--train_steps=6", f"--model_dir={parts}", cwd=tmp_path)
+    second = run_main(*common, "--train_steps=12", f"--model_dir={parts}", cwd=tmp_path)
+    assert first.returncode == 0 and second.returncode == 0, (first.stderr[-2000:], second.stderr[-2000:])
+    assert "steps=6->12" in second.stderr  # Resumed, not restarted.
+    reader_a = tf.train.load_checkpoint(str(whole / "checkpoints" / "ckpt-12"))
+    reader_b = tf.train.load_checkpoint(str(parts / "checkpoints" / "ckpt-12"))
+    names = [name for name in reader_a.get_variable_to_shape_map() if name != "_CHECKPOINTABLE_OBJECT_GRAPH"]
+    assert any("_trainable_variables" in name for name in names), names  # The weights and the optimizer's state.
+    for name in names:
+        np.testing.assert_array_equal(reader_a.get_tensor(name), reader_b.get_tensor(name), err_msg=name)
+    assert metrics_of(whole)["eval"] == metrics_of(parts)["eval"]
