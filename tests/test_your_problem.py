@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import csv
 import json
-import textwrap
 from pathlib import Path
 
 import numpy as np
@@ -328,7 +327,8 @@ def data():
     rng = np.random.RandomState(4)
     x = rng.normal(size=(256, 3)).astype(np.float32)
     y = np.stack([x[:, 0] * 2 - x[:, 1], np.sin(x[:, 2])], axis=1).astype(np.float32)
-    return (tf.data.Dataset.from_tensor_slices((x[:200], y[:200])), tf.data.Dataset.from_tensor_slices((x[200:], y[200:])))
+    train = tf.data.Dataset.from_tensor_slices((x[:200], y[:200]))
+    return train, tf.data.Dataset.from_tensor_slices((x[200:], y[200:]))
 
 
 def regression(width=16):
