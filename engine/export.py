@@ -18,6 +18,13 @@ from absl import logging
 from engine.steps import call_model
 
 SERVING_SIGNATURE = "serving_default"
+INPUT_NAME = "features"
+# The outputs by label kind (engine.objectives): the model's own, then what they mean.
+OUTPUT_NAMES = {
+    "classes": ("logits", "probabilities"),
+    "multi_label": ("logits", "probabilities"),
+    "values": ("predictions",),
+}
 
 
 def export_saved_model(model: Any, export_dir: str, input_signature: Sequence[tf.TensorSpec]) -> str:
@@ -32,4 +39,42 @@ def export_saved_model(model: Any, export_dir: str, input_signature: Sequence[tf
         )
         tf.saved_model.save(serving, export_dir, signatures={SERVING_SIGNATURE: serving.serve})
     logging.info("Exported SavedModel to %s (signature %r)", export_dir, SERVING_SIGNATURE)
+    return export_dir
+
+
+def export_for_serving(
+    model: keras.Model, export_dir: str, *, input_shape: tuple[int, ...], input_dtype: str, label_kind: str
+) -> str:
+    """The command line's export: a `serving_default` signature that takes the examples as the
+    data holds them, under the name `features` (uint8 pixels are scaled by 1/255 inside, as
+    training scaled them; floats are taken as they are), and returns named outputs: `logits`
+    and `probabilities` (softmax for classes, sigmoid for 0/1 labels), or `predictions` for
+    values. A client needs neither the engine nor the model's code, nor to know the scaling."""
+    if label_kind not in OUTPUT_NAMES:
+        raise ValueError(f"label_kind={label_kind!r} is not one of {tuple(OUTPUT_NAMES)}")
+
+    def serve(features: tf.Tensor) -> dict[str, tf.Tensor]:
+        inputs = tf.cast(features, tf.float32)
+        if features.dtype == tf.uint8:
+            inputs = inputs / 255.0
+        outputs = tf.cast(model(inputs, training=False), tf.float32)
+        if label_kind == "values":
+            return {"predictions": outputs}
+        probabilities = tf.nn.softmax(outputs) if label_kind == "classes" else tf.sigmoid(outputs)
+        return {"logits": outputs, "probabilities": probabilities}
+
+    archive = keras.export.ExportArchive()
+    archive.track(model)
+    spec = tf.TensorSpec([None, *input_shape], tf.dtypes.as_dtype(input_dtype), name=INPUT_NAME)
+    archive.add_endpoint(name="serve", fn=serve, input_signature=[spec])
+    archive.write_out(export_dir, verbose=False)
+    logging.info(
+        "Exported SavedModel to %s (signature %r: %s %s %s -> %s)",
+        export_dir,
+        SERVING_SIGNATURE,
+        INPUT_NAME,
+        input_dtype,
+        (None, *input_shape),
+        ", ".join(OUTPUT_NAMES[label_kind]),
+    )
     return export_dir

@@ -88,6 +88,10 @@ class InMemorySource(DataSource):
             _eval_labels=eval_labels,
         )
 
+    @property
+    def feature_dtype(self) -> str:
+        return "uint8" if self._train_images.dtype == tf.uint8 else "float32"
+
     @staticmethod
     def _gather_fn(images: tf.Tensor, labels: tf.Tensor) -> Callable[[tf.Tensor], tuple[tf.Tensor, tf.Tensor]]:
         """A tf.data map function turning index batches into example batches."""

@@ -104,6 +104,12 @@ class DataSource(abc.ABC):
         """The number of classes of class-id labels; None for other label kinds."""
         return self.labels.num_classes
 
+    @property
+    def feature_dtype(self) -> str:
+        """How the examples are held before batching: "uint8" pixels (scaled by 1/255 into the
+        float32 the model sees) or "float32"; what an export and predict take."""
+        return "float32"
+
     def train_dataset(
         self,
         *,

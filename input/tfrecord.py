@@ -209,6 +209,10 @@ class TFRecordSource(DataSource):
     _eval_files: tuple[str, ...]
     _parser: _Parser = field(repr=False, compare=False)
 
+    @property
+    def feature_dtype(self) -> str:
+        return "uint8"  # Decoded PNG pixels.
+
     def _epoch_records(
         self, seed: int, files: tuple[str, ...], shard: tuple[int, int]
     ) -> Callable[[tf.Tensor], tf.data.Dataset]:

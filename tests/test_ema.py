@@ -194,7 +194,7 @@ def test_cli_evaluates_exports_and_keeps_best_with_the_averages(tmp_path):
     inputs = np.random.RandomState(0).rand(5, *spec.default_input_shape).astype("float32")
     served = tf.saved_model.load(str(tmp_path / "export")).signatures["serving_default"]
     np.testing.assert_allclose(
-        list(served(tf.constant(inputs)).values())[0].numpy(),
+        served(features=tf.constant(inputs))["logits"].numpy(),
         model(inputs, training=False).numpy(),
         rtol=1e-5,
         atol=1e-6,

@@ -66,8 +66,11 @@ def test_cli_exports_a_servable_model(tmp_path):
     (spec,) = serving.structured_input_signature[1].values()
     assert spec.shape[1:] == (28, 28, 1)  # mlp's input shape, images of any batch size
     images = np.random.RandomState(0).rand(3, *spec.shape[1:]).astype("float32")
-    (output,) = serving(tf.constant(images)).values()
-    assert output.shape == (3, 10)
+    served = serving(features=tf.constant(images))
+    assert served["logits"].shape == (3, 10)  # Named outputs: the logits and what they mean.
+    np.testing.assert_allclose(
+        served["probabilities"].numpy(), tf.nn.softmax(served["logits"]).numpy(), rtol=1e-6
+    )
 
 
 NAN_SCRIPT = """

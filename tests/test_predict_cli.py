@@ -56,7 +56,7 @@ def test_predictions_agree_with_the_evaluation_and_the_export(trained, tmp_path)
     assert np.mean(outputs.argmax(axis=1) == labels) == pytest.approx(accuracy, abs=1e-6)
     # The SavedModel on the same inputs, row for row.
     exported = tf.saved_model.load(str(export_dir)).signatures["serving_default"]
-    served = list(exported(tf.constant(images)).values())[0].numpy()
+    served = exported(features=tf.constant(images))["logits"].numpy()
     np.testing.assert_allclose(outputs, served, rtol=1e-5, atol=1e-5)
 
 

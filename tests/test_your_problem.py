@@ -68,7 +68,7 @@ def test_a_csv_regression_beats_the_mean_and_reports_the_mse_of_its_own_export(t
     assert evaluated["loss"] < 0.8 * baseline, (evaluated, baseline)
     # The reference: the exported model's outputs on the eval rows, scored with numpy.
     served = tf.saved_model.load(str(export_dir)).signatures["serving_default"]
-    outputs = np.concatenate([np.asarray(v) for v in served(tf.constant(x_eval)).values()], axis=-1)
+    outputs = served(features=tf.constant(x_eval))["predictions"].numpy()
     assert outputs.shape == (len(y_eval), 1)
     mse = float(np.mean((outputs[:, 0] - y_eval) ** 2))
     mae = float(np.mean(np.abs(outputs[:, 0] - y_eval)))
@@ -113,6 +113,7 @@ def test_an_npz_of_colour_images_with_20_classes_trains_the_users_model_at_that_
         "--eval_every=0",
         "--global_batch_size=20",
         f"--model_dir={model_dir}",
+        f"--export_dir={tmp_path / 'export'}",
     )
     assert result.returncode == 0, result.stderr[-3000:]
     import colour_nets
@@ -121,6 +122,24 @@ def test_an_npz_of_colour_images_with_20_classes_trains_the_users_model_at_that_
     evaluated = metrics_of(model_dir)["eval"]
     assert evaluated["num_examples"] == 20 and 0.0 <= evaluated["accuracy"] <= 1.0
     assert "labels=20 classes" in result.stderr
+    # The export takes the raw uint8 pixels (its own 1/255) and predicts what --mode=predict does.
+    np.savez(tmp_path / "new.npz", x=images[100:])
+    predicted = main_in_process(
+        "--mode=predict",
+        f"--dataset={tmp_path / 'colour.npz'}",
+        "--model=colour_nets:colour_net",
+        f"--model_dir={model_dir}",
+        f"--predict_input={tmp_path / 'new.npz'}",
+        f"--predict_output={tmp_path / 'out.npy'}",
+    )
+    assert predicted.returncode == 0, predicted.stderr[-3000:]
+    served = tf.saved_model.load(str(tmp_path / "export")).signatures["serving_default"]
+    assert served.structured_input_signature[1]["features"].dtype == tf.uint8
+    outputs = served(features=tf.constant(images[100:]))
+    np.testing.assert_allclose(np.load(tmp_path / "out.npy"), outputs["logits"].numpy(), rtol=1e-5, atol=1e-6)
+    assert np.mean(outputs["logits"].numpy().argmax(axis=1) == labels[100:]) == pytest.approx(
+        evaluated["accuracy"]
+    )
 
 
 def multi_label_npz(path: Path) -> tuple[np.ndarray, np.ndarray]:

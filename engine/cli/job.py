@@ -34,7 +34,7 @@ from engine.cli.run_task import RunTask, check_reported, resolve_task
 from engine.cli.settings import TRAINER_SETTINGS, RunConfig, settings_of
 from engine.cluster import task_model_dir
 from engine.errors import UserError, one_line
-from engine.export import export_saved_model
+from engine.export import export_for_serving
 from engine.resident import ResidentData
 from engine.strategy import build_strategy
 from engine.trainer import Trainer
@@ -198,7 +198,13 @@ def _train_and_evaluate(
     train_logs, eval_logs = outcome
     if config.export_dir and strategy.extended.should_checkpoint:  # Only the chief exports.
         with trainer.averaged_weights():  # --ema_decay: the averages are the model to serve.
-            export_saved_model(model, config.export_dir, [tf.TensorSpec([None, *task.input_shape], tf.float32)])
+            export_for_serving(
+                model,
+                config.export_dir,
+                input_shape=task.input_shape,
+                input_dtype=task.source.feature_dtype,
+                label_kind=task.source.labels.kind,
+            )
     if finished is not None and not train_logs:
         train_logs = finished.get("train") or {}
     speed = trainer.steady_examples_per_second or train_logs.get("examples_per_second")
