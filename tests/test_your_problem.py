@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -75,6 +76,21 @@ def test_a_csv_regression_beats_the_mean_and_reports_the_mse_of_its_own_export(t
     r2 = 1.0 - float(np.sum((outputs[:, 0] - y_eval) ** 2) / np.sum((y_eval - y_eval.mean()) ** 2))
     np.testing.assert_allclose([evaluated["loss"], evaluated["mae"], evaluated["r2"]], [mse, mae, r2], rtol=1e-4)
     assert "labels=one value" in result.stderr and "loss=mse" in result.stderr
+    # Predict on the eval table as it is (its label column is dropped): the export's predictions.
+    predicted = main_in_process(
+        "--mode=predict",
+        f"--dataset={train}",
+        "--label_column=progression",
+        f"--eval_file={evaluation}",
+        "--model=mlp",
+        f"--model_dir={model_dir}",
+        f"--predict_input={evaluation}",
+        f"--predict_output={tmp_path / 'progression.csv'}",
+    )
+    assert predicted.returncode == 0, predicted.stderr[-3000:]
+    rows = list(csv.reader(open(tmp_path / "progression.csv", newline="")))
+    assert len(rows) == len(y_eval) + 1
+    np.testing.assert_allclose(np.asarray(rows[1:], dtype=np.float32), outputs, rtol=1e-5, atol=1e-4)
 
 
 USER_NETS = """
@@ -404,3 +420,23 @@ def test_a_task_module_trains_mirrored_and_resumes_bitwise(tmp_path):
     for name in names:
         np.testing.assert_array_equal(reader_a.get_tensor(name), reader_b.get_tensor(name), err_msg=name)
     assert metrics_of(whole)["eval"] == metrics_of(parts)["eval"]
+
+
+def test_the_task_example_of_the_docs_runs_as_printed(tmp_path, monkeypatch):
+    from helpers import REPO
+
+    page = (REPO / "docs" / "your-problem.md").read_text()
+    (example,) = re.findall(r"<!-- example: task -->\s*```python\n(.*?)```", page, re.S)
+    (tmp_path / "my_tasks.py").write_text(example)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    result = main_in_process(
+        "--task=my_tasks:two_targets",
+        "--best_checkpoint_metric=r2",
+        "--train_steps=30",
+        "--eval_every=0",
+        f"--model_dir={tmp_path / 'run'}",
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    evaluated = metrics_of(tmp_path / "run")["eval"]
+    assert evaluated["num_examples"] == 200 and sorted(evaluated) == ["loss", "mae", "num_examples", "r2"]
+    assert "loss=huber metrics=mae,r2 labels=2 value(s)" in result.stderr

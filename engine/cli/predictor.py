@@ -38,7 +38,7 @@ def run(config: RunConfig) -> dict[str, Any]:
             f"--mode=predict: no checkpoint in {directory}; train first or pass the --model_dir of a trained run"
         )
     restored = CheckpointedModel(config, model_dir=config.model_dir)
-    inputs = read_examples(config.predict_input, restored.task.input_shape)
+    inputs = read_examples(config.predict_input, restored.task.input_shape, label_column=config.label_column)
     restored.reader.read(path, strict=True)
     with restored.averaged_weights():
         outputs = PredictRunner(restored.strategy, restored.model).run(
@@ -55,8 +55,9 @@ def run(config: RunConfig) -> dict[str, Any]:
     return {"global_step": restored.step, "predictions": len(inputs), "predict_output": config.predict_output}
 
 
-def read_examples(path: str, input_shape: tuple[int, ...]) -> np.ndarray:
-    """The examples of `path` as float32 of shape (N, *input_shape), prepared as in training."""
+def read_examples(path: str, input_shape: tuple[int, ...], *, label_column: str | None = None) -> np.ndarray:
+    """The examples of `path` as float32 of shape (N, *input_shape), prepared as in training;
+    a .csv's `label_column` (the training's --label_column), if it has one, is dropped."""
     if path.endswith(".npz"):
         try:
             with np.load(path, allow_pickle=False) as arrays:
@@ -66,7 +67,7 @@ def read_examples(path: str, input_shape: tuple[int, ...]) -> np.ndarray:
         except (OSError, ValueError) as error:
             raise UserError(f"--predict_input={path} is not a readable .npz ({error})") from None
     else:
-        examples = _read_csv(path)
+        examples = _read_csv(path, label_column)
     if examples.dtype == np.uint8:
         examples = examples.astype(np.float32) / 255.0  # As the data sets scale their pixels.
     elif not np.issubdtype(examples.dtype, np.floating) and not np.issubdtype(examples.dtype, np.integer):
@@ -87,22 +88,19 @@ def read_examples(path: str, input_shape: tuple[int, ...]) -> np.ndarray:
     return examples
 
 
-def _read_csv(path: str) -> np.ndarray:
+def _read_csv(path: str, label_column: str | None) -> np.ndarray:
+    from engine.cli.own_packages import own_package
+
+    input_lib = own_package("input")
     with open(path, newline="") as handle:
-        rows = list(csv.reader(handle))
-    if len(rows) < 2:
-        raise UserError(f"--predict_input={path} needs a header row and at least one example row")
-    width = len(rows[0])
+        header = [name.strip() for name in next(csv.reader(handle), [])]
     try:
-        values = [[float(cell) for cell in row] for row in rows[1:] if row]
-    except ValueError as error:
-        raise UserError(f"--predict_input={path}: every value must be a number ({error})") from None
-    widths = {len(row) for row in values}
-    if widths != {width}:
-        raise UserError(
-            f"--predict_input={path}: rows of {sorted(widths)} values under a header of {width} columns"
+        _, features, _ = input_lib.files.read_table(
+            path, label_column if label_column in header else None, flag="predict_input"
         )
-    return np.asarray(values, dtype=np.float32)
+    except input_lib.DataError as error:
+        raise UserError(str(error)) from None
+    return features
 
 
 def write_rows(path: str, outputs: np.ndarray) -> None:
