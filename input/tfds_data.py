@@ -17,6 +17,7 @@ engine shuffles, shards and resumes them exactly.
 from __future__ import annotations
 
 import math
+import os
 from types import ModuleType
 from typing import Any
 
@@ -42,7 +43,9 @@ def load_tfds(name: str, options: Any) -> InMemorySource:
     where = f"--dataset=tfds:{name}"
     splits = list(builder.info.splits)
     if TRAIN_SPLIT not in splits:
-        raise DataError(f"{where} has no {TRAIN_SPLIT!r} split (its splits: {splits}); the engine trains on 'train'")
+        raise DataError(
+            f"{where} has no {TRAIN_SPLIT!r} split (its splits: {splits}); the engine trains on 'train'"
+        )
     label_key = _label_key(builder, where)
     train = _read_split(tfds, builder, TRAIN_SPLIT, where)
     eval_name = next((split for split in EVAL_SPLITS if split in splits), None)
@@ -89,30 +92,60 @@ def _prepared_builder(tfds: ModuleType, name: str, data_dir: str | None) -> Any:
     shown_dir = data_dir or tfds.core.constants.DATA_DIR
     try:
         builder = tfds.builder(name, data_dir=data_dir)
-    except tfds.core.DatasetNotFoundError:
+    except tfds.core.DatasetNotFoundError:  # No builder code, and no files of this variant.
+        variants = _prepared_variants(shown_dir, parsed.name)
+        if variants:
+            raise DataError(
+                f"{where} is not prepared in {shown_dir}, which holds only {', '.join(variants)}; "
+                "name one of those (its builder code is not installed here to tell more)"
+            ) from None
         raise DataError(
             f"{where}: tensorflow-datasets has no data set {parsed.name!r} and no prepared files of it are in "
-            f"{shown_dir}; see {CATALOG} or python -c \"import tensorflow_datasets as tfds; "
+            f'{shown_dir}; see {CATALOG} or python -c "import tensorflow_datasets as tfds; '
             'print(tfds.list_builders())" for the names'
         ) from None
-    except ValueError as error:  # An unknown config or version of a known set, mostly.
-        message = str(error).strip().splitlines()[0].split(" Here are ")[0]
-        raise DataError(f"{where}: {message}") from None
+    except (ValueError, AssertionError) as error:  # An unknown config or version of a known set.
+        # 'Failed to construct dataset "mnist", builder_kwargs "{...}": BuilderConfig x not found ...'
+        message = str(error).strip().splitlines()[0].split('}": ', 1)[-1].split(" Here are ")[0]
+        raise DataError(f"{where}: {message}{_configs_hint(tfds, parsed.name)}") from None
     if not builder.is_prepared():
         root = str(builder.data_dir_root)
         raise DataError(
             f"{where} is not prepared in {root} (no {builder.data_path}); on a machine with internet run "
-            f"`tfds build {name} --data_dir={root}` (or python -c \"import tensorflow_datasets as tfds; "
+            f'`tfds build {name} --data_dir={root}` (or python -c "import tensorflow_datasets as tfds; '
             f"tfds.builder('{name}', data_dir='{root}').download_and_prepare()\") and copy {root} here"
         )
     return builder
+
+
+def _prepared_variants(data_dir: str, name: str) -> list[str]:
+    """The --dataset values of the variants of `name` prepared in `data_dir`: a directory
+    DATA_DIR/NAME[/CONFIG]/VERSION holding a dataset_info.json is one."""
+    dataset_dir = os.path.join(data_dir, name)
+    if not os.path.isdir(dataset_dir):
+        return []
+    variants = []
+    for directory, _, files in os.walk(dataset_dir):
+        if "dataset_info.json" in files:
+            *config, version = os.path.relpath(directory, dataset_dir).split(os.sep)
+            variants.append(f"tfds:{'/'.join([name, *config])}:{version}")
+    return sorted(variants)
+
+
+def _configs_hint(tfds: ModuleType, name: str) -> str:
+    """'; its configs: a, b' when the builder code of `name` is installed and has configs."""
+    try:
+        configs = list(tfds.builder_cls(name).builder_configs)
+    except Exception:  # No code, or a name tfds cannot parse: nothing to add.
+        return ""
+    return f"; its configs: {', '.join(configs[:20])}{', ...' if len(configs) > 20 else ''}" if configs else ""
 
 
 def _label_key(builder: Any, where: str) -> str | None:
     """The feature the supervised pairs take their labels from (None when nested)."""
     keys = builder.info.supervised_keys
     if keys is None:
-        features = list(builder.info.features.keys()) if hasattr(builder.info.features, "keys") else []
+        features = sorted(builder.info.features.keys()) if hasattr(builder.info.features, "keys") else []
         raise DataError(
             f"{where} has no supervised keys (a (features, label) pair) in its DatasetInfo; its features are "
             f"{features}; pass --dataset=package.module:function that maps its examples to (features, labels)"
@@ -144,7 +177,7 @@ def _read_split(tfds: ModuleType, builder: Any, split: str, where: str) -> tuple
             f"{where}: its supervised pairs are {spec}, not (one tensor of features, one of labels); pass "
             "--dataset=package.module:function that maps its examples to (features, labels)"
         )
-    for part, tensor in zip(("features", "labels"), spec):
+    for part, tensor in zip(("features", "labels"), spec, strict=True):
         if not tensor.shape.is_fully_defined():
             raise DataError(
                 f"{where}: its {part} vary in shape ({tensor.shape}); pass --dataset=package.module:function "
