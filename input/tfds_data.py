@@ -106,7 +106,7 @@ def _prepared_builder(tfds: ModuleType, name: str, data_dir: str | None) -> Any:
         ) from None
     except (ValueError, AssertionError) as error:  # An unknown config or version of a known set.
         # 'Failed to construct dataset "mnist", builder_kwargs "{...}": BuilderConfig x not found ...'
-        message = str(error).strip().splitlines()[0].split('}": ', 1)[-1].split(" Here are ")[0]
+        message = str(error).strip().splitlines()[0].split('}": ', 1)[-1].split(" Here are ")[0].rstrip(". ")
         raise DataError(f"{where}: {message}{_configs_hint(tfds, parsed.name)}") from None
     if not builder.is_prepared():
         root = str(builder.data_dir_root)
@@ -125,7 +125,9 @@ def _prepared_variants(data_dir: str, name: str) -> list[str]:
     if not os.path.isdir(dataset_dir):
         return []
     variants = []
-    for directory, _, files in os.walk(dataset_dir):
+    for directory, subdirectories, files in os.walk(dataset_dir):
+        # tfds writes into incomplete.XXXXXX_VERSION and renames it when done: not prepared.
+        subdirectories[:] = [d for d in subdirectories if not d.startswith("incomplete.")]
         if "dataset_info.json" in files:
             *config, version = os.path.relpath(directory, dataset_dir).split(os.sep)
             variants.append(f"tfds:{'/'.join([name, *config])}:{version}")

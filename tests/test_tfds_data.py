@@ -199,6 +199,14 @@ def test_a_version_in_the_name_reads_that_version(data_dir) -> None:
     )
 
 
+def test_without_data_dir_the_set_is_read_from_tensorflow_datasets_default_dir(data_dir, monkeypatch) -> None:
+    # $TFDS_DATA_DIR (else ~/tensorflow_datasets), which tfds reads once, at its import.
+    monkeypatch.setattr(tfds.core.constants, "DATA_DIR", data_dir)
+    source = get_data_source("tfds:engine_tfds_images", data_dir=None)
+    assert (source.num_train_examples, source.num_eval_examples) == (NUM_TRAIN, NUM_TEST)
+    assert _error("tfds:mnist", None).startswith(f"--dataset=tfds:mnist is not prepared in {data_dir} ")
+
+
 def test_without_test_or_validation_split_eval_fraction_is_held_out_of_train(data_dir) -> None:
     name = "tfds:engine_tfds_table/wide"
     source = get_data_source(name, data_dir=data_dir, eval_fraction=0.2)
@@ -254,10 +262,12 @@ def test_an_unknown_config_or_version_of_an_installed_builder_is_one_line(tmp_pa
     message = _error("tfds:mnist/no_such_config", str(tmp_path))
     assert (
         message
-        == "--dataset=tfds:mnist/no_such_config: BuilderConfig no_such_config not found with version 3.0.1."
+        == "--dataset=tfds:mnist/no_such_config: BuilderConfig no_such_config not found with version 3.0.1"
     )
+    message = _error("tfds:cifar10_corrupted/no_such_config", str(tmp_path))
+    assert "; its configs: brightness_1, brightness_2," in message
     message = _error("tfds:mnist:9.9.9", str(tmp_path))
-    assert message == "--dataset=tfds:mnist:9.9.9: Dataset mnist cannot be loaded at version 9.9.9, only: 3.0.1."
+    assert message == "--dataset=tfds:mnist:9.9.9: Dataset mnist cannot be loaded at version 9.9.9, only: 3.0.1"
 
 
 def test_a_name_tensorflow_datasets_cannot_parse_is_one_line(tmp_path) -> None:
