@@ -15,8 +15,8 @@ from absl import logging
 
 from engine.checkpoint import CheckpointReader, recorded_settings
 from engine.cli.environment import seed_everything, set_precision
-from engine.cli.settings import RunConfig
 from engine.cli.run_task import RunTask, resolve_task
+from engine.cli.settings import RunConfig
 from engine.ema import averages_swapped_in, weight_averages
 from engine.schedules import LearningRate, learning_rate_schedule
 from engine.strategy import build_strategy, configure_cpu_devices

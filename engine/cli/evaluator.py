@@ -31,8 +31,8 @@ from engine.callbacks.progress import format_logs
 from engine.checkpoint import CheckpointVanished, files_gone
 from engine.cli.assembly import CheckpointedModel
 from engine.cli.run_record import read_record, record_evaluations, record_path
-from engine.cli.settings import RunConfig
 from engine.cli.run_task import check_reported
+from engine.cli.settings import RunConfig
 from engine.data import as_eval_form
 from engine.errors import UserError
 from engine.hooks.best_checkpoint import BestCheckpoint

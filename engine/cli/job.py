@@ -30,8 +30,8 @@ from engine.cli.hparams import write_hparams
 from engine.cli.model_summary import model_summary
 from engine.cli.preemption import stop_on_signals
 from engine.cli.run_record import read_record, record_path, record_training
-from engine.cli.settings import TRAINER_SETTINGS, RunConfig, settings_of
 from engine.cli.run_task import RunTask, check_reported, resolve_task
+from engine.cli.settings import TRAINER_SETTINGS, RunConfig, settings_of
 from engine.cluster import task_model_dir
 from engine.errors import UserError, one_line
 from engine.export import export_saved_model
