@@ -440,3 +440,46 @@ def test_the_task_example_of_the_docs_runs_as_printed(tmp_path, monkeypatch):
     evaluated = metrics_of(tmp_path / "run")["eval"]
     assert evaluated["num_examples"] == 200 and sorted(evaluated) == ["loss", "mae", "num_examples", "r2"]
     assert "loss=huber metrics=mae,r2 labels=2 value(s)" in result.stderr
+
+
+def test_image_tfrecords_keep_their_size_and_channels_unless_asked(tmp_path, monkeypatch):
+    from input import write_tfrecords
+
+    rng = np.random.RandomState(5)
+    images = rng.randint(0, 256, size=(40, 12, 12, 3), dtype=np.uint8)
+    labels = np.arange(40) % 13
+    write_tfrecords(str(tmp_path / "data" / "train-0"), images[:30], labels[:30])
+    write_tfrecords(str(tmp_path / "data" / "eval-0"), images[30:], labels[25:35])  # Holds label 12.
+    (tmp_path / "colour_nets.py").write_text(USER_NETS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import colour_nets
+
+    for extra, shape in (([], (12, 12, 3)), (["--image_shape=8,8,1"], (8, 8, 1))):
+        colour_nets.seen.clear()
+        result = main_in_process(
+            "--dataset=tfrecord",
+            f"--data_dir={tmp_path / 'data'}",
+            "--model=colour_nets:colour_net",
+            "--train_steps=2",
+            "--eval_every=0",
+            "--global_batch_size=10",
+            f"--model_dir={tmp_path / ('run' + str(len(extra)))}",
+            *extra,
+        )
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert colour_nets.seen == [(shape, 13)]
+        assert metrics_of(tmp_path / ("run" + str(len(extra))))["eval"]["num_examples"] == 10
+    assert "--image_shape=8,8 must be H,W,C" in _refused(tmp_path, "--image_shape=8,8")
+    # Eval files without the largest class: the run stops at the first larger label, asking for it.
+    write_tfrecords(str(tmp_path / "fewer" / "train-0"), images[:30], labels[:30])
+    write_tfrecords(str(tmp_path / "fewer" / "eval-0"), images[30:], labels[27:37])  # Labels 1..10.
+    result = main_in_process(
+        "--dataset=tfrecord",
+        f"--data_dir={tmp_path / 'fewer'}",
+        "--model=mlp",
+        "--train_steps=10",
+        "--global_batch_size=10",
+        f"--model_dir={tmp_path / 'fewer_run'}",
+    )
+    assert result.returncode == 2
+    assert "tfrecord label >= num_classes=11 (pass --num_classes)" in one_error_line(result)

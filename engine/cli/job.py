@@ -289,11 +289,15 @@ def _train_with_clean_errors(
             trainer.close()
             raise UserError(message) from None
         except tf.errors.InvalidArgumentError as error:
-            if "label" not in str(error):
+            text = _tf_error_line(error, "label")
+            if text is None:
                 raise
+            assertion = re.search(r"assertion failed: \[([^\]]*label[^\]]*)\]", error.message or "")
+            text = assertion.group(1) if assertion else text  # The data check's own words.
+            trainer.close()
             raise UserError(
-                f"bad data in --dataset={config.dataset} --data_dir={config.data_dir}: "
-                f"{str(error).splitlines()[0][:200]}; fix or remove that file"
+                f"bad data in --dataset={config.dataset} --data_dir={config.data_dir}: {text}; "
+                f"fix or remove that file; {_what_is_kept(trainer)}"
             ) from None
     trainer.close()
     if trainer.stop_requested:

@@ -150,9 +150,9 @@ def resolve_task(config: RunConfig) -> RunTask:
                 where=f"--task={config.task}'s data",
             )
         else:
-            shape = default_shape if config.dataset in IMAGE_SETS_AT_MODEL_SHAPE else None
-            if config.dataset in IMAGE_SETS_AT_MODEL_SHAPE and shape is None:
-                shape = models.USER_MODEL_INPUT_SHAPE
+            shape = config.served_image_shape()
+            if shape is None and config.dataset in IMAGE_SETS_AT_MODEL_SHAPE:
+                shape = default_shape or models.USER_MODEL_INPUT_SHAPE
             source = input_lib.get_data_source(config.dataset, image_shape=shape, **options)
     except input_lib.DataError as error:
         raise UserError(str(error)) from None

@@ -206,6 +206,12 @@ class RunConfig:
         "A .csv without --eval_file or an .npz without x_test: this fraction of the examples is held out to "
         "evaluate (always the same ones, whatever --seed); 0: no evaluation.",
     )
+    image_shape: str | None = setting(
+        None,
+        "H,W,C: serve images resized (bilinear) and converted (grey <-> RGB) to this shape: tfrecord files "
+        "(default: the first record's own size and channels) and digits, mnist, synthetic (default: the "
+        "model's input shape).",
+    )
     num_classes: int | None = setting(
         None, "Classes of integer labels (default: the largest label + 1; tfrecord: of the eval files)."
     )
@@ -480,6 +486,13 @@ class RunConfig:
             raise UserError(f"--eval_fraction={self.eval_fraction} must be in [0, 1); 0 holds out nothing")
         if self.num_classes is not None:
             _at_least("num_classes", self.num_classes, 2)
+        if self.image_shape is not None:
+            if self.dataset not in ("digits", "mnist", "synthetic", "tfrecord") or self.task:
+                raise UserError(
+                    f"--image_shape={self.image_shape} is for the image sets digits, mnist, synthetic and "
+                    "tfrecord; resize other data yourself"
+                )
+            self.served_image_shape()
         if self.metrics is not None and not all(self.metrics):
             raise UserError(f"--metrics={','.join(self.metrics)} has an empty name")
 
@@ -529,6 +542,21 @@ class RunConfig:
                 f"--reduce_lr_metric={self.reduce_lr_metric} changes the learning rate itself and "
                 f"cannot be combined with --lr_schedule={self.lr_schedule}; use one of them"
             )
+
+    def served_image_shape(self) -> tuple[int, int, int] | None:
+        """--image_shape as (H, W, C), or None when not given."""
+        if self.image_shape is None:
+            return None
+        try:
+            height, width, channels = (int(part) for part in self.image_shape.split(","))
+        except ValueError:
+            height = width = channels = 0
+        if min(height, width, channels) < 1 or channels not in (1, 3):
+            raise UserError(
+                f"--image_shape={self.image_shape} must be H,W,C of positive sizes with 1 or 3 channels, "
+                "e.g. --image_shape=32,32,3"
+            )
+        return height, width, channels
 
     def profile_window(self) -> tuple[int, int] | None:
         """--profile_steps as (START, END), or None when not profiling."""
