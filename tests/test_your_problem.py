@@ -427,10 +427,10 @@ def test_the_task_example_of_the_docs_runs_as_printed(tmp_path, monkeypatch):
 
     page = (REPO / "docs" / "your-problem.md").read_text()
     (example,) = re.findall(r"<!-- example: task -->\s*```python\n(.*?)```", page, re.S)
-    (tmp_path / "my_tasks.py").write_text(example)
+    (tmp_path / "docs_tasks.py").write_text(example)  # Not my_tasks: another test imported one.
     monkeypatch.syspath_prepend(str(tmp_path))
     result = main_in_process(
-        "--task=my_tasks:two_targets",
+        "--task=docs_tasks:two_targets",
         "--best_checkpoint_metric=r2",
         "--train_steps=30",
         "--eval_every=0",
