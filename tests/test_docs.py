@@ -29,7 +29,8 @@ def test_docs_flags_md_is_what_run_config_renders():
 def test_every_setting_is_in_the_flag_reference_with_its_help():
     text = flag_reference.render()
     for field in dataclasses.fields(RunConfig):
-        row = f"| `--{field.name}` |" if field.metadata["flag"] else f"| `{field.name}` |"  # task_params: no flag
+        # A setting without a flag (task_params) has its own table.
+        row = f"| `--{field.name}` |" if field.metadata["flag"] else f"| `{field.name}` |"
         assert row in text, field.name
         assert field.metadata["help"].strip(), f"{field.name} has no help text"
 
