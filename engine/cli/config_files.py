@@ -97,7 +97,7 @@ def resolve_config(flag_values) -> RunConfig:
     files = [read_config_file(path) for path in flag_values["config_file"].value or ()]
     layers = [*files, parse_overrides(flag_values["params_override"].value), command_line]
     model_dir = _last_value(layers, "model_dir")
-    mode = _last_value(layers, "mode") or _FIELDS["mode"].default
+    mode = str(_last_value(layers, "mode") or field_default(_FIELDS["mode"]))
     stored = read_stored_config(model_dir) if model_dir else None
     if stored is not None:
         stored = _inherited(stored, mode)
@@ -346,7 +346,7 @@ def plain_text(value: Any) -> str:
 
 
 def _kind_of(data: Any) -> str:
-    return {list: "a list", str: "a string"}.get(type(data), f"a {type(data).__name__}")
+    return "a list" if isinstance(data, list) else f"a {type(data).__name__}"
 
 
 # ------------------------------------------------------------------ reading and parsing
@@ -371,16 +371,18 @@ def _read_text(path: str, where: str, *, fix: str) -> str:
         ) from None
 
 
-def _parse(path: str, text: str, where: str, *, fix: str) -> Any:
-    """`text` as JSON (a .json path) or YAML, a key given twice in one mapping refused."""
+def _parse(path: str, text: str, where: str, *, fix: str, damaged: bool = False) -> Any:
+    """`text` as JSON (a .json path) or YAML, a key given twice in one mapping refused.
+    `damaged`: the file was written by the engine, so bad text is damage, not a typo."""
+    is_not = "is damaged: not valid" if damaged else "is not valid"
     try:
         if path.endswith(".json"):
             return json.loads(text, object_pairs_hook=_unique_pairs)
         return yaml.load(text, Loader=_StrictLoader)  # noqa: S506 (a SafeLoader)
     except json.JSONDecodeError as error:
-        raise UserError(f"{where} is not valid JSON ({error}); {fix}") from None
+        raise UserError(f"{where} {is_not} JSON ({error}); {fix}") from None
     except yaml.YAMLError as error:
-        raise UserError(f"{where} is not valid YAML ({_yaml_problem(error)}); {fix}") from None
+        raise UserError(f"{where} {is_not} YAML ({_yaml_problem(error)}); {fix}") from None
     except _DuplicateKey as error:
         raise UserError(f"{where}: {error}; {fix}") from None
 
@@ -439,7 +441,7 @@ def read_stored_config(model_dir: str) -> Layer | None:
         return None
     fix = "restore it from a backup or move it away (the run then uses only this command's settings)"
     text = _read_text(path, f"{path} (the settings the run was trained with)", fix=fix)
-    data = _parse(path, text, f"{path} (the settings the run was trained with)", fix=fix)
+    data = _parse(path, text, f"{path} (the settings the run was trained with)", fix=fix, damaged=True)
     if not isinstance(data, dict):
         raise UserError(f"{path} (the settings the run was trained with) is damaged: not a mapping; {fix}")
     values = {}
