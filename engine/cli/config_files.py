@@ -89,9 +89,16 @@ class Layer:
 # ------------------------------------------------------------------ resolving a command's config
 
 
+def config_from_flags(flag_values) -> RunConfig:
+    """What `engine.main` runs: the checked `RunConfig` of parsed absl flags (`resolve_config`)."""
+    config = resolve_config(flag_values)
+    config.validate()
+    return config
+
+
 def resolve_config(flag_values) -> RunConfig:
     """The `RunConfig` of parsed absl flags over their config files, override and the model_dir's
-    stored config.yaml (not validated yet: `RunConfig.from_flags` does that)."""
+    stored config.yaml, not yet validated."""
     given = {name: flag_values[name].value for name in flag_settings() if flag_values[name].present}
     command_line = Layer("flags", "the command line", given)
     files = [read_config_file(path) for path in flag_values["config_file"].value or ()]

@@ -23,13 +23,11 @@ def main(argv: list[str]) -> int:
     from engine.native_logs import import_tensorflow_quietly
 
     import_tensorflow_quietly()  # The first import of TensorFlow (the flags do not import it).
+    from engine.cli.config_files import as_yaml, config_from_flags, printed_settings
     from engine.cli.job import run
-    from engine.cli.settings import RunConfig
 
-    config = RunConfig.from_flags(engine_flags.FLAGS)  # Over --config_file and <model_dir>/config.yaml.
+    config = config_from_flags(engine_flags.FLAGS)  # Over --config_file and <model_dir>/config.yaml.
     if config.print_config:  # Checked, printed as a --config_file, nothing run or written.
-        from engine.cli.config_files import as_yaml, printed_settings
-
         print(as_yaml(printed_settings(config)), end="")
         return 0
     return run(config).get("exit_status", 0)

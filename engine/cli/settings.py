@@ -3,7 +3,9 @@ place each setting is defined.
 
 Each field carries its default, help and choices (`setting`); `engine.cli.flags`
 and `engine.cli.cluster_flags` define the command-line flags from them
-(`define_flags`), so a new setting is one field here. Every user mistake in
+(`define_flags`), and `engine.cli.config_files` reads the same names from config
+files (`--config_file`, `--params_override`, `<model_dir>/config.yaml`), so a new
+setting is one field here. Every user mistake in
 the flags is caught here, before anything is written, as a `UserError`
 naming the bad value. This module imports no TensorFlow (flag parsing and
 `--help` stay fast); `validate` imports the model and data packages.
@@ -385,16 +387,6 @@ class RunConfig:
         "tf.debugging.enable_check_numerics: fail at the first op that "
         "makes a NaN or Inf, naming it and your source line (slow; for debugging).",
     )
-
-    @classmethod
-    def from_flags(cls, flag_values) -> RunConfig:
-        """The checked config of parsed flags, over the config files they name and the model_dir's
-        stored config.yaml (`engine.cli.config_files`: precedence, overrides, refused changes)."""
-        from engine.cli.config_files import resolve_config  # Imports TensorFlow and PyYAML.
-
-        config = resolve_config(flag_values)
-        config.validate()
-        return config
 
     def validate(self) -> None:
         """Raises UserError for the first bad setting; touches nothing on disk."""
