@@ -169,10 +169,11 @@ def check_model_and_data(values: Mapping[str, Any], stored: Layer, layers: list[
     for name in MODEL_AND_DATA_SETTINGS:
         if name not in stored.values or values[name] == stored.values[name]:
             continue
-        layer = next(layer for layer in reversed(layers) if name in layer.values)
+        layer = next((layer for layer in reversed(layers) if name in layer.values), None)
+        given = layer.spelled(name) if layer else f"{name}={plain_text(values[name])}"
         raise UserError(
-            f"{layer.spelled(name)} differs from {name}={plain_text(stored.values[name])} that "
-            f"{stored.where} was trained with; use a new --model_dir, or {layer.without(name)}"
+            f"{given} differs from {name}={plain_text(stored.values[name])} that {stored.where} was "
+            f"trained with; use a new --model_dir, or {layer.without(name) if layer else f'pass --{name}'}"
         )
 
 
