@@ -135,13 +135,13 @@ def run_config(*flags: str, env: dict[str, str] | None = None):
     from absl import flags as absl_flags
 
     from engine.cli import main_command as cli  # noqa: F401  (defines the flags)
+    from engine.cli.config_files import config_from_flags  # over --config_file and <model_dir>/config.yaml
     from engine.cli.flag_names import errors_in_flag_terms
-    from engine.cli.settings import RunConfig
 
     with mock.patch.dict(os.environ, env or {}), errors_in_flag_terms():
         try:
             absl_flags.FLAGS(["engine.main", *flags])
-            return RunConfig.from_flags(absl_flags.FLAGS)
+            return config_from_flags(absl_flags.FLAGS)
         finally:
             absl_flags.FLAGS.unparse_flags()
 

@@ -220,7 +220,8 @@ def test_cli_evaluates_exports_and_keeps_best_with_the_averages(tmp_path):
         )
     assert best_averages
 
-    # A resume with EMA turned off is refused, naming the flag.
-    changed = main_in_process(*CLI, "--train_steps=40", f"--model_dir={tmp_path}")
+    # A resume with EMA turned off is refused, naming the flag (left out, --ema_decay would be
+    # inherited from the model_dir's config.yaml).
+    changed = main_in_process(*CLI, "--train_steps=40", "--ema_decay=0", f"--model_dir={tmp_path}")
     assert changed.returncode == 2
     assert "--ema_decay=0.0 differs from --ema_decay=0.9" in changed.stderr

@@ -155,6 +155,8 @@ def trained_mlp_dir(tmp_path_factory) -> Path:
 @pytest.mark.cli
 def test_checkpoint_of_another_model_is_refused_and_left_alone(trained_mlp_dir, tmp_path):
     model_dir = copy_of(trained_mlp_dir, tmp_path / "run")
+    # As an older run left it: without config.yaml, whose check (tests/test_config_file.py) comes first.
+    (model_dir / "config.yaml").unlink()
     before = snapshot(model_dir)
     line = one_error_line(main_in_process("--model=cnn", "--train_steps=30", f"--model_dir={model_dir}"))
     assert "ckpt-20 does not match this model" in line
@@ -192,6 +194,8 @@ def test_bad_data_is_named_and_model_dir_left_alone(trained_mlp_dir, tmp_path):
     from input import write_tfrecords
 
     model_dir = copy_of(trained_mlp_dir, tmp_path / "run")
+    # As an older run left it: with config.yaml, the change of --dataset is refused before the data is read.
+    (model_dir / "config.yaml").unlink()
     before = snapshot(model_dir)
     empty = tmp_path / "empty"
     empty.mkdir()

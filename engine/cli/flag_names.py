@@ -20,13 +20,12 @@ from __future__ import annotations
 
 import ast
 import contextlib
-import dataclasses
 import functools
 import logging
 import re
 from collections.abc import Iterator
 
-from engine.cli.settings import RunConfig
+from engine.cli.settings import flag_settings
 from engine.errors import UserError
 
 # Library argument names that differ from the flag they back.
@@ -51,8 +50,8 @@ _CALL = re.compile(r"(?P<callable>[A-Za-z_][\w.]*)\((?P<name>[A-Za-z_]\w*)(?:=(?
 
 @functools.cache
 def flag_names() -> frozenset[str]:
-    """Every flag of `engine.main` (the RunConfig fields, the cluster's among them)."""
-    return frozenset(field.name for field in dataclasses.fields(RunConfig))
+    """Every flag of `engine.main` (the RunConfig fields that are flags, the cluster's among them)."""
+    return frozenset(flag_settings())
 
 
 def _flag_value(text: str) -> str:

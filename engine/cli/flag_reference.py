@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from engine.cli.settings import CLUSTER_SETTINGS, DEFAULT_EPOCHS, RunConfig
+from engine.cli.settings import CLUSTER_SETTINGS, DEFAULT_EPOCHS, RunConfig, field_default
 
 COMMAND = "python -m engine.cli.flag_reference > docs/flags.md"
 
@@ -51,8 +51,10 @@ Every flag of `python -m engine.main`, from `RunConfig` in
 help). The cluster flags (marked *also `engine.server`*) are defined by
 `engine/cli/cluster_flags.py` and taken by `python -m engine.server` too; the rest by
 `engine/cli/flags.py`. A flag with choices refuses any other value with one line.
-`--flagfile=FILE` reads flags from a file, as in absl. What bad input and the
-output look like: [The command line](command-line.md).
+`--flagfile=FILE` reads flags from a file, as in absl; `--config_file=FILE` reads
+settings from a YAML or JSON file, and a trained model_dir's `config.yaml` gives its
+settings to the next command on it ([Config files](command-line.md#config-files)).
+What bad input and the output look like: [The command line](command-line.md).
 
 | flag | default | choices | meaning |
 | --- | --- | --- | --- |
@@ -62,7 +64,7 @@ output look like: [The command line](command-line.md).
 def _default(name: str, value: Any) -> str:
     if name == "epochs" and value is None:
         return f"{DEFAULT_EPOCHS:g} (when `--train_steps` is not set)"
-    if value is None:
+    if value is None or value == ():  # No default (a repeatable flag given no times).
         return ""
     if isinstance(value, bool):
         return f"`{str(value).lower()}`"
@@ -76,10 +78,25 @@ def _cell(text: str) -> str:
     return " ".join(text.split()).replace("|", "\\|").replace("<", "&lt;").replace(">", "&gt;")
 
 
+FILE_ONLY_HEADER = """
+## Settings of config files only
+
+These have no flag: a `--config_file` or `--params_override` sets them
+([Config files](command-line.md#config-files)).
+
+| setting | default | meaning |
+| --- | --- | --- |
+"""
+
+
 def render() -> str:
-    """The whole of docs/flags.md."""
-    rows = []
+    """The whole of docs/flags.md: the flags, then the settings that are not flags."""
+    rows, file_only = [], []
     for field in dataclasses.fields(RunConfig):
+        if not field.metadata["flag"]:
+            default = _default(field.name, field_default(field))
+            file_only.append(f"| `{field.name}` | {default} | {_cell(field.metadata['help'])} |\n")
+            continue
         choices = field.metadata["choices"]
         meaning = _cell(field.metadata["help"])
         if field.name in CLUSTER_SETTINGS:
@@ -89,7 +106,7 @@ def render() -> str:
         choice_cell = ", ".join(f"`{choice}`" for choice in choices) if choices else ""
         default = _default(field.name, field.default)
         rows.append(f"| `--{field.name}` | {default} | {choice_cell} | {meaning} |\n")
-    return HEADER + "".join(rows)
+    return HEADER + "".join(rows) + (FILE_ONLY_HEADER + "".join(file_only) if file_only else "")
 
 
 if __name__ == "__main__":

@@ -6,16 +6,12 @@ fixed set of values are enums that `--help` lists; models and datasets stay
 strings (`--model` also takes package.module:function), checked by `RunConfig`.
 """
 
-import dataclasses
-
 from absl import flags
 
 from engine.cli import cluster_flags  # noqa: F401  (--worker_hosts, --ps_hosts, --task_type, ...)
-from engine.cli.settings import CLUSTER_SETTINGS, RunConfig, define_flags
+from engine.cli.settings import CLUSTER_SETTINGS, define_flags, flag_settings
 
-define_flags(
-    [field.name for field in dataclasses.fields(RunConfig) if field.name not in CLUSTER_SETTINGS],
-    module_name=__name__,
-)
+# Settings without a flag (task_params) come only from config files (engine.cli.config_files).
+define_flags([name for name in flag_settings() if name not in CLUSTER_SETTINGS], module_name=__name__)
 
 FLAGS = flags.FLAGS

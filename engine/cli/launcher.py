@@ -340,11 +340,11 @@ def check_main_flags(main_flags: Sequence[str]) -> str | None:
     """The error engine.main would die of in every task, found before any task starts:
     its flag parsing, and numbers it cannot count (nan, inf, a timeout past 1e9 s, a port)."""
     from engine.cli import flags as engine_flags  # noqa: F401  (defines engine.main's flags)
-    from engine.cli.settings import RunConfig
+    from engine.cli.settings import RunConfig, flag_settings
 
     try:
         FLAGS(["engine.main", *main_flags])
-        values: dict[str, Any] = {field.name: FLAGS[field.name].value for field in dataclasses.fields(RunConfig)}
+        values: dict[str, Any] = {name: FLAGS[name].value for name in flag_settings()}
         RunConfig(**values).validate_numbers()
     except flags.Error as error:
         return f"the flags after -- are not engine.main's: {one_line(error)}"

@@ -1,12 +1,10 @@
-"""The program behind `python -m engine.main`: flags -> RunConfig -> job -> exit code.
+"""The program behind `python -m engine.main`: flags (over config files) -> RunConfig -> job -> exit code.
 
 User errors (bad flags, data, model_dir, checkpoints) end the process with
 one line on stderr and exit status 2; anything else is a bug and keeps its
 traceback.
 """
 
-import dataclasses
-import json
 import logging as py_logging
 import sys
 
@@ -25,13 +23,12 @@ def main(argv: list[str]) -> int:
     from engine.native_logs import import_tensorflow_quietly
 
     import_tensorflow_quietly()  # The first import of TensorFlow (the flags do not import it).
+    from engine.cli.config_files import as_yaml, config_from_flags, printed_settings
     from engine.cli.job import run
-    from engine.cli.settings import RunConfig
 
-    config = RunConfig.from_flags(engine_flags.FLAGS)
-    if config.print_config:  # Checked, printed, nothing run or written.
-        settings = {name: value for name, value in dataclasses.asdict(config).items() if name != "print_config"}
-        print(json.dumps(settings, indent=2))
+    config = config_from_flags(engine_flags.FLAGS)  # Over --config_file and <model_dir>/config.yaml.
+    if config.print_config:  # Checked, printed as a --config_file, nothing run or written.
+        print(as_yaml(printed_settings(config)), end="")
         return 0
     return run(config).get("exit_status", 0)
 

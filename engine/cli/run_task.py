@@ -93,7 +93,7 @@ def user_task(config: RunConfig) -> Task:
         function, where = import_callable(config.task, setting="task")
     except UserCodeError as error:
         raise UserError(str(error)) from None
-    params = dict(getattr(config, "task_params", None) or {})
+    params = dict(config.task_params)
     try:
         inspect.signature(function).bind(**params)
     except TypeError:

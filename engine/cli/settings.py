@@ -3,7 +3,9 @@ place each setting is defined.
 
 Each field carries its default, help and choices (`setting`); `engine.cli.flags`
 and `engine.cli.cluster_flags` define the command-line flags from them
-(`define_flags`), so a new setting is one field here. Every user mistake in
+(`define_flags`), and `engine.cli.config_files` reads the same names from config
+files (`--config_file`, `--params_override`, `<model_dir>/config.yaml`), so a new
+setting is one field here. Every user mistake in
 the flags is caught here, before anything is written, as a `UserError`
 naming the bad value. This module imports no TensorFlow (flag parsing and
 `--help` stay fast); `validate` imports the model and data packages.
@@ -68,6 +70,44 @@ CLUSTER_SETTINGS = (
     "cluster_resolver",
     "slurm_port_base",
 )
+# The settings that belong to one invocation: a rerun on a model_dir never inherits them from the
+# `config.yaml` stored there (engine.cli.config_files), and that file does not hold them.
+PER_INVOCATION_SETTINGS = (
+    "mode",
+    "print_config",
+    "config_file",
+    "params_override",
+    "model_dir",
+    "export_dir",
+    "predict_input",
+    "predict_output",
+    "eval_timeout",
+    "reset_optimizer",
+    "restore_fallback",
+    "check_numerics",
+    "profile_steps",
+    *CLUSTER_SETTINGS,
+)
+# The settings that say how this command reads its settings: flags only, never in a config file.
+COMMAND_LINE_ONLY_SETTINGS = ("print_config", "config_file", "params_override")
+# The settings that define the model or the data its checkpoints were trained on: a model_dir with
+# checkpoints refuses a change (its config.yaml holds the values they were trained with).
+MODEL_AND_DATA_SETTINGS = (
+    "task",
+    "task_params",
+    "model",
+    "dataset",
+    "data_dir",
+    "label_column",
+    "eval_file",
+    "eval_fraction",
+    "num_classes",
+    "image_shape",
+    "loss",
+)
+# Settings that are alternatives to each other: a config layer that sets one of them (a flag over a
+# stored config.yaml, a later file over an earlier one) unsets the others it does not set itself.
+ALTERNATIVE_SETTINGS = (("train_steps", "epochs"),)
 # The settings that are `engine.Trainer` arguments of the same name and meaning.
 TRAINER_SETTINGS = (
     "steps_per_loop",
@@ -89,10 +129,27 @@ def settings_of(values: Any, names: tuple[str, ...]) -> dict[str, Any]:
     return {name: getattr(values, name) for name in names}
 
 
-def setting(default: Any, help: str, *, choices: tuple[str, ...] | None = None) -> Any:
+def setting(default: Any, help: str, *, choices: tuple[str, ...] | None = None, flag: bool = True) -> Any:
     """A `RunConfig` field and its command-line flag: `engine.cli.flags` defines `--NAME` from
-    the default, this help and, with `choices`, as an enum that `--help` lists."""
-    return dataclasses.field(default=default, metadata={"help": help, "choices": choices})
+    the default, this help and, with `choices`, as an enum that `--help` lists. `flag=False`: a
+    setting of config files and --params_override only (a mapping has no flag syntax); a dict
+    default is copied for each config."""
+    metadata = {"help": help, "choices": choices, "flag": flag}
+    if isinstance(default, dict):
+        return dataclasses.field(default_factory=lambda: dict(default), metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+def flag_settings() -> tuple[str, ...]:
+    """The names of the settings that are flags (every field but the config-file-only ones)."""
+    return tuple(field.name for field in dataclasses.fields(RunConfig) if field.metadata["flag"])
+
+
+def field_default(field: dataclasses.Field) -> Any:
+    """A field's default value (a fresh copy of a mutable one)."""
+    if field.default_factory is not dataclasses.MISSING:
+        return field.default_factory()
+    return field.default
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,8 +208,20 @@ class RunConfig:
     # What this process does (TF Model Garden's modes).
     print_config: bool = setting(
         False,
-        "Print every setting as this command resolves it (defaults, --flagfile, flags), as JSON, after "
-        "checking them; then exit without training or writing anything.",
+        "Print every setting as this command resolves it (defaults, <model_dir>/config.yaml, --config_file, "
+        "--params_override, flags and --flagfile), checked, as YAML that --config_file reads back; then exit "
+        "without training or writing anything.",
+    )
+    config_file: tuple[str, ...] = setting(
+        (),
+        "A YAML or JSON file of settings, keys named as these flags (and task_params); repeat it for several, "
+        "later files win. Precedence: defaults < <model_dir>/config.yaml < config files < --params_override "
+        "< flags.",
+    )
+    params_override: str | None = setting(
+        None,
+        "NAME=VALUE,... over the config files, each value read as YAML (1e-3, true, [h:1,h:2]; quote a value "
+        "with commas); dotted names reach into task_params (task_params.units=128). Flags still win.",
     )
     mode: str = setting(
         "train_and_eval",
@@ -227,6 +296,12 @@ class RunConfig:
         "Eval (and train) metrics besides the loss, comma-separated: accuracy, top_5_accuracy, auc, precision, "
         "recall, mae, mse, rmse, r2, or a keras.metrics name; they see probabilities for classification "
         "(default: accuracy; mae for values).",
+    )
+    task_params: dict[str, Any] = setting(
+        {},
+        "Keyword arguments for a task function, a mapping set only by --config_file (task_params: {...}) or "
+        "--params_override (task_params.NAME=VALUE); no flag.",
+        flag=False,
     )
     input_pipeline: str = setting(
         "per_replica",
@@ -362,13 +437,6 @@ class RunConfig:
         "makes a NaN or Inf, naming it and your source line (slow; for debugging).",
     )
 
-    @classmethod
-    def from_flags(cls, flag_values) -> RunConfig:
-        names = [field.name for field in dataclasses.fields(cls)]
-        config = cls(**{name: flag_values[name].value for name in names})
-        config.validate()
-        return config
-
     def validate(self) -> None:
         """Raises UserError for the first bad setting; touches nothing on disk."""
         from engine.cli.own_packages import own_package  # Imports TensorFlow: only when validating.
@@ -438,6 +506,11 @@ class RunConfig:
             check_model_dir(self.export_dir, flag="export_dir")
         self._validate_schedule_and_hooks()
         self._validate_mode()
+        if not isinstance(self.task_params, dict) or not all(isinstance(key, str) for key in self.task_params):
+            raise UserError(
+                f"task_params={self.task_params!r} must be a mapping of keyword names to values, "
+                "e.g. --params_override=task_params.units=128"
+            )
 
     def validate_numbers(self) -> None:
         """Every numeric flag at once, from the fields' types (so a new flag is covered):
@@ -630,6 +703,7 @@ _DEFINE_BY_TYPE = {  # A field's annotation (a string under `from __future__ imp
     "float | None": "DEFINE_float",
     "bool": "DEFINE_boolean",
     "list[str] | None": "DEFINE_list",
+    "tuple[str, ...]": "DEFINE_multi_string",
 }
 
 
@@ -641,6 +715,7 @@ def define_flags(names: Sequence[str], *, module_name: str, flag_values=None) ->
     fields = {field.name: field for field in dataclasses.fields(RunConfig)}
     for name in names:
         field = fields[name]
+        assert field.metadata["flag"], f"{name} is a setting of config files only, not a flag"
         choices = field.metadata["choices"]
         if choices is None:
             define = getattr(flags, _DEFINE_BY_TYPE[str(field.type)])
