@@ -389,8 +389,12 @@ def test_a_task_module_gives_the_whole_problem(tmp_path, monkeypatch):
     evaluated = metrics_of(tmp_path / "run")["eval"]
     assert sorted(evaluated) == ["loss", "mae", "num_examples", "rmse"] and evaluated["num_examples"] == 56
     assert "labels=2 value(s)" in result.stderr
-    assert "--task=my_tasks:wrong" in _refused(tmp_path, "--task=my_tasks:wrong")
-    assert "returned dict, not an engine.Task" in _refused(tmp_path, "--task=my_tasks:wrong")
+    # The trained model_dir refuses another task; a new one refuses a function that gives no Task.
+    assert "--task=my_tasks:wrong differs from task=my_tasks:regression" in _refused(
+        tmp_path, "--task=my_tasks:wrong"
+    )
+    (tmp_path / "new").mkdir()
+    assert "returned dict, not an engine.Task" in _refused(tmp_path / "new", "--task=my_tasks:wrong")
 
 
 @pytest.mark.slow
