@@ -25,6 +25,7 @@ from engine import repairs
 from engine.callbacks.progress import format_logs
 from engine.cli import evaluator, host_memory, predictor
 from engine.cli.assembly import build_model_and_optimizer, data_source, model_spec, prepare_process
+from engine.cli.console import EVERY_TASK
 from engine.cli.hooks_from_flags import hooks_from_config
 from engine.cli.hparams import write_hparams
 from engine.cli.model_summary import model_summary
@@ -218,6 +219,7 @@ def _train_and_evaluate(
         speed or 0.0,
         metrics_path if write_dir == model_dir else "nothing (not the chief)",
         "" if cluster is None else f"; weights_digest={_weights_digest(model)}",
+        extra=EVERY_TASK,  # Every worker's digest, to compare.
     )
     return result
 
