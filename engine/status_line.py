@@ -51,6 +51,13 @@ class StatusLine:
                 self._write(_CLEAR)
             self._text = None
 
+    def finish(self) -> None:
+        """Leaves the bar on the screen as it is, on a line of its own; the next `show` starts a new one."""
+        with self._lock:
+            if self._text is not None:
+                self._write("\n")
+            self._text = None
+
     @contextlib.contextmanager
     def suspended(self) -> Iterator[None]:
         """Around printing a line elsewhere: the bar's line is cleared first and the bar drawn after."""

@@ -8,8 +8,8 @@ are cut at multiples of it (`loop_limit`), so lines come exactly there;
 
 The lines go to the engine's logger (`engine.logger`). The bar is the
 terminal's status line (`engine.status_line`): log lines are printed above
-it, never on it, and it is erased when training ends, so that what stays
-on the screen is the lines.
+it, never on it; the full bar stays on its own line at the target step, and
+a bar left short (a stop, an error) is erased.
 """
 
 from __future__ import annotations
@@ -54,15 +54,14 @@ class Progress(Callback):
         target = trainer.target_step or step
         eta = self._eta(step, target, logs)
         if self._bar_stream is not None:
-            if step < target:
-                status_line.show(bar_text(step, target, logs, eta), self._bar_stream)
-            else:  # The last line says it all.
-                status_line.clear()
+            status_line.show(bar_text(step, target, logs, eta), self._bar_stream)
+            if step >= target:  # The full bar stays, as Keras's does; the lines go on below it.
+                status_line.finish()
         if self.log_every is None or step % self.log_every == 0 or step >= target:
             logger.info("step %d/%d  %s  eta=%s", step, target, format_logs(logs), eta)
 
     def on_train_end(self, trainer: TrainerView, logs: Mapping[str, Any]) -> None:
-        if self._bar_stream is not None:  # Stopped early: the bar goes too.
+        if self._bar_stream is not None:  # Stopped short of the target: the bar goes.
             status_line.clear()
 
     def _eta(self, step: int, target: int, logs: Mapping[str, Any]) -> str:
