@@ -9,7 +9,7 @@ are cut at multiples of it (`loop_limit`), so lines come exactly there;
 The lines go to the engine's logger (`engine.logger`). The bar is the
 terminal's status line (`engine.status_line`): log lines are printed above
 it, never on it; the full bar stays on its own line at the target step, and
-a bar left short (a stop, an error) is erased.
+a bar left short by a stop is erased (by `engine.main` after an error too).
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
 User errors (bad flags, data, model_dir, checkpoints) end the process with
 one line on stderr and exit status 2; anything else is a bug and keeps its
-traceback. How the log lines look, which tasks print them and the summary
-at the end: `engine.cli.console`.
+traceback. How the log lines look and which tasks print them:
+`engine.cli.console`; the table at the end: `engine.cli.summary`.
 """
 
 import dataclasses
