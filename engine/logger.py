@@ -15,6 +15,10 @@ import logging
 
 from engine.status_line import status_line
 
+# `extra=` of a line that every task of a cluster prints, where a program shows only the chief's
+# INFO lines (`engine.main`'s console): what one task alone can say (its start-up, its final weights).
+EVERY_TASK = {"every_task": True}
+
 
 class _OwnLinesUnlessConfigured(logging.Filter):
     """Decides once, at the engine's first log line, who prints them all: the root

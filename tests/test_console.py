@@ -21,9 +21,10 @@ import time
 import pytest
 from helpers import REPO, SMALL, main_in_process, python_env
 
-from engine.cli.console import EVERY_TASK, Console, configured
+from engine.cli.console import Console, configured
 from engine.cli.settings import RunConfig
 from engine.cluster import Cluster
+from engine.logger import EVERY_TASK
 from engine.status_line import StatusLine
 
 ABSL_PREFIX = re.compile(r"^[IWEF]\d{4} \d\d:\d\d:\d\d\.\d{6} +\d+ \S+:\d+\] ")

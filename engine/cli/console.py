@@ -6,9 +6,10 @@ them, and the summary table at the end of a run.
   (`I1201 16:42:25.123456 140213 job.py:212] `) for tools that need the times.
 - In a cluster only the chief speaks (worker 0 of multi_worker_mirrored, the
   coordinator of parameter_server) and an evaluator task (its evaluations are what
-  it is for). The other tasks print warnings, errors and their final `done:` line
-  (`EVERY_TASK`), each line prefixed by the task: `[worker:1] warning: ...`;
-  `--log_all_tasks` lets them print everything.
+  it is for). The other tasks print warnings, errors and the lines marked
+  `engine.logger.EVERY_TASK` (their start-up, their final `done:` line), each line
+  prefixed by the task: `[worker:1] warning: ...`; `--log_all_tasks` lets them print
+  everything.
 - Every line is printed above the progress bar, never on it (`engine.status_line`).
 
 The table at the end of a run is `engine.cli.summary`'s. This module imports no
@@ -27,9 +28,6 @@ from absl import logging as absl_logging
 from engine.cli.settings import RunConfig
 from engine.cluster import Cluster
 from engine.status_line import status_line
-
-# `extra=` of a log line that every task of a cluster prints (the final `done:` line).
-EVERY_TASK = {"every_task": True}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -25,7 +25,6 @@ from engine import repairs
 from engine.callbacks.progress import format_logs
 from engine.cli import evaluator, host_memory, predictor
 from engine.cli.assembly import build_model_and_optimizer, data_source, model_spec, prepare_process
-from engine.cli.console import EVERY_TASK
 from engine.cli.hooks_from_flags import hooks_from_config
 from engine.cli.hparams import write_hparams
 from engine.cli.model_summary import model_summary
@@ -36,6 +35,7 @@ from engine.cli.task import classification_task
 from engine.cluster import task_model_dir
 from engine.errors import UserError, one_line
 from engine.export import export_saved_model
+from engine.logger import EVERY_TASK
 from engine.resident import ResidentData
 from engine.strategy import build_strategy
 from engine.trainer import Trainer

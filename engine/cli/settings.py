@@ -229,8 +229,8 @@ class RunConfig:
         False,
         "In a cluster, every task prints its progress and INFO lines, each line prefixed by the task "
         "(`[worker:1] `); default: only the chief (worker 0 of multi_worker_mirrored, the coordinator of "
-        "parameter_server) and an evaluator task do, the others print warnings, errors and their final "
-        "`done:` line.",
+        "parameter_server) and an evaluator task do, the others print warnings, errors, their start-up "
+        "line and their final `done:` line.",
     )
     optimizer: str = setting("adam", "The optimizer (momentum: SGD with momentum 0.9).", choices=OPTIMIZER_NAMES)
     learning_rate: float = setting(
