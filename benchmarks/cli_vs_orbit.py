@@ -96,6 +96,7 @@ def engine_command(settings: dict[str, Any], model_dir: str) -> list[str]:
         *common_flags(settings),
         "--dataset=synthetic",
         "--mode=train",
+        "--log_prefix",  # absl's timestamps on the progress lines: progress_lines reads them.
         f"--model_dir={model_dir}",
         *settings["engine_flags"],
     ]
@@ -148,7 +149,7 @@ def run_orbit(settings: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-# The CLI's per-loop progress line as absl logs it:
+# The CLI's per-loop progress line with absl's prefix (--log_prefix):
 # "I1130 14:37:09.009669 140589 progress.py:75] step 950/1000  loss=0.01281 ... examples_per_second=4521 ..."
 _PROGRESS_LINE = re.compile(
     r"^I\d{4} (\d\d):(\d\d):(\d\d\.\d+) .*\] step (\d+)/\d+ .*\bexamples_per_second=(\S+)"

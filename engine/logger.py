@@ -5,11 +5,19 @@ research code sees them on stderr without turning on absl's or
 TensorFlow's INFO logs. Where logging is configured (an absl app such as
 `engine.main`, or `logging.basicConfig`) they go through the root handlers
 instead. `logging.getLogger("engine").setLevel(logging.WARNING)` silences them.
+The engine's own handler prints above a progress bar, never on its line
+(`engine.status_line`).
 """
 
 from __future__ import annotations
 
 import logging
+
+from engine.status_line import status_line
+
+# `extra=` of a line that every task of a cluster prints, where a program shows only the chief's
+# INFO lines (`engine.main`'s console): what one task alone can say (its start-up, its final weights).
+EVERY_TASK = {"every_task": True}
 
 
 class _OwnLinesUnlessConfigured(logging.Filter):
@@ -31,11 +39,19 @@ class _OwnLinesUnlessConfigured(logging.Filter):
         return self._own
 
 
+class _AboveTheBar(logging.StreamHandler):
+    """A stream handler whose lines never land on the progress bar's line."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        with status_line.suspended():
+            super().emit(record)
+
+
 def _make_logger() -> logging.Logger:
     engine_logger = logging.getLogger("engine")
     if engine_logger.level == logging.NOTSET:
         engine_logger.setLevel(logging.INFO)
-    handler = logging.StreamHandler()
+    handler = _AboveTheBar()
     handler.setFormatter(logging.Formatter("%(levelname).1s %(asctime)s engine] %(message)s", "%H:%M:%S"))
     handler.addFilter(_OwnLinesUnlessConfigured(engine_logger))
     engine_logger.addHandler(handler)

@@ -199,6 +199,7 @@ def test_two_real_workers_take_the_same_early_stopping_decision(tmp_path):
         "--early_stop_metric=loss",
         "--early_stop_patience=2",
         "--collective_timeout=60",
+        "--log_all_tasks",  # worker:1's early-stopping line too, to compare.
         f"--model_dir={tmp_path / 'run'}",
     ]
     with open(log, "w") as output:

@@ -65,6 +65,7 @@ def test_two_mirrored_workers_equal_one_process_and_resume(tmp_path, launch):
         "--",
         "--strategy=multi_worker_mirrored",
         *flags,
+        "--log_all_tasks",  # worker:1's banner too: where it resumed from.
         "--train_steps=16",
         f"--model_dir={tmp_path / 'mw'}",
     )

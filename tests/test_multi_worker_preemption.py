@@ -26,6 +26,7 @@ FLAGS = [
     "--steps_per_loop=10",
     "--checkpoint_every=1000000",
     "--collective_timeout=60",
+    "--log_all_tasks",  # Both workers' progress lines: the tests wait until both are at a step.
 ]
 
 

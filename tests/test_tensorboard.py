@@ -49,7 +49,7 @@ def finished_run(tmp_path_factory):
 @pytest.mark.slow
 def test_cli_run_logs_profiles_and_keeps_the_best(finished_run):
     model_dir, stderr = finished_run
-    progress = [line.split("] ", 1)[-1] for line in stderr.splitlines() if "] step " in line]
+    progress = [line for line in stderr.splitlines() if line.startswith("step ")]
     assert [line.split()[1] for line in progress] == ["4/12", "8/12", "12/12"]
     assert all("eta=" in line and "examples_per_second=" in line for line in progress)
     traces = list((model_dir / "train" / "plugins" / "profile").glob("*/*.xplane.pb"))

@@ -1,12 +1,15 @@
-"""Progress lines every `log_every` steps, and a Keras progress bar when
-stdout is a terminal.
+"""Progress lines every `log_every` steps, and a progress bar when stdout is
+a terminal.
 
 A line shows the step, the last loop's loss and metrics, examples/sec,
 steps/sec and the ETA to the target step. With `log_every`, compiled loops
 are cut at multiples of it (`loop_limit`), so lines come exactly there;
 `steps_per_loop` stays the longest a loop may be.
 
-The lines go to the engine's logger (`engine.logger`).
+The lines go to the engine's logger (`engine.logger`). The bar is the
+terminal's status line (`engine.status_line`): log lines are printed above
+it, never on it; the full bar stays on its own line at the target step, and
+a bar left short by a stop is erased (by `engine.main` after an error too).
 """
 
 from __future__ import annotations
@@ -15,13 +18,14 @@ import datetime
 import sys
 import time
 from collections.abc import Mapping
-from typing import Any
-
-import keras
+from typing import Any, TextIO
 
 from engine.callbacks.base import Callback, TrainerView
 from engine.errors import UserError
 from engine.logger import logger
+from engine.status_line import status_line
+
+BAR_WIDTH = 30
 
 
 class Progress(Callback):
@@ -31,8 +35,8 @@ class Progress(Callback):
         if log_every is not None and log_every < 0:
             raise UserError(f"`log_every={log_every}` must not be negative (0 logs after every loop)")
         self.log_every = log_every or None
-        self._progress_bar = sys.stdout.isatty() if progress_bar is None else progress_bar
-        self._bar: keras.utils.Progbar | None = None
+        self._progress_bar = progress_bar
+        self._bar_stream: TextIO | None = None  # Where this run's bar is drawn; None: no bar.
         self._rate_since: tuple[int, float] | None = None  # (step, time) after the first loop
 
     def loop_limit(self, trainer: TrainerView, step: int) -> int | None:
@@ -42,17 +46,23 @@ class Progress(Callback):
 
     def on_train_begin(self, trainer: TrainerView) -> None:
         self._rate_since = None
-        self._bar = None
+        stream = sys.stdout
+        shown = status_line.wanted(stream) if self._progress_bar is None else self._progress_bar
+        self._bar_stream = stream if shown else None
 
     def on_loop_end(self, trainer: TrainerView, step: int, logs: Mapping[str, Any]) -> None:
         target = trainer.target_step or step
         eta = self._eta(step, target, logs)
-        if self._progress_bar:
-            if self._bar is None:  # Logs are already loop means: show them as they are.
-                self._bar = keras.utils.Progbar(target, stateful_metrics=list(logs), unit_name="step")
-            self._bar.update(step, values=list(logs.items()), finalize=step >= target)
+        if self._bar_stream is not None:
+            status_line.show(bar_text(step, target, logs, eta), self._bar_stream)
+            if step >= target:  # The full bar stays, as Keras's does; the lines go on below it.
+                status_line.finish()
         if self.log_every is None or step % self.log_every == 0 or step >= target:
             logger.info("step %d/%d  %s  eta=%s", step, target, format_logs(logs), eta)
+
+    def on_train_end(self, trainer: TrainerView, logs: Mapping[str, Any]) -> None:
+        if self._bar_stream is not None:  # Stopped short of the target: the bar goes.
+            status_line.clear()
 
     def _eta(self, step: int, target: int, logs: Mapping[str, Any]) -> str:
         """Remaining time at the rate since the first loop (which includes tracing)."""
@@ -69,6 +79,23 @@ class Progress(Callback):
         if seconds >= datetime.timedelta.max.total_seconds():  # A target near 2**63 steps.
             return f">{datetime.timedelta.max.days} days"
         return str(datetime.timedelta(seconds=round(seconds)))
+
+
+def bar_text(step: int, target: int, logs: Mapping[str, Any], eta: str) -> str:
+    """`  7/20 [==========>...................]  loss: 0.2500  accuracy: 0.9000  eta 0:00:03`,
+    the values as Keras's progress bar shows them."""
+    done = min(step / target, 1.0) if target > 0 else 1.0
+    filled = int(BAR_WIDTH * done)
+    bar = "=" * filled + (">" if filled < BAR_WIDTH else "") + "." * max(BAR_WIDTH - filled - 1, 0)
+    values = "  ".join(f"{name}: {_bar_value(value)}" for name, value in logs.items())
+    width = len(str(target))
+    return f"{step:>{width}}/{target} [{bar}]  {values}  eta {eta}"
+
+
+def _bar_value(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4f}" if abs(value) >= 1e-3 or value == 0 else f"{value:.4e}"
+    return str(value)
 
 
 def format_logs(logs: Mapping[str, Any]) -> str:

@@ -36,6 +36,7 @@ from engine.cli.settings import TRAINER_SETTINGS, RunConfig, settings_of
 from engine.cluster import task_model_dir
 from engine.errors import UserError, one_line
 from engine.export import export_for_serving
+from engine.logger import EVERY_TASK
 from engine.resident import ResidentData
 from engine.strategy import build_strategy
 from engine.trainer import Trainer
@@ -228,6 +229,7 @@ def _train_and_evaluate(
         speed or 0.0,
         metrics_path if write_dir == model_dir else "nothing (not the chief)",
         "" if cluster is None else f"; weights_digest={_weights_digest(model)}",
+        extra=EVERY_TASK,  # Every worker's digest, to compare.
     )
     return result
 

@@ -7,7 +7,8 @@ Every task gets free localhost ports and its own TF_CONFIG, exactly what it
 would get on separate machines. Without ps tasks every worker runs
 `engine.main` (multi-worker mirrored); with ps tasks the chief runs
 `engine.main` as the coordinator and workers and ps tasks run
-`engine.server`. Output lines are prefixed by task. The launcher exits with
+`engine.server`. Output lines are prefixed by task (once: a task that is
+not the chief prefixes its own). The launcher exits with
 the run's status and never leaves a child behind: on a failure, Ctrl-C or
 SIGTERM it ends every task, and each child is killed by the kernel if the
 launcher itself dies.
@@ -202,10 +203,11 @@ class Launcher:
 
     def _relay(self, task: Task, process: subprocess.Popen) -> None:
         assert process.stdout is not None, "started with stdout=PIPE"
+        prefix = f"[{task.name}] "
         for raw in iter(process.stdout.readline, b""):
             line = raw.decode(errors="replace").rstrip("\n")
-            with self._print_lock:
-                print(f"[{task.name}] {line}", flush=True)
+            with self._print_lock:  # A task that is not the chief prefixes its own lines (engine.cli.console).
+                print(line if line.startswith(prefix) else prefix + line, flush=True)
         process.stdout.close()
 
     def run(self) -> int:

@@ -2,17 +2,19 @@
 
 User errors (bad flags, data, model_dir, checkpoints) end the process with
 one line on stderr and exit status 2; anything else is a bug and keeps its
-traceback.
+traceback. How the log lines look and which tasks print them:
+`engine.cli.console`; the table at the end: `engine.cli.summary`.
 """
 
-import logging as py_logging
 import sys
 
 from absl import app, flags, logging
 
+from engine.cli import console
 from engine.cli import flags as engine_flags
 from engine.cli.flag_names import FlagTermsFilter, in_flag_terms
 from engine.errors import USER_ERROR_EXIT, UserError, one_line
+from engine.status_line import status_line
 
 HELP_FLAGS = ("--help", "-help", "-?", "--helpshort", "-helpshort", "--helpfull", "-helpfull", "--helpxml")
 
@@ -30,7 +32,15 @@ def main(argv: list[str]) -> int:
     if config.print_config:  # Checked, printed as a --config_file, nothing run or written.
         print(as_yaml(printed_settings(config)), end="")
         return 0
-    return run(config).get("exit_status", 0)
+    from engine.cli.summary import summary_table
+
+    this_console = console.Console.for_run(config, config.multi_host_options().cluster)
+    with console.configured(this_console):
+        result = run(config)
+        table = summary_table(config, result) if this_console.speaks_for_the_run else None
+        if table is not None:
+            logging.info("%s", table)
+    return result.get("exit_status", 0)
 
 
 def main_with_clean_errors(argv: list[str]) -> int:
@@ -38,6 +48,7 @@ def main_with_clean_errors(argv: list[str]) -> int:
         return main(argv)
     except UserError as error:
         logging.flush()
+        status_line.clear()  # The error's line, not the bar's.
         print(f"engine.main: error: {in_flag_terms(error)}", file=sys.stderr)
         return USER_ERROR_EXIT
 
@@ -62,20 +73,8 @@ def parse_flags(argv: list[str]) -> list[str]:
         raise
 
 
-class _TensorFlowPerSaveLines(py_logging.Filter):
-    """TensorFlow's checkpoint writer logs "Sharding callback duration: N microseconds" at INFO,
-    through absl, at every save: a line per checkpoint that tells the user nothing."""
-
-    def filter(self, record: py_logging.LogRecord) -> bool:
-        return not (
-            record.levelno == py_logging.INFO
-            and record.pathname.endswith("functional_saver.py")
-            and str(record.msg).startswith("Sharding callback duration")
-        )
-
-
 def run_cli() -> None:
     logging.set_verbosity(logging.INFO)
     logging.get_absl_handler().addFilter(FlagTermsFilter())  # The library's warnings, in flags.
-    logging.get_absl_handler().addFilter(_TensorFlowPerSaveLines())
+    logging.get_absl_handler().addFilter(console.TensorFlowPerSaveLines())
     app.run(lambda argv: sys.exit(main_with_clean_errors(argv)), flags_parser=parse_flags)

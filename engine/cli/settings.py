@@ -336,6 +336,19 @@ class RunConfig:
         "stdout is a terminal.",
     )
     eval_every: int = setting(100, "Evaluate every N steps; 0 evaluates only at the end.")
+    log_prefix: bool = setting(
+        False,
+        "Print absl's prefix before every log line (level letter, date, time, thread, file:line: `I1201 "
+        "16:42:25.123456 140213 job.py:212] `), for tools that read the times; default: the message alone, "
+        "warnings and errors marked `warning: ` / `error: `.",
+    )
+    log_all_tasks: bool = setting(
+        False,
+        "In a cluster, every task prints its progress and INFO lines, each line prefixed by the task "
+        "(`[worker:1] `); default: only the chief (worker 0 of multi_worker_mirrored, the coordinator of "
+        "parameter_server) and an evaluator task do, the others print warnings, errors, their start-up "
+        "line and their final `done:` line.",
+    )
     optimizer: str = setting("adam", "The optimizer (momentum: SGD with momentum 0.9).", choices=OPTIMIZER_NAMES)
     learning_rate: float = setting(
         1e-3,

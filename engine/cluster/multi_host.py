@@ -23,6 +23,7 @@ from absl import logging
 
 from engine.cluster import Cluster, check_strategy_cluster
 from engine.errors import UserError, one_line
+from engine.logger import EVERY_TASK
 from engine.options import COMMUNICATIONS, DEFAULT_COLLECTIVE_TIMEOUT, DEFAULT_STARTUP_TIMEOUT
 
 _STARTUP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -108,6 +109,7 @@ def bounded_startup(
         cluster.task_index,
         ", ".join(f"{name} at {address}" for name, address in cluster.peers()) or "no peer",
         timeout,
+        extra=EVERY_TASK,  # A task waiting for its peers says so, chief or not.
     )
     previous = signal.pthread_sigmask(signal.SIG_BLOCK, _STARTUP_SIGNALS)
     # The watchdog gives TF's own registration timeout (a clean one-line error) a head start.

@@ -1,0 +1,88 @@
+"""The summary table that ends a run of `engine.main` (train, train_and_eval, eval,
+continuous_eval): the final train and eval metrics, the best checkpoint, the steady
+throughput, the step, and where everything was written. Its figures are metrics.json's,
+in the progress lines' form (`format_logs`), so that the screen and the file agree.
+
+    summary
+                     train       eval
+      loss           0.0636      0.0811
+      ...
+      step           468
+      throughput     7214 examples/s
+      model_dir      runs/digits
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from engine import model_dir as model_dir_lib
+from engine.callbacks.progress import format_logs
+from engine.cli.run_record import read_record, record_path
+from engine.cli.settings import RunConfig
+from engine.hooks.best_checkpoint import BEST_FILE, BEST_SUBDIR
+
+# Train logs that are rates of the last loop, not figures of the run: the steady throughput replaces them.
+_LOOP_RATES = ("steps_per_second", "examples_per_second")
+# Modes that end with a summary table (predict prints its own line).
+SUMMARY_MODES = ("train", "train_and_eval", "eval", "continuous_eval")
+_COLUMN = 12
+
+
+def summary_table(config: RunConfig, result: Mapping[str, Any]) -> str | None:
+    """The table that ends a run: its metrics (train and eval columns), the best checkpoint,
+    throughput, the step, and where everything was written. The figures are metrics.json's,
+    in the progress lines' form. None for a run that has none (predict, stopped by a signal)."""
+    if config.mode not in SUMMARY_MODES or "exit_status" in result or result.get("global_step") is None:
+        return None
+    model_dir = result.get("model_dir") or config.model_dir
+    evaluating = config.mode in ("eval", "continuous_eval")
+    record: Mapping[str, Any] = result if evaluating or not model_dir else read_record(model_dir) or result
+    train = {} if evaluating else {k: v for k, v in (record.get("train") or {}).items() if k not in _LOOP_RATES}
+    evaluation = (result if evaluating else record).get("eval") or {}
+    columns = {name: logs for name, logs in (("train", train), ("eval", evaluation)) if logs}
+    rows: list[tuple[str, str]] = []
+    if columns:
+        rows.append(("", _columns(list(columns))))
+        for metric in dict.fromkeys(name for logs in columns.values() for name in logs):
+            rows.append((metric, _columns([_figure(logs.get(metric)) for logs in columns.values()])))
+    rows.append(("step", str(record.get("global_step"))))
+    speed = record.get("examples_per_second")
+    if speed and not evaluating:
+        rows.append(("throughput", f"{_figure(speed)} examples/s"))
+    best = _best_checkpoint(config, model_dir)
+    if best is not None:
+        rows.append(("best checkpoint", best))
+    if model_dir:
+        rows.append(("model_dir", model_dir))
+        rows.append(("metrics.json", record_path(model_dir)))
+    if config.export_dir and not evaluating:
+        rows.append(("export_dir", config.export_dir))
+    if model_dir:
+        rows.append(("TensorBoard", f"tensorboard --logdir {model_dir}"))
+    width = max(len(name) for name, _ in rows)
+    return "\n".join(["summary", *(f"  {name:<{width}}  {value}".rstrip() for name, value in rows)])
+
+
+def _columns(cells: list[str]) -> str:
+    return "".join(f"{cell:<{_COLUMN}}" for cell in cells).rstrip()
+
+
+def _figure(value: Any) -> str:
+    """A number as the progress lines show it (`format_logs`); '-' for none."""
+    if value is None:
+        return "-"
+    return format_logs({"": value})[1:]
+
+
+def _best_checkpoint(config: RunConfig, model_dir: str | None) -> str | None:
+    """--best_checkpoint_metric: `accuracy=0.9764 at step 400: <model_dir>/best/ckpt-400` (best/best.json)."""
+    if not config.best_checkpoint_metric or not model_dir:
+        return None
+    best = model_dir_lib.read_json(os.path.join(model_dir, BEST_SUBDIR, BEST_FILE), what="the best checkpoint")
+    if not isinstance(best, dict) or "checkpoint" not in best:
+        return "none yet"
+    where = os.path.join(model_dir, BEST_SUBDIR, str(best["checkpoint"]))
+    return f"{best.get('metric')}={_figure(best.get('value'))} at step {best.get('step')}: {where}"
