@@ -46,7 +46,8 @@ def with_a_checkpoint(model_dir) -> None:
 def test_the_named_tuples_of_settings():
     assert set(CLUSTER_SETTINGS) <= set(PER_INVOCATION_SETTINGS)
     assert {"mode", "config_file", "params_override", "model_dir", "export_dir"} <= set(PER_INVOCATION_SETTINGS)
-    assert {"model", "dataset", "data_dir", "task_params"} <= set(MODEL_AND_DATA_SETTINGS)
+    assert {"task", "task_params", "model", "dataset", "loss", "label_column"} <= set(MODEL_AND_DATA_SETTINGS)
+    assert not {"data_dir", "eval_file"} & set(MODEL_AND_DATA_SETTINGS)  # Data sets get moved.
     assert not set(MODEL_AND_DATA_SETTINGS) & set(PER_INVOCATION_SETTINGS)
 
 

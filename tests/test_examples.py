@@ -149,5 +149,5 @@ def parse_engine_flags(flag_values, run_config, args: list[str]):
     """engine.main's flags parsed (on a copy: the global FLAGS stay untouched) into a RunConfig."""
     values = copy.deepcopy(flag_values)
     values(["engine.main", *args])
-    names = [field.name for field in run_config.__dataclass_fields__.values()]
+    names = [name for name in run_config.__dataclass_fields__ if name in values]  # task_params: no flag
     return run_config(**{name: values[name].value for name in names})

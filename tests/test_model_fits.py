@@ -81,6 +81,8 @@ def test_a_misfit_model_is_refused_by_the_evaluator_too(tmp_path, monkeypatch, m
     if mode == "eval":  # Evaluates a trained model_dir (a misfit one could not have trained it).
         trained = main_in_process("--model=mlp", "--train_steps=2", "--mode=train", f"--model_dir={model_dir}")
         assert trained.returncode == 0, trained.stderr[-2000:]
+        # As an older run's (its config.yaml would refuse another --model before the fit check).
+        (model_dir / "config.yaml").unlink()
     else:
         model_dir.mkdir()
     (model_dir / "notes.txt").write_text("an earlier run's files")

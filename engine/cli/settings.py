@@ -91,15 +91,14 @@ PER_INVOCATION_SETTINGS = (
 # The settings that say how this command reads its settings: flags only, never in a config file.
 COMMAND_LINE_ONLY_SETTINGS = ("print_config", "config_file", "params_override")
 # The settings that define the model or the data its checkpoints were trained on: a model_dir with
-# checkpoints refuses a change (its config.yaml holds the values they were trained with).
+# checkpoints refuses a change (its config.yaml holds the values they were trained with). Where the
+# data live (data_dir, eval_file) may change: data sets get copied to local disks.
 MODEL_AND_DATA_SETTINGS = (
     "task",
     "task_params",
     "model",
     "dataset",
-    "data_dir",
     "label_column",
-    "eval_file",
     "eval_fraction",
     "num_classes",
     "image_shape",
