@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tensorflow as tf
-from helpers import main_in_process, one_error_line, run_main, snapshot
+from helpers import main_in_process, one_error_line, snapshot
 
 pytestmark = pytest.mark.cli
 
@@ -398,23 +398,17 @@ def test_a_task_module_gives_the_whole_problem(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-@pytest.mark.process
-def test_a_task_module_trains_mirrored_and_resumes_bitwise(tmp_path):
-    (tmp_path / "my_tasks.py").write_text(TASKS)
-    common = [
-        "--task=my_tasks:regression",
-        "--strategy=mirrored",
-        "--cpu_devices=2",
-        "--global_batch_size=20",
-        "--eval_every=0",
-        "--checkpoint_every=6",
-        "--deterministic",
-    ]
+def test_a_task_module_trains_mirrored_and_resumes_bitwise(tmp_path, monkeypatch):
+    (tmp_path / "mirrored_tasks.py").write_text(TASKS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    common = ["--task=mirrored_tasks:regression", "--strategy=mirrored", "--cpu_devices=2",
+              "--global_batch_size=20", "--eval_every=0", "--checkpoint_every=6"]  # fmt: skip
     whole, parts = tmp_path / "whole", tmp_path / "parts"
-    done = run_main(*common, "--train_steps=12", f"--model_dir={whole}", cwd=tmp_path)
+    done = main_in_process(*common, "--train_steps=12", f"--model_dir={whole}")
     assert done.returncode == 0, done.stderr[-3000:]
-    first = run_main(*common, "--train_steps=6", f"--model_dir={parts}", cwd=tmp_path)
-    second = run_main(*common, "--train_steps=12", f"--model_dir={parts}", cwd=tmp_path)
+    assert "strategy=mirrored replicas=2" in done.stderr
+    first = main_in_process(*common, "--train_steps=6", f"--model_dir={parts}")
+    second = main_in_process(*common, "--train_steps=12", f"--model_dir={parts}")
     assert first.returncode == 0 and second.returncode == 0, (first.stderr[-2000:], second.stderr[-2000:])
     assert "steps=6->12" in second.stderr  # Resumed, not restarted.
     reader_a = tf.train.load_checkpoint(str(whole / "checkpoints" / "ckpt-12"))
