@@ -103,7 +103,7 @@ def read_table(
     if not os.path.isfile(path):
         raise DataError(f"--{flag}={path} does not exist or is not a file")
     try:
-        with open(path, newline="") as handle:
+        with open(path, newline="", encoding="utf-8-sig") as handle:  # -sig: a spreadsheet's BOM is not a name.
             rows = [row for row in csv.reader(handle) if row]
     except (OSError, UnicodeDecodeError, csv.Error) as error:
         raise DataError(f"cannot read --{flag}={path}: {error}") from None
@@ -120,10 +120,12 @@ def read_table(
             try:
                 values[line - 2, column] = float(cell)
             except ValueError:
-                raise DataError(
-                    f"--{flag}={path} line {line}, column {header[column]!r}: {cell!r} is not a number; "
-                    "every column must be numeric (encode categories as numbers first)"
-                ) from None
+                what = (
+                    "is empty (a missing value: fill or drop that row)"
+                    if not cell.strip()
+                    else f"{cell!r} is not a number; every column must be numeric (encode categories first)"
+                )
+                raise DataError(f"--{flag}={path} line {line}, column {header[column]!r} {what}") from None
     integral = np.all(values == np.round(values), axis=0) & np.isfinite(values).all(axis=0)
     if label_column is None:
         return header, values.astype(np.float32), None

@@ -82,7 +82,7 @@ def test_uint8_pixels_and_csv_rows_are_prepared_as_in_training(trained, tmp_path
     [
         ("no_x", "holds ['images'], no `x` array of examples"),
         ("shape", "examples of shape (5,) do not fit the model's input (28, 28, 1)"),
-        ("text", "line 2, column 'b': 'two' is not a number"),
+        ("text", "line 2, column 'b' 'two' is not a number"),
         ("exists", "exists; remove it or pass a new path"),
         ("untrained", "no checkpoint in"),
         ("suffix", "must end in .npy or .csv"),
