@@ -84,7 +84,8 @@ class HostCopy:
                 compat.copy_to_host(variable, self._object_map)
             self._copied = saved
             self._copy_all = tf.function(self._assign_all).get_concrete_function()
-            return
+        # Run once more on the first save: a compiled function's first run is slow (its graph is
+        # optimized then), and the first save pays for the copies' making anyway.
         self._copy_all()
 
     def _assign_all(self) -> None:
