@@ -21,6 +21,7 @@ from absl import logging
 
 from engine import model_dir as model_dir_lib
 from engine import repairs
+from engine.checkpoint_writer import BackgroundWriter, HostCopy
 from engine.errors import UserError, one_line
 from engine.logger import logger
 from engine.options import CheckpointOptions
@@ -206,7 +207,7 @@ class Checkpointer:
       checkpoint: what they hold (model, global_step, optimizer(s)).
       model: the model whose every variable the checkpoint must reach.
       step_counter: numbers each checkpoint (`ckpt-<step>`).
-      options: how many to keep and how to restore.
+      options: how many to keep, how to restore, and whether to write in the background.
     """
 
     def __init__(
@@ -224,46 +225,105 @@ class Checkpointer:
         set_aside_unreadable(model_dir, fallback=options.restore_fallback)
         self.options = options
         self.model = model
+        self._checkpoint = checkpoint
+        self._copy: HostCopy | None = None
+        self._writer: BackgroundWriter | None = None
+        if options.async_checkpoint:
+            self._copy = HostCopy(checkpoint)
+            unsupported = self._copy.unsupported()
+            if unsupported is not None:
+                logger.warning(
+                    "saving checkpoints synchronously: %s cannot be copied for a background write", unsupported
+                )
+                self._copy = None
+        # Asynchronous: the manager of the copy's twin, which the writer thread saves through.
         self.manager = make_manager(
-            model_dir, checkpoint, max_to_keep=options.max_checkpoints, step_counter=step_counter
+            model_dir,
+            checkpoint if self._copy is None else self._copy.twin,
+            max_to_keep=options.max_checkpoints,
+            step_counter=step_counter,
         )
+        if self._copy is not None:
+            self._writer = BackgroundWriter(self.manager)
 
     @property
     def checkpoint(self) -> tf.train.Checkpoint:
-        return self.manager.checkpoint
+        """What the checkpoints hold, for saves of its own (the best checkpoint): synchronous."""
+        return self._checkpoint
+
+    @property
+    def writes_in_background(self) -> bool:
+        return self._writer is not None
 
     @property
     def latest(self) -> str | None:
+        """The newest complete checkpoint; waits for a write under way (its error stays for `wait`)."""
+        if self._writer is not None:
+            self._writer.join()
         return self.manager.latest_checkpoint
 
     def restore(self) -> str | None:
         """Restores the newest checkpoint (of `options.restore_dir` if set); its path, or None."""
+        self.wait()
         return restore_latest(
             self.manager, directory=self.options.restore_dir, fresh_optimizer=self.options.reset_optimizer
         )
 
     def save(self, step: int) -> str:
-        """Writes `ckpt-<step>`; refuses weights holding NaN/Inf and a full disk, keeping the latest."""
+        """Writes `ckpt-<step>`; refuses weights holding NaN/Inf and a full disk, keeping the latest.
+
+        With `async_checkpoint`, returns once the variables are copied; the files are written
+        in the background and the state file names them once complete. `wait` (or the next
+        save) waits for them and raises what the write met, as a synchronous save would have.
+        """
         if not _all_finite(self.model):
             raise UserError(
                 f"the weights hold NaN or Inf at step {step}; not saved, the latest checkpoint "
                 f"({self.latest or 'none'}) is kept"
             )
+        self.wait()  # The copy must not change under a write still under way.
         directory = self.manager.directory
         model_dir_lib.set_aside_unlisted(directory, step, listed=self.manager.checkpoints)
+        if self._writer is not None and self._copy is not None:
+            self._copy.take()
+            self._writer.start(step)
+            return os.path.join(directory, f"ckpt-{step}")
         try:
             path = self.manager.save(checkpoint_number=step)
         except (tf.errors.OpError, OSError) as error:
-            message = model_dir_lib.disk_full_message(directory, error)
-            if message is None:
+            full = self._disk_full(step, error)
+            if full is None:
                 raise
-            model_dir_lib.remove_orphan_temps(directory)  # This save's ckpt-N_temp.
-            raise UserError(
-                f"checkpoint at step {step} not saved: {message}; the latest checkpoint "
-                f"({self.latest or 'none'}) is kept"
-            ) from None
+            raise full from None
         logger.info("Saved checkpoint %s", path)
         return path
+
+    def wait(self) -> None:
+        """Returns once no checkpoint is being written; raises the error a background write
+        met (a full disk: the one line a synchronous save gives)."""
+        if self._writer is None:
+            return
+        failed = self._writer.result()
+        if failed is None:
+            return
+        step, error = failed
+        full = self._disk_full(step, error) if isinstance(error, (tf.errors.OpError, OSError)) else None
+        if full is None:
+            raise error
+        raise full from None
+
+    def _disk_full(self, step: int, error: BaseException) -> UserError | None:
+        """A write that failed for a full disk, as one line naming the latest checkpoint
+        (which stays the latest); None for any other error."""
+        directory = self.manager.directory
+        message = model_dir_lib.disk_full_message(directory, error)
+        if message is None:
+            return None
+        model_dir_lib.remove_orphan_temps(directory)  # This save's ckpt-N_temp.
+        return UserError(
+            f"checkpoint at step {step} not saved: {message}; the latest checkpoint "
+            f"({self.manager.latest_checkpoint or 'none'}) is kept"
+        )
 
 
 class CheckpointVanished(Exception):

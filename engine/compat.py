@@ -85,3 +85,43 @@ def slurm_hostlist_parsers() -> tuple[Callable[[str], list[str]], Callable[[str]
     )
 
     return expand_hostlist, expand_tasks_per_node
+
+
+def identity_map() -> dict:
+    """A dict keyed by object identity, as TensorFlow's savers take their object map
+    (`object_identity.ObjectIdentityDictionary`): variables do not hash by identity."""
+    from tensorflow.python.util import object_identity
+
+    return object_identity.ObjectIdentityDictionary()
+
+
+def copy_to_host(trackable: Any, object_map: Any) -> None:
+    """Copies a variable into its CPU stand-in in `object_map` (made by the first call,
+    assigned by later ones): TF's own `Trackable._copy_trackable_to_cpu`, which
+    `tf.train.CheckpointOptions(enable_async=True)` uses (no public API). A Keras 3 variable
+    is copied as the tf.Variable it wraps and mapped to that copy: Keras's own method makes a
+    new tf.Variable on every call, which fails inside a tf.function from the second save on."""
+    if isinstance(trackable, keras.Variable):
+        inner = trackable.value
+        inner._copy_trackable_to_cpu(object_map)  # noqa: SLF001
+        object_map[trackable] = object_map[inner]
+    else:
+        trackable._copy_trackable_to_cpu(object_map)  # noqa: SLF001
+
+
+def has_own_state(trackable: Any) -> bool:
+    """Whether a checkpoint saves values of this object itself (a variable, a lookup table),
+    not only of its children: the test TF's async checkpoint helper makes
+    (`_serialize_to_tensors` or `_gather_saveables_for_checkpoint` defined below `Trackable`)."""
+    base = tf.__internal__.tracking.Trackable
+    return any(
+        "_serialize_to_tensors" in klass.__dict__ or "_gather_saveables_for_checkpoint" in klass.__dict__
+        for klass in type(trackable).mro()
+        if klass is not base and klass is not object
+    )
+
+
+def save_from(checkpoint: tf.train.Checkpoint, object_map: Any) -> None:
+    """Makes `checkpoint`'s saves write each object's stand-in in `object_map` instead of the
+    object (`TrackableSaver._object_map`, the hook TF's async checkpoint helper sets)."""
+    checkpoint._saver._object_map = object_map  # noqa: SLF001

@@ -65,7 +65,7 @@ class StepOptions:
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointOptions:
-    """What the Checkpointer keeps and how it restores."""
+    """What the Checkpointer keeps, how it restores and how it writes."""
 
     max_checkpoints: int = 3  # Checkpoints kept in <model_dir>/checkpoints; older ones are deleted.
     # An unreadable latest checkpoint: set it aside and restore the newest readable one
@@ -75,6 +75,9 @@ class CheckpointOptions:
     # to a private model_dir but resumes from the chief's).
     restore_dir: str | None = None
     reset_optimizer: bool = False  # Restore the weights and step, not the optimizer's slots.
+    # Write checkpoints in the background: a save waits only for a copy of the variables in host
+    # memory (`engine.checkpoint_writer`); the Trainer turns it off where the strategy is not verified.
+    async_checkpoint: bool = True
 
 
 @dataclasses.dataclass(frozen=True)

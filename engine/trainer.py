@@ -21,6 +21,7 @@ import tensorflow as tf
 from engine.callbacks import CallbackLike, as_callbacks
 from engine.callbacks.progress import Progress, format_logs
 from engine.checkpoint import Checkpointer
+from engine.checkpoint_writer import writes_in_background
 from engine.compat import num_workers
 from engine.data import Data, DataForm, as_eval_form, as_train_form
 from engine.ema import WeightAverages, averages_swapped_in, weight_averages
@@ -92,6 +93,9 @@ class Trainer:
         built); training is unchanged, evaluation, the best checkpoint and
         `averaged_weights()` use the averages. An optimizer created with
         `use_ema=True` gets the same without it (`engine.ema`).
+      async_checkpoint: a save waits only for a copy of the variables; the files are
+        written in the background, and the end of `train()` and `close()` wait for them
+        (`engine.checkpoint_writer`). Synchronous under parameter-server and TPU strategies.
 
     Raises:
       UserError: a bad argument, naming it, before anything is written.
@@ -127,6 +131,7 @@ class Trainer:
         restore_dir: str | None = None,
         reset_optimizer: bool = False,
         ema_decay: float | None = None,
+        async_checkpoint: bool = True,
     ):
         step_options = StepOptions(
             clip_norm=clip_norm,
@@ -145,6 +150,7 @@ class Trainer:
             restore_fallback=restore_fallback,
             restore_dir=restore_dir,
             reset_optimizer=reset_optimizer,
+            async_checkpoint=writes_in_background(strategy, async_checkpoint),
         )
         _check_arguments(
             strategy, loss_fn, step_fn, metrics, weighted_metrics, eval_data, global_batch_size, step_options
@@ -427,6 +433,8 @@ class Trainer:
         """The end of a run: a checkpoint at its last step, and at least one."""
         if self.checkpointer is not None and (self.step != last_saved or self.checkpointer.latest is None):
             self.save()
+        if self.checkpointer is not None:
+            self.checkpointer.wait()  # A background write ends with the run, its error raised.
 
     def _stop_on_nonfinite(self, step: int) -> None:
         """Ends the run without saving: the weights may already hold NaNs."""
@@ -552,7 +560,12 @@ class Trainer:
         return self.evaluate()
 
     def close(self) -> None:
-        self._summaries.close()
+        """Waits for a checkpoint still being written, then closes the summary writers."""
+        try:
+            if self.checkpointer is not None:
+                self.checkpointer.wait()
+        finally:
+            self._summaries.close()
 
 
 def prepare_model_state(

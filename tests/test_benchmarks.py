@@ -213,3 +213,36 @@ def test_sweep_writes_png_and_markdown(tmp_path):
     }
     assert [r for r in records if r["error"] is not None or not r["examples_per_second"] > 0] == []
     assert {r["replicas"] for r in records if r["sweep"] == "replicas"} == {1, 2}
+
+
+@pytest.mark.process
+@pytest.mark.timeout(400)
+def test_checkpoint_benchmark_writes_blocking_times_and_slowdowns(tmp_path):
+    out = tmp_path / "checkpoint.json"
+    model_dir = tmp_path / "checkpoints"
+    completed = _run(
+        [
+            "benchmarks.checkpoint",
+            "--model=mlp",
+            "--global_batch_size=16",
+            "--saves=2",
+            "--steps=4",
+            "--checkpoint_every=2",
+            "--repeats=1",
+            f"--model_dir={model_dir}",
+            f"--json={out}",
+        ],
+        timeout=360,
+    )
+    payload = json.loads(out.read_text())
+    for key in ("sync_blocking_s", "async_blocking_s", "blocking_ratio", "sync_slowdown", "async_slowdown"):
+        assert isinstance(payload[key], float), (key, payload[key])
+    assert payload["sync_blocking_s"] > 0 and payload["async_blocking_s"] > 0
+    assert payload["blocking_ratio"] == payload["async_blocking_s"] / payload["sync_blocking_s"]
+    assert [len(payload["blocking_s"][mode]) for mode in ("sync", "async")] == [2, 2]
+    assert sorted(payload["run_s"]) == ["async", "none", "sync"]
+    # Both kinds wrote readable checkpoints of the same model, each in its own directory.
+    for mode in ("sync", "async"):
+        state = (model_dir / mode / "checkpoints" / "checkpoint").read_text()
+        assert 'model_checkpoint_path: "ckpt-' in state, state
+    assert "blocking per save" in completed.stdout and "end to end" in completed.stdout

@@ -86,3 +86,21 @@ def test_autograph_passes_a_user_error_through_unchanged():
     with pytest.raises(UserError) as caught:
         traced(tf.constant(1))
     assert str(caught.value) == "the one line", f"AutoGraph rewrote the error ({compat.VERSIONS})"
+
+
+def test_a_host_copy_of_keras_and_tf_variables_is_what_a_twin_checkpoint_writes(tmp_path):
+    kernel = keras.Variable(np.ones((2, 2), "float32"))
+    step = tf.Variable(3, dtype=tf.int64)
+    checkpoint = tf.train.Checkpoint(kernel=kernel, step=step)
+    with private_api("Trackable._copy_trackable_to_cpu / TrackableSaver._object_map / object_identity"):
+        object_map = compat.identity_map()
+        assert compat.has_own_state(kernel) and compat.has_own_state(step)
+        assert not compat.has_own_state(checkpoint)
+        compat.copy_to_host(kernel, object_map)
+        compat.copy_to_host(step, object_map)
+        kernel.assign(np.zeros((2, 2), "float32"))  # After the copy: not saved.
+        compat.save_from(checkpoint, object_map)
+        path = checkpoint.write(str(tmp_path / "copy"))
+    reader = tf.train.load_checkpoint(path)
+    assert reader.get_tensor("kernel/.ATTRIBUTES/VARIABLE_VALUE").tolist() == [[1.0, 1.0], [1.0, 1.0]]
+    assert reader.get_tensor("step/.ATTRIBUTES/VARIABLE_VALUE") == 3

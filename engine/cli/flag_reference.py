@@ -33,6 +33,7 @@ SEE_ALSO = {
     "model_dir": "fault-tolerance.md",
     "restore_fallback": "fault-tolerance.md",
     "reset_optimizer": "fault-tolerance.md",
+    "async_checkpoint": "fault-tolerance.md#asynchronous-checkpoints",
     "on_nonfinite": "fault-tolerance.md",
     "export_dir": "export.md",
     "ema_decay": "moving-average.md",

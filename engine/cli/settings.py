@@ -120,6 +120,7 @@ TRAINER_SETTINGS = (
     "restore_fallback",
     "log_every",
     "reset_optimizer",
+    "async_checkpoint",
 )
 
 
@@ -381,6 +382,12 @@ class RunConfig:
     )
     checkpoint_every: int = setting(500, "Save every N steps (and always at the end).")
     max_checkpoints: int = setting(3, "Checkpoints to keep: the newest N.")
+    async_checkpoint: bool = setting(
+        True,
+        "Write checkpoints in the background: a save waits only for a copy of the variables in "
+        "memory, and the checkpoint state file names a checkpoint once its files are complete. "
+        "Off (synchronous) under --strategy=parameter_server and tpu, where it is not verified.",
+    )
     restore_fallback: bool = setting(
         False,
         "If the latest checkpoint cannot be read, restore the newest older one that can "

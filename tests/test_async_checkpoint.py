@@ -1,0 +1,286 @@
+"""Checkpoints written in the background (`async_checkpoint`, on by default) keep the
+guarantees of synchronous saves: the state file names a checkpoint only once its files
+are complete, a checkpoint holds the values of its step, a full disk is the same one
+line, the end of training waits for the write, and kill -9 at any moment of a write
+leaves the latest checkpoint readable and the resume bitwise equal.
+
+The fast tests hold the writer thread at a gate, so what "while the write is under way"
+means is certain rather than timed; the kill -9 test runs the command line.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tensorflow as tf
+from helpers import python_env, run_main, small_trainer, stop
+
+from engine import model_dir as model_dir_lib
+from engine.checkpoint_writer import BackgroundWriter
+from engine.errors import UserError
+
+
+@pytest.fixture
+def gate(monkeypatch):
+    """Open at first; after `gate.clear()` each background write waits until `gate.set()`.
+    `gate.entered` is set once a write has started."""
+    gate = threading.Event()
+    gate.set()
+    gate.entered = threading.Event()  # type: ignore[attr-defined]
+    write = BackgroundWriter._write
+
+    def held_write(self, step):
+        gate.entered.set()  # type: ignore[attr-defined]
+        assert gate.wait(60), "the test never opened the gate"
+        write(self, step)
+
+    monkeypatch.setattr(BackgroundWriter, "_write", held_write)
+    return gate
+
+
+def _state_names(model_dir: Path) -> str | None:
+    path = tf.train.latest_checkpoint(str(model_dir / "checkpoints"))
+    return None if path is None else os.path.basename(path)
+
+
+def _weights(trainer) -> list[np.ndarray]:
+    return [np.array(v) for v in trainer.model.get_weights()]
+
+
+def _saved_weights(trainer, path: str) -> list[np.ndarray]:
+    """The model weights a checkpoint holds, read into a fresh copy of the model."""
+    import keras
+
+    model = keras.models.clone_model(trainer.model)
+    tf.train.Checkpoint(model=model).read(path).expect_partial()
+    return model.get_weights()
+
+
+def test_a_save_returns_before_the_write_and_the_checkpoint_holds_the_step_it_was_taken_at(tmp_path, gate):
+    trainer = small_trainer(tmp_path)
+    assert trainer.checkpointer.writes_in_background
+    trainer.train(2)  # ckpt-2, complete: the end of train() waited for it.
+    assert _state_names(tmp_path) == "ckpt-2"
+    trainer.train_runner.run(2, 2)  # Two more steps, no save.
+    assert trainer.step == 4
+    at_save = _weights(trainer)
+    gate.clear()
+    gate.entered.clear()
+    trainer.save()  # Returns with the write held at the gate: the loop waits for the copy only.
+    assert gate.entered.wait(30)
+    # The write is under way: the state file still names the previous checkpoint.
+    assert _state_names(tmp_path) == "ckpt-2"
+    assert not (tmp_path / "checkpoints" / "ckpt-4.index").exists()
+    trainer.train_runner.run(4, 2)  # Training goes on and changes the weights under the write.
+    assert any(not np.array_equal(a, b) for a, b in zip(at_save, _weights(trainer), strict=True))
+    gate.set()
+    trainer.checkpointer.wait()
+    assert _state_names(tmp_path) == "ckpt-4"
+    saved = _saved_weights(trainer, str(tmp_path / "checkpoints" / "ckpt-4"))
+    for a, b in zip(at_save, saved, strict=True):
+        np.testing.assert_array_equal(a, b)  # The copy taken at the save, not the weights after it.
+    trainer.close()
+
+
+def test_the_state_file_names_a_checkpoint_only_once_its_files_are_complete(tmp_path, monkeypatch):
+    trainer = small_trainer(tmp_path)
+    manager = trainer.checkpoint_manager
+    record_state = manager._record_state
+    checked = []
+
+    def checked_record_state():
+        latest = manager.latest_checkpoint
+        assert model_dir_lib.read_problem(latest) is None, f"{latest} named before its files are complete"
+        assert not list((tmp_path / "checkpoints").glob("*_temp")), "the state file is written before the merge"
+        checked.append((threading.current_thread().name, os.path.basename(latest)))
+        record_state()
+
+    monkeypatch.setattr(manager, "_record_state", checked_record_state)
+    trainer.train(6)
+    trainer.close()
+    # TF records twice per save (before and after rotation), on the writer thread.
+    assert [name for _, name in checked[::2]] == ["ckpt-2", "ckpt-4", "ckpt-6"], checked
+    assert all(thread.startswith("checkpoint-") for thread, _ in checked), checked
+
+
+def test_the_end_of_train_and_close_wait_for_the_write(tmp_path, monkeypatch):
+    write = BackgroundWriter._write
+
+    def slow_write(self, step):
+        time.sleep(0.3)
+        write(self, step)
+
+    monkeypatch.setattr(BackgroundWriter, "_write", slow_write)
+    trainer = small_trainer(tmp_path)
+    trainer.train(4)
+    assert _state_names(tmp_path) == "ckpt-4"
+    assert model_dir_lib.read_problem(str(tmp_path / "checkpoints" / "ckpt-4")) is None
+    assert not [t for t in threading.enumerate() if t.name.startswith("checkpoint-")]
+    trainer.save()  # The same step again, then close(): it ends complete too.
+    trainer.close()
+    assert not [t for t in threading.enumerate() if t.name.startswith("checkpoint-")]
+    assert _state_names(tmp_path) == "ckpt-4"
+
+
+def _disk_full(monkeypatch, *, after: int) -> None:
+    """Every CheckpointManager.save after the first `after` fails as a full disk does."""
+    save = tf.train.CheckpointManager.save
+    calls = []
+
+    def full_save(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) > after:
+            os.makedirs(os.path.join(self.directory, "ckpt-99_temp"), exist_ok=True)  # What a cut write leaves.
+            raise tf.errors.ResourceExhaustedError(
+                None, None, "ckpt-99_temp/part-00000; No space left on device"
+            )
+        return save(self, *args, **kwargs)
+
+    monkeypatch.setattr(tf.train.CheckpointManager, "save", full_save)
+
+
+@pytest.mark.parametrize("background", [True, False], ids=["async", "sync"])
+def test_a_disk_full_during_a_write_is_the_sync_line_and_the_previous_checkpoint_stays_latest(
+    tmp_path, monkeypatch, background
+):
+    trainer = small_trainer(tmp_path, async_checkpoint=background)
+    assert trainer.checkpointer.writes_in_background is background
+    _disk_full(monkeypatch, after=1)
+    with pytest.raises(UserError) as raised:
+        trainer.train(6)
+    message = str(raised.value)
+    assert "\n" not in message, message
+    assert re.fullmatch(
+        rf"checkpoint at step 4 not saved: the disk holding {re.escape(str(tmp_path / 'checkpoints'))} is full "
+        r"\(.* MiB free of .* MiB\); free space or use another `model_dir`; the latest checkpoint "
+        rf"\({re.escape(str(tmp_path / 'checkpoints' / 'ckpt-2'))}\) is kept",
+        message,
+    ), message
+    assert _state_names(tmp_path) == "ckpt-2"
+    assert model_dir_lib.read_problem(str(tmp_path / "checkpoints" / "ckpt-2")) is None
+    assert not list((tmp_path / "checkpoints").glob("*_temp"))
+    trainer.close()
+
+
+def test_async_checkpoint_off_saves_in_the_loop(tmp_path):
+    trainer = small_trainer(tmp_path, async_checkpoint=False)
+    assert not trainer.checkpointer.writes_in_background
+    trainer.train(2)
+    assert _state_names(tmp_path) == "ckpt-2"
+
+
+# --------------------------------------------------------------- kill -9 during writes
+
+# A small mlp beside a 64 MiB weight that nothing trains: each write takes a while, steps stay fast.
+BALLAST_MODEL = """
+import keras
+from keras import layers
+
+
+def build(input_shape, num_classes):
+    inputs = keras.Input(shape=input_shape)
+    x = layers.Dense(64, activation="relu")(layers.Flatten()(inputs))
+    model = keras.Model(inputs, layers.Dense(num_classes, dtype="float32")(x))
+    model.ballast = model.add_weight(shape=(4096, 4096), initializer="ones", trainable=False, name="ballast")
+    return model
+"""
+
+KILL_FLAGS = [
+    "--model=ballast:build",
+    "--deterministic",
+    "--optimizer=adam",
+    "--eval_every=0",
+    "--steps_per_loop=5",
+    "--checkpoint_every=20",
+    "--seed=7",
+    "--max_checkpoints=2",
+]
+
+
+def _final_state(model_dir: Path) -> dict[str, np.ndarray]:
+    path = tf.train.latest_checkpoint(str(model_dir / "checkpoints"))
+    reader = tf.train.load_checkpoint(path)
+    return {
+        name: reader.get_tensor(name)
+        for name in reader.get_variable_to_shape_map()
+        if "save_counter" not in name
+    }
+
+
+def _write_under_way(checkpoints: Path, beyond: int) -> bool:
+    """Whether a write of a checkpoint past step `beyond` has begun (its `_temp` directory, or
+    its files before the state file names them)."""
+    for path in checkpoints.glob("ckpt-*"):
+        match = re.match(r"ckpt-(\d+)", path.name)
+        if match and int(match.group(1)) > beyond:
+            return True
+    return False
+
+
+@pytest.mark.process
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_kill_9_during_background_writes_then_resume_bitwise_equal(tmp_path):
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "ballast.py").write_text(BALLAST_MODEL)
+    target = 400
+    flags = [*KILL_FLAGS, f"--train_steps={target}"]
+    whole, killed = tmp_path / "whole", tmp_path / "killed"
+    uninterrupted = run_main(*flags, f"--model_dir={whole}", cwd=project, timeout=400)
+    assert uninterrupted.returncode == 0, uninterrupted.stderr[-3000:]
+    rng = random.Random(22)
+    deadline = time.monotonic() + 480
+    kills = 0
+    for _ in range(10):
+        if time.monotonic() > deadline:
+            break
+        resumed_from = _latest(killed)
+        process = subprocess.Popen(
+            [sys.executable, "-m", "engine.main", *flags, f"--model_dir={killed}"],
+            cwd=project,
+            env=python_env(),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+        )
+        try:
+            waited = time.monotonic() + 120
+            while not _write_under_way(killed / "checkpoints", resumed_from):
+                assert process.poll() is None, process.communicate(timeout=30)[1][-3000:]
+                assert time.monotonic() < waited, "no checkpoint write began in 120 s"
+                time.sleep(0.002)
+            time.sleep(rng.uniform(0.0, 0.25))  # Anywhere in the write: copy, files, merge, state file.
+            if process.poll() is not None:
+                break  # The run finished first: nothing left to kill.
+        finally:
+            stop(process)  # SIGKILL to the group: no handler, no atexit.
+        kills += 1
+        latest = tf.train.latest_checkpoint(str(killed / "checkpoints"))
+        if latest is not None:
+            assert model_dir_lib.read_problem(latest) is None, f"kill {kills}: {latest} cannot be read"
+    assert kills >= 3, f"only {kills} kills landed before the run ended"
+    assert (_latest(killed) or 0) < target
+    finished = run_main(*flags, f"--model_dir={killed}", cwd=project, timeout=400)
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    final = _final_state(whole)
+    assert any("ballast" in name or "optimizer" in name for name in final)
+    resumed = _final_state(killed)
+    assert final.keys() == resumed.keys()
+    for name in final:
+        np.testing.assert_array_equal(final[name], resumed[name], err_msg=name)
+
+
+def _latest(model_dir: Path) -> int:
+    """The step of the latest checkpoint, -1 without one."""
+    path = tf.train.latest_checkpoint(str(model_dir / "checkpoints"))
+    return -1 if path is None else int(path.rsplit("-", 1)[1])
