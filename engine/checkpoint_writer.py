@@ -25,6 +25,7 @@ ends normally ends the write first; the Checkpointer's `wait` raises its error.
 
 from __future__ import annotations
 
+import atexit
 import threading
 from typing import Any
 
@@ -121,8 +122,20 @@ class BackgroundWriter:
             path = self.manager.save(checkpoint_number=step)
         except BaseException as error:  # noqa: BLE001 - handed to the caller's thread by `result`
             self._failed = (step, error)
+            # A script that never waits again (no close()) still hears of it, at exit.
+            atexit.register(self._report_unclaimed)
             return
         logger.info("Saved checkpoint %s", path)
+
+    def _report_unclaimed(self) -> None:
+        if self._failed is not None:
+            step, error = self._failed
+            logger.error(
+                "the checkpoint of step %d was never written (%s: %s); the previous checkpoint is the latest",
+                step,
+                type(error).__name__,
+                str(error).splitlines()[0] if str(error) else "",
+            )
 
     def join(self) -> None:
         """Returns once no write is under way."""
