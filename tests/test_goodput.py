@@ -274,3 +274,12 @@ def test_cli_omits_mfu_without_a_peak_and_tflops_for_an_uncounted_model(tmp_path
     record = json.loads((tmp_path / "run" / "metrics.json").read_text())
     assert "tflops" not in record["train"] and "mfu" not in record["train"]
     check_figures(record["goodput"])
+
+
+def test_restarts_come_from_the_launchers_environment(monkeypatch):
+    from engine.goodput import RESTARTS_ENV, RESTARTS_LOST_ENV, restarts_from_environment
+
+    assert restarts_from_environment() == {}  # Never restarted: no such fields.
+    monkeypatch.setenv(RESTARTS_ENV, "2")
+    monkeypatch.setenv(RESTARTS_LOST_ENV, "12.5")
+    assert restarts_from_environment() == {"restarts": 2, "restarts_lost_s": 12.5}

@@ -18,6 +18,9 @@ succeed); under `--max_restarts=N` a task that dies (non-zero exit or a
 signal) makes the launcher stop the others and start the whole cluster
 again on fresh ports, up to N times, and the run resumes from the latest
 checkpoint. A task that fails on bad flags (exit 2) is never restarted.
+The time restarts lose (each failed cluster's, from its start to its
+successor's) reaches the chief as `goodput.restarts_lost_s` in metrics.json
+(`engine.goodput.RESTARTS_LOST_ENV`) and ends the launcher's last line.
 With ps tasks, the chief's: a worker that dies is restarted (the
 coordinator reschedules its work meanwhile; `--max_worker_restarts`), a ps
 task that dies ends the run. `--evaluator` adds an evaluator task that
