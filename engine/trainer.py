@@ -26,6 +26,7 @@ from engine.compat import num_workers
 from engine.data import Data, DataForm, as_eval_form, as_train_form
 from engine.ema import WeightAverages, averages_swapped_in, weight_averages
 from engine.errors import DataExhaustedError, NonFiniteLossError, UserError
+from engine.goodput import GoodputClock, ModelFlops, TimedFunction, breakdown_line, scalars
 from engine.logger import logger
 from engine.options import DEFAULT_STEPS_PER_LOOP, NONFINITE_POLICIES, Cadence, CheckpointOptions, StepOptions
 from engine.resident import ResidentData, keeps_on_devices
@@ -96,6 +97,10 @@ class Trainer:
       async_checkpoint: a save waits only for a copy of the variables; the files are
         written in the background, and the end of `train()` and `close()` wait for them
         (`engine.checkpoint_writer`). Synchronous under parameter-server and TPU strategies.
+      flops_per_example: the model's forward-pass FLOPs per example (e.g.
+        `models.flops_per_example(model)`): the progress lines and TensorBoard
+        then show the training TFLOP/s (3x forward), and with `peak_tflops`
+        the MFU (achieved / peak). Unknown (None): neither is shown.
 
     Raises:
       UserError: a bad argument, naming it, before anything is written.
@@ -132,7 +137,11 @@ class Trainer:
         reset_optimizer: bool = False,
         ema_decay: float | None = None,
         async_checkpoint: bool = True,
+        flops_per_example: int | None = None,
+        peak_tflops: float | None = None,
     ):
+        self.goodput_clock = GoodputClock()  # Research code's run starts here (`goodput()`).
+        self.model_flops = ModelFlops.from_forward(flops_per_example, peak_tflops)
         step_options = StepOptions(
             clip_norm=clip_norm,
             grad_accum_steps=grad_accum_steps,
@@ -175,6 +184,8 @@ class Trainer:
         self.global_batch_size = global_batch_size
         self.model_dir = model_dir
         self.target_step: int | None = None  # The `steps` of the running train() call.
+        self.reports_goodput = True  # train() ends with `report_goodput()`.
+        self.last_goodput: dict[str, float] | None = None  # What the last `report_goodput()` reported.
         self._summaries = SummaryWriters(model_dir)
         self._steady_seconds = 0.0
         self._steady_steps = 0
@@ -201,6 +212,8 @@ class Trainer:
             self.eval_runner = self._make_eval_runner(
                 loss_fn, eval_form, metrics=metrics, weighted_metrics=weighted_metrics, eval_step_fn=eval_step_fn
             )
+            # Each eval call that traces is compile time, the others eval time.
+            self.eval_runner.loop = TimedFunction(self.eval_runner.loop, self.goodput_clock, "eval")
         self.eval_metrics = self.eval_runner.metrics if self.eval_runner is not None else []
         self._predict_runner: PredictRunner | None = None  # Made by the first predict().
 
@@ -210,7 +223,8 @@ class Trainer:
         self.checkpointer: Checkpointer | None = None
         if model_dir is not None:
             self.checkpointer = self._make_checkpointer(model_dir, checkpoint_options)
-            self._restore()
+            with self.goodput_clock.phase("restore"):
+                self._restore()
         for callback in self.callbacks:  # Their own state on disk, now that the step is known.
             callback.restore_state(self)
 
@@ -304,7 +318,8 @@ class Trainer:
         """Writes a checkpoint at the current step (no-op without model_dir)."""
         if self.checkpointer is None:
             return None
-        return self.checkpointer.save(self.step)
+        with self.goodput_clock.phase("checkpoint"):  # The time the loop is blocked saving.
+            return self.checkpointer.save(self.step)
 
     def _latest_checkpoint(self) -> str | None:
         return None if self.checkpointer is None else self.checkpointer.latest
@@ -406,7 +421,25 @@ class Trainer:
         self._save_unless_saved(last_saved)
         for callback in self.callbacks:
             callback.on_train_end(self, logs)
+        if self.reports_goodput:
+            self.report_goodput()
         return logs
+
+    def goodput(self) -> dict[str, float]:
+        """Where the wall time went since the Trainer was created (`engine.goodput`): `total_s`,
+        `startup_s`, `compile_s`, `train_s`, `eval_s`, `checkpoint_s`, `restore_s` (seconds) and
+        `fraction` = train_s / total_s."""
+        return self.goodput_clock.figures()
+
+    def report_goodput(self, extra: Mapping[str, float] | None = None) -> dict[str, float]:
+        """The figures so far (and `extra` ones) as `goodput/*` scalars at this step and one log line;
+        returns them. train() calls it at its end unless `reports_goodput` is False (the command
+        line reports once, after its final evaluation)."""
+        figures = {**self.goodput(), **(extra or {})}
+        self._summaries.write("train", self.step, scalars(figures))
+        logger.info("%s", breakdown_line(figures))
+        self.last_goodput = figures
+        return figures
 
     def _train_one_loop(self, start: int, num_steps: int, target: int, last_saved: int) -> dict[str, float]:
         """Runs one compiled call and returns its logs (written to TensorBoard); ends the
@@ -414,7 +447,8 @@ class Trainer:
         for metric in self.train_metrics:
             metric.reset_state()
         began = time.perf_counter()
-        result = self.train_runner.run(start, num_steps)
+        with self.goodput_clock.call(self.train_runner.loop, "train"):  # A call that traced: compile.
+            result = self.train_runner.run(start, num_steps)
         seconds = time.perf_counter() - began
         if result.steps_run == 0:  # Not one batch was left: nothing ran, nothing to log.
             self._end_on_exhausted_data(target, last_saved, {})
@@ -483,9 +517,11 @@ class Trainer:
             self._steady_seconds += seconds
             self._steady_steps += num_steps
         self._compiled_once = True
+        examples_per_second = num_steps * self.global_batch_size / seconds
         return {
             "steps_per_second": num_steps / seconds,
-            "examples_per_second": num_steps * self.global_batch_size / seconds,
+            "examples_per_second": examples_per_second,
+            **self.model_flops.rates(examples_per_second),  # tflops, mfu: where the FLOPs are known.
         }
 
     @property
@@ -523,7 +559,7 @@ class Trainer:
         """
         if self.eval_runner is None:
             raise UserError("evaluate() needs eval_data and a loss_fn")
-        with self.averaged_weights():
+        with self.goodput_clock.phase("eval"), self.averaged_weights():
             # Several workers must run the same chunks (each batch is agreed by all-reduce).
             result = self.eval_runner.run(lambda: self._stop_requested and self._stop_agreement is None)
         if result is None:

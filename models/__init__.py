@@ -1,7 +1,7 @@
 """Model zoo: name -> builder of an uncompiled Keras model that outputs logits."""
 
 from models.fits import check_fits_data
-from models.flops import flops_per_example
+from models.flops import flops_per_example, known_flops_per_example
 from models.registry import (
     USER_MODEL_INPUT_SHAPE,
     ModelError,
@@ -16,6 +16,7 @@ __all__ = [
     "ModelError",
     "ModelSpec",
     "flops_per_example",
+    "known_flops_per_example",
     "get_model_spec",
     "is_user_model",
     "model_names",

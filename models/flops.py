@@ -13,6 +13,64 @@ _TRANSPOSED_CONVS = (layers.Conv1DTranspose, layers.Conv2DTranspose, layers.Conv
 _SEPARABLE_CONVS = (layers.SeparableConv1D, layers.SeparableConv2D)
 _DEPTHWISE_CONVS = (layers.DepthwiseConv1D, layers.DepthwiseConv2D)
 _CONVS = (layers.Conv1D, layers.Conv2D, layers.Conv3D)
+_COUNTED = (*_TRANSPOSED_CONVS, *_SEPARABLE_CONVS, *_DEPTHWISE_CONVS, *_CONVS, layers.Dense)
+# Keras layers whose cost `_layer_macs` may ignore (elementwise, pooling, normalisation, shape and
+# dropout layers, Embedding's lookup): a model made of these and the counted kinds only is counted
+# exactly enough. Any other layer (a user's own, attention, recurrent) may hide matmuls.
+_NEGLIGIBLE = (
+    layers.InputLayer,
+    layers.Activation,
+    layers.ReLU,
+    layers.LeakyReLU,
+    layers.PReLU,
+    layers.ELU,
+    layers.Softmax,
+    layers.Flatten,
+    layers.Reshape,
+    layers.Permute,
+    layers.RepeatVector,
+    layers.Dropout,
+    layers.SpatialDropout1D,
+    layers.SpatialDropout2D,
+    layers.SpatialDropout3D,
+    layers.GaussianNoise,
+    layers.GaussianDropout,
+    layers.BatchNormalization,
+    layers.LayerNormalization,
+    layers.GroupNormalization,
+    layers.UnitNormalization,
+    layers.Rescaling,
+    layers.Embedding,
+    layers.Identity,
+    layers.Add,
+    layers.Subtract,
+    layers.Multiply,
+    layers.Average,
+    layers.Maximum,
+    layers.Minimum,
+    layers.Concatenate,
+    layers.MaxPooling1D,
+    layers.MaxPooling2D,
+    layers.MaxPooling3D,
+    layers.AveragePooling1D,
+    layers.AveragePooling2D,
+    layers.AveragePooling3D,
+    layers.GlobalMaxPooling1D,
+    layers.GlobalMaxPooling2D,
+    layers.GlobalMaxPooling3D,
+    layers.GlobalAveragePooling1D,
+    layers.GlobalAveragePooling2D,
+    layers.GlobalAveragePooling3D,
+    layers.ZeroPadding1D,
+    layers.ZeroPadding2D,
+    layers.ZeroPadding3D,
+    layers.Cropping1D,
+    layers.Cropping2D,
+    layers.Cropping3D,
+    layers.UpSampling1D,
+    layers.UpSampling2D,
+    layers.UpSampling3D,
+)
 
 
 def _spatial_size(shape: tuple[int | None, ...], data_format: str) -> int:
@@ -89,3 +147,42 @@ def flops_per_example(model: keras.Model) -> int:
             "keras.Input (as models/ does) before counting FLOPs"
         )
     return 2 * _model_macs(model)
+
+
+def _uncounted_layer(model: keras.Model) -> keras.layers.Layer | None:
+    """The first layer (in nested models too) whose FLOPs `_layer_macs` neither counts nor may ignore."""
+    for layer in model.layers:
+        if isinstance(layer, keras.Model):
+            found = _uncounted_layer(layer)
+            if found is not None:
+                return found
+        elif type(layer) not in _COUNTED + _NEGLIGIBLE:  # Exact types: a subclass may do more.
+            return layer
+    return None
+
+
+def known_flops_per_example(model: keras.Model) -> int | None:
+    """`flops_per_example(model)` where it counts the model, else None (never a guess).
+
+    Counted: a built functional or Sequential model (nested ones too) made only of the
+    layer kinds `_layer_macs` counts and the Keras layers it may ignore, each called once.
+    A subclassed model, or one with any other layer (a user's own, attention), is not.
+    """
+    if not isinstance(model, keras.Model) or not model.built:
+        return None
+    if type(model) is not keras.Sequential and not _is_functional(model):
+        return None
+    if _uncounted_layer(model) is not None:
+        return None
+    try:
+        flops = flops_per_example(model)
+    except (ValueError, TypeError, AttributeError):  # A layer called twice, an unknown shape.
+        return None
+    return flops or None
+
+
+def _is_functional(model: keras.Model) -> bool:
+    """A graph of layers (keras.Model(inputs, outputs)), not a subclass with its own call()."""
+    from keras.src.models.functional import Functional
+
+    return isinstance(model, Functional) and type(model).call is Functional.call

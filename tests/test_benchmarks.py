@@ -246,3 +246,47 @@ def test_checkpoint_benchmark_writes_blocking_times_and_slowdowns(tmp_path):
         state = (model_dir / mode / "checkpoints" / "checkpoint").read_text()
         assert 'model_checkpoint_path: "ckpt-' in state, state
     assert "blocking per save" in completed.stdout and "end to end" in completed.stdout
+
+
+@pytest.mark.process
+@pytest.mark.timeout(300)
+def test_device_check_tiny_prints_one_json_with_every_field(tmp_path):
+    from benchmarks.device_check import FIELDS, SECTION_FIELDS
+
+    out = tmp_path / "check.json"
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=str(REPO))
+    completed = subprocess.run(
+        [str(REPO / "benchmarks" / "device_check.sh"), "--tiny", f"--json={out}"],
+        cwd=tmp_path,  # The script finds the repository itself.
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
+    assert completed.returncode == 0, completed.stderr[-4000:]
+    printed = json.loads(completed.stdout)  # stdout holds the JSON alone; the logs go to stderr.
+    assert printed == json.loads(out.read_text())
+    assert set(FIELDS) <= set(printed) and printed["tiny"] is True
+    for section in ("bf16_xla", "fp16_xla", "mirrored_bf16_xla"):
+        figures = printed[section]
+        assert set(SECTION_FIELDS) <= set(figures), figures
+        assert figures["error"] is None, figures
+        assert figures["engine_images_per_second"] > 0 and figures["raw_images_per_second"] > 0
+        assert figures["engine/raw"] > 0 and figures["engine_tflops"] > 0
+        assert figures["mfu"] is None  # A CPU has no entry in the table of peaks: omitted, not guessed.
+    assert printed["mirrored_bf16_xla"]["replicas"] == 2
+    checkpoint = printed["async_checkpoint"]
+    assert "blocking_ratio" in checkpoint
+    assert checkpoint["blocking_ratio"] is not None or checkpoint["reason"]
+
+
+def test_device_check_knows_the_peaks_of_common_gpus():
+    from benchmarks.device_check import peak_tflops
+
+    assert peak_tflops("NVIDIA H100 80GB HBM3", "bfloat16") == 989.0
+    assert peak_tflops("NVIDIA H200", "bfloat16") == 989.0
+    assert peak_tflops("NVIDIA A100-SXM4-80GB", "bfloat16") == 312.0
+    assert peak_tflops("NVIDIA L4", "bfloat16") == 121.0
+    assert peak_tflops("NVIDIA L40S", "bfloat16") == 362.0
+    assert peak_tflops("Tesla V100-SXM2-16GB", "bfloat16") is None
+    assert peak_tflops("Some Future GPU", "bfloat16") is None

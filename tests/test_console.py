@@ -197,7 +197,11 @@ def test_the_summary_table_shows_metrics_json_figures(tmp_path):
     assert rows["learning_rate"] == [f"{metrics['train']['learning_rate']:.4g}", "-"]
     assert "examples_per_second" not in rows and "steps_per_second" not in rows  # One loop's rates.
     assert rows["step"] == [str(metrics["global_step"])] == ["6"]
-    assert rows["throughput"] == [f"{metrics['examples_per_second']:.4g} examples/s"]
+    # The mlp's FLOPs are counted: the steady rate's TFLOP/s too (no --peak_tflops: no MFU).
+    train = metrics["train"]
+    tflops = train["tflops"] / train["examples_per_second"] * metrics["examples_per_second"]
+    assert rows["throughput"] == [f"{metrics['examples_per_second']:.4g} examples/s, {tflops:.4g} TFLOP/s"]
+    assert rows["goodput"][0].startswith(f"{metrics['goodput']['fraction']:.2f}: train "), rows
     assert rows["best checkpoint"] == [
         f"loss={best['value']:.4g} at step {best['step']}: {model_dir / 'best' / best['checkpoint']}"
     ]

@@ -13,6 +13,7 @@ import math
 import os
 import re
 import tempfile
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -29,6 +30,7 @@ from engine.cli.config_files import check_stored_config_writable, write_stored_c
 from engine.cli.hooks_from_flags import hooks_from_config
 from engine.cli.hparams import write_hparams
 from engine.cli.model_summary import model_summary
+from engine.cli.own_packages import own_package
 from engine.cli.preemption import stop_on_signals
 from engine.cli.run_record import read_record, record_path, record_training
 from engine.cli.run_task import RunTask, check_reported, resolve_task
@@ -36,6 +38,7 @@ from engine.cli.settings import TRAINER_SETTINGS, RunConfig, settings_of
 from engine.cluster import task_model_dir
 from engine.errors import UserError, one_line
 from engine.export import export_for_serving
+from engine.goodput import restarts_from_environment
 from engine.logger import EVERY_TASK
 from engine.resident import ResidentData
 from engine.strategy import build_strategy
@@ -45,8 +48,11 @@ from engine.trainer import Trainer
 STOPPED_BY_PEER_EXIT = 75
 
 
-def run(config: RunConfig) -> dict[str, Any]:
+def run(config: RunConfig, *, started_at: float | None = None) -> dict[str, Any]:
     """Trains and evaluates as `config` says; returns what metrics.json holds.
+
+    `started_at` (`time.time()`; default: now) is where the run's goodput clock starts:
+    `engine.main` passes its process's start, so that start-up counts.
 
     A run stopped by SIGTERM/SIGINT saves a checkpoint, skips the final
     evaluation and metrics.json, and returns its `exit_status` (128+signal;
@@ -57,11 +63,12 @@ def run(config: RunConfig) -> dict[str, Any]:
     """
     from engine.cli.flag_names import errors_in_flag_terms
 
+    started_at = time.time() if started_at is None else started_at
     with errors_in_flag_terms():
-        return _run(config)
+        return _run(config, started_at)
 
 
-def _run(config: RunConfig) -> dict[str, Any]:
+def _run(config: RunConfig, started_at: float) -> dict[str, Any]:
     if config.mode == "predict":  # Reads a trained model_dir, writes the --predict_output file only.
         return predictor.run(config)
     evaluation_mode = evaluator.evaluation_mode(config)
@@ -96,7 +103,9 @@ def _run(config: RunConfig) -> dict[str, Any]:
     lock = model_dir_lib.writer_lock(model_dir) if write_dir == model_dir else contextlib.nullcontext()
     # Repairs of on-disk state made while checking are undone if a later check refuses the run.
     with model_dir_lib.disk_full_is_a_user_error(model_dir), lock, repairs.undone_on_error():
-        return _train_and_evaluate(config, strategy, cluster, task, model_dir, write_dir, total_steps)
+        return _train_and_evaluate(
+            config, strategy, cluster, task, model_dir, write_dir, total_steps, started_at
+        )
 
 
 def check_batch_fits(global_batch_size: int, num_train_examples: int | None, dataset: str) -> None:
@@ -126,7 +135,7 @@ def check_batch_fits_memory(global_batch_size: int, num_workers: int, feature_sh
 
 
 def _train_and_evaluate(
-    config, strategy, cluster, task: RunTask, model_dir: str, write_dir: str, total_steps: int
+    config, strategy, cluster, task: RunTask, model_dir: str, write_dir: str, total_steps: int, started_at: float
 ) -> dict[str, Any]:
     """The part of `run` that reads and writes model_dir: under the writer lock
     on the chief. Everything is checked before the first byte is written."""
@@ -163,9 +172,12 @@ def _train_and_evaluate(
         callbacks=hooks_from_config(config),
         steps_per_epoch=max(1, source.num_train_examples // batch) if source.num_train_examples else None,
         ema_decay=config.ema_decay or None,
+        flops_per_example=own_package("models").known_flops_per_example(model),  # None: not counted.
         **task.trainer_arguments(),
         **settings_of(config, TRAINER_SETTINGS),
     )
+    trainer.goodput_clock.start_from(started_at)  # Start-up counts from the process's start.
+    trainer.reports_goodput = False  # Once, after the final evaluation (_train_with_clean_errors).
     _log_banner(config, strategy, model, task, model_dir, total_steps, trainer)
     finished = _finished_result(trainer, total_steps, metrics_path) if write_dir == model_dir else None
     # Synchronous workers evaluate together, so there the chief evaluates again with them
@@ -218,6 +230,7 @@ def _train_and_evaluate(
         "train": train_logs,
         "eval": eval_logs,
         "examples_per_second": speed,
+        "goodput": trainer.last_goodput,
         "model_dir": model_dir,
     }
     if write_dir == model_dir:
@@ -305,6 +318,8 @@ def _train_with_clean_errors(
                 f"bad data in --dataset={config.dataset} --data_dir={config.data_dir}: {text}; "
                 f"fix or remove that file; {_what_is_kept(trainer)}"
             ) from None
+    # The goodput scalars and line, after the final evaluation; metrics.json takes the same (last_goodput).
+    trainer.report_goodput(restarts_from_environment())
     trainer.close()
     if trainer.stop_requested:
         cause = (

@@ -18,6 +18,9 @@ succeed); under `--max_restarts=N` a task that dies (non-zero exit or a
 signal) makes the launcher stop the others and start the whole cluster
 again on fresh ports, up to N times, and the run resumes from the latest
 checkpoint. A task that fails on bad flags (exit 2) is never restarted.
+The time restarts lose (each failed cluster's, from its start to its
+successor's) reaches the chief as `goodput.restarts_lost_s` in metrics.json
+(`engine.goodput.RESTARTS_LOST_ENV`) and ends the launcher's last line.
 With ps tasks, the chief's: a worker that dies is restarted (the
 coordinator reschedules its work meanwhile; `--max_worker_restarts`), a ps
 task that dies ends the run. `--evaluator` adds an evaluator task that
@@ -47,6 +50,7 @@ from absl import flags
 from engine.cli.flag_names import in_flag_terms
 from engine.cluster import Cluster, security_warning
 from engine.errors import USER_ERROR_EXIT, UserError, one_line
+from engine.goodput import RESTARTS_ENV, RESTARTS_LOST_ENV
 
 flags.DEFINE_integer("num_workers", 2, "Worker tasks.")
 flags.DEFINE_integer("num_ps", 0, "Parameter-server tasks; > 0 adds a chief (the coordinator).")
@@ -169,6 +173,9 @@ class Launcher:
         self.max_worker_restarts = max_worker_restarts
         self.max_restarts = max_restarts
         self.restarts = 0
+        # Wall time lost to restarts: each failed cluster's, from its start to its successor's.
+        self.restarts_lost_s = 0.0
+        self._cluster_started = time.monotonic()
         self._new_training_tasks = new_training_tasks
         self.parameter_server = any(t.cluster.task_type == "ps" for t in tasks)
         self._print_lock = threading.Lock()
@@ -187,6 +194,8 @@ class Launcher:
         if self.parameter_server:  # Workers' RPCs fail fast, so the coordinator reschedules.
             env.setdefault("GRPC_FAIL_FAST", "use_caller")
         env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+        if self.restarts and not task.is_evaluator:  # The chief records them in its goodput.
+            env.update({RESTARTS_ENV: str(self.restarts), RESTARTS_LOST_ENV: f"{self.restarts_lost_s:.3f}"})
         task.process = subprocess.Popen(
             task.argv,
             env=env,
@@ -287,6 +296,9 @@ class Launcher:
         assert self._new_training_tasks is not None, "max_restarts > 0 comes with new_training_tasks"
         fresh = self._new_training_tasks()
         self.tasks = [t for t in self.tasks if t.is_evaluator] + fresh
+        now = time.monotonic()
+        self.restarts_lost_s += now - self._cluster_started
+        self._cluster_started = now
         for task in fresh:
             self.start(task)
 
@@ -446,5 +458,11 @@ def main(argv: list[str]) -> int:
         status = 128 + interrupt.signum
     finally:
         launcher.stop()
-    _say(f"done with exit status {status}")
+    lost = (
+        f"; {launcher.restarts} restart(s) lost {launcher.restarts_lost_s:.1f} s "
+        "(goodput.restarts_lost_s in the chief's metrics.json)"
+        if launcher.restarts
+        else ""
+    )
+    _say(f"done with exit status {status}{lost}")
     return status

@@ -7,6 +7,7 @@ traceback. How the log lines look and which tasks print them:
 """
 
 import sys
+import time
 
 from absl import app, flags, logging
 
@@ -19,7 +20,13 @@ from engine.status_line import status_line
 HELP_FLAGS = ("--help", "-help", "-?", "--helpshort", "-helpshort", "--helpfull", "-helpfull", "--helpxml")
 
 
+# Where the run's goodput clock starts: the process's start under `run_cli` (engine.main's own
+# process), else (in-process callers of `main`) the call of `main`.
+_process_started: float | None = None
+
+
 def main(argv: list[str]) -> int:
+    started_at = _process_started or time.time()
     if len(argv) > 1:
         raise UserError(f"unexpected arguments {argv[1:]}; every setting is a --flag")
     from engine.native_logs import import_tensorflow_quietly
@@ -36,7 +43,7 @@ def main(argv: list[str]) -> int:
 
     this_console = console.Console.for_run(config, config.multi_host_options().cluster)
     with console.configured(this_console):
-        result = run(config)
+        result = run(config, started_at=started_at)
         table = summary_table(config, result) if this_console.speaks_for_the_run else None
         if table is not None:
             logging.info("%s", table)
@@ -74,6 +81,10 @@ def parse_flags(argv: list[str]) -> list[str]:
 
 
 def run_cli() -> None:
+    global _process_started
+    from engine.goodput import process_start_time
+
+    _process_started = process_start_time()
     logging.set_verbosity(logging.INFO)
     logging.get_absl_handler().addFilter(FlagTermsFilter())  # The library's warnings, in flags.
     logging.get_absl_handler().addFilter(console.TensorFlowPerSaveLines())

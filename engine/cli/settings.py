@@ -121,6 +121,7 @@ TRAINER_SETTINGS = (
     "log_every",
     "reset_optimizer",
     "async_checkpoint",
+    "peak_tflops",
 )
 
 
@@ -450,6 +451,11 @@ class RunConfig:
         choices=tuple(PRECISION_POLICIES),
     )
     jit_compile: bool = setting(False, "Compile the per-replica step (forward and backward pass) with XLA.")
+    peak_tflops: float = setting(
+        0.0,
+        "The devices' peak TFLOP/s (all replicas together, at the compute precision): progress lines and "
+        "TensorBoard then show MFU, the model's training TFLOP/s over it. 0: unknown, no MFU.",
+    )
     check_numerics: bool = setting(
         False,
         "tf.debugging.enable_check_numerics: fail at the first op that "
@@ -509,6 +515,8 @@ class RunConfig:
             raise UserError(f"--learning_rate={self.learning_rate} must be positive")
         if self.clip_norm is not None and not self.clip_norm > 0:
             raise UserError(f"--clip_norm={self.clip_norm} must be positive")
+        if not self.peak_tflops >= 0.0:  # Also refuses NaN.
+            raise UserError(f"--peak_tflops={self.peak_tflops} must not be negative (0: unknown)")
         if not 0.0 <= self.ema_decay < 1.0:  # Also refuses NaN.
             raise UserError(f"--ema_decay={self.ema_decay} must be in [0, 1), e.g. 0.999; 0 turns it off")
         if not 0 <= self.seed < 2**32:

@@ -8,12 +8,14 @@ in the progress lines' form (`format_logs`), so that the screen and the file agr
       loss           0.0636      0.0811
       ...
       step           468
-      throughput     7214 examples/s
+      throughput     7214 examples/s, 0.1094 TFLOP/s
+      goodput        0.93: train 41.2 s, compile 1.8 s, eval 0.9 s, ... of 44.9 s
       model_dir      runs/digits
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -22,10 +24,11 @@ from engine import model_dir as model_dir_lib
 from engine.callbacks.progress import format_logs
 from engine.cli.run_record import read_record, record_path
 from engine.cli.settings import RunConfig
+from engine.goodput import breakdown_line
 from engine.hooks.best_checkpoint import BEST_FILE, BEST_SUBDIR
 
 # Train logs that are rates of the last loop, not figures of the run: the steady throughput replaces them.
-_LOOP_RATES = ("steps_per_second", "examples_per_second")
+_LOOP_RATES = ("steps_per_second", "examples_per_second", "tflops", "mfu")
 # Modes that end with a summary table (predict prints its own line).
 SUMMARY_MODES = ("train", "train_and_eval", "eval", "continuous_eval")
 _COLUMN = 12
@@ -51,7 +54,12 @@ def summary_table(config: RunConfig, result: Mapping[str, Any]) -> str | None:
     rows.append(("step", str(record.get("global_step"))))
     speed = record.get("examples_per_second")
     if speed and not evaluating:
-        rows.append(("throughput", f"{_figure(speed)} examples/s"))
+        flops = _model_flops(record.get("train") or {}, speed)
+        rows.append(("throughput", f"{_figure(speed)} examples/s{flops}"))
+    goodput = record.get("goodput")
+    if isinstance(goodput, Mapping) and not evaluating:
+        with contextlib.suppress(KeyError, TypeError, ValueError):  # A record an older engine wrote.
+            rows.append(("goodput", breakdown_line(goodput).removeprefix("goodput ")))
     best = _best_checkpoint(config, model_dir)
     if best is not None:
         rows.append(("best checkpoint", best))
@@ -64,6 +72,19 @@ def summary_table(config: RunConfig, result: Mapping[str, Any]) -> str | None:
         rows.append(("TensorBoard", f"tensorboard --logdir {model_dir}"))
     width = max(len(name) for name, _ in rows)
     return "\n".join(["summary", *(f"  {name:<{width}}  {value}".rstrip() for name, value in rows)])
+
+
+def _model_flops(train: Mapping[str, Any], speed: float) -> str:
+    """`, 0.0827 TFLOP/s, MFU 0.0414` at the steady rate `speed` (the last loop's logs give the
+    FLOPs per example: tflops / examples_per_second); '' where the model's FLOPs are unknown."""
+    tflops, rate = train.get("tflops"), train.get("examples_per_second")
+    if not tflops or not rate:
+        return ""
+    achieved = tflops / rate * speed
+    text = f", {_figure(achieved)} TFLOP/s"
+    if train.get("mfu"):
+        text += f", MFU {_figure(train['mfu'] / tflops * achieved)}"
+    return text
 
 
 def _columns(cells: list[str]) -> str:
