@@ -121,7 +121,9 @@ def restore_latest(
     checkpoint = manager.checkpoint
     try:
         if fresh_optimizer:
-            partial = tf.train.Checkpoint(model=checkpoint.model, global_step=checkpoint.global_step)
+            # The data position (engine.data.DataPosition), where checkpointed, is not optimizer state.
+            kept = {name: getattr(checkpoint, name) for name in ("data_position",) if hasattr(checkpoint, name)}
+            partial = tf.train.Checkpoint(model=checkpoint.model, global_step=checkpoint.global_step, **kept)
             partial.restore(path).expect_partial().assert_existing_objects_matched()
             optimizers = getattr(checkpoint, "optimizers", None) or {"": checkpoint.optimizer}
             for optimizer in optimizers.values():
@@ -235,6 +237,13 @@ class Checkpointer:
     @property
     def latest(self) -> str | None:
         return self.manager.latest_checkpoint
+
+    @property
+    def restore_path(self) -> str | None:
+        """The checkpoint `restore()` would restore (of `options.restore_dir` if set), or None."""
+        if self.options.restore_dir is None:
+            return self.latest
+        return model_dir_lib.latest_checkpoint(os.path.join(self.options.restore_dir, CHECKPOINT_SUBDIR))
 
     def restore(self) -> str | None:
         """Restores the newest checkpoint (of `options.restore_dir` if set); its path, or None."""
