@@ -231,8 +231,11 @@ class Trainer:
             self._restore()
         self.rollback: Rollback | None = None
         if on_nonfinite == "rollback":
+            checkpoint = self._checkpoint_object() if self.checkpointer is None else self.checkpointer.checkpoint
+            # In every checkpoint from now on; after the restore, which may be of a run without rollback.
+            setattr(checkpoint, CHECKPOINT_KEY, self.data_position)
             self.rollback = Rollback(
-                self._checkpoint_object() if self.checkpointer is None else self.checkpointer.checkpoint,
+                checkpoint,
                 global_step=self.global_step,
                 position=self.data_position,
                 checkpointer=self.checkpointer,
@@ -257,17 +260,15 @@ class Trainer:
         )
 
     def _checkpoint_object(self) -> tf.train.Checkpoint:
-        """What a checkpoint holds: model, global step, optimizer(s) and, with rollback, the data position."""
+        """What a checkpoint holds: model, global step and optimizer(s) (with rollback, the data
+        position joins them: `engine.rollback`)."""
         # One optimizer keeps the key "optimizer" that existing checkpoints use.
         optimizer_state = (
             {"optimizer": self.optimizer}
             if self.optimizer is not None
             else {"optimizers": dict(self.optimizers)}
         )
-        checkpoint = tf.train.Checkpoint(model=self.model, global_step=self.global_step, **optimizer_state)
-        if self.step_options.on_nonfinite == "rollback":
-            setattr(checkpoint, CHECKPOINT_KEY, self.data_position)
-        return checkpoint
+        return tf.train.Checkpoint(model=self.model, global_step=self.global_step, **optimizer_state)
 
     def _make_checkpointer(self, model_dir: str, options: CheckpointOptions) -> Checkpointer:
         checkpoint = self._checkpoint_object()

@@ -220,6 +220,8 @@ def _train_and_evaluate(
         "examples_per_second": speed,
         "model_dir": model_dir,
     }
+    if config.on_nonfinite == "rollback" or trainer.rollbacks:  # Loss spikes survived (engine.rollback).
+        result["rollbacks"] = trainer.rollbacks
     if write_dir == model_dir:
         result = record_training(model_dir, result, mode=config.mode)
     logging.info(
