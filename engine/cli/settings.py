@@ -492,6 +492,9 @@ class RunConfig:
         _choose("optimizer", self.optimizer, OPTIMIZER_NAMES)
         _choose("input_pipeline", self.input_pipeline, INPUT_PIPELINES)
         _choose("on_nonfinite", self.on_nonfinite, NONFINITE_POLICIES)
+        _choose("communication", self.communication, COMMUNICATIONS)
+        _choose("mixed_precision", self.mixed_precision, tuple(PRECISION_POLICIES))
+        self.validate_numbers()
         spike_problem = SpikeOptions(
             max_loss=self.max_loss,
             rollback_skip_batches=self.rollback_skip_batches,
@@ -504,9 +507,6 @@ class RunConfig:
                 "--on_nonfinite=rollback is not supported with --strategy=parameter_server (asynchronous "
                 "updates: skipping batches would not be exact); use --on_nonfinite=stop with --max_loss"
             )
-        _choose("communication", self.communication, COMMUNICATIONS)
-        _choose("mixed_precision", self.mixed_precision, tuple(PRECISION_POLICIES))
-        self.validate_numbers()
         self._validate_problem()
         for name in (
             "cpu_devices",
