@@ -79,6 +79,19 @@ def assert_same_weights(a, b):
         np.testing.assert_array_equal(left, right)
 
 
+def rollback_summaries(model_dir):
+    """(step, count) of every `rollbacks` scalar in <model_dir>/train."""
+    found = []
+    for events in sorted((model_dir / "train").glob("events.*")):
+        for event in tf.compat.v1.train.summary_iterator(str(events)):
+            found += [
+                (event.step, float(tf.make_ndarray(value.tensor)))
+                for value in event.summary.value
+                if value.tag == "rollbacks"
+            ]
+    return found
+
+
 def spike_lines(caplog):
     return [r.getMessage() for r in caplog.records if r.getMessage().startswith("loss spike")]
 
@@ -103,6 +116,41 @@ def test_a_huge_loss_is_rolled_back_to_the_weights_of_the_run_without_its_batche
     reader = tf.train.load_checkpoint(str(tmp_path / "a" / "checkpoints" / "ckpt-12"))
     assert reader.get_tensor("data_position/offset/.ATTRIBUTES/VARIABLE_VALUE") == 2
     assert reader.get_tensor("data_position/rollbacks/.ATTRIBUTES/VARIABLE_VALUE") == 1
+    assert rollback_summaries(tmp_path / "a") == [(6, 1.0)]
+
+
+def test_a_step_fn_rolls_back_on_its_loss_output(default):
+    x, y = spiking_arrays([2])
+
+    def with_step_fn(train_data, **kwargs):
+        model, optimizer = make_model(default)
+        per_example = loss_fn()
+
+        def replica_step(batch):
+            features, labels = batch
+            with tf.GradientTape() as tape:
+                loss = tf.nn.compute_average_loss(per_example(labels, model(features)), global_batch_size=BATCH)
+            optimizer.apply(tape.gradient(loss, model.trainable_variables), model.trainable_variables)
+            return {"loss": loss}
+
+        run = engine.Trainer(
+            strategy=default,
+            model=model,
+            optimizer=optimizer,
+            train_data=train_data,
+            global_batch_size=BATCH,
+            step_fn=replica_step,
+            steps_per_loop=2,
+            **kwargs,
+        )
+        run.train(6)
+        return run, model.get_weights()
+
+    rolled, weights = with_step_fn(stream(x, y), on_nonfinite="rollback", max_loss=MAX_LOSS)
+    # Step 3, found by the loop of steps 3-4; no model_dir: back to the start, positions 0-2 skipped.
+    _, expected = with_step_fn(stream(x, y, skipped=[0, 1, 2]))
+    assert rolled.rollbacks == 1
+    assert_same_weights(weights, expected)
 
 
 def test_a_nan_loss_is_rolled_back_past_n_more_batches_of_a_per_replica_pipeline(default, tmp_path):
