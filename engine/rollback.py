@@ -136,6 +136,7 @@ class Rollback:
         self.position = position
         self.checkpointer = checkpointer
         self.options = options
+        # TensorFlow's in-memory file system: save and restore work there (see the shared notes).
         self._start_path = f"ram://engine-rollback/{next(_snapshots)}/start"
         self._start_step = -1  # The step of the start copy; -1: none taken yet.
 
@@ -151,6 +152,13 @@ class Rollback:
         _ = self.checkpoint.save_counter  # Made now, or a later read would find it unmatched.
         self.checkpoint.write(self._start_path)
         self._start_step = self._step
+
+    def discard_start(self) -> None:
+        """Frees the in-memory copy (`Trainer.close()`); the next train() call takes a new one."""
+        directory = self._start_path.rsplit("/", 1)[0]
+        if tf.io.gfile.exists(directory):
+            tf.io.gfile.rmtree(directory)
+        self._start_step = -1
 
     @property
     def _step(self) -> int:

@@ -627,6 +627,8 @@ class Trainer:
 
     def close(self) -> None:
         self._summaries.close()
+        if self.rollback is not None:
+            self.rollback.discard_start()
 
 
 def prepare_model_state(

@@ -192,11 +192,15 @@ def test_a_spike_before_the_first_checkpoint_restores_the_initial_state(default,
     x, y = spiking_arrays([1])
     caplog.set_level(logging.WARNING, logger="engine")
     # No model_dir: nothing on disk, the copy of the state train() took at its start is the last good.
-    _, weights = weights_after(default, stream(x, y), 6, on_nonfinite="rollback", max_loss=MAX_LOSS)
+    rolled, weights = weights_after(default, stream(x, y), 6, on_nonfinite="rollback", max_loss=MAX_LOSS)
     _, expected = weights_after(default, stream(x, y, skipped=[0, 1]), 6)
     assert_same_weights(weights, expected)
     [line] = spike_lines(caplog)
     assert "at step 2; rolled back to the state at the start of training (step 0)" in line, line
+    rolled.close()  # The copy in memory is freed; a later train() call takes a new one.
+    assert not tf.io.gfile.exists(rolled.rollback._start_path + ".index")
+    rolled.train(8)
+    assert rolled.step == 8
 
 
 def test_max_rollbacks_reached_stops_in_one_line_and_rotation_keeps_the_good_checkpoint(default, tmp_path):
