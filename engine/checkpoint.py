@@ -122,7 +122,9 @@ def restore_latest(
     checkpoint = manager.checkpoint
     try:
         if fresh_optimizer:
-            partial = tf.train.Checkpoint(model=checkpoint.model, global_step=checkpoint.global_step)
+            # The data position (engine.data.DataPosition), where checkpointed, is not optimizer state.
+            kept = {name: getattr(checkpoint, name) for name in ("data_position",) if hasattr(checkpoint, name)}
+            partial = tf.train.Checkpoint(model=checkpoint.model, global_step=checkpoint.global_step, **kept)
             partial.restore(path).expect_partial().assert_existing_objects_matched()
             optimizers = getattr(checkpoint, "optimizers", None) or {"": checkpoint.optimizer}
             for optimizer in optimizers.values():
@@ -251,6 +253,14 @@ class Checkpointer:
         """What the checkpoints hold, for saves of its own (the best checkpoint): synchronous."""
         return self._checkpoint
 
+    def track(self, name: str, trackable: Any) -> None:
+        """Adds `trackable` under `name` to what every later checkpoint holds and restores (the
+        data position, with rollback): to the checkpoint and, saving in the background, to the
+        twin the writer saves and restores through (otherwise it would be left out, silently)."""
+        setattr(self._checkpoint, name, trackable)
+        if self._copy is not None:
+            setattr(self._copy.twin, name, trackable)
+
     @property
     def writes_in_background(self) -> bool:
         return self._writer is not None
@@ -261,6 +271,13 @@ class Checkpointer:
         if self._writer is not None:
             self._writer.join()
         return self.manager.latest_checkpoint
+
+    @property
+    def restore_path(self) -> str | None:
+        """The checkpoint `restore()` would restore (of `options.restore_dir` if set), or None."""
+        if self.options.restore_dir is None:
+            return self.latest
+        return model_dir_lib.latest_checkpoint(os.path.join(self.options.restore_dir, CHECKPOINT_SUBDIR))
 
     def restore(self) -> str | None:
         """Restores the newest checkpoint (of `options.restore_dir` if set); its path, or None."""

@@ -58,7 +58,12 @@ class CoordinatedTrainer(Trainer):
     def _make_train_runner(self, data: DataForm | ResidentData, global_batch_size: int) -> TrainRunner:
         assert not isinstance(data, ResidentData), "ResidentData trains from its host_data here"
         return CoordinatedTrainRunner(
-            self.coordinator, self.replica_step, self.global_step, data, global_batch_size=global_batch_size
+            self.coordinator,
+            self.replica_step,
+            self.global_step,
+            data,
+            global_batch_size=global_batch_size,
+            max_loss=self.spike_options.max_loss,
         )
 
     def _make_predict_runner(self) -> PredictRunner:
@@ -81,17 +86,23 @@ class CoordinatedTrainRunner(TrainRunner):
         data: DataForm,
         *,
         global_batch_size: int,
+        max_loss: float | None = None,
     ):
         self.coordinator = coordinator
         self.global_step = global_step
         super().__init__(
-            coordinator.strategy, replica_step, global_step, data, global_batch_size=global_batch_size
+            coordinator.strategy,
+            replica_step,
+            global_step,
+            data,
+            global_batch_size=global_batch_size,
+            max_loss=max_loss,
         )
         self.num_workers = num_workers(coordinator.strategy)
 
     def _make_loop(self, global_step: tf.Variable | None):
         # The same replica step and loop as on one host, minus the in-loop step count.
-        return make_train_loop(self.strategy, self.replica_step, global_step=None)
+        return make_train_loop(self.strategy, self.replica_step, global_step=None, max_loss=self.max_loss)
 
     def run(self, start_step: int, num_steps: int) -> LoopResult:
         """Schedules the call as one closure per worker; waits for all of them. The
@@ -114,6 +125,7 @@ class CoordinatedTrainRunner(TrainRunner):
         self.coordinator.join()
         totals: dict[str, float] = {}
         nonfinite_steps, first_nonfinite, offset, steps_run = 0, -1, 0, 0
+        first_nonfinite_loss = float("nan")
         for steps, remote in scheduled:
             result = LoopResult.from_outputs(remote.fetch())
             nonfinite_steps += result.nonfinite_steps
@@ -121,6 +133,7 @@ class CoordinatedTrainRunner(TrainRunner):
             if result.first_nonfinite_index >= 0 and first_nonfinite < 0:
                 # In scheduling order; closures run in parallel.
                 first_nonfinite = offset + result.first_nonfinite_index
+                first_nonfinite_loss = result.first_nonfinite_loss
             offset += steps
             for name, value in result.logs.items():
                 totals[name] = totals.get(name, 0.0) + steps * value
@@ -130,6 +143,7 @@ class CoordinatedTrainRunner(TrainRunner):
             steps_run=steps_run,
             nonfinite_steps=nonfinite_steps,
             first_nonfinite_index=first_nonfinite,
+            first_nonfinite_loss=first_nonfinite_loss,
         )
 
 

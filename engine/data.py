@@ -22,6 +22,11 @@ forms are declared, not guessed:
 - `engine.ResidentData`: arrays kept on the devices; batch k is a function
   of (seed, k), so there is nothing to skip.
 
+What the forms are positioned at is the stream POSITION, not the step: the
+global step plus the `DataPosition` offset, the batches that rollbacks
+skipped (`engine.rollback`; 0 in a run without one). Every form above can
+start at any position, so skipping is as exact as resuming.
+
 Plain values are read as the form they can only be: a `tf.data.Dataset` is
 `GlobalBatches(dataset=)`; a function of one parameter is
 `PerReplicaBatches(fn=)` (tf.distribute's own convention); a function whose
@@ -75,6 +80,25 @@ class PerReplicaBatches:
 
 
 DataForm: TypeAlias = GlobalBatches | PerReplicaBatches
+
+
+class DataPosition(tf.Module):
+    """Where the training stream stands apart from the global step, checkpointed with it.
+
+    Global step k (the (k+1)-th update) trains on stream position `k + offset`:
+    `offset` counts the batches skipped after loss spikes, `rollbacks` the
+    rollbacks that skipped them (`engine.rollback`). Both are part of the
+    checkpoint, so a resume after a rollback reads the same batches.
+    """
+
+    def __init__(self) -> None:
+        super().__init__(name="data_position")
+        self.offset = tf.Variable(0, dtype=tf.int64, trainable=False, name="offset")
+        self.rollbacks = tf.Variable(0, dtype=tf.int64, trainable=False, name="rollbacks")
+
+    def at(self, step: int) -> int:
+        """The stream position of global step `step`."""
+        return step + int(self.offset.numpy())
 
 
 def _exactly_one(form: str, **given: Any) -> None:

@@ -43,6 +43,7 @@ class LoopResult:
     nonfinite_steps: int
     first_nonfinite_index: int  # 0-based in this loop; -1: none.
     first_batch_size: int = -1  # The size that failed the first-batch check; -1: none did.
+    first_nonfinite_loss: float = float("nan")  # The "loss" output of that step (NaN: none, or no "loss").
 
     @classmethod
     def from_outputs(cls, outputs: Mapping[str, Any]) -> LoopResult:
@@ -53,6 +54,7 @@ class LoopResult:
             nonfinite_steps=int(outputs["nonfinite_steps"]),
             first_nonfinite_index=int(outputs["first_nonfinite_index"]),
             first_batch_size=int(outputs.get("first_batch_size", -1)),
+            first_nonfinite_loss=float(outputs.get("first_nonfinite_loss", float("nan"))),
         )
 
 
@@ -70,11 +72,16 @@ def _check_outputs(outputs: Mapping[str, tf.Tensor]) -> None:
 
 
 def run_step(
-    strategy: tf.distribute.Strategy, replica_fn: Callable[..., Mapping[str, tf.Tensor]], args: tuple
+    strategy: tf.distribute.Strategy,
+    replica_fn: Callable[..., Mapping[str, tf.Tensor]],
+    args: tuple,
+    *,
+    max_loss: float | None = None,
 ) -> tuple[dict[str, tf.Tensor], tf.Tensor]:
     """`replica_fn(*args)` on every replica; its outputs averaged over replicas in ONE
     all-reduce of their stacked values, and whether all of them (and the standard
-    step's `STEP_FINITE` on every replica) are finite."""
+    step's `STEP_FINITE` on every replica) are finite and the "loss" at most `max_loss`
+    (a finite spike counts as a non-finite step)."""
     names: list[str] = []
 
     def stacked_step(*replica_args) -> tf.Tensor:
@@ -92,34 +99,52 @@ def run_step(
     step_finite = reduced.pop(STEP_FINITE, None)
     if step_finite is not None:  # 1.0 only where every replica reported 1.0.
         finite = tf.logical_and(finite, tf.equal(step_finite, 1.0))
+    if max_loss is not None:
+        if "loss" not in reduced:
+            raise UserError(
+                f"`max_loss={max_loss}` watches the step's 'loss' output, but the step returns "
+                f"{sorted(reduced) or 'nothing'}; return {{'loss': ...}} from step_fn or drop `max_loss`"
+            )
+        finite = tf.logical_and(finite, reduced["loss"] <= max_loss)
     return reduced, finite
 
 
-# A loop's running state: (sums of finite step outputs, finite steps, non-finite steps, first non-finite index).
-LoopState = tuple[dict[str, tf.Tensor], tf.Tensor, tf.Tensor, tf.Tensor]
+# A loop's running state: (sums of finite step outputs, finite steps, non-finite steps, first non-finite
+# index, that step's loss).
+LoopState = tuple[dict[str, tf.Tensor], tf.Tensor, tf.Tensor, tf.Tensor, tf.Tensor]
+_NO_LOSS = float("nan")
 
 
 def _accumulate(
     state: LoopState, index: tf.Tensor, outputs: dict[str, tf.Tensor], finite: tf.Tensor
 ) -> LoopState:
     """Adds step `index` to the loop's running sums of finite outputs and its non-finite count."""
-    totals, count, bad, first_bad = state
+    totals, count, bad, first_bad, first_bad_loss = state
     totals = {n: totals[n] + tf.where(finite, outputs[n], 0.0) for n in totals}
-    first_bad = tf.where(tf.logical_or(finite, first_bad >= 0), first_bad, index)
-    return totals, count + tf.cast(finite, tf.float32), bad + 1 - tf.cast(finite, tf.int32), first_bad
+    newly_bad = tf.logical_and(tf.logical_not(finite), first_bad < 0)
+    first_bad = tf.where(newly_bad, index, first_bad)
+    first_bad_loss = tf.where(newly_bad, outputs.get("loss", tf.constant(_NO_LOSS)), first_bad_loss)
+    count = count + tf.cast(finite, tf.float32)
+    return totals, count, bad + 1 - tf.cast(finite, tf.int32), first_bad, first_bad_loss
 
 
 def _first_state(outputs: dict[str, tf.Tensor], finite: tf.Tensor) -> LoopState:
     """The running state after the loop's first step (index 0)."""
     zeros = {name: tf.zeros_like(value) for name, value in outputs.items()}
-    empty: LoopState = (zeros, tf.constant(0.0), tf.constant(0), tf.constant(-1))
+    empty: LoopState = (zeros, tf.constant(0.0), tf.constant(0), tf.constant(-1), tf.constant(_NO_LOSS))
     return _accumulate(empty, tf.constant(0), outputs, finite)
 
 
 def _loop_outputs(state: LoopState, steps_run: tf.Tensor) -> dict[str, tf.Tensor]:
-    totals, count, bad, first_bad = state
+    totals, count, bad, first_bad, first_bad_loss = state
     means = {name: total / tf.maximum(count, 1.0) for name, total in totals.items()}
-    return {"logs": means, "nonfinite_steps": bad, "first_nonfinite_index": first_bad, "steps_run": steps_run}
+    return {
+        "logs": means,
+        "nonfinite_steps": bad,
+        "first_nonfinite_index": first_bad,
+        "first_nonfinite_loss": first_bad_loss,
+        "steps_run": steps_run,
+    }
 
 
 def make_train_loop(
@@ -128,6 +153,7 @@ def make_train_loop(
     global_step: tf.Variable | None,
     *,
     per_replica_batch_size: int | None = None,
+    max_loss: float | None = None,
 ) -> TrainLoop:
     """Returns `loop(iterator, num_steps) -> {name: mean over the loop}`.
 
@@ -135,7 +161,8 @@ def make_train_loop(
     the loop whose outputs are all finite. More entries say whether any
     were not: `nonfinite_steps` (how many) and `first_nonfinite_index` (the
     0-based index in this loop of the first, or -1), so the host can stop
-    or count without a per-step sync; and `steps_run`, fewer than
+    or count without a per-step sync (a loss above `max_loss` counts as
+    non-finite; `first_nonfinite_loss` is that step's); and `steps_run`, fewer than
     `num_steps` when the data ran out (0: not one batch was left). The
     first step is peeled off the `tf.range` loop so that the accumulators
     take the structure the step returns.
@@ -155,7 +182,7 @@ def make_train_loop(
     """
 
     def one_step(step_fn: ReplicaStep, batch) -> tuple[dict[str, tf.Tensor], tf.Tensor]:
-        reduced = run_step(strategy, step_fn, (batch,))
+        reduced = run_step(strategy, step_fn, (batch,), max_loss=max_loss)
         if global_step is not None:
             global_step.assign_add(1)
         return reduced
@@ -198,6 +225,7 @@ def make_train_loop(
                 "logs": {name: tf.constant(0.0) for name in names},
                 "nonfinite_steps": tf.constant(0),
                 "first_nonfinite_index": tf.constant(-1),
+                "first_nonfinite_loss": tf.constant(_NO_LOSS),
                 "steps_run": tf.constant(0),
             }
 
@@ -234,8 +262,9 @@ def make_resident_train_loop(
     data: ResidentData,
     *,
     global_batch_size: int,
+    max_loss: float | None = None,
 ) -> TrainLoop:
-    """Returns `loop((replica_tensors, start_step), num_steps)`, with the outputs of
+    """Returns `loop((replica_tensors, start_position), num_steps)`, with the outputs of
     `make_train_loop`'s loop, for training data kept on the replicas' devices.
 
     Each replica computes the example indices of all the loop's steps at its
@@ -251,14 +280,14 @@ def make_resident_train_loop(
         return replica_step(data.gather(replica_tensors, indices[index]))
 
     def one_step(replica_tensors, indices, index: tf.Tensor) -> tuple[dict[str, tf.Tensor], tf.Tensor]:
-        reduced = run_step(strategy, resident_step, (replica_tensors, indices, index))
+        reduced = run_step(strategy, resident_step, (replica_tensors, indices, index), max_loss=max_loss)
         global_step.assign_add(1)
         return reduced
 
     @tf.function
     def train_loop(inputs, num_steps: tf.Tensor) -> dict[str, tf.Tensor]:
-        replica_tensors, start_step = inputs
-        indices = strategy.run(loop_indices, args=(start_step, num_steps))  # Every step's, on each replica.
+        replica_tensors, start_position = inputs  # The stream position of the first step (engine.data).
+        indices = strategy.run(loop_indices, args=(start_position, num_steps))  # Every step's, on each replica.
         # The first step is peeled off so that the accumulators take the step's output structure.
         state = _first_state(*one_step(replica_tensors, indices, tf.constant(0)))
         for index in tf.range(1, num_steps):

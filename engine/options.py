@@ -17,7 +17,10 @@ STRATEGY_NAMES = SINGLE_HOST_STRATEGIES + MULTI_HOST_STRATEGIES
 # Precision name -> Keras dtype policy.
 PRECISION_POLICIES = {"float32": "float32", "float16": "mixed_float16", "bfloat16": "mixed_bfloat16"}
 SCHEDULE_NAMES = ("constant", "cosine", "step", "warmup_cosine")
-NONFINITE_POLICIES = ("stop", "skip")
+# A NaN/Inf (or above `max_loss`) loss: stop, skip the update, or restore the last good
+# checkpoint and skip the batches that led to it (engine.rollback).
+NONFINITE_POLICIES = ("stop", "skip", "rollback")
+DEFAULT_MAX_ROLLBACKS = 3
 METRIC_MODES = ("auto", "min", "max")  # Whether a watched metric should go down or up.
 COMMUNICATIONS = ("auto", "ring", "nccl")  # multi_worker_mirrored's collectives.
 # Steps per compiled call: the Trainer's default and the CLI's (--steps_per_loop).
@@ -43,7 +46,8 @@ class StepOptions:
     clip_norm: float | None = None  # Clip the global gradient norm to this.
     grad_accum_steps: int = 1  # Micro-batches per update.
     jit_compile: bool = False  # XLA-compile the replica step.
-    on_nonfinite: str = "stop"  # A NaN/Inf loss or gradient: "stop" the run, or "skip" the update.
+    # A NaN/Inf loss or gradient: "stop" the run, "skip" the update, or "rollback" (engine.rollback).
+    on_nonfinite: str = "stop"
 
     def step_arguments(self) -> StepArguments:
         return StepArguments(
@@ -54,13 +58,46 @@ class StepOptions:
         )
 
     def changed(self) -> list[str]:
-        """`name=value` of each option that is not its default."""
+        """`name=value` of each option that is not its default and shapes the step: "rollback"
+        acts between loops (like "stop"), so a `step_fn` may have it."""
         default = StepOptions()
         return [
             f"{field.name}={getattr(self, field.name)!r}"
             for field in dataclasses.fields(self)
             if getattr(self, field.name) != getattr(default, field.name)
+            and (field.name, getattr(self, field.name)) != ("on_nonfinite", "rollback")
         ]
+
+
+@dataclasses.dataclass(frozen=True)
+class SpikeOptions:
+    """What counts as a loss spike besides a NaN/Inf, and how `on_nonfinite="rollback"` recovers.
+
+    A step is a spike when its loss or gradient is not finite, or its loss (the step's
+    "loss" output, averaged over replicas) is above `max_loss`. `rollback_skip_batches`
+    more batches than those since the restored checkpoint are skipped (engine.rollback);
+    after `max_rollbacks` rollbacks the next spike stops the run.
+    """
+
+    max_loss: float | None = None
+    rollback_skip_batches: int = 0
+    max_rollbacks: int = DEFAULT_MAX_ROLLBACKS
+
+    def problem(self, on_nonfinite: str) -> str | None:
+        """What is wrong with these options under `on_nonfinite`, in the library's terms; None: fine."""
+        if self.max_loss is not None and not (self.max_loss > 0 and self.max_loss < float("inf")):
+            return f"`max_loss={self.max_loss}` must be a positive, finite loss"
+        if self.max_loss is not None and on_nonfinite == "skip":
+            return (
+                f"`max_loss={self.max_loss}` stops or rolls back on a spike; it cannot skip the update "
+                "(the step has applied it when the loop sees the loss): pass `on_nonfinite='stop'` or "
+                "`on_nonfinite='rollback'`"
+            )
+        if self.rollback_skip_batches < 0:
+            return f"`rollback_skip_batches={self.rollback_skip_batches}` must be >= 0"
+        if self.max_rollbacks < 1:
+            return f"`max_rollbacks={self.max_rollbacks}` must be at least 1"
+        return None
 
 
 @dataclasses.dataclass(frozen=True)

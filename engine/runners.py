@@ -18,7 +18,13 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from engine.data import DataForm, distribute_eval_data, distribute_train_data, yields_global_batches
+from engine.data import (
+    DataForm,
+    DataPosition,
+    distribute_eval_data,
+    distribute_train_data,
+    yields_global_batches,
+)
 from engine.errors import UserError
 from engine.loop import (
     CHECK_EXACT,
@@ -43,6 +49,9 @@ class TrainRunner:
       global_step: counted up by each step the loop runs.
       data: the training data's declared form, or `ResidentData` kept on the devices.
       global_batch_size: examples per step over all replicas.
+      position: the offset of the stream position from the global step (batches skipped
+        by rollbacks); None: none, the position is the step.
+      max_loss: a step whose loss is above it counts as non-finite (`engine.loop`).
     """
 
     def __init__(
@@ -53,13 +62,17 @@ class TrainRunner:
         data: DataForm | ResidentData,
         *,
         global_batch_size: int,
+        position: DataPosition | None = None,
+        max_loss: float | None = None,
     ):
         self.strategy = strategy
         self.replica_step = replica_step
         self.global_batch_size = global_batch_size
         self.data = data
+        self.position = position
+        self.max_loss = max_loss
         self._iterator: Any = None
-        self._iterator_step = -1  # The global step the iterator's next batch is for.
+        self._iterator_position = -1  # The stream position of the iterator's next batch.
         self._replica_tensors: Any = None  # ResidentData's copies on the replicas, made at the first call.
         self.loop = self._make_loop(global_step)
 
@@ -72,12 +85,14 @@ class TrainRunner:
                 global_step,
                 self.data,
                 global_batch_size=self.global_batch_size,
+                max_loss=self.max_loss,
             )
         return make_train_loop(
             self.strategy,
             self.replica_step,
             global_step,
             per_replica_batch_size=self.global_batch_size // self.strategy.num_replicas_in_sync,
+            max_loss=self.max_loss,
         )
 
     @property
@@ -91,33 +106,37 @@ class TrainRunner:
         stream) a smaller one is the data's partial last batch, trained as
         Keras `fit` trains it.
 
+        The data are read from the stream position of `start_step` (`position`): the
+        step itself, or past the batches rollbacks skipped.
+
         Raises:
           UserError: the first batch does not hold `global_batch_size` examples (nothing ran).
         """
-        if isinstance(self.data, ResidentData):  # Gathered from the step number: always full batches.
-            return LoopResult.from_outputs(self.loop(self._resident_input(start_step), tf.constant(num_steps)))
-        fresh = self._iterator is None or self._iterator_step != start_step
+        at = start_step if self.position is None else self.position.at(start_step)
+        if isinstance(self.data, ResidentData):  # Gathered from the position: always full batches.
+            return LoopResult.from_outputs(self.loop(self._resident_input(at), tf.constant(num_steps)))
+        fresh = self._iterator is None or self._iterator_position != at
         if fresh:
-            self._iterator = iter(distribute_train_data(self.strategy, self.data, start_step=start_step))
-        check = CHECK_NONE if not fresh else (CHECK_EXACT if start_step == 0 else CHECK_NOT_LARGER)
+            self._iterator = iter(distribute_train_data(self.strategy, self.data, start_step=at))
+        check = CHECK_NONE if not fresh else (CHECK_EXACT if at == 0 else CHECK_NOT_LARGER)
         try:
             result = self._call(self._iterator, num_steps, check)
         except BatchSizeMismatch as mismatch:  # Found while tracing: nothing ran.
             raise UserError(self._batch_size_message(mismatch.size, start_step)) from None
         if result.first_batch_size >= 0:  # Found by the loop, which then ran no step.
             raise UserError(self._batch_size_message(result.first_batch_size, start_step))
-        self._iterator_step = start_step + result.steps_run
+        self._iterator_position = at + result.steps_run
         return result
 
     def _call(self, iterator: Any, num_steps: int, first_batch_check: int) -> LoopResult:
         outputs = self.loop(iterator, tf.constant(num_steps, tf.int32), tf.constant(first_batch_check, tf.int32))
         return LoopResult.from_outputs(outputs)
 
-    def _resident_input(self, start_step: int) -> tuple[Any, tf.Tensor]:
+    def _resident_input(self, start_position: int) -> tuple[Any, tf.Tensor]:
         if self._replica_tensors is None:
             assert isinstance(self.data, ResidentData), "only for resident data"
             self._replica_tensors = place_on_replicas(self.strategy, self.data)
-        return self._replica_tensors, tf.constant(start_step, tf.int64)
+        return self._replica_tensors, tf.constant(start_position, tf.int64)
 
     def _batch_size_message(self, per_replica: int, step: int) -> str:
         replicas = self.strategy.num_replicas_in_sync

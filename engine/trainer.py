@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any, TypeAlias
+from typing import Any, NoReturn, TypeAlias
 
 import keras
 import tensorflow as tf
@@ -23,13 +23,22 @@ from engine.callbacks.progress import Progress, format_logs
 from engine.checkpoint import Checkpointer
 from engine.checkpoint_writer import writes_in_background
 from engine.compat import num_workers
-from engine.data import Data, DataForm, as_eval_form, as_train_form
+from engine.data import Data, DataForm, DataPosition, as_eval_form, as_train_form
 from engine.ema import WeightAverages, averages_swapped_in, weight_averages
 from engine.errors import DataExhaustedError, NonFiniteLossError, UserError
 from engine.goodput import GoodputClock, ModelFlops, TimedFunction, breakdown_line, scalars
 from engine.logger import logger
-from engine.options import DEFAULT_STEPS_PER_LOOP, NONFINITE_POLICIES, Cadence, CheckpointOptions, StepOptions
+from engine.options import (
+    DEFAULT_MAX_ROLLBACKS,
+    DEFAULT_STEPS_PER_LOOP,
+    NONFINITE_POLICIES,
+    Cadence,
+    CheckpointOptions,
+    SpikeOptions,
+    StepOptions,
+)
 from engine.resident import ResidentData, keeps_on_devices
+from engine.rollback import CHECKPOINT_KEY, Rollback, Spike, check_options, holds_position, stop_message
 from engine.runners import EvalRunner, PredictRunner, TrainRunner, as_prediction_batches, fresh_copy
 from engine.schedules import is_scheduled
 from engine.steps import EvalStep, PerExampleLoss, ReplicaStep, make_train_step
@@ -101,6 +110,12 @@ class Trainer:
         `models.flops_per_example(model)`): the progress lines and TensorBoard
         then show the training TFLOP/s (3x forward), and with `peak_tflops`
         the MFU (achieved / peak). Unknown (None): neither is shown.
+      on_nonfinite: a step whose loss or gradient is NaN/Inf (or whose loss is
+        above `max_loss`): "stop" the run saving nothing, "skip" its update, or
+        "rollback": restore the last good checkpoint and skip the batches that
+        led to it plus `rollback_skip_batches` more, at most `max_rollbacks`
+        times (`engine.rollback`).
+      max_loss: a finite loss above it is a spike too (with "stop" or "rollback").
 
     Raises:
       UserError: a bad argument, naming it, before anything is written.
@@ -139,6 +154,9 @@ class Trainer:
         async_checkpoint: bool = True,
         flops_per_example: int | None = None,
         peak_tflops: float | None = None,
+        max_loss: float | None = None,
+        rollback_skip_batches: int = 0,
+        max_rollbacks: int = DEFAULT_MAX_ROLLBACKS,
     ):
         self.goodput_clock = GoodputClock()  # Research code's run starts here (`goodput()`).
         self.model_flops = ModelFlops.from_forward(flops_per_example, peak_tflops)
@@ -166,6 +184,10 @@ class Trainer:
         )
         if steps_per_loop < 1:
             raise UserError(f"`steps_per_loop={steps_per_loop}` must be at least 1")
+        self.spike_options = SpikeOptions(
+            max_loss=max_loss, rollback_skip_batches=rollback_skip_batches, max_rollbacks=max_rollbacks
+        )
+        check_options(strategy, on_nonfinite, self.spike_options)
         self.step_options = step_options
         self.optimizers = _named_optimizers(optimizer)
         if step_fn is None and len(self.optimizers) > 1:
@@ -204,6 +226,8 @@ class Trainer:
             train_weighted = [fresh_copy(m) for m in weighted_metrics]
         self.train_metrics = [*train_unweighted, *train_weighted]
         self.replica_step = step_fn or self._standard_step(loss_fn, train_unweighted, train_weighted)
+        # Step k trains on stream position k + offset (the batches rollbacks skipped).
+        self.data_position = DataPosition()
         self.train_runner = self._make_train_runner(train_form, global_batch_size)
         self._stop_agreement = _make_stop_agreement(strategy)
         self.eval_runner: EvalRunner | None = None
@@ -225,6 +249,21 @@ class Trainer:
             self.checkpointer = self._make_checkpointer(model_dir, checkpoint_options)
             with self.goodput_clock.phase("restore"):
                 self._restore()
+        self.rollback: Rollback | None = None
+        if on_nonfinite == "rollback":
+            if self.checkpointer is None:
+                checkpoint = self._checkpoint_object()
+                setattr(checkpoint, CHECKPOINT_KEY, self.data_position)
+            else:  # In every checkpoint from now on; after the restore, which may be of a run without rollback.
+                checkpoint = self.checkpointer.checkpoint
+                self.checkpointer.track(CHECKPOINT_KEY, self.data_position)
+            self.rollback = Rollback(
+                checkpoint,
+                global_step=self.global_step,
+                position=self.data_position,
+                checkpointer=self.checkpointer,
+                options=self.spike_options,
+            )
         for callback in self.callbacks:  # Their own state on disk, now that the step is known.
             callback.restore_state(self)
 
@@ -243,24 +282,38 @@ class Trainer:
             **self.step_options.step_arguments(),
         )
 
-    def _make_checkpointer(self, model_dir: str, options: CheckpointOptions) -> Checkpointer:
+    def _checkpoint_object(self) -> tf.train.Checkpoint:
+        """What a checkpoint holds: model, global step and optimizer(s) (with rollback, the data
+        position joins them: `engine.rollback`)."""
         # One optimizer keeps the key "optimizer" that existing checkpoints use.
         optimizer_state = (
             {"optimizer": self.optimizer}
             if self.optimizer is not None
             else {"optimizers": dict(self.optimizers)}
         )
-        checkpoint = tf.train.Checkpoint(model=self.model, global_step=self.global_step, **optimizer_state)
-        return Checkpointer(
+        return tf.train.Checkpoint(model=self.model, global_step=self.global_step, **optimizer_state)
+
+    def _make_checkpointer(self, model_dir: str, options: CheckpointOptions) -> Checkpointer:
+        checkpoint = self._checkpoint_object()
+        checkpointer = Checkpointer(
             model_dir, checkpoint, model=self.model, step_counter=self.global_step, options=options
         )
+        if holds_position(checkpointer.restore_path):  # Written with rollback: the position goes on.
+            checkpointer.track(CHECKPOINT_KEY, self.data_position)
+        return checkpointer
 
     def _make_predict_runner(self) -> PredictRunner:
         return PredictRunner(self.strategy, self.model)
 
     def _make_train_runner(self, data: DataForm | ResidentData, global_batch_size: int) -> TrainRunner:
         return TrainRunner(
-            self.strategy, self.replica_step, self.global_step, data, global_batch_size=global_batch_size
+            self.strategy,
+            self.replica_step,
+            self.global_step,
+            data,
+            global_batch_size=global_batch_size,
+            position=self.data_position,
+            max_loss=self.spike_options.max_loss,
         )
 
     def _make_eval_runner(self, loss_fn: PerExampleLoss, data: DataForm, **options: Any) -> EvalRunner:
@@ -303,6 +356,12 @@ class Trainer:
         path = self.checkpointer.restore()
         if path is None:
             return
+        if self.data_position.offset.numpy() and self.train_runner.position is None:
+            skipped = int(self.data_position.offset.numpy())
+            raise UserError(
+                f"checkpoint {path} was trained past {skipped} batches skipped by rollbacks, which "
+                f"{type(self.train_runner).__name__} cannot skip; resume it with the strategy it trained with"
+            )
         if self.checkpointer.options.reset_optimizer and self.weight_averages is not None:
             self.weight_averages.reset_to_weights()  # Not from zero: the step count is not 0.
         if not any(c.owns_learning_rate for c in self.callbacks):
@@ -320,6 +379,11 @@ class Trainer:
             return None
         with self.goodput_clock.phase("checkpoint"):  # The time the loop is blocked saving.
             return self.checkpointer.save(self.step)
+
+    @property
+    def rollbacks(self) -> int:
+        """Rollbacks after loss spikes (`on_nonfinite="rollback"`), over the checkpoints' history."""
+        return int(self.data_position.rollbacks.numpy())
 
     def _latest_checkpoint(self) -> str | None:
         return None if self.checkpointer is None else self.checkpointer.latest
@@ -386,8 +450,8 @@ class Trainer:
         Raises:
           DataExhaustedError: the training data ended first; a checkpoint
             at the last completed step (`trainer.step`) was saved.
-          NonFiniteLossError: a NaN/Inf loss under `on_nonfinite="stop"`;
-            nothing was saved.
+          NonFiniteLossError: a NaN/Inf loss (or one above `max_loss`) under
+            `on_nonfinite="stop"`, or after `max_rollbacks` rollbacks; nothing was saved.
           UserError: `steps` is negative, or the batch size is wrong.
         """
         if steps < 0:
@@ -405,10 +469,16 @@ class Trainer:
             return logs
         for callback in self.callbacks:
             callback.on_train_begin(self)
+        if self.rollback is not None:
+            self.rollback.keep_start()  # What a spike before the next checkpoint restores.
         while self.step < steps and not self._should_stop():
             start = self.step
             num_steps = self._next_loop_length(start, steps)
-            logs = self._train_one_loop(start, num_steps, steps, last_saved)
+            loop_logs = self._train_one_loop(start, num_steps, steps, last_saved)
+            if loop_logs is None:  # Rolled back to a checkpoint (or the start): nothing to save there.
+                last_saved = self.step
+                continue
+            logs = loop_logs
             for callback in self.callbacks:
                 callback.on_loop_end(self, self.step, logs)
             if self.step - start < num_steps:
@@ -441,9 +511,12 @@ class Trainer:
         self.last_goodput = figures
         return figures
 
-    def _train_one_loop(self, start: int, num_steps: int, target: int, last_saved: int) -> dict[str, float]:
+    def _train_one_loop(
+        self, start: int, num_steps: int, target: int, last_saved: int
+    ) -> dict[str, float] | None:
         """Runs one compiled call and returns its logs (written to TensorBoard); ends the
-        run where the data ran out before its first step or a step was not finite."""
+        run where the data ran out before its first step or a step was not finite, or
+        rolls back (`on_nonfinite="rollback"`) and returns None."""
         for metric in self.train_metrics:
             metric.reset_state()
         began = time.perf_counter()
@@ -452,8 +525,12 @@ class Trainer:
         seconds = time.perf_counter() - began
         if result.steps_run == 0:  # Not one batch was left: nothing ran, nothing to log.
             self._end_on_exhausted_data(target, last_saved, {})
-        if result.first_nonfinite_index >= 0 and self.step_options.on_nonfinite == "stop":
-            self._stop_on_nonfinite(start + result.first_nonfinite_index + 1)
+        if result.first_nonfinite_index >= 0 and self.step_options.on_nonfinite != "skip":
+            spike = Spike(start + result.first_nonfinite_index + 1, result.first_nonfinite_loss)
+            if self.rollback is None or self.rollback.exhausted:
+                self._stop_on_nonfinite(spike)
+            self.rollback.recover(spike, self._summaries)
+            return None
         logs = dict(result.logs)
         if self.step_options.on_nonfinite == "skip":  # Under "stop" it is 0, or the run ended above.
             logs["nonfinite_steps"] = float(result.nonfinite_steps)
@@ -470,13 +547,13 @@ class Trainer:
         if self.checkpointer is not None:
             self.checkpointer.wait()  # A background write ends with the run, its error raised.
 
-    def _stop_on_nonfinite(self, step: int) -> None:
-        """Ends the run without saving: the weights may already hold NaNs."""
+    def _stop_on_nonfinite(self, spike: Spike) -> NoReturn:
+        """Ends the run without saving: the weights may already hold NaNs (or a spike's update)."""
         self._summaries.close()
         raise NonFiniteLossError(
-            f"non-finite loss at step {step}; stopped without saving, the latest checkpoint "
-            f"({self._latest_checkpoint() or 'none'}) is kept; lower the optimizer's `learning_rate`, set "
-            "`clip_norm`, or pass `on_nonfinite='skip'` to skip such steps"
+            stop_message(
+                spike, self.spike_options, self._latest_checkpoint(), rolled_back=self.rollback is not None
+            )
         )
 
     def _end_on_exhausted_data(self, target: int, last_saved: int, logs: Mapping[str, float]) -> None:
@@ -602,6 +679,8 @@ class Trainer:
                 self.checkpointer.wait()
         finally:
             self._summaries.close()
+            if self.rollback is not None:
+                self.rollback.discard_start()
 
 
 def prepare_model_state(

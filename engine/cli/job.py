@@ -233,6 +233,8 @@ def _train_and_evaluate(
         "goodput": trainer.last_goodput,
         "model_dir": model_dir,
     }
+    if config.on_nonfinite == "rollback" or trainer.rollbacks:  # Loss spikes survived (engine.rollback).
+        result["rollbacks"] = trainer.rollbacks
     if write_dir == model_dir:
         result = record_training(model_dir, result, mode=config.mode)
     logging.info(

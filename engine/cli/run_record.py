@@ -1,8 +1,9 @@
 """`<model_dir>/metrics.json`: the run's record, which no mode's write may shorten.
 
 Training writes its final figures (`global_step`, `train`, `eval`,
-`examples_per_second`); every evaluation a mode records (the one at the
-end of training, `--mode=eval`, a continuous evaluator's) is appended to
+`examples_per_second`, `rollbacks` with `--on_nonfinite=rollback`); every
+evaluation a mode records (the one at the end of training, `--mode=eval`,
+a continuous evaluator's) is appended to
 `evaluations` as `{"step", "mode", "eval"}`. The top-level `eval` is the
 newest evaluation of the checkpoint at `global_step`. Each write reads the
 record first and keeps what it does not replace, so `--mode=eval` after

@@ -26,6 +26,7 @@ from engine.errors import UserError
 from engine.options import (  # noqa: F401 (re-exported: the command line's names in one place)
     COMMUNICATIONS,
     DEFAULT_COLLECTIVE_TIMEOUT,
+    DEFAULT_MAX_ROLLBACKS,
     DEFAULT_STARTUP_TIMEOUT,
     DEFAULT_STEPS_PER_LOOP,
     METRIC_MODES,
@@ -35,6 +36,7 @@ from engine.options import (  # noqa: F401 (re-exported: the command line's name
     SCHEDULE_NAMES,
     SINGLE_HOST_STRATEGIES,
     STRATEGY_NAMES,
+    SpikeOptions,
 )
 
 # The library's own choices and defaults (engine.options); the command line's below.
@@ -117,6 +119,9 @@ TRAINER_SETTINGS = (
     "grad_accum_steps",
     "jit_compile",
     "on_nonfinite",
+    "max_loss",
+    "rollback_skip_batches",
+    "max_rollbacks",
     "restore_fallback",
     "log_every",
     "reset_optimizer",
@@ -371,8 +376,23 @@ class RunConfig:
     )
     on_nonfinite: str = setting(
         "stop",
-        "On a NaN/Inf loss: stop with an error (nothing saved), or skip the update and count it in summaries.",
+        "On a NaN/Inf loss (or one above --max_loss): stop with an error (nothing saved), skip the update "
+        "and count it in summaries, or roll back: restore the last good checkpoint and skip the batches "
+        "since it, up to the spike's (docs/fault-tolerance.md#loss-spikes).",
         choices=NONFINITE_POLICIES,
+    )
+    max_loss: float | None = setting(
+        None,
+        "A finite loss above this is a spike too: --on_nonfinite=stop stops, rollback rolls back.",
+    )
+    rollback_skip_batches: int = setting(
+        0,
+        "--on_nonfinite=rollback: skip this many batches more than those from the restored checkpoint "
+        "up to and including the spike's.",
+    )
+    max_rollbacks: int = setting(
+        DEFAULT_MAX_ROLLBACKS,
+        "--on_nonfinite=rollback: after this many rollbacks the next spike stops the run (nothing saved).",
     )
     # State on disk.
     model_dir: str | None = setting(
@@ -488,6 +508,18 @@ class RunConfig:
         _choose("communication", self.communication, COMMUNICATIONS)
         _choose("mixed_precision", self.mixed_precision, tuple(PRECISION_POLICIES))
         self.validate_numbers()
+        spike_problem = SpikeOptions(
+            max_loss=self.max_loss,
+            rollback_skip_batches=self.rollback_skip_batches,
+            max_rollbacks=self.max_rollbacks,
+        ).problem(self.on_nonfinite)
+        if spike_problem is not None:  # In the library's terms; the command line's edge spells flags.
+            raise UserError(spike_problem)
+        if self.on_nonfinite == "rollback" and self.strategy == "parameter_server":
+            raise UserError(
+                "--on_nonfinite=rollback is not supported with --strategy=parameter_server (asynchronous "
+                "updates: skipping batches would not be exact); use --on_nonfinite=stop with --max_loss"
+            )
         self._validate_problem()
         for name in (
             "cpu_devices",
