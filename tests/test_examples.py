@@ -275,16 +275,20 @@ def _free(port: int) -> bool:
     return True
 
 
+KUBERNETES = REPO / "examples" / "kubernetes"
+
+
 def test_kubernetes_manifest_gives_each_pod_its_task_in_one_cluster():
     yaml = pytest.importorskip("yaml")
     from engine.cli import flags as engine_flags
     from engine.cli.settings import RunConfig
 
-    documents = list(yaml.safe_load_all((REPO / "examples" / "kubernetes" / "train.yaml").read_text()))
+    documents = list(yaml.safe_load_all((KUBERNETES / "train.yaml").read_text()))
     by_kind = {(d["kind"], d["metadata"]["name"]): d for d in documents}
     service, train = by_kind[("Service", "engine")], by_kind[("Job", "engine-train")]
     pod = train["spec"]["template"]
     assert service["spec"]["clusterIP"] == "None"  # headless: per-pod DNS names
+    assert service["spec"]["publishNotReadyAddresses"] is True  # names before the peers are ready
     assert service["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
     assert pod["spec"]["subdomain"] == service["metadata"]["name"]
     assert train["spec"]["completionMode"] == "Indexed"
@@ -294,15 +298,12 @@ def test_kubernetes_manifest_gives_each_pod_its_task_in_one_cluster():
     port = container["ports"][0]["containerPort"]
     assert port == service["spec"]["ports"][0]["port"]
     env = {e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"] for e in container["env"]}
+    assert env["JOB_COMPLETION_INDEX"] == "metadata.annotations['batch.kubernetes.io/job-completion-index']"
 
     clusters = []
     for index in range(workers):
         # What Kubernetes does: the annotation's value into the env, $(VAR) expanded in args.
-        values = {
-            name: str(index)
-            for name, path in env.items()
-            if path == "metadata.annotations['batch.kubernetes.io/job-completion-index']"
-        }
+        values = {name: str(index) for name in env}
         args = [
             re.sub(r"\$\((\w+)\)", lambda m, values=values: values[m.group(1)], arg) for arg in container["args"]
         ]
@@ -320,6 +321,125 @@ def test_kubernetes_manifest_gives_each_pod_its_task_in_one_cluster():
     assert config.multi_host_options().cluster.is_evaluator
     assert config.model_dir == parse_engine_flags(engine_flags.FLAGS, RunConfig, args).model_dir
     assert config.train_steps == parse_engine_flags(engine_flags.FLAGS, RunConfig, args).train_steps
+
+
+def test_kubernetes_manifest_can_run_again_and_keeps_the_model_dir():
+    """`kubectl replace --force -f train.yaml` deletes and recreates what the file holds: not the
+    volume (volume.yaml) that the rerun resumes from; finished Jobs also delete themselves."""
+    yaml = pytest.importorskip("yaml")
+    documents = list(yaml.safe_load_all((KUBERNETES / "train.yaml").read_text()))
+    assert {d["kind"] for d in documents} == {"Service", "Job"}
+    (volume,) = yaml.safe_load_all((KUBERNETES / "volume.yaml").read_text())
+    assert volume["kind"] == "PersistentVolumeClaim" and volume["spec"]["accessModes"] == ["ReadWriteMany"]
+    for job in (d for d in documents if d["kind"] == "Job"):
+        pod = job["spec"]["template"]["spec"]
+        assert job["spec"]["ttlSecondsAfterFinished"] > 0
+        assert {v["persistentVolumeClaim"]["claimName"] for v in pod["volumes"]} == {volume["metadata"]["name"]}
+        (container,) = pod["containers"]
+        assert any(arg.startswith("--model_dir=/runs/") for arg in container["args"])
+        assert [m["mountPath"] for m in container["volumeMounts"]] == ["/runs"]
+
+    train = next(d for d in documents if d["metadata"]["name"] == "engine-train")
+    pod = train["spec"]["template"]["spec"]
+    assert pod["restartPolicy"] == "Never"  # what a podFailurePolicy needs
+    assert pod["terminationGracePeriodSeconds"] >= 60  # SIGTERM to SIGKILL: time to save a checkpoint
+    (container,) = pod["containers"]
+    policy = train["spec"]["podFailurePolicy"]
+    # Kubernetes's rule: the first rule that matches a failed pod decides; none: it counts.
+    assert pod_failure_action(policy, container["name"], exit_code=2) == "FailJob"  # bad flags
+    assert pod_failure_action(policy, container["name"], exit_code=143) == "Ignore"  # saved on SIGTERM
+    assert pod_failure_action(policy, container["name"], exit_code=75) == "Ignore"  # stopped with its peer
+    assert (
+        pod_failure_action(policy, container["name"], exit_code=137, conditions={"DisruptionTarget"}) == "Ignore"
+    )
+    assert pod_failure_action(policy, container["name"], exit_code=1) == "Count"  # a crash: backoffLimit
+    assert train["spec"]["backoffLimit"] >= 2 * train["spec"]["completions"]  # a whole cluster, more than once
+
+
+def pod_failure_action(
+    policy: dict, container: str, *, exit_code: int, conditions: set[str] = frozenset()
+) -> str:
+    for rule in policy["rules"]:
+        codes = rule.get("onExitCodes")
+        if codes and codes.get("containerName", container) == container:
+            assert codes["operator"] in ("In", "NotIn")
+            if (exit_code in codes["values"]) == (codes["operator"] == "In"):
+                return rule["action"]
+        if any(c["type"] in conditions for c in rule.get("onPodConditions", ())):
+            return rule["action"]
+    return "Count"
+
+
+def dockerfile_stages(text: str) -> dict[str, tuple[str, list[tuple[str, str]]]]:
+    """A Dockerfile's stages in order: name -> (FROM image, [(INSTRUCTION, arguments), ...])."""
+    text = re.sub(r"\\\n", " ", re.sub(r"^\s*#.*\n", "", text, flags=re.M))
+    stages: dict[str, tuple[str, list[tuple[str, str]]]] = {}
+    for line in filter(str.strip, text.splitlines()):
+        instruction, _, arguments = line.strip().partition(" ")
+        if instruction.upper() == "FROM":
+            image, _, name = arguments.partition(" AS ")
+            stages[name.strip() or str(len(stages))] = (image.strip(), [])
+        else:
+            list(stages.values())[-1][1].append((instruction.upper(), arguments.strip()))
+    return stages
+
+
+def test_dockerfile_installs_this_package_on_a_cpu_and_a_gpu_base_and_runs_the_engine():
+    import configparser
+    import json
+    import shlex
+
+    yaml = pytest.importorskip("yaml")
+    stages = dockerfile_stages((KUBERNETES / "Dockerfile").read_text())
+    assert list(stages)[-1] == "cpu"  # the default target: `docker build` without --target
+
+    def instructions(stage: str) -> list[tuple[str, str]]:
+        """A stage's instructions, its parent stages' first: what its image runs."""
+        image, own = stages[stage]
+        return (instructions(image) if image in stages else []) + own
+
+    def base_image(stage: str) -> str:
+        image = stages[stage][0]
+        return base_image(image) if image in stages else image
+
+    setup = configparser.ConfigParser()
+    setup.read(REPO / "setup.cfg")
+    packages = {p for p in setup["options.packages.find"]["include"].split() if "." not in p}
+    (tensorflow,) = [r for r in setup["options"]["install_requires"].split("\n") if r.startswith("tensorflow")]
+    read_by_setup = re.findall(r"file:\s*(\S+)", setup["metadata"]["long_description"])
+
+    for stage in ("cpu", "gpu"):
+        assert base_image(stage) == "python:3.11-slim"
+        steps = instructions(stage)
+        copied = {}  # each COPY source -> where it lands in the image
+        for instruction, arguments in steps:
+            if instruction == "COPY":
+                *sources, target = arguments.split()
+                for source in sources:
+                    assert (REPO / source).exists(), source
+                    copied[source] = target + source if target.endswith("/") else target
+        # Everything `pip install /src` needs: the metadata, the files it reads, each package.
+        needed = {"pyproject.toml", "setup.cfg", *read_by_setup, *packages}
+        assert {source: copied.get(source) for source in needed} == {
+            source: f"/src/{source}" for source in needed
+        }
+        (install,) = [shlex.split(a) for i, a in steps if i == "RUN" and "pip install" in a]
+        assert install[:2] == ["pip", "install"] and "/src" in install  # this package, from its source
+        tensorflow_pins = [a for a in install[2:] if a.startswith("tensorflow")]
+        expected = [tensorflow.replace("tensorflow", "tensorflow[and-cuda]", 1)] if stage == "gpu" else []
+        assert tensorflow_pins == expected  # gpu: setup.cfg's own TensorFlow range, with CUDA
+        (workdir,) = [a for i, a in steps if i == "WORKDIR"]
+        assert not workdir.startswith("/src")  # the installed packages are imported, not the sources
+        (entrypoint,) = [json.loads(a) for i, a in steps if i == "ENTRYPOINT"]
+        assert entrypoint == ["python", "-m", "engine.main"]
+
+    train = next(
+        d
+        for d in yaml.safe_load_all((KUBERNETES / "train.yaml").read_text())
+        if d["metadata"]["name"] == "engine-train"
+    )
+    (container,) = train["spec"]["template"]["spec"]["containers"]
+    assert container["command"] == entrypoint  # the manifest runs what the image runs
 
 
 def parse_engine_flags(flag_values, run_config, args: list[str]):
