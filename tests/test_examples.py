@@ -1,6 +1,8 @@
 """The cluster examples a user starts from: examples/slurm/train.sbatch runs under a
-fake Slurm (SLURM_* variables and an `srun` that starts local processes), and
-examples/kubernetes/train.yaml gives every pod the cluster it should join."""
+fake Slurm (SLURM_* variables, an `srun` that starts local processes or only exits, an
+`scontrol` that records its requeue), takes ports from the job id and requeues only a run
+stopped by a signal; examples/kubernetes/train.yaml gives every pod the cluster it should
+join and can run again, and its Dockerfile installs this package and runs engine.main."""
 
 from __future__ import annotations
 
