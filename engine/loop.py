@@ -54,7 +54,13 @@ class LoopResult:
             nonfinite_steps=int(outputs["nonfinite_steps"]),
             first_nonfinite_index=int(outputs["first_nonfinite_index"]),
             first_batch_size=int(outputs.get("first_batch_size", -1)),
-            first_nonfinite_loss=float(outputs.get("first_nonfinite_loss", float("nan"))),
+            first_nonfinite_loss=(
+                float(outputs["first_nonfinite_loss"])
+                if "first_nonfinite_loss" in outputs
+                and "loss" in outputs["logs"]
+                and int(outputs["first_nonfinite_index"]) >= 0
+                else float("nan")
+            ),
         )
 
 
@@ -112,7 +118,10 @@ def run_step(
 # A loop's running state: (sums of finite step outputs, finite steps, non-finite steps, first non-finite
 # index, that step's loss).
 LoopState = tuple[dict[str, tf.Tensor], tf.Tensor, tf.Tensor, tf.Tensor, tf.Tensor]
-_NO_LOSS = float("nan")
+# The graph's placeholder for "no loss to report" (no non-finite step yet, or a step without a
+# "loss" output): a finite 0, since --check_numerics fails on any NaN constant; LoopResult reads
+# it as NaN where it means nothing.
+_NO_LOSS = 0.0
 
 
 def _accumulate(

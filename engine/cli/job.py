@@ -341,8 +341,8 @@ def _train_with_clean_errors(
 
 def _what_is_kept(trainer: Trainer) -> str:
     """How a run that stops on an error ends: it saves nothing after the error."""
-    manager = trainer.checkpoint_manager
-    latest = manager.latest_checkpoint if manager is not None else None
+    # The Checkpointer's: it waits for a checkpoint still being written in the background.
+    latest = trainer.checkpointer.latest if trainer.checkpointer is not None else None
     if latest is None:
         return "stopped without saving (no checkpoint yet)"
     return f"stopped without saving, the latest checkpoint ({latest}) is kept"
