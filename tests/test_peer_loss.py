@@ -118,3 +118,24 @@ def test_a_frozen_worker_ends_its_peers_run_with_one_line_within_the_heartbeat_b
     lost = f"worker:1 (localhost:{ports[1]}) stopped answering (no heartbeat for {heartbeat_timeout} s)"
     assert lost in ours[0], ours[0]
     assert heartbeat_timeout / 2 - 2 <= took <= heartbeat_timeout + margin, took
+
+
+class _Process:
+    def __init__(self, code):
+        self.code = code
+
+    def poll(self):
+        return self.code
+
+
+def test_the_launchers_restart_line_names_the_peer_that_stopped_answering():
+    from engine.cli.launcher import Task, _cause
+
+    hosts = ["localhost:1111", "localhost:2222"]
+    workers = [
+        Task(resolve_cluster(worker_hosts=hosts, task_type="worker", task_index=i), [], _Process(code))
+        for i, code in ((0, PEER_LOST_EXIT), (1, None))
+    ]
+    restart = _cause(workers[0], PEER_LOST_EXIT, workers)
+    assert restart == "worker:1 stopped answering (worker:0 exited with status 69)"
+    assert _cause(workers[0], 1, workers) == "worker:0 exited with status 1"
