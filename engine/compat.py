@@ -52,10 +52,12 @@ def num_workers(strategy: tf.distribute.Strategy) -> int:
     return int(strategy.extended._num_workers)  # noqa: SLF001
 
 
-def configure_coordination_service(spec: tf.train.ClusterSpec, *, register_timeout_s: float) -> bool:
+def configure_coordination_service(
+    spec: tf.train.ClusterSpec, *, register_timeout_s: float, heartbeat_timeout_s: float = 0.0
+) -> bool:
     """Starts the coordination service MultiWorkerMirroredStrategy would start, but with a
-    registration timeout (its own waits forever); False where one is configured already.
-    TF offers no public way to pass the timeout."""
+    registration timeout (its own waits forever) and a heartbeat timeout (0: TF's 10 s);
+    False where one is configured already. TF offers no public way to pass either."""
     from tensorflow.compiler.xla.tsl.protobuf import coordination_config_pb2
     from tensorflow.python.distribute import multi_worker_util
     from tensorflow.python.eager import context
@@ -72,6 +74,7 @@ def configure_coordination_service(spec: tf.train.ClusterSpec, *, register_timeo
         service_leader=multi_worker_util.coordination_leader(spec),
         coordinated_jobs=jobs,
         cluster_register_timeout_in_ms=int(register_timeout_s * 1000),
+        heartbeat_timeout_in_ms=int(heartbeat_timeout_s * 1000),
     )
     return True
 

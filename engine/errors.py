@@ -7,6 +7,9 @@ is a bug in the engine and keeps its traceback.
 # The exit status of every command-line entry point (engine.main, engine.launch,
 # engine.server) for a UserError; engine.launch never restarts a task that exits with it.
 USER_ERROR_EXIT = 2
+# The exit status of a task whose peer stopped answering mid-run (EX_UNAVAILABLE): not the
+# task's own mistake, so engine.launch --max_restarts restarts the cluster on it.
+PEER_LOST_EXIT = 69
 
 
 def one_line(error: BaseException | str, limit: int | None = None) -> str:
@@ -22,6 +25,13 @@ class UserError(Exception):
     # leaves exceptions with this attribute alone (engine.compat.AUTOGRAPH_PASS_THROUGH, tested
     # in tests/test_compat.py; this module imports no TensorFlow, so the name is spelled here).
     ag_pass_through = True
+
+
+class PeerLostError(UserError):
+    """A peer task stopped answering mid-run (frozen, partitioned or dead): one line, but an
+    exit status that asks for a rerun instead of a fix."""
+
+    exit_status = PEER_LOST_EXIT
 
 
 class NonFiniteLossError(UserError):

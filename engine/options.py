@@ -27,6 +27,9 @@ COMMUNICATIONS = ("auto", "ring", "nccl")  # multi_worker_mirrored's collectives
 DEFAULT_STEPS_PER_LOOP = 50
 DEFAULT_COLLECTIVE_TIMEOUT = 300.0
 DEFAULT_STARTUP_TIMEOUT = 300.0
+# Seconds without a heartbeat after which a multi_worker_mirrored task counts as lost
+# (TF's coordination service; its own default is 10): a frozen peer ends the run this fast.
+DEFAULT_HEARTBEAT_TIMEOUT = 10.0
 
 
 class StepArguments(TypedDict):

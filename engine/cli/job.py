@@ -36,7 +36,8 @@ from engine.cli.run_record import read_record, record_path, record_training
 from engine.cli.run_task import RunTask, check_reported, resolve_task
 from engine.cli.settings import TRAINER_SETTINGS, RunConfig, settings_of
 from engine.cluster import task_model_dir
-from engine.errors import UserError, one_line
+from engine.cluster.peer_loss import PEER_LOST_ERRORS, peer_lost_message
+from engine.errors import PeerLostError, UserError, one_line
 from engine.export import export_for_serving
 from engine.goodput import restarts_from_environment
 from engine.logger import EVERY_TASK
@@ -309,6 +310,15 @@ def _train_with_clean_errors(
                 raise
             trainer.close()
             raise UserError(message) from None
+        except PEER_LOST_ERRORS as error:  # A frozen, partitioned or dead peer of the cluster.
+            options = config.multi_host_options()
+            message = peer_lost_message(
+                error, options.cluster, heartbeat_timeout=options.heartbeat_timeout, kept=_what_is_kept(trainer)
+            )
+            if message is None:
+                raise
+            trainer.close()
+            raise PeerLostError(message) from None
         except tf.errors.InvalidArgumentError as error:
             text = _tf_error_line(error, "label")
             if text is None:

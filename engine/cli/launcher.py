@@ -49,7 +49,7 @@ from absl import flags
 
 from engine.cli.flag_names import in_flag_terms
 from engine.cluster import Cluster, security_warning
-from engine.errors import USER_ERROR_EXIT, UserError, one_line
+from engine.errors import PEER_LOST_EXIT, USER_ERROR_EXIT, UserError, one_line
 from engine.goodput import RESTARTS_ENV, RESTARTS_LOST_ENV
 
 flags.DEFINE_integer("num_workers", 2, "Worker tasks.")
@@ -258,10 +258,8 @@ class Launcher:
                     _say(f"{task.name} failed with exit status {code}; stopping the other tasks")
                     return _exit_status(code)
                 self.restarts += 1
-                _say(
-                    f"restarting the cluster ({self.restarts}/{self.max_restarts}): {task.name} "
-                    f"{_describe(code)}"
-                )
+                cause = _cause(task, code, tasks)
+                _say(f"restarting the cluster ({self.restarts}/{self.max_restarts}): {cause}")
                 self._restart_training()
                 return None
             return 0 if all(code == 0 for code in codes) else None
@@ -328,6 +326,15 @@ class Launcher:
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
+
+
+def _cause(task: Task, code: int, tasks: list[Task]) -> str:
+    """Why the cluster restarts: the failed task, or, where it lost a peer (PEER_LOST_EXIT),
+    the peers that still run but stopped answering it (frozen or partitioned)."""
+    silent = [t.name for t in tasks if t is not task and t.started.poll() is None]
+    if code == PEER_LOST_EXIT and silent:
+        return f"{', '.join(silent)} stopped answering ({task.name} {_describe(code)})"
+    return f"{task.name} {_describe(code)}"
 
 
 def _describe(code: int) -> str:

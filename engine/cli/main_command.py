@@ -57,7 +57,7 @@ def main_with_clean_errors(argv: list[str]) -> int:
         logging.flush()
         status_line.clear()  # The error's line, not the bar's.
         print(f"engine.main: error: {in_flag_terms(error)}", file=sys.stderr)
-        return USER_ERROR_EXIT
+        return getattr(error, "exit_status", USER_ERROR_EXIT)  # PeerLostError: a rerun may help.
 
 
 def parse_flags(argv: list[str]) -> list[str]:

@@ -26,6 +26,7 @@ from engine.errors import UserError
 from engine.options import (  # noqa: F401 (re-exported: the command line's names in one place)
     COMMUNICATIONS,
     DEFAULT_COLLECTIVE_TIMEOUT,
+    DEFAULT_HEARTBEAT_TIMEOUT,
     DEFAULT_MAX_ROLLBACKS,
     DEFAULT_STARTUP_TIMEOUT,
     DEFAULT_STEPS_PER_LOOP,
@@ -58,7 +59,7 @@ INT32_MAX = 2**31 - 1
 INT64_MAX = 2**63 - 1
 # The longest timeout (about 31 years): TensorFlow takes timeouts in int64 milliseconds.
 MAX_TIMEOUT_SECONDS = 1e9
-TIMEOUTS = ("collective_timeout", "startup_timeout", "eval_timeout")
+TIMEOUTS = ("collective_timeout", "startup_timeout", "heartbeat_timeout", "eval_timeout")
 # Logical CPU devices to split the host into: each is a replica with its own copy of the model.
 MAX_CPU_DEVICES = 1024
 
@@ -183,6 +184,11 @@ class RunConfig:
         DEFAULT_STARTUP_TIMEOUT,
         "Seconds a cluster task waits to reach its peers at start-up before it "
         "exits with one line naming them; 0 waits forever.",
+    )
+    heartbeat_timeout: float = setting(
+        DEFAULT_HEARTBEAT_TIMEOUT,
+        "multi_worker_mirrored: seconds without a heartbeat after which a peer counts as lost; a frozen, "
+        "partitioned or dead peer then ends the run (exit 69) within about this bound.",
     )
     tpu: str | None = setting(
         None,
@@ -729,6 +735,7 @@ class RunConfig:
             collective_timeout=self.collective_timeout,
             tpu=self.tpu,
             startup_timeout=self.startup_timeout,
+            heartbeat_timeout=self.heartbeat_timeout,
             startup_guard=signals_left_pending,
         )
 

@@ -24,7 +24,12 @@ from absl import logging
 from engine.cluster import Cluster, check_strategy_cluster
 from engine.errors import UserError, one_line
 from engine.logger import EVERY_TASK
-from engine.options import COMMUNICATIONS, DEFAULT_COLLECTIVE_TIMEOUT, DEFAULT_STARTUP_TIMEOUT
+from engine.options import (
+    COMMUNICATIONS,
+    DEFAULT_COLLECTIVE_TIMEOUT,
+    DEFAULT_HEARTBEAT_TIMEOUT,
+    DEFAULT_STARTUP_TIMEOUT,
+)
 
 _STARTUP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 WATCHDOG_GRACE_SECONDS = 3.0
@@ -42,6 +47,9 @@ class MultiHostOptions:
     tpu: str | None = None
     # Seconds the start-up (connecting to every peer) may take; 0 waits forever.
     startup_timeout: float = DEFAULT_STARTUP_TIMEOUT
+    # Seconds without a heartbeat after which a multi_worker_mirrored peer counts as lost:
+    # a frozen or partitioned peer ends the run after about this long (engine.cluster.peer_loss).
+    heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT
     # Held while TensorFlow's start-up call runs. That call holds the GIL, so a signal
     # handler written in Python could never act: the command line passes a guard that
     # leaves SIGTERM/SIGINT pending, for the start-up watchdog to see and end the task.
@@ -56,6 +64,8 @@ class MultiHostOptions:
             raise UserError(f"`collective_timeout={self.collective_timeout!r}` must be >= 0 (0: no timeout)")
         if self.startup_timeout < 0:
             raise UserError(f"`startup_timeout={self.startup_timeout!r}` must be >= 0 (0: no timeout)")
+        if self.heartbeat_timeout <= 0:
+            raise UserError(f"`heartbeat_timeout={self.heartbeat_timeout!r}` must be > 0")
         if strategy == "tpu" and not self.tpu:
             raise UserError("`strategy='tpu'` needs `tpu='local'` (a TPU VM) or `tpu='grpc://HOST:PORT'`")
         if self.tpu and strategy != "tpu":
@@ -67,8 +77,8 @@ def build_multi_host_strategy(name: str, options: MultiHostOptions) -> tf.distri
     options.check(name)
     if name == "multi_worker_mirrored":
         with bounded_startup(options.cluster, options.startup_timeout, guard=options.startup_guard):
-            if options.cluster is not None and options.startup_timeout:
-                _configure_coordination(options.cluster, options.startup_timeout)
+            if options.cluster is not None:
+                _configure_coordination(options.cluster, options.startup_timeout, options.heartbeat_timeout)
             strategy = _multi_worker_mirrored(options)
             if options.cluster is not None and options.cluster.num_workers > 1:
                 _barrier(strategy)  # The first collective waits for every worker too.
@@ -138,15 +148,16 @@ def bounded_startup(
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
-def _configure_coordination(cluster: Cluster, timeout: float) -> None:
+def _configure_coordination(cluster: Cluster, timeout: float, heartbeat_timeout: float) -> None:
     """The coordination service MultiWorkerMirroredStrategy would configure, with a
-    registration timeout (TF's default waits forever)."""
+    registration timeout (TF's default, 0, waits forever) and the heartbeat timeout that
+    bounds how long a frozen peer goes unnoticed."""
     from engine.compat import configure_coordination_service
 
     if cluster.task_type not in ("chief", "worker"):
         return
     spec = tf.train.ClusterSpec({job: list(hosts) for job, hosts in cluster.training_spec().items()})
-    configure_coordination_service(spec, register_timeout_s=timeout)
+    configure_coordination_service(spec, register_timeout_s=timeout, heartbeat_timeout_s=heartbeat_timeout)
 
 
 def _startup_timeout_message(cluster: Cluster, timeout: float) -> str:
