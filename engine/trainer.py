@@ -105,7 +105,8 @@ class Trainer:
         `use_ema=True` gets the same without it (`engine.ema`).
       async_checkpoint: a save waits only for a copy of the variables; the files are
         written in the background, and the end of `train()` and `close()` wait for them
-        (`engine.checkpoint_writer`). Synchronous under parameter-server and TPU strategies.
+        (`engine.checkpoint_writer`). Synchronous under multi-worker, parameter-server and TPU
+        strategies.
       flops_per_example: the model's forward-pass FLOPs per example (e.g.
         `models.flops_per_example(model)`): the progress lines and TensorBoard
         then show the training TFLOP/s (3x forward), and with `peak_tflops`

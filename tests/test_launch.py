@@ -40,6 +40,10 @@ def test_a_killed_worker_restarts_the_cluster_and_ends_with_the_uninterrupted_we
     assert restarted.keys() == uninterrupted.keys() and restarted
     for name in restarted:
         np.testing.assert_array_equal(restarted[name], uninterrupted[name], err_msg=name)
+    # The time the restart lost is in the chief's goodput; the uninterrupted run lost none.
+    goodput = json.loads((tmp_path / "restarted" / "metrics.json").read_text())["goodput"]
+    assert goodput["restarts"] == 1 and 0 < goodput["restarts_lost_s"] < 600, goodput
+    assert "restarts" not in json.loads((tmp_path / "plain" / "metrics.json").read_text())["goodput"]
     run.assert_nothing_left()
 
 

@@ -413,7 +413,8 @@ class RunConfig:
         True,
         "Write checkpoints in the background: a save waits only for a copy of the variables in "
         "memory, and the checkpoint state file names a checkpoint once its files are complete. "
-        "Off (synchronous) under --strategy=parameter_server and tpu, where it is not verified.",
+        "Off (synchronous) under --strategy=multi_worker_mirrored, parameter_server and tpu, where it is not "
+        "verified.",
     )
     restore_fallback: bool = setting(
         False,
