@@ -96,6 +96,7 @@ def spike_lines(caplog):
     return [r.getMessage() for r in caplog.records if r.getMessage().startswith("loss spike")]
 
 
+@pytest.mark.slow  # Trains twice for seconds: in the full suite.
 @pytest.mark.parametrize("strategy_name", ["default", "mirrored"])
 def test_a_huge_loss_is_rolled_back_to_the_weights_of_the_run_without_its_batches(
     strategy_name, request, tmp_path, caplog
@@ -258,6 +259,7 @@ def test_a_resume_with_a_learning_rate_of_1e12_stops_before_rotation_deletes_the
     assert tf.train.latest_checkpoint(str(tmp_path / "checkpoints")).endswith("ckpt-6")
 
 
+@pytest.mark.slow  # Trains twice for seconds: in the full suite.
 def test_a_resume_after_a_rollback_reads_the_same_batches(default, tmp_path):
     x, y = spiking_arrays([5])
     options = {"on_nonfinite": "rollback", "max_loss": MAX_LOSS}

@@ -442,6 +442,7 @@ def test_the_task_example_of_the_docs_runs_as_printed(tmp_path, monkeypatch):
     assert "loss=huber metrics=mae,r2 labels=2 value(s)" in result.stderr
 
 
+@pytest.mark.slow  # Three runs over TFRecord files: seconds.
 def test_image_tfrecords_keep_their_size_and_channels_unless_asked(tmp_path, monkeypatch):
     from input import write_tfrecords
 
