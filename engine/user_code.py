@@ -7,6 +7,7 @@ Python path) and for the one-line message when it cannot be used.
 from __future__ import annotations
 
 import importlib
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -15,14 +16,16 @@ class UserCodeError(ValueError):
     """A `package.module:function` that cannot be imported or is not a function."""
 
 
-def import_callable(value: str, *, setting: str) -> tuple[Callable[..., Any], str]:
+def import_callable(
+    value: str, *, setting: str, example: str | None = None, signature: str | None = None
+) -> tuple[Callable[..., Any], str]:
     """(the function, where it was found) for `value` = package.module:function; the message
-    of a UserCodeError names `--setting=value`."""
+    of a UserCodeError names `--setting=value`, the `example` value to give, and the
+    `signature` (e.g. "(input_shape, num_classes) -> keras.Model") a missing function needs."""
     module_name, _, function_name = value.partition(":")
     if not module_name or not function_name.isidentifier():
-        raise UserCodeError(
-            f"--{setting}={value} must be package.module:function, e.g. --{setting}=my_{setting}s:build"
-        )
+        example = example or f"my_{setting}s:build"
+        raise UserCodeError(f"--{setting}={value} must be package.module:function, e.g. --{setting}={example}")
     try:
         module = importlib.import_module(module_name)
     except (Exception, SystemExit) as error:  # Any failure in the user's module, sys.exit() included.
@@ -32,8 +35,19 @@ def import_callable(value: str, *, setting: str) -> tuple[Callable[..., Any], st
     where = getattr(module, "__file__", None) or "built in"
     function = getattr(module, function_name, None)
     if not callable(function):
-        raise UserCodeError(f"--{setting}={value}: {module_name!r} ({where}) has no function {function_name!r}")
+        define = f"; define {function_name}{signature}" if signature else ""
+        raise UserCodeError(
+            f"--{setting}={value}: {module_name!r} ({where}) has no function {function_name!r}{define}"
+        )
     return function, where
+
+
+def signature_text(function: Callable[..., Any]) -> str:
+    """`(a, b=1)` for messages; `(...)` where Python cannot inspect it (a builtin)."""
+    try:
+        return str(inspect.signature(function))
+    except ValueError:
+        return "(...)"
 
 
 def first_line(error: BaseException) -> str:

@@ -8,13 +8,13 @@ the Python path) and trained like the built-in models.
 
 from __future__ import annotations
 
-import importlib
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import keras
 
+from engine.user_code import UserCodeError, import_callable, signature_text
 from models import cnn, mlp, resnet, resnet50, wide_mlp
 
 
@@ -83,27 +83,21 @@ def get_model_spec(name: str) -> ModelSpec:
 
 
 def _user_model_spec(name: str) -> ModelSpec:
-    module_name, _, function_name = name.partition(":")
-    if not module_name or not function_name.isidentifier():
-        raise ModelError(f"--model={name} must be package.module:function, e.g. --model=my_models:build")
     try:
-        module = importlib.import_module(module_name)
-    except (Exception, SystemExit) as error:  # Any failure in the user's module, sys.exit() included.
-        raise ModelError(
-            f"--model={name}: cannot import {module_name!r}: {type(error).__name__}: {_first_line(error)}"
-        ) from None
-    where = getattr(module, "__file__", None) or "built in"
-    function = getattr(module, function_name, None)
-    if not callable(function):
-        raise ModelError(
-            f"--model={name}: {module_name!r} ({where}) has no function "
-            f"{function_name!r}; define {function_name}(input_shape, num_classes) -> keras.Model"
+        function, where = import_callable(
+            name,
+            setting="model",
+            example="my_models:build",
+            signature="(input_shape, num_classes) -> keras.Model",
         )
+    except UserCodeError as error:
+        raise ModelError(str(error)) from None
+    function_name = name.partition(":")[2]
     try:
         inspect.signature(function).bind(USER_MODEL_INPUT_SHAPE, 10)
     except TypeError:
         raise ModelError(
-            f"--model={name}: {function_name}{_signature(function)} ({where}) cannot be called as "
+            f"--model={name}: {function_name}{signature_text(function)} ({where}) cannot be called as "
             f"{function_name}(input_shape, num_classes); give it those two parameters"
         ) from None
     except ValueError:  # No signature to inspect (a builtin): calling it tells.
@@ -139,19 +133,3 @@ def _check_user_model(name: str, model, num_classes: int) -> None:
             f"--model={name} ends with a softmax; the engine's loss takes logits "
             "(from_logits=True): drop the softmax from the last layer"
         )
-
-
-def _first_line(error: BaseException) -> str:
-    try:
-        text = str(error)
-    except Exception:  # An exception whose __str__ fails: its repr still says what it is.
-        text = object.__repr__(error)
-    lines = text.strip().splitlines()
-    return lines[0] if lines else ""
-
-
-def _signature(function: Callable) -> str:
-    try:
-        return str(inspect.signature(function))
-    except ValueError:
-        return "(...)"

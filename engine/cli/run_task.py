@@ -23,7 +23,7 @@ from engine.cli.settings import RunConfig
 from engine.errors import UserError
 from engine.steps import EvalStep, PerExampleLoss, ReplicaStep
 from engine.task import Task
-from engine.user_code import UserCodeError, first_line, import_callable
+from engine.user_code import UserCodeError, first_line, import_callable, signature_text
 
 # The built-in image sets are served at the model's input shape; every other form at its own.
 IMAGE_SETS_AT_MODEL_SHAPE = ("digits", "mnist", "synthetic")
@@ -98,7 +98,7 @@ def user_task(config: RunConfig) -> Task:
         inspect.signature(function).bind(**params)
     except TypeError:
         raise UserError(
-            f"--task={config.task}: {function.__name__}{_signature(function)} ({where}) cannot take the "
+            f"--task={config.task}: {function.__name__}{signature_text(function)} ({where}) cannot take the "
             f"task_params {sorted(params)}; give the function those keyword parameters"
         ) from None
     except ValueError:  # No signature to inspect.
@@ -210,10 +210,3 @@ def check_reported(config: RunConfig, task: RunTask) -> None:
             raise UserError(
                 f"--{name}={metric} is not an eval metric of this run; it reports: {', '.join(task.reported)}"
             )
-
-
-def _signature(function: Callable) -> str:
-    try:
-        return str(inspect.signature(function))
-    except ValueError:
-        return "(...)"
