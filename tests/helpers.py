@@ -20,6 +20,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from unittest import mock
 
@@ -33,7 +34,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 def python_env(**extra: str) -> dict[str, str]:
     """The environment of a subprocess that imports this checkout's packages."""
-    return dict(os.environ, PYTHONPATH=str(REPO), TF_CPP_MIN_LOG_LEVEL="2", **extra)
+    # PYTHONFAULTHANDLER: a process that crashes in native code prints its Python stack.
+    return dict(os.environ, PYTHONPATH=str(REPO), TF_CPP_MIN_LOG_LEVEL="2", PYTHONFAULTHANDLER="1", **extra)
 
 
 # ------------------------------------------------------------------ the command line
@@ -176,24 +178,59 @@ def popen_main(*flags: str) -> subprocess.Popen:
     )
 
 
-def kill_group(process: subprocess.Popen) -> None:
-    """SIGKILL to the process group `process` leads (started with
-    start_new_session=True), then reaps the process."""
+def signal_group(process: subprocess.Popen, signum: int = signal.SIGKILL) -> None:
+    """`signum` to the process group `process` leads (started with
+    start_new_session=True), and never to a stranger's group.
+
+    Once the leader is reaped and its group is empty, its pid is free: with
+    pid_max at 32768 and TensorFlow's threads drawing from the same counter,
+    the suite wraps it, and a later test's session leader may get the pid
+    (one such kill ended another test's training before its first line). A
+    reaped leader whose pid is alive again is that stranger: left alone. A
+    group whose reaped leader left children keeps its id reserved, so they
+    are still ours to end."""
+    if process.returncode is not None and _pid_exists(process.pid):
+        return
     try:
-        os.killpg(process.pid, signal.SIGKILL)
+        os.killpg(process.pid, signum)
     except ProcessLookupError:
         pass
+
+
+def group_exists(process: subprocess.Popen) -> bool:
+    """Whether any process of the group `process` led still runs (see `signal_group`)."""
+    if process.returncode is not None and _pid_exists(process.pid):
+        return False  # a stranger's group, since ours was reaped
+    try:
+        os.killpg(process.pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _pid_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def kill_group(process: subprocess.Popen) -> None:
+    """SIGKILL to the process group `process` leads, then reaps the process."""
+    signal_group(process)
     process.wait(timeout=30)
 
 
 def stop(process: subprocess.Popen) -> None:
     """kill -9 to a `popen_main` process and its group if still running; reaps it."""
-    if process.poll() is None:
-        os.killpg(process.pid, signal.SIGKILL)
+    signal_group(process)
     process.communicate(timeout=30)
 
 
-def read_until(pipe, text: str, timeout: float) -> str:
+def read_until(pipe, text: str, timeout: float, process: subprocess.Popen | None = None) -> str:
     """Reads a process's stdout or stderr pipe until `text` appears and returns
     what was read; a silent or hung process fails the test after `timeout`
     seconds instead of blocking it. Reads the pipe itself (not the buffered
@@ -206,13 +243,24 @@ def read_until(pipe, text: str, timeout: float) -> str:
         assert remaining > 0, f"no {text!r} in {timeout} s:\n{seen.decode(errors='replace')[-3000:]}"
         if select.select([fd], [], [], min(remaining, 1.0))[0]:
             chunk = os.read(fd, 65536)
-            assert chunk, f"the pipe closed before {text!r}:\n{seen.decode(errors='replace')[-3000:]}"
+            ended = _how_it_ended(process) if not chunk else ""
+            assert chunk, f"the pipe closed before {text!r} ({ended}):\n{seen.decode(errors='replace')[-3000:]}"
             seen += chunk
     return seen.decode(errors="replace")
 
 
+def _how_it_ended(process: subprocess.Popen | None) -> str:
+    """The exit status of the process whose pipe closed, for the failing test's message."""
+    if process is None:
+        return "its process not given"
+    try:
+        return f"exit status {process.wait(timeout=10)}"
+    except subprocess.TimeoutExpired:
+        return "its process still runs"
+
+
 def read_stderr_until(process: subprocess.Popen, text: str, timeout: float) -> str:
-    return read_until(process.stderr, text, timeout)
+    return read_until(process.stderr, text, timeout, process)
 
 
 def one_error_line(result: subprocess.CompletedProcess) -> str:
@@ -250,9 +298,10 @@ SMALL = [
 class Launched:
     """`python -m engine.launch ...` in its own process group, output collected live."""
 
-    def __init__(self, *args: str, env: dict[str, str] | None = None):
+    def __init__(self, *args: str, env: dict[str, str] | None = None, inside: Sequence[str] = ()):
+        """`inside`: the command that runs the launcher elsewhere (`ip netns exec HOST`)."""
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "engine.launch", *args],
+            [*inside, sys.executable, "-m", "engine.launch", *args],
             cwd=REPO,
             env=dict(os.environ, PYTHONPATH=str(REPO), TF_CPP_MIN_LOG_LEVEL="2", **(env or {})),
             stdout=subprocess.PIPE,
@@ -310,20 +359,13 @@ class Launched:
 
     def kill_all(self) -> None:
         """Cleanup: the whole process group, whatever state the test left it in."""
-        try:
-            os.killpg(self.process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        signal_group(self.process)
         self.process.wait(timeout=30)
 
     def assert_nothing_left(self) -> None:
         """No process of the run survives, and no port accepts connections."""
         deadline = time.monotonic() + 15
-        while True:
-            try:
-                os.killpg(self.process.pid, 0)
-            except ProcessLookupError:
-                break
+        while group_exists(self.process):
             assert time.monotonic() < deadline, f"processes of the run survive:\n{self.output[-3000:]}"
             time.sleep(0.2)
         for port in self.ports():

@@ -7,12 +7,11 @@ asserted: these machines are shared and noisy.
 
 import json
 import os
-import signal
 import subprocess
 import sys
 
 import pytest
-from helpers import REPO
+from helpers import REPO, signal_group
 
 pytestmark = pytest.mark.slow  # every test here starts processes
 
@@ -33,10 +32,7 @@ def _run(args, timeout):
     try:
         stdout, stderr = process.communicate(timeout=timeout)
     finally:
-        try:
-            os.killpg(process.pid, signal.SIGKILL)  # whatever is left of the group
-        except ProcessLookupError:
-            pass
+        signal_group(process)  # whatever is left of the group
         if process.poll() is None:
             process.communicate(timeout=30)
     completed = subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import REPO, SMALL, free_ports, in_background, kill_group, model_weights
+from helpers import REPO, SMALL, free_ports, in_background, kill_group, model_weights, signal_group
 
 pytestmark = [pytest.mark.slow, pytest.mark.cluster]  # every test here starts cluster processes
 
@@ -153,7 +153,7 @@ def test_a_dead_workers_peer_fails_within_the_collective_timeout_without_a_launc
     doomed, doomed_log = workers(*common, "--task_index=1")
     wait_for_text(survivor_log, r"step 10/", survivor, timeout=400)  # both are training in lockstep
     assert doomed.poll() is None, doomed_log.read_text()[-3000:]
-    os.killpg(doomed.pid, signal.SIGKILL)
+    signal_group(doomed)
     killed = time.monotonic()
     margin = 60  # a loaded machine: the error may need a while to reach the loop and end the process
     try:

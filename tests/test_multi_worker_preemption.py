@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import tensorflow as tf
-from helpers import REPO, free_ports
+from helpers import REPO, free_ports, signal_group
 
 pytestmark = [pytest.mark.slow, pytest.mark.cluster]  # every test here starts a cluster
 FLAGS = [
@@ -78,10 +78,7 @@ class Workers:
 
     def kill(self) -> None:
         for process in self.processes:
-            try:
-                os.killpg(process.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            signal_group(process)
             process.wait(timeout=30)
 
 

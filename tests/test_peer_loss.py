@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import tensorflow as tf
-from helpers import REPO, SMALL, free_ports
+from helpers import REPO, SMALL, free_ports, signal_group
 
 from engine.cluster import resolve_cluster
 from engine.cluster.peer_loss import peer_lost_message
@@ -66,10 +66,7 @@ def _start(flags: list[str], log: Path) -> subprocess.Popen:
 def _end(process: subprocess.Popen) -> None:
     """SIGCONT (a stopped process ignores SIGKILL until continued on some kernels) and SIGKILL."""
     for signum in (signal.SIGCONT, signal.SIGKILL):
-        try:
-            os.killpg(process.pid, signum)
-        except ProcessLookupError:
-            pass
+        signal_group(process, signum)
     process.wait(timeout=30)
 
 
@@ -98,7 +95,7 @@ def test_a_frozen_worker_ends_its_peers_run_with_one_line_within_the_heartbeat_b
             assert survivor.poll() is None and frozen.poll() is None, logs[0].read_text()[-3000:]
             assert time.monotonic() < deadline, logs[0].read_text()[-3000:]
             time.sleep(0.2)
-        os.killpg(frozen.pid, signal.SIGSTOP)
+        signal_group(frozen, signal.SIGSTOP)
         stopped = time.monotonic()
         margin = 30  # The check's own period and a loaded machine.
         try:
@@ -129,13 +126,13 @@ class _Process:
 
 
 def test_the_launchers_restart_line_names_the_peer_that_stopped_answering():
-    from engine.cli.launcher import Task, _cause
+    from engine.cli.task_processes import Task, cause_of
 
     hosts = ["localhost:1111", "localhost:2222"]
     workers = [
         Task(resolve_cluster(worker_hosts=hosts, task_type="worker", task_index=i), [], _Process(code))
         for i, code in ((0, PEER_LOST_EXIT), (1, None))
     ]
-    restart = _cause(workers[0], PEER_LOST_EXIT, workers)
+    restart = cause_of(workers[0], PEER_LOST_EXIT, workers)
     assert restart == "worker:1 stopped answering (worker:0 exited with status 69)"
-    assert _cause(workers[0], 1, workers) == "worker:0 exited with status 1"
+    assert cause_of(workers[0], 1, workers) == "worker:0 exited with status 1"

@@ -42,7 +42,7 @@ def lone_worker(index: int, *flags: str, model_dir: Path) -> tuple[subprocess.Po
 
 
 def read_until(process: subprocess.Popen, text: str, timeout: float) -> list[str]:
-    return helpers.read_until(process.stdout, text, timeout).splitlines()
+    return helpers.read_until(process.stdout, text, timeout, process).splitlines()
 
 
 @pytest.fixture

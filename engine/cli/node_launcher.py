@@ -1,0 +1,245 @@
+"""`python -m engine.launch --nnodes=N --node_rank=I --rendezvous=HOST:PORT`: one node of a
+cluster of several machines (run the same command on each, with its own --node_rank).
+
+Each node's launcher picks free ports there, learns every task's address
+through the rendezvous that node 0 serves (`engine.cluster.rendezvous`),
+and runs its `--workers_per_node` training tasks (`engine.main` under
+multi_worker_mirrored, TF_CONFIG set) exactly as the local launcher does:
+output prefixed by task, no child left behind. A task that dies makes
+every node stop its tasks and join again, up to `--max_restarts` times in
+all; with `--min_nodes` below `--nnodes` a node that does not come back
+within `--rejoin_timeout` is left out and the run resumes from the latest
+checkpoint on the nodes that remain, with the same global batch. The
+start-up (every node joining) is bounded by the `--startup_timeout` given to
+engine.main, with one line naming the nodes that never came.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import signal
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from engine.cli.task_processes import (
+    STOP_GRACE_SECONDS,
+    Launcher,
+    Task,
+    cause_of,
+    describe_exit,
+    free_ports,
+    make_tasks,
+    shell_status,
+)
+from engine.cluster import security_warning
+from engine.cluster.rendezvous import RendezvousClient, RendezvousServer
+from engine.errors import PEER_LOST_EXIT
+
+POLL_SECONDS = 0.2
+RESTART_GRACE_SECONDS = 2.0
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeOptions:
+    """One node's part in a multi-host launch."""
+
+    nnodes: int
+    node_rank: int
+    rendezvous: tuple[str, int]
+    workers_per_node: int = 1
+    min_nodes: int = 0  # 0: every node (the cluster never shrinks).
+    max_restarts: int = 0
+    startup_timeout: float = 300.0
+    rejoin_timeout: float = 60.0
+    heartbeat_timeout: float = 10.0
+    host: str | None = None  # The address the others reach this node at; None: as node 0 sees it.
+
+    @property
+    def rendezvous_text(self) -> str:
+        return f"{self.rendezvous[0]}:{self.rendezvous[1]}"
+
+
+class _Stop(Exception):
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _raise_stop(signum, frame) -> None:
+    raise _Stop(signum)
+
+
+class NodeLauncher:
+    """Joins rounds of the rendezvous and runs this node's tasks in each."""
+
+    def __init__(self, options: NodeOptions, main_flags: Sequence[str]):
+        self.options = options
+        self.main_flags = list(main_flags)
+        self._client: RendezvousClient | None = None
+        self._launcher: Launcher | None = None
+
+    def say(self, line: str) -> None:
+        print(f"[launch node {self.options.node_rank}] {line}", file=sys.stderr, flush=True)
+
+    def run(self) -> int:
+        options = self.options
+        server = None
+        if options.node_rank == 0:
+            try:
+                server = RendezvousServer(
+                    options.rendezvous,
+                    nnodes=options.nnodes,
+                    min_nodes=options.min_nodes or options.nnodes,
+                    max_restarts=options.max_restarts,
+                    startup_timeout=options.startup_timeout,
+                    rejoin_timeout=options.rejoin_timeout,
+                    heartbeat_timeout=options.heartbeat_timeout,
+                ).start()
+            except OSError as error:
+                self.say(
+                    f"error: cannot serve the rendezvous at {options.rendezvous_text} "
+                    f"({error.strerror or error}): node 0 serves it, so give --rendezvous an address "
+                    "of this host and a free port"
+                )
+                return 1
+            self.say(f"serving the rendezvous at {options.rendezvous_text} for {options.nnodes} node(s)")
+        signal.signal(signal.SIGINT, _raise_stop)
+        signal.signal(signal.SIGTERM, _raise_stop)
+        try:
+            return self._rounds()
+        except _Stop as stop:
+            name = signal.Signals(stop.signum).name
+            self.say(f"{name} received; stopping this node's tasks and the run")
+            if self._client is not None:
+                cause = f"node {options.node_rank} received {name}"
+                self._client.send("stop", status=128 + stop.signum, cause=cause)
+            return 128 + stop.signum
+        finally:
+            if self._launcher is not None:
+                self._launcher.stop()
+            if self._client is not None:
+                self._client.close()
+            if server is not None:
+                server.join(timeout=10)
+
+    def _rounds(self) -> int:
+        options = self.options
+        deadline = time.monotonic() + (options.startup_timeout or float("inf"))
+        while True:
+            client = RendezvousClient(options.rendezvous, heartbeat_timeout=options.heartbeat_timeout)
+            self._client = client
+            if not client.connect(deadline):
+                self.say(
+                    f"error: no rendezvous at {options.rendezvous_text} within {options.startup_timeout:g} s "
+                    "(--startup_timeout): node 0's engine.launch serves it; start it, or check --rendezvous"
+                )
+                return 1
+            ports = free_ports(options.workers_per_node, host="0.0.0.0")  # TF's servers listen on all.
+            client.send("join", rank=options.node_rank, ports=ports, host=options.host)
+            message = self._wait(client, deadline + options.heartbeat_timeout + 5)
+            if message is None:
+                client.close()
+                continue  # The rendezvous went away before our round: join again until the deadline.
+            if message["kind"] == "end":
+                return self._ended(message)
+            if message["kind"] == "restart":
+                client.close()
+                continue
+            outcome = self._run_round(client, message)
+            assert self._launcher is not None, "started by _run_round"
+            # A round that failed has nothing left to save (its collectives need the lost peer):
+            # what still runs is ended after a short grace, and the next round resumes.
+            self._launcher.stop(grace=STOP_GRACE_SECONDS if outcome is not None else RESTART_GRACE_SECONDS)
+            self._launcher = None
+            client.close()
+            if outcome is not None:
+                return outcome
+            rejoin = options.rejoin_timeout if options.min_nodes and options.min_nodes < options.nnodes else 0
+            deadline = time.monotonic() + (rejoin or options.startup_timeout or float("inf"))
+
+    def _wait(self, client: RendezvousClient, deadline: float) -> dict[str, Any] | None:
+        """The next round, restart or end message; None where the line closes or the deadline passes."""
+        while client.connected and time.monotonic() < deadline:
+            for message in client.poll(POLL_SECONDS):
+                if message.get("kind") in ("round", "end", "restart"):
+                    return message
+        return None
+
+    def _run_round(self, client: RendezvousClient, message: dict[str, Any]) -> int | None:
+        """Runs this node's tasks until the round ends: an exit status, or None to join again."""
+        spec = {job: tuple(addresses) for job, addresses in message["spec"].items()}
+        first = int(message["first_index"])
+        tasks = [
+            task
+            for task in make_tasks(spec, self.main_flags)
+            if first <= task.cluster.task_index < first + self.options.workers_per_node
+        ]
+        launcher = self._launcher = Launcher(tasks, say=self.say)
+        launcher.restarts, launcher.restarts_lost_s = int(message["restarts"]), float(message["lost_s"])
+        nodes = message.get("nodes", [])
+        self.say(f"round with node(s) {', '.join(map(str, nodes))}: {len(spec['worker'])} worker(s)")
+        ports = [int(task.cluster.address.rpartition(":")[2]) for task in tasks]
+        print(security_warning("engine.launch", ports), file=sys.stderr, flush=True)
+        for task in tasks:
+            launcher.start(task)
+        reported = False
+        while True:
+            for update in client.poll(POLL_SECONDS):
+                if update["kind"] == "restart":
+                    count = f"{update['restarts']}/{update['max_restarts']}"
+                    self.say(f"restarting the cluster ({count}): {update['cause']}")
+                    return None
+                if update["kind"] == "end":
+                    return self._ended(update)
+            if not client.connected:
+                self.say(f"lost the rendezvous at {self.options.rendezvous_text}; stopping this node's tasks")
+                return None
+            if reported:
+                continue
+            codes = [task.started.poll() for task in tasks]
+            failed = [(task, code) for task, code in zip(tasks, codes, strict=True) if code not in (None, 0)]
+            if failed:
+                task, code = min(failed, key=lambda failure: failure[1] >= 0)
+                cause = _cause_with_peer(task, code, tasks)
+                self.say(f"{cause}; stopping this node's tasks")
+                launcher.stop(grace=RESTART_GRACE_SECONDS)
+                client.send("failed", cause=cause, status=shell_status(code))
+                reported = True
+            elif all(code == 0 for code in codes):
+                client.send("done")
+                reported = True
+
+    def _ended(self, message: dict[str, Any]) -> int:
+        status = int(message.get("status", 1))
+        reason = message.get("reason", "")
+        if status:
+            self.say(f"the run ended with exit status {status}: {reason}")
+        else:
+            self.say("done with exit status 0")
+        return status
+
+
+def _cause_with_peer(task: Task, code: int, tasks: list[Task]) -> str:
+    """The local cause; for a task that lost a peer on another node (PEER_LOST_EXIT), the
+    peer its last line names, as the local launcher says it: "worker:1 (HOST:PORT) stopped
+    answering (no heartbeat for 10 s) (worker:0 exited with status 69)"."""
+    if code == PEER_LOST_EXIT:
+        lost = next((part for part in task.last_line.split(": ") if "stopped answering" in part), None)
+        if lost:
+            return f"{lost} ({task.name} {describe_exit(code)})"
+    return cause_of(task, code, tasks)
+
+
+def check_node_options(options: NodeOptions) -> str | None:
+    """The one line that refuses inconsistent multi-host flags, or None."""
+    if not 0 <= options.node_rank < options.nnodes:
+        return f"--node_rank={options.node_rank} must be from 0 to --nnodes-1={options.nnodes - 1}"
+    if options.min_nodes and not 1 <= options.min_nodes <= options.nnodes:
+        return f"--min_nodes={options.min_nodes} must be from 1 to --nnodes={options.nnodes}"
+    if options.workers_per_node < 1:
+        return f"--workers_per_node={options.workers_per_node} must be at least 1"
+    if options.rejoin_timeout < 0:
+        return f"--rejoin_timeout={options.rejoin_timeout:g} must be 0 or more seconds"
+    return None
