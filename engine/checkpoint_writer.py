@@ -35,10 +35,10 @@ import tensorflow as tf
 from engine import compat
 from engine.logger import logger
 
-# Strategies whose saves stay synchronous: the background write was not verified there. Under
-# MultiWorkerMirroredStrategy a SIGTERM to one worker once ended with its peer failing on the
-# lost heartbeat instead of stopping at the agreed step (1 run in 4 of the suite): until the
-# background write is shown to keep the workers' stop agreement, saves there stay in the loop.
+# Strategies whose saves stay synchronous: the background write was not verified there. (Under
+# MultiWorkerMirroredStrategy a SIGTERM to one worker once ended with its peer failing on the lost
+# heartbeat; that was a stop request read after the workers' agreement, fixed in
+# Trainer._should_stop, not the background write, which was already off there when it recurred.)
 SYNCHRONOUS_STRATEGIES = (
     tf.distribute.experimental.ParameterServerStrategy,
     tf.distribute.TPUStrategy,

@@ -219,6 +219,7 @@ class Trainer:
         # Both stay in force for later train() calls until clear_stop():
         self.stop_training = False  # Set by a callback (early stopping): stop after this loop.
         self._stop_requested = False  # Set by request_stop() (a signal, a peer worker).
+        self._agreed_stop = False  # Multi-worker: every worker agreed to stop (`stop_agreed`).
 
         self.global_step = prepare_model_state(strategy, model, self.optimizers)
         with strategy.scope():
@@ -408,9 +409,18 @@ class Trainer:
         """Whether `request_stop()` was called (here or, multi-worker, on a peer)."""
         return self._stop_requested
 
+    @property
+    def stop_agreed(self) -> bool:
+        """Whether training stopped on a request every worker agreed to (one process: any
+        request). What to do next (evaluate, or exit as stopped) must follow this, not
+        `stop_requested`: a signal that lands after the last agreement reached one worker only."""
+        if self._stop_agreement is None:
+            return self._stop_requested
+        return self._agreed_stop
+
     def clear_stop(self) -> None:
         """Lifts a stop (`request_stop()` or `stop_training`), so the next train() trains."""
-        self._stop_requested = False
+        self._stop_requested = self._agreed_stop = False
         self.stop_training = False
 
     def _should_stop(self) -> bool:
@@ -426,9 +436,14 @@ class Trainer:
         if self.stop_training:
             return True
         if self._stop_agreement is not None:
+            # Only the agreed value decides: a request that lands after the all-reduce (a
+            # signal's watcher thread sets it any time) waits for the next loop's agreement,
+            # or this worker would stop a loop before its peers, who then lose it mid-collective.
             wanted = tf.constant(1.0 if self._stop_requested else 0.0)
-            if float(self._stop_agreement(wanted)) > 0:
-                self._stop_requested = True
+            agreed = float(self._stop_agreement(wanted)) > 0
+            if agreed:
+                self._stop_requested = self._agreed_stop = True
+            return agreed
         return self._stop_requested
 
     def train(self, steps: int) -> dict[str, float]:

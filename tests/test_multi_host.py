@@ -89,7 +89,7 @@ def test_a_frozen_worker_and_a_partitioned_host_end_their_round_and_restarts_rec
         signal_process(worker, signal.SIGSTOP)
         frozen = time.monotonic()
         first.wait_for(
-            r"\[launch node 0\] worker:1 \(10\.213\.0\.2:\d+\) stopped answering .*\(worker:0 exited with status 69\)",
+            rf"\[launch node 0\] {LOST_WORKER_1} .*\(worker:0 exited with status 69\)",
             60,
         )
         freeze_detected = time.monotonic() - frozen

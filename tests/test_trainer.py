@@ -286,3 +286,25 @@ def test_build_strategy_reuses_one_mirrored_strategy_per_device_list(mirrored):
     # A second MirroredStrategy over the same devices would number its
     # collectives like the first and could abort them; asking again is safe.
     assert engine.build_strategy("mirrored", cpu_devices=2) is mirrored
+
+
+def test_a_stop_request_after_the_workers_agreement_waits_for_the_next_one(tmp_path):
+    """Multi-worker, the all-reduced request alone decides when to stop: a signal that lands
+    on one worker just after the loop's agreement (its peers saw no request) must not stop
+    that worker a loop early, or its peers lose it mid-collective (they ended with exit 69
+    instead of stopping at one step). Two workers' agreements, played by a stand-in peer."""
+    from helpers import small_trainer
+
+    trainer = small_trainer(tmp_path)
+    calls = []
+
+    def agreement(wanted):  # SUM over this worker and a peer that never asks to stop
+        calls.append(float(wanted))
+        if len(calls) == 1:
+            trainer.request_stop()  # the signal lands while the first all-reduce runs
+        return wanted + 0.0
+
+    trainer._stop_agreement = agreement
+    trainer.train(8)
+    assert calls == [0.0, 1.0]  # asked at the first agreement, agreed at the second
+    assert trainer.step == 2 and trainer.stop_agreed  # one loop ran, as on the peer

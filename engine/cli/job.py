@@ -297,7 +297,7 @@ def _train_with_clean_errors(
     with stop_on_signals(trainer) as signal_record:
         try:
             train_logs = trainer.train(total_steps)
-            eval_logs = trainer.evaluate_current() if evaluates and not trainer.stop_requested else {}
+            eval_logs = trainer.evaluate_current() if evaluates and not trainer.stop_agreed else {}
         except tf.errors.DataLossError as error:  # A record whose bytes fail their CRC, read mid-run.
             message = damaged_data_message(config, source, error, _what_is_kept(trainer))
             if message is None:
@@ -333,7 +333,7 @@ def _train_with_clean_errors(
     # The goodput scalars and line, after the final evaluation; metrics.json takes the same (last_goodput).
     trainer.report_goodput(restarts_from_environment())
     trainer.close()
-    if trainer.stop_requested:
+    if trainer.stop_agreed:
         cause = (
             f"signal {signal_record.signum}"
             if signal_record.signum is not None
