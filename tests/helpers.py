@@ -303,7 +303,7 @@ class Launched:
         self.process = subprocess.Popen(
             [*inside, sys.executable, "-m", "engine.launch", *args],
             cwd=REPO,
-            env=dict(os.environ, PYTHONPATH=str(REPO), TF_CPP_MIN_LOG_LEVEL="2", **(env or {})),
+            env=python_env(**(env or {})),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,

@@ -2,7 +2,6 @@
 training weights restored exactly, resume bitwise, the evaluator and export on the averages."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +10,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from helpers import python_env
 
 import engine
 from engine.errors import UserError
@@ -150,7 +150,7 @@ def engine_main(*flags: str) -> subprocess.CompletedProcess:
         cwd=REPO,
         capture_output=True,
         text=True,
-        env=dict(os.environ, PYTHONPATH=str(REPO), TF_CPP_MIN_LOG_LEVEL="2"),
+        env=python_env(),
         timeout=200,
     )
 

@@ -6,7 +6,6 @@ the single evaluations and the refusal of --mode=eval without a checkpoint run i
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -14,7 +13,7 @@ import threading
 import time
 
 import pytest
-from helpers import REPO, eval_steps, in_background, main_in_process
+from helpers import REPO, eval_steps, in_background, main_in_process, python_env
 
 FLAGS = [
     "--model=mlp",
@@ -33,7 +32,7 @@ def engine_main(*flags: str, timeout: float = 150) -> subprocess.CompletedProces
         cwd=REPO,
         capture_output=True,
         text=True,
-        env=dict(os.environ, PYTHONPATH=str(REPO), TF_CPP_MIN_LOG_LEVEL="2"),
+        env=python_env(),
         timeout=timeout,
     )
 
@@ -83,7 +82,7 @@ class Evaluator:
             [sys.executable, "-m", "engine.main", *flags],
             cwd=REPO,
             text=True,
-            env=dict(os.environ, PYTHONPATH=str(REPO), TF_CPP_MIN_LOG_LEVEL="2"),
+            env=python_env(),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
         )

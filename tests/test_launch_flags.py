@@ -13,6 +13,7 @@ import pytest
 from absl import flags
 
 from engine.cli import launcher as launch
+from engine.cli import node_launcher
 
 ONE_LAUNCHER = f"one launcher starts at most {launch.MAX_TASKS}"
 CASES = [
@@ -38,6 +39,21 @@ CASES = [
     (["--num_workers=1024", "--evaluator", "--"], "--num_workers=1024 --num_ps=0 --evaluator make 1025 tasks"),
     (["--max_restarts=2147483648", "--"], "--max_restarts=2147483648 must be between 0 and 2147483647"),
     (["--max_worker_restarts=-1", "--"], "--max_worker_restarts=-1 must be between 0 and 2147483647"),
+    # Several machines: each node's own flags.
+    (["--nnodes=2", "--"], "--nnodes=2 needs --rendezvous=HOST:PORT, node 0's address that every node reaches"),
+    (["--nnodes=2", "--rendezvous=node0", "--"], "--rendezvous=node0: 'node0' is not HOST:PORT"),
+    (
+        ["--nnodes=2", "--rendezvous=node0:1", "--node_rank=2", "--"],
+        "--node_rank=2 must be from 0 to --nnodes-1=1",
+    ),
+    (
+        ["--nnodes=2", "--rendezvous=node0:1", "--min_nodes=3", "--"],
+        "--min_nodes=3 must be from 1 to --nnodes=2",
+    ),
+    (["--nnodes=2", "--rendezvous=node0:1", "--rejoin_timeout=nan", "--"], "--rejoin_timeout=nan must be 0 to"),
+    (["--nnodes=2", "--rendezvous=node0:1", "--num_ps=1", "--"], "--nnodes > 1 launches multi_worker_mirrored"),
+    (["--nnodes=0", "--"], "--nnodes=0 must be between 1 and 1024"),
+    (["--nnodes=2", "--workers_per_node=0", "--"], "--workers_per_node=0 must be between 1 and 1024"),
     # engine.main's numbers, which every task would die of after the cluster started.
     (
         ["--", "--startup_timeout=inf"],
@@ -61,6 +77,7 @@ def launch_in_process(*argv: str, open_files: int = 65536) -> subprocess.Complet
     with (
         contextlib.redirect_stderr(stderr),
         mock.patch.object(launch, "Launcher", side_effect=AssertionError),
+        mock.patch.object(node_launcher, "NodeLauncher", side_effect=AssertionError),
         mock.patch.object(launch.resource, "getrlimit", return_value=(open_files, open_files)),
     ):
         try:

@@ -14,7 +14,7 @@ import time
 
 import numpy as np
 import pytest
-from helpers import SMALL, in_background, model_weights, run_main
+from helpers import SMALL, free_ports, in_background, model_weights, run_main
 from virtual_hosts import VirtualHosts
 
 pytestmark = [pytest.mark.slow, pytest.mark.cluster]
@@ -76,7 +76,7 @@ def test_two_hosts_equal_one_process(tmp_path, launch):
 @needs_hosts
 @pytest.mark.timeout(600)
 def test_a_frozen_worker_and_a_partitioned_host_end_their_round_and_restarts_recover(tmp_path, launch):
-    steps = 2400
+    steps = 800  # enough to partition the second round at 80 steps past its restore
     flags = [*SMALL, "--steps_per_loop=8", "--checkpoint_every=80", f"--train_steps={steps}"]
     single = in_background(run_single_process, *flags, f"--model_dir={tmp_path / 'one'}")
     with VirtualHosts(2) as hosts:
@@ -178,3 +178,28 @@ def wait_for_step_after(launched, start: int, step: int, timeout: float) -> None
                 return
         time.sleep(0.1)
     raise AssertionError(f"no step {step} after the restart:\n{launched.output[-4000:]}")
+
+
+@pytest.mark.timeout(120)
+def test_a_node_that_never_arrives_ends_the_start_up_with_one_line_naming_it(launch):
+    port = free_ports(1)[0]
+    began = time.monotonic()
+    node = launch(
+        "--nnodes=3",
+        "--node_rank=0",
+        f"--rendezvous=127.0.0.1:{port}",
+        "--",
+        "--strategy=multi_worker_mirrored",
+        *SMALL,
+        "--startup_timeout=3",
+        "--model_dir=/nonexistent/never-written",
+    )
+    assert node.wait(timeout=60) == 1, node.output
+    took = time.monotonic() - began
+    ended = [line for line in node.lines if "the run ended" in line]
+    assert ended == [
+        f"[launch node 0] the run ended with exit status 1: node(s) 1, 2 of --nnodes=3 never joined the "
+        f"rendezvous at 127.0.0.1:{port} within 3 s (--startup_timeout): start engine.launch with their "
+        "--node_rank there, or check that they reach this address"
+    ], node.output
+    assert "started worker" not in node.output and took < 60

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import REPO, SMALL, free_ports, in_background, kill_group, model_weights, signal_group
+from helpers import REPO, SMALL, free_ports, in_background, kill_group, model_weights, python_env, signal_group
 
 pytestmark = [pytest.mark.slow, pytest.mark.cluster]  # every test here starts cluster processes
 
@@ -26,7 +26,7 @@ def run_single_process(*flags: str) -> subprocess.CompletedProcess:
         cwd=REPO,
         capture_output=True,
         text=True,
-        env=dict(os.environ, PYTHONPATH=str(REPO), TF_CPP_MIN_LOG_LEVEL="2"),
+        env=python_env(),
         timeout=300,
     )
 
@@ -111,7 +111,7 @@ def workers(tmp_path):
                 cwd=REPO,
                 stdout=output,
                 stderr=subprocess.STDOUT,
-                env=dict(os.environ, PYTHONPATH=str(REPO), TF_CPP_MIN_LOG_LEVEL="2"),
+                env=python_env(),
                 start_new_session=True,
             )
         started.append((process, log))

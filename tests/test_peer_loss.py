@@ -1,7 +1,6 @@
 """A peer that stops answering mid-run: TF's errors become one line naming it (fast), and a
 frozen worker of a real two-worker cluster ends its peer's run within the heartbeat bound."""
 
-import os
 import re
 import signal
 import subprocess
@@ -11,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import tensorflow as tf
-from helpers import REPO, SMALL, free_ports, signal_group
+from helpers import REPO, SMALL, free_ports, python_env, signal_group
 
 from engine.cluster import resolve_cluster
 from engine.cluster.peer_loss import peer_lost_message
@@ -58,7 +57,7 @@ def _start(flags: list[str], log: Path) -> subprocess.Popen:
             cwd=REPO,
             stdout=subprocess.DEVNULL,
             stderr=output,
-            env=dict(os.environ, PYTHONPATH=str(REPO), TF_CPP_MIN_LOG_LEVEL="2"),
+            env=python_env(),
             start_new_session=True,
         )
 

@@ -6,7 +6,6 @@ processes, each with a timeout."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import socket
 import subprocess
@@ -16,7 +15,7 @@ from pathlib import Path
 
 import helpers
 import pytest
-from helpers import REPO
+from helpers import REPO, python_env
 
 pytestmark = [pytest.mark.slow, pytest.mark.cluster]  # every test here starts cluster tasks
 FLAGS = ["--strategy=multi_worker_mirrored", "--model=mlp", "--dataset=synthetic", "--train_steps=4"]
@@ -33,7 +32,7 @@ def lone_worker(index: int, *flags: str, model_dir: Path) -> tuple[subprocess.Po
     process = subprocess.Popen(
         [sys.executable, "-m", "engine.main", *FLAGS, *flags, f"--model_dir={model_dir}"],
         cwd=REPO,
-        env=dict(os.environ, PYTHONPATH=str(REPO), TF_CPP_MIN_LOG_LEVEL="2", TF_CONFIG=tf_config),
+        env=python_env(TF_CONFIG=tf_config),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

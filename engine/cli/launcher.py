@@ -2,6 +2,10 @@
 
     python -m engine.launch --num_workers=2 -- --strategy=multi_worker_mirrored ...
     python -m engine.launch --num_workers=2 --num_ps=1 -- --strategy=parameter_server ...
+    python -m engine.launch --nnodes=2 --node_rank=I --rendezvous=HOST0:29400 -- --strategy=multi_worker_mirrored ...
+
+With --nnodes > 1 it is one machine's part of a cluster of several: run it
+on every host with its own --node_rank (see `engine.cli.node_launcher`).
 
 Every task gets free localhost ports and its own TF_CONFIG, exactly what it
 would get on separate machines. Without ps tasks every worker runs
@@ -141,6 +145,8 @@ def check_launcher_flags() -> None:
     limit = most_tasks()
     bounds = {"num_workers": (1, limit), "num_ps": (0, limit)}
     bounds |= {"max_restarts": (0, MAX_RESTARTS), "max_worker_restarts": (0, MAX_RESTARTS)}
+    bounds |= {"nnodes": (1, MAX_TASKS), "node_rank": (0, MAX_TASKS - 1), "workers_per_node": (1, limit)}
+    bounds |= {"min_nodes": (0, MAX_TASKS)}
     for name, (low, high) in bounds.items():
         value = getattr(FLAGS, name)  # An integer flag with a default: never None (absl refuses nan).
         if not low <= value <= high:

@@ -39,6 +39,7 @@ from engine.errors import PEER_LOST_EXIT
 
 POLL_SECONDS = 0.2
 RESTART_GRACE_SECONDS = 2.0
+MAX_TIMEOUT_SECONDS = 1e9  # as engine.main's timeouts: past it, a float of seconds stops counting
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,7 +127,7 @@ class NodeLauncher:
 
     def _rounds(self) -> int:
         options = self.options
-        deadline = time.monotonic() + (options.startup_timeout or float("inf"))
+        deadline = self._reconnect_deadline()
         while True:
             client = RendezvousClient(options.rendezvous, heartbeat_timeout=options.heartbeat_timeout)
             self._client = client
@@ -138,15 +139,18 @@ class NodeLauncher:
                 return 1
             ports = free_ports(options.workers_per_node, host="0.0.0.0")  # TF's servers listen on all.
             client.send("join", rank=options.node_rank, ports=ports, host=options.host)
-            message = self._wait(client, deadline + options.heartbeat_timeout + 5)
-            if message is None:
+            message = self._wait(client)
+            client_lost = message is None or message["kind"] == "restart"
+            if client_lost:
+                # Node 0 went silent or away before our round: reach it again, for as long as a
+                # start-up may take (a partitioned host comes back when its link does).
                 client.close()
-                continue  # The rendezvous went away before our round: join again until the deadline.
+                deadline = self._reconnect_deadline()
+                time.sleep(POLL_SECONDS)
+                continue
+            assert message is not None, "a round or an end"
             if message["kind"] == "end":
                 return self._ended(message)
-            if message["kind"] == "restart":
-                client.close()
-                continue
             outcome = self._run_round(client, message)
             assert self._launcher is not None, "started by _run_round"
             # A round that failed has nothing left to save (its collectives need the lost peer):
@@ -156,12 +160,16 @@ class NodeLauncher:
             client.close()
             if outcome is not None:
                 return outcome
-            rejoin = options.rejoin_timeout if options.min_nodes and options.min_nodes < options.nnodes else 0
-            deadline = time.monotonic() + (rejoin or options.startup_timeout or float("inf"))
+            deadline = self._reconnect_deadline()
 
-    def _wait(self, client: RendezvousClient, deadline: float) -> dict[str, Any] | None:
-        """The next round, restart or end message; None where the line closes or the deadline passes."""
-        while client.connected and time.monotonic() < deadline:
+    def _reconnect_deadline(self) -> float:
+        return time.monotonic() + (self.options.startup_timeout or float("inf"))
+
+    def _wait(self, client: RendezvousClient) -> dict[str, Any] | None:
+        """The next round, restart or end message; None where the line closes (node 0 silent
+        past the heartbeat bound, or gone). No deadline of its own: node 0 bounds every
+        gathering and says `end` when it gives up, also to a node left out of a smaller cluster."""
+        while client.connected:
             for message in client.poll(POLL_SECONDS):
                 if message.get("kind") in ("round", "end", "restart"):
                     return message
@@ -240,6 +248,6 @@ def check_node_options(options: NodeOptions) -> str | None:
         return f"--min_nodes={options.min_nodes} must be from 1 to --nnodes={options.nnodes}"
     if options.workers_per_node < 1:
         return f"--workers_per_node={options.workers_per_node} must be at least 1"
-    if options.rejoin_timeout < 0:
-        return f"--rejoin_timeout={options.rejoin_timeout:g} must be 0 or more seconds"
+    if not 0 <= options.rejoin_timeout <= MAX_TIMEOUT_SECONDS:  # nan fails both
+        return f"--rejoin_timeout={options.rejoin_timeout:g} must be 0 to {MAX_TIMEOUT_SECONDS:g} seconds"
     return None
