@@ -29,9 +29,11 @@ def main(argv: list[str]) -> int:
     started_at = _process_started or time.time()
     if len(argv) > 1:
         raise UserError(f"unexpected arguments {argv[1:]}; every setting is a --flag")
+    from engine.cli.lean_imports import optional_libraries_hidden
     from engine.native_logs import import_tensorflow_quietly
 
-    import_tensorflow_quietly()  # The first import of TensorFlow (the flags do not import it).
+    with optional_libraries_hidden():  # Keras's scikit-learn, IPython and matplotlib: 1 s of CPU.
+        import_tensorflow_quietly()  # The first import of TensorFlow (the flags do not import it).
     from engine.cli.config_files import as_yaml, config_from_flags, printed_settings
     from engine.cli.job import run
 

@@ -40,9 +40,11 @@ def serve() -> None:
             f"engine.server runs worker or ps tasks, not {cluster.task_type!r}; "
             "the chief runs `python -m engine.main --strategy=parameter_server`"
         )
+    from engine.cli.lean_imports import optional_libraries_hidden
     from engine.native_logs import import_tensorflow_quietly
 
-    import_tensorflow_quietly()  # TF's C++ start-up lines held back, as in engine.main.
+    with optional_libraries_hidden():  # As engine.main: Keras's optional libraries unimported.
+        import_tensorflow_quietly()  # TF's C++ start-up lines held back, as in engine.main.
     import tensorflow as tf
 
     port = int(cluster.address.rpartition(":")[2])
