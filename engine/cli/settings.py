@@ -485,8 +485,9 @@ class RunConfig:
     )
     check_numerics: bool = setting(
         False,
-        "tf.debugging.enable_check_numerics: fail at the first op that "
-        "makes a NaN or Inf, naming it and your source line (slow; for debugging).",
+        "tf.debugging.enable_check_numerics: fail at the first NaN or Inf, naming the op that "
+        "made it and your source line, or at times the compiled loop's input that carries it "
+        "(slow; for debugging).",
     )
 
     def validate(self) -> None:
