@@ -8,6 +8,7 @@ that never comes back leaves a cluster of three to go on with two (--min_nodes).
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import time
@@ -105,7 +106,7 @@ def test_a_frozen_worker_and_a_partitioned_host_end_their_round_and_restarts_rec
         # A frozen worker: alive, its host reachable, silent.
         first.wait_for(r"\[worker:0\].*step \d*[1-9]\d\d/", timeout=300)  # past step 100
         worker = int(second.wait_for(r"started worker:1 \(pid (\d+)\)", timeout=1).group(1))
-        signal_process(worker, signal.SIGSTOP)
+        os.kill(worker, signal.SIGSTOP)
         frozen = time.monotonic()
         first.wait_for(
             rf"\[launch node 0\] {LOST_WORKER_1} .*\(worker:0 exited with status 69\)",
@@ -164,12 +165,6 @@ def test_three_hosts_go_on_as_two_when_one_does_not_come_back(tmp_path, launch, 
     assert 40 <= resumed < STEPS and waited >= 5  # it waited out --rejoin_timeout for node 2 first
     # The same global batch (48 = 3 x 16 = 2 x 24) and data position: only the reduction order changed.
     assert_equal_to_uninterrupted(tmp_path / "three", uninterrupted)
-
-
-def signal_process(pid: int, signum: int) -> None:
-    import os
-
-    os.kill(pid, signum)
 
 
 def wait_after(launched, start: int, pattern: str, timeout: float) -> re.Match:

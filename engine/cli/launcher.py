@@ -48,11 +48,13 @@ from engine.cli.task_processes import (
     FILES_PER_TASK,
     MAX_RESTARTS,
     MAX_TASKS,
+    Interrupted,
     Launcher,
     Task,
     cluster_spec,
     free_ports,
     make_tasks,
+    raise_interrupted,
     say,
 )
 from engine.cluster import security_warning
@@ -103,16 +105,6 @@ flags.DEFINE_boolean(
 )
 FLAGS = flags.FLAGS
 PROGRAM = "engine.launch"
-
-
-class _Interrupted(Exception):
-    def __init__(self, signum: int):
-        super().__init__(signum)
-        self.signum = signum
-
-
-def _raise_interrupt(signum, frame) -> None:
-    raise _Interrupted(signum)
 
 
 def check_main_flags(main_flags: Sequence[str]) -> str | None:
@@ -218,11 +210,11 @@ def main(argv: list[str]) -> int:
     )
     # Explicitly: a process started from a background shell job inherits
     # SIGINT *ignored*, and Python then installs no KeyboardInterrupt handler.
-    signal.signal(signal.SIGINT, _raise_interrupt)
-    signal.signal(signal.SIGTERM, _raise_interrupt)
+    signal.signal(signal.SIGINT, raise_interrupted)
+    signal.signal(signal.SIGTERM, raise_interrupted)
     try:
         status = launcher.run()
-    except _Interrupted as interrupt:
+    except Interrupted as interrupt:
         say(f"{signal.Signals(interrupt.signum).name} received; stopping every task")
         status = 128 + interrupt.signum
     finally:

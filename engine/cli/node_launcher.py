@@ -25,12 +25,14 @@ from typing import Any
 
 from engine.cli.task_processes import (
     STOP_GRACE_SECONDS,
+    Interrupted,
     Launcher,
     Task,
     cause_of,
     describe_exit,
     free_ports,
     make_tasks,
+    raise_interrupted,
     shell_status,
 )
 from engine.cluster import security_warning
@@ -60,16 +62,6 @@ class NodeOptions:
     @property
     def rendezvous_text(self) -> str:
         return f"{self.rendezvous[0]}:{self.rendezvous[1]}"
-
-
-class _Stop(Exception):
-    def __init__(self, signum: int):
-        super().__init__(signum)
-        self.signum = signum
-
-
-def _raise_stop(signum, frame) -> None:
-    raise _Stop(signum)
 
 
 class NodeLauncher:
@@ -106,11 +98,11 @@ class NodeLauncher:
                 )
                 return 1
             self.say(f"serving the rendezvous at {options.rendezvous_text} for {options.nnodes} node(s)")
-        signal.signal(signal.SIGINT, _raise_stop)
-        signal.signal(signal.SIGTERM, _raise_stop)
+        signal.signal(signal.SIGINT, raise_interrupted)
+        signal.signal(signal.SIGTERM, raise_interrupted)
         try:
             return self._rounds()
-        except _Stop as stop:
+        except Interrupted as stop:
             name = signal.Signals(stop.signum).name
             self.say(f"{name} received; stopping this node's tasks and the run")
             if self._client is not None:

@@ -303,3 +303,16 @@ def describe_exit(code: int) -> str:
 def shell_status(code: int) -> int:
     """A child's status as a shell reports it (128 + signal for a killed child)."""
     return 128 - code if code < 0 else code
+
+
+class Interrupted(Exception):
+    """SIGINT or SIGTERM to a launcher, raised where it waits, so that it stops its tasks."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def raise_interrupted(signum, frame) -> None:
+    """The launchers' handler for SIGINT and SIGTERM."""
+    raise Interrupted(signum)
