@@ -25,12 +25,34 @@ from engine.checkpoint_writer import BackgroundWriter, HostCopy
 from engine.errors import UserError, one_line
 from engine.logger import logger
 from engine.options import CheckpointOptions
-from engine.variables import all_variables
+from engine.variables import all_variables, random_state_variables
 
 CHECKPOINT_SUBDIR = "checkpoints"
 UNREADABLE_SUBDIR = "unreadable"
 # The settings a checkpoint's optimizer state depends on, by flag (see `check_settings`).
 SETTINGS_FILE = "settings.json"
+
+
+# The key of the model's random state (`engine.variables.random_state_variables`) in checkpoints.
+RANDOM_STATE_KEY = "random_state"
+
+
+def checkpoint_of(
+    model: Any, global_step: tf.Variable, optimizers: Mapping[str, keras.optimizers.Optimizer]
+) -> tf.train.Checkpoint:
+    """What a checkpoint holds: the model, the global step, the optimizer(s) and the model's
+    random state (the seed generators of Dropout and the other random layers, which the
+    model's own tracking leaves out), so that a resumed run draws what the uninterrupted
+    one draws. One optimizer keeps the key "optimizer" that existing checkpoints use."""
+    optimizer_state: dict[str, Any] = (
+        {"optimizer": next(iter(optimizers.values()))}
+        if len(optimizers) == 1
+        else {"optimizers": dict(optimizers)}
+    )
+    random_state = random_state_variables(model)
+    if random_state:  # Only where there is some: checkpoints of models without it keep their layout.
+        optimizer_state[RANDOM_STATE_KEY] = random_state
+    return tf.train.Checkpoint(model=model, global_step=global_step, **optimizer_state)
 
 
 def checkpoint_dir(model_dir: str) -> str:

@@ -47,6 +47,22 @@ def optimizer_averages(optimizer: keras.optimizers.Optimizer) -> Sequence[Any]:
     return optimizer._model_variables_moving_average  # noqa: SLF001
 
 
+def keras_mask(tensor: Any) -> Any:
+    """The mask Keras attached to a layer's output (`Embedding(mask_zero=True)` and the layers
+    after it), or None: what Keras's losses and metrics read from `y_pred` (no public accessor)."""
+    from keras.src.backend.common.masking import get_keras_mask
+
+    return get_keras_mask(tensor) if tf.is_tensor(tensor) else None
+
+
+def set_keras_mask(tensor: Any, mask: Any) -> None:
+    """Attaches `mask` to `tensor` as a Keras layer's output carries it, so that Keras metrics
+    apply it (outputs the engine concatenates lose theirs; no public setter)."""
+    from keras.src.backend.common.masking import set_keras_mask as set_mask
+
+    set_mask(tensor, mask)
+
+
 def num_workers(strategy: tf.distribute.Strategy) -> int:
     """The worker count of a multi-worker or parameter-server strategy (no public count)."""
     return int(strategy.extended._num_workers)  # noqa: SLF001

@@ -33,9 +33,10 @@ from engine.compat import num_workers
 from engine.data import Data, DataForm, as_train_form, eval_dataset_on_one_replica, pipeline_at
 from engine.errors import UserError
 from engine.loop import CHECK_NONE, LoopResult, make_train_loop
+from engine.losses import Objective
 from engine.resident import ResidentData
 from engine.runners import EvalRunner, PredictRunner, TrainRunner
-from engine.steps import PerExampleLoss, ReplicaStep
+from engine.steps import ReplicaStep
 from engine.trainer import Trainer
 
 
@@ -69,9 +70,9 @@ class CoordinatedTrainer(Trainer):
     def _make_predict_runner(self) -> PredictRunner:
         return CoordinatorPredictRunner(self.strategy, self.model)
 
-    def _make_eval_runner(self, loss_fn: PerExampleLoss, data: DataForm, **options: Any) -> EvalRunner:
+    def _make_eval_runner(self, objective: Objective, data: DataForm, **options: Any) -> EvalRunner:
         return CoordinatorEvalRunner(
-            self.strategy, self.model, loss_fn, data, batches_per_call=self.cadence.steps_per_loop, **options
+            self.strategy, self.model, objective, data, batches_per_call=self.cadence.steps_per_loop, **options
         )
 
 

@@ -8,13 +8,14 @@ per-call Python overhead is paid once per loop instead of once per step.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import tensorflow as tf
 
 from engine.errors import UserError
+from engine.replica_state import average_over_replicas
 from engine.resident import ResidentData
 from engine.steps import STEP_FINITE, Batch, ReplicaStep
 
@@ -163,6 +164,7 @@ def make_train_loop(
     *,
     per_replica_batch_size: int | None = None,
     max_loss: float | None = None,
+    replica_state: Sequence[Any] = (),
 ) -> TrainLoop:
     """Returns `loop(iterator, num_steps) -> {name: mean over the loop}`.
 
@@ -184,6 +186,9 @@ def make_train_loop(
     of a run from step 0). Where it fails, the call runs no step and
     returns `steps_run=0` and the offending size as `first_batch_size`
     (where the shape is static, tracing raises `BatchSizeMismatch`).
+
+    `replica_state` (`engine.replica_state`): variables each replica updates on
+    its own, averaged over the replicas after the loop's last step.
 
     With `global_step=None` the loop does not count steps: the
     parameter-server coordinator counts the steps it scheduled, because a
@@ -226,6 +231,7 @@ def make_train_loop(
                 outputs, finite = one_step(replica_step, next_batch.get_value())
                 state = _accumulate(state, index, outputs, finite)
                 steps_run += 1
+            average_over_replicas(strategy, list(replica_state))
             return _loop_outputs(state, steps_run)
 
         def no_steps() -> dict[str, tf.Tensor]:
@@ -272,9 +278,11 @@ def make_resident_train_loop(
     *,
     global_batch_size: int,
     max_loss: float | None = None,
+    replica_state: Sequence[Any] = (),
 ) -> TrainLoop:
     """Returns `loop((replica_tensors, start_position), num_steps)`, with the outputs of
-    `make_train_loop`'s loop, for training data kept on the replicas' devices.
+    `make_train_loop`'s loop (`replica_state` likewise averaged at its end), for training
+    data kept on the replicas' devices.
 
     Each replica computes the example indices of all the loop's steps at its
     start (`ResidentData.replica_indices`), then gathers each step's batch
@@ -302,6 +310,7 @@ def make_resident_train_loop(
         for index in tf.range(1, num_steps):
             outputs, finite = one_step(replica_tensors, indices, index)
             state = _accumulate(state, index, outputs, finite)
+        average_over_replicas(strategy, list(replica_state))
         return _loop_outputs(state, num_steps)
 
     return train_loop

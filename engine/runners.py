@@ -36,8 +36,9 @@ from engine.loop import (
     make_resident_train_loop,
     make_train_loop,
 )
+from engine.losses import EvalLoss, Objective
 from engine.resident import ResidentData, place_on_replicas
-from engine.steps import EvalStep, PerExampleLoss, ReplicaStep, call_model, make_eval_step
+from engine.steps import EvalStep, ReplicaStep, inference_outputs, make_eval_step
 
 
 class TrainRunner:
@@ -52,6 +53,8 @@ class TrainRunner:
       position: the offset of the stream position from the global step (batches skipped
         by rollbacks); None: none, the position is the step.
       max_loss: a step whose loss is above it counts as non-finite (`engine.loop`).
+      replica_state: variables each replica updates on its own, averaged after every call
+        (`engine.replica_state`).
     """
 
     def __init__(
@@ -64,9 +67,11 @@ class TrainRunner:
         global_batch_size: int,
         position: DataPosition | None = None,
         max_loss: float | None = None,
+        replica_state: Sequence[Any] = (),
     ):
         self.strategy = strategy
         self.replica_step = replica_step
+        self.replica_state = list(replica_state)
         self.global_batch_size = global_batch_size
         self.data = data
         self.position = position
@@ -86,6 +91,7 @@ class TrainRunner:
                 self.data,
                 global_batch_size=self.global_batch_size,
                 max_loss=self.max_loss,
+                replica_state=self.replica_state,
             )
         return make_train_loop(
             self.strategy,
@@ -93,6 +99,7 @@ class TrainRunner:
             global_step,
             per_replica_batch_size=self.global_batch_size // self.strategy.num_replicas_in_sync,
             max_loss=self.max_loss,
+            replica_state=self.replica_state,
         )
 
     @property
@@ -160,8 +167,8 @@ class EvalRunner:
     """Exact evaluation: every example of the eval set once, Keras `evaluate`'s numbers.
 
     Evaluates in compiled calls of `batches_per_call` batches so that a stop
-    request is seen between them. The loss is sum(w * l) / N plus the
-    model's regularization losses; `metrics` see no sample weights,
+    request is seen between them. The loss is the objective's over the whole
+    set (`engine.losses.EvalLoss`) plus the model's regularization losses; `metrics` see no sample weights,
     `weighted_metrics` do (Keras `compile`'s split). Fresh copies of the
     metrics are made in the strategy's scope.
     """
@@ -170,7 +177,7 @@ class EvalRunner:
         self,
         strategy: tf.distribute.Strategy,
         model: Any,
-        loss_fn: PerExampleLoss,
+        objective: Objective,
         data: DataForm,
         *,
         metrics: Sequence[keras.metrics.Metric] = (),
@@ -184,14 +191,14 @@ class EvalRunner:
         with strategy.scope():
             unweighted = [fresh_copy(m) for m in metrics]
             weighted = [fresh_copy(m) for m in weighted_metrics]
-            self.loss = keras.metrics.Mean(name="loss")
+            self.loss = EvalLoss(objective)
             self.count = keras.metrics.Sum(name="num_examples")
         self.metrics = [*unweighted, *weighted]
         self.loop = make_eval_loop(
             strategy,
             make_eval_step(
                 model=model,
-                loss_fn=loss_fn,
+                objective=objective,
                 loss_metric=self.loss,
                 count_metric=self.count,
                 metrics=unweighted,
@@ -239,14 +246,17 @@ class PredictRunner:
 
         def replica_outputs(batch: Any) -> Any:
             features, _, _ = keras.utils.unpack_x_y_sample_weight(batch)
-            return call_model(model, features, training=False)
+            return inference_outputs(model, features)
 
         @tf.function
         def predict_batch(iterator: Any) -> Any:
             # The iterator, not the batch, is the argument: its spec (batch size unknown) is the
             # same for every batch, so a partial last batch does not trace the function again.
             batch = next(iterator)
-            return strategy.gather(strategy.run(replica_outputs, args=(batch,)), axis=0)
+            outputs = strategy.run(replica_outputs, args=(batch,))
+            # Leaf by leaf: `strategy.gather` of a nest (list or dict outputs) returns replica 0's
+            # rows alone, silently (TF 2.21).
+            return tf.nest.map_structure(lambda output: strategy.gather(output, axis=0), outputs)
 
         self._replica_outputs = replica_outputs
         self.loop = predict_batch
@@ -270,11 +280,16 @@ class PredictRunner:
 
 def as_prediction_batches(data: Any, global_batch_size: int) -> tf.data.Dataset:
     """`predict()`'s input as a dataset of global batches: a `tf.data.Dataset` (already
-    batched) as it is, arrays (or a dict or tuple of them) batched by `global_batch_size`."""
+    batched) as it is; the features as arrays (a dict, tuple or list of them for a model of
+    several inputs, as Keras `predict` takes them) batched by `global_batch_size`."""
     if isinstance(data, tf.data.Dataset):
         return data
+    if isinstance(data, list) and data and all(isinstance(item, (np.ndarray, tf.Tensor)) for item in data):
+        data = tuple(data)  # A model's several inputs, as Keras predict takes them.
     if isinstance(data, (np.ndarray, tf.Tensor, Mapping, tuple)):
-        return tf.data.Dataset.from_tensor_slices(data).batch(global_batch_size)
+        # One-element batches `(features,)`: the features of a model of several inputs, not
+        # (features, labels) read from a pair of arrays.
+        return tf.data.Dataset.from_tensor_slices((data,)).batch(global_batch_size)
     raise UserError(
         f"predict() takes a tf.data.Dataset of global batches or arrays of examples, got {type(data).__name__}"
     )

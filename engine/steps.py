@@ -5,11 +5,11 @@ averages over replicas and steps and then logs). `loop.py` runs these with
 `strategy.run`; nothing here knows about loops, iterators or devices.
 
 The loss arithmetic is the part custom loops most often get wrong:
-per-example losses are summed on each replica and divided by the GLOBAL
-batch size (`tf.nn.compute_average_loss`), so that summing gradients across
-replicas (what the optimizer's all-reduce does) yields the gradient of the
-global-batch mean; regularization losses are divided by the number of
-replicas for the same reason.
+per-element losses are summed on each replica and divided by the number of
+real elements in the GLOBAL batch (`engine.losses`), so that summing
+gradients across replicas (what the optimizer's all-reduce does) yields the
+gradient of the global-batch mean; regularization losses are divided by the
+number of replicas for the same reason.
 """
 
 from __future__ import annotations
@@ -21,7 +21,9 @@ from typing import Any
 import keras
 import tensorflow as tf
 
+from engine.compat import keras_mask, set_keras_mask
 from engine.errors import UserError
+from engine.losses import EvalLoss, LossTerm, Objective
 from engine.variables import regularization_losses, trainable_variables
 
 Batch = Any
@@ -30,8 +32,8 @@ Batch = Any
 # where any replica reported 0.0, as it counts a non-finite loss.
 STEP_FINITE = "engine/step_finite"
 ReplicaStep = Callable[[Batch], Mapping[str, tf.Tensor]]
-# Maps (labels, logits) to one loss value per example, unreduced.
-PerExampleLoss = Callable[[tf.Tensor, tf.Tensor], tf.Tensor]
+# Maps (labels, outputs) to one loss value per example (or per element), unreduced.
+PerExampleLoss = Callable[[Any, Any], tf.Tensor]
 # Maps an eval batch to (labels, predictions) or (labels, predictions, sample_weight).
 EvalStep = Callable[[Batch], tuple]
 
@@ -67,6 +69,37 @@ def call_model(model: Any, inputs: tf.Tensor, *, training: bool) -> tf.Tensor:
     if isinstance(model, keras.Model) or _accepts_training(model):
         return model(inputs, training=training)
     return model(inputs)
+
+
+def inference_outputs(model: Any, features: Any) -> Any:
+    """The model's outputs in inference mode for a replica's batch, which may be empty (its
+    share of a partial last batch, on several replicas).
+
+    An empty batch is run as one row of zeros and cut back to none: some kernels return
+    wrong shapes for zero examples (oneDNN's Conv2D on CPU gives the input's shape, which
+    then fails the next layer), and a batch of zeros costs as little as any. Where the batch
+    size is static it cannot be empty, and the call is plain.
+    """
+    context = tf.distribute.get_replica_context()
+    leaves = tf.nest.flatten(features)
+    if context is None or context.num_replicas_in_sync == 1 or not leaves or _static_batch_size(features):
+        return call_model(model, features, training=False)
+    size = tf.shape(leaves[0])[0]
+    missing = tf.maximum(1 - size, 0)
+
+    def padded(tensor: tf.Tensor) -> tf.Tensor:
+        zeros = tf.zeros(tf.concat([[missing], tf.shape(tensor)[1:]], 0), tensor.dtype)
+        return tf.concat([tensor, zeros], 0)
+
+    def cut(output: tf.Tensor) -> tf.Tensor:
+        kept = output[:size]
+        mask = keras_mask(output)
+        if mask is not None:
+            set_keras_mask(kept, mask[:size])
+        return kept
+
+    outputs = call_model(model, tf.nest.map_structure(padded, features), training=False)
+    return tf.nest.map_structure(cut, outputs)
 
 
 def _accepts_training(model: Any) -> bool:
@@ -105,7 +138,7 @@ def examples_in_step(labels: tf.Tensor, global_batch_size: int) -> tf.Tensor:
     num_replicas = context.num_replicas_in_sync if context is not None else 1
     if _static_batch_size(labels) == global_batch_size // num_replicas:
         return tf.constant(float(global_batch_size))
-    local = tf.cast(tf.shape(labels)[0], tf.float32)
+    local = examples_in_batch(labels)
     if num_replicas > 1:
         local = context.all_reduce(tf.distribute.ReduceOp.SUM, local)
     return tf.maximum(local, 1.0)
@@ -115,7 +148,7 @@ def make_train_step(
     *,
     model: Any,
     optimizer: keras.optimizers.Optimizer,
-    loss_fn: PerExampleLoss,
+    objective: Objective,
     global_batch_size: int,
     metrics: Sequence[keras.metrics.Metric] = (),
     weighted_metrics: Sequence[keras.metrics.Metric] = (),
@@ -127,20 +160,26 @@ def make_train_step(
 ) -> ReplicaStep:
     """The standard supervised replica step for `(features, labels)` batches.
 
+    - The loss is `objective`'s (`engine.losses`): each output's per-element
+      losses summed over its real elements (Keras's output mask) on every
+      replica and micro-batch, divided by how many the whole step holds. Where
+      that count follows from the batch size (no mask, static shapes) it costs
+      nothing; otherwise it is one scalar all-reduce a step, and with
+      `grad_accum_steps > 1` the later micro-batches are also run forward once
+      without gradients to count theirs before the first update is computed.
     - `grad_accum_steps` splits the replica's batch into that many
       micro-batches and sums their gradients before one update: less memory,
-      the same update as the whole batch.
+      the same update as the whole batch. Sparse gradients (an Embedding's
+      IndexedSlices) are summed as such.
     - `clip_norm` clips the GLOBAL gradient (after the cross-replica sum),
       so every replica applies the same clipped update.
     - `jit_compile` compiles the forward and backward pass with XLA; the
       cross-replica reduction and the optimizer update stay outside it.
     - A `keras.optimizers.LossScaleOptimizer` (float16) gets its loss scaled
       and its gradients unscaled by the optimizer itself.
-    - The loss is the examples' sum over all replicas divided by how many the
-      step holds: `global_batch_size`, or fewer in a partial last batch
-      (`examples_in_step`), the mean Keras `fit` takes.
     - `metrics` are updated without sample weights and `weighted_metrics`
-      with them, as Keras `compile(metrics=, weighted_metrics=)` does.
+      with them, as Keras `compile(metrics=, weighted_metrics=)` does; both see
+      the outputs' masks, as in Keras.
     - Every step reports `STEP_FINITE` (loss and, without loss scaling, the
       gradients finite on this replica) for the loop's non-finite count.
     - `skip_nonfinite` leaves the variables untouched on a step whose loss
@@ -166,44 +205,58 @@ def make_train_step(
             tf.nest.pack_sequence_as(structure, [parts[i] for parts in leaves]) for i in range(grad_accum_steps)
         ]
 
-    def compute_gradients(features, labels: tf.Tensor, sample_weight: tf.Tensor | None, num_examples):
+    def step_counts(terms: list[LossTerm], later_parts: list[tuple], num_examples: tf.Tensor) -> list[tf.Tensor]:
+        """Each term's count of real elements over the whole step: from the example count
+        where it follows from it, else counted (the later micro-batches run forward once
+        for it) and all-reduced."""
+        counted = [index for index, term in enumerate(terms) if term.per_example is None]
+        local = [terms[index].count for index in counted]
+        if counted and later_parts:
+            for part_features, part_labels, part_weight in later_parts:
+                outputs = call_model(model, part_features, training=False)
+                later = objective.terms(part_labels, outputs, part_weight)
+                local = [total + later[index].count for total, index in zip(local, counted, strict=True)]
+        reduced = _sum_over_replicas(local)
+        counts: list[tf.Tensor] = []
+        for term in terms:
+            if term.per_example is None:
+                counts.append(reduced.pop(0))
+            else:
+                counts.append(num_examples * float(term.per_example))
+        return counts
+
+    def compute_gradients(features, labels, sample_weight, num_examples):
         gradients = None
-        data_loss_sum = tf.constant(0.0)
+        data_loss = tf.constant(0.0)
         reg_loss = tf.constant(0.0)
-        all_logits = []
-        for part_features, part_labels, part_weight in zip(
-            split(features), split(labels), split(sample_weight), strict=True
-        ):
+        all_outputs = []
+        parts = list(zip(split(features), split(labels), split(sample_weight), strict=True))
+        counts = None
+        for index, (part_features, part_labels, part_weight) in enumerate(parts):
             with tf.GradientTape() as tape:
-                logits = call_model(model, part_features, training=True)
-                per_example = tf.cast(loss_fn(part_labels, logits), tf.float32)
-                if part_weight is not None:
-                    per_example = per_example * tf.cast(part_weight, tf.float32)
+                outputs = call_model(model, part_features, training=True)
+                terms = objective.terms(part_labels, outputs, part_weight)
+                if counts is None:  # Known before any gradient: every micro-batch divides by them.
+                    with tape.stop_recording():
+                        counts = step_counts(terms, parts[index + 1 :], num_examples)
+                part_loss = objective.combine(terms, counts)
                 reg_loss = regularization_loss(model)
-                loss = (
-                    tf.reduce_sum(per_example) / num_examples
-                    + tf.nn.scale_regularization_loss(reg_loss) / grad_accum_steps
-                )
+                loss = part_loss + tf.nn.scale_regularization_loss(reg_loss) / grad_accum_steps
                 if uses_loss_scale:
                     loss = optimizer.scale_loss(loss)
             part_gradients = tape.gradient(loss, variables)
-            gradients = (
-                part_gradients
-                if gradients is None
-                else [g + p for g, p in zip(gradients, part_gradients, strict=True)]
-            )
-            data_loss_sum += tf.reduce_sum(per_example)
-            all_logits.append(logits)
+            gradients = part_gradients if gradients is None else add_gradients(gradients, part_gradients)
+            data_loss += part_loss
+            all_outputs.append(outputs)
         if len(trainable_variables(model)) != len(variables):
             raise UserError(
                 f"the model ({type(model).__name__}) created variables in its first call, after the "
                 "Trainer had collected them, so they would not train: build every layer (give it an "
                 "input shape, or call the model once) inside strategy.scope() before creating the Trainer"
             )
-        logits = all_logits[0] if len(all_logits) == 1 else tf.concat(all_logits, 0)
-        # The loop averages this over replicas: R x (this replica's share of the global mean).
+        # The loop averages the loss over replicas: R x (this replica's share of the global mean).
         num_replicas = tf.distribute.get_replica_context().num_replicas_in_sync
-        return gradients, num_replicas * data_loss_sum / num_examples + reg_loss, logits
+        return gradients, num_replicas * data_loss + reg_loss, concat_outputs(all_outputs)
 
     if jit_compile:
         compute_gradients = tf.function(compute_gradients, jit_compile=True)
@@ -211,14 +264,14 @@ def make_train_step(
     def train_step(batch: Batch) -> dict[str, tf.Tensor]:
         features, labels, sample_weight = unpack_batch(batch)
         num_examples = examples_in_step(labels, global_batch_size)
-        gradients, loss, logits = compute_gradients(features, labels, sample_weight, num_examples)
-        outputs = {"loss": loss}
+        gradients, loss, outputs = compute_gradients(features, labels, sample_weight, num_examples)
+        result = {"loss": loss}
         if clip_norm is not None:
             gradients, norm = _clip_global_norm(gradients, clip_norm, optimizer, uses_loss_scale)
             if grad_norm:
-                outputs["grad_norm"] = norm
+                result["grad_norm"] = norm
         elif grad_norm:
-            outputs["grad_norm"] = _global_norm(gradients)
+            result["grad_norm"] = _global_norm(gradients)
         checked = [] if uses_loss_scale else gradients  # Overflow under loss scaling is the scale's business.
         if skip_nonfinite:
             finite = _finite_on_all_replicas(loss, checked)
@@ -227,14 +280,67 @@ def make_train_step(
             finite = _locally_finite(loss, checked)
             optimizer.apply(gradients, variables)
         # The loop counts a step with a non-finite gradient as it counts a non-finite loss.
-        outputs[STEP_FINITE] = tf.cast(finite, tf.float32)
+        result[STEP_FINITE] = tf.cast(finite, tf.float32)
         for metric in metrics:
-            metric.update_state(labels, logits)
+            metric.update_state(labels, outputs)
         for metric in weighted_metrics:
-            metric.update_state(labels, logits, sample_weight=sample_weight)
-        return outputs
+            metric.update_state(labels, outputs, sample_weight=sample_weight)
+        return result
 
     return train_step
+
+
+def _sum_over_replicas(values: list[tf.Tensor]) -> list[tf.Tensor]:
+    """`values` summed over every replica of the step, in one all-reduce of them stacked."""
+    if not values:
+        return []
+    context = tf.distribute.get_replica_context()
+    stacked = tf.stack(values)
+    if context is not None and context.num_replicas_in_sync > 1:
+        stacked = context.all_reduce(tf.distribute.ReduceOp.SUM, stacked)
+    return tf.unstack(stacked, num=len(values))
+
+
+def add_gradients(left: list[Any], right: list[Any]) -> list[Any]:
+    """Gradients summed, each kept as it is: two IndexedSlices (an Embedding's) stay sparse
+    (their rows concatenated, which the optimizer adds up as one slice a row); a dense one
+    with a sparse one becomes dense."""
+    summed = []
+    for a, b in zip(left, right, strict=True):
+        if a is None or b is None:
+            summed.append(b if a is None else a)
+        elif isinstance(a, tf.IndexedSlices) and isinstance(b, tf.IndexedSlices):
+            summed.append(
+                tf.IndexedSlices(
+                    tf.concat([a.values, b.values], 0), tf.concat([a.indices, b.indices], 0), a.dense_shape
+                )
+            )
+        else:
+            summed.append(tf.convert_to_tensor(a) + tf.convert_to_tensor(b))
+    return summed
+
+
+def scale_gradient(gradient: Any, factor: Any) -> Any:
+    """`gradient * factor`, for a dense gradient or IndexedSlices (which do not multiply)."""
+    if isinstance(gradient, tf.IndexedSlices):
+        return tf.IndexedSlices(gradient.values * factor, gradient.indices, gradient.dense_shape)
+    return None if gradient is None else gradient * factor
+
+
+def concat_outputs(parts: list[Any]) -> Any:
+    """The micro-batches' outputs as one batch, nested as the model's, each keeping its Keras
+    mask (the metrics apply it)."""
+    if len(parts) == 1:
+        return parts[0]
+
+    def concat(*tensors: tf.Tensor) -> tf.Tensor:
+        joined = tf.concat(tensors, 0)
+        masks = [keras_mask(t) for t in tensors]
+        if all(mask is not None for mask in masks):
+            set_keras_mask(joined, tf.concat(masks, 0))
+        return joined
+
+    return tf.nest.map_structure(concat, *parts)
 
 
 def _global_norm(gradients) -> tf.Tensor:
@@ -261,7 +367,7 @@ def _clip_global_norm(gradients, clip_norm, optimizer, uses_loss_scale):
     clipped, norm = tf.clip_by_global_norm(total, threshold)
     if uses_loss_scale:
         norm = norm / tf.cast(optimizer.dynamic_scale, norm.dtype)
-    return [g / num_replicas for g in clipped], norm
+    return [scale_gradient(g, 1.0 / num_replicas) for g in clipped], norm
 
 
 def _split_examples(tensor: tf.Tensor, parts: int) -> list[tf.Tensor]:
@@ -278,8 +384,13 @@ def _split_examples(tensor: tf.Tensor, parts: int) -> list[tf.Tensor]:
 def _locally_finite(loss: tf.Tensor, gradients) -> tf.Tensor:
     """Whether this replica's loss and gradients are finite: one sum a gradient (NaN and Inf
     survive a sum), no all-reduce (the loop's averaging of the outputs does that)."""
-    sums = [tf.reduce_sum(tf.cast(g, tf.float32)) for g in gradients if g is not None]
+    sums = [tf.reduce_sum(tf.cast(_values(g), tf.float32)) for g in gradients if g is not None]
     return tf.math.is_finite(tf.add_n([tf.cast(loss, tf.float32), *sums]))
+
+
+def _values(gradient: Any) -> tf.Tensor:
+    """A gradient's stored values: the rows of IndexedSlices (never made dense to be checked)."""
+    return gradient.values if isinstance(gradient, tf.IndexedSlices) else gradient
 
 
 def _finite_on_all_replicas(loss: tf.Tensor, gradients) -> tf.Tensor:
@@ -314,8 +425,8 @@ def _apply_if_finite(finite, optimizer, gradients, variables) -> None:
 def make_eval_step(
     *,
     model: Any,
-    loss_fn: PerExampleLoss,
-    loss_metric: keras.metrics.Mean,
+    objective: Objective,
+    loss_metric: EvalLoss,
     count_metric: keras.metrics.Sum,
     metrics: Sequence[keras.metrics.Metric] = (),
     weighted_metrics: Sequence[keras.metrics.Metric] = (),
@@ -329,30 +440,39 @@ def make_eval_step(
     training; `eval_step_fn(batch) -> (labels, predictions[, sample_weight])`
     takes any other structure (it calls the model itself).
 
-    The loss is Keras `evaluate`'s: each example contributes `w * l` plus
-    the model's regularization loss, averaged over all N examples, i.e.
-    sum(w * l) / N + regularization (`loss_metric` is an unweighted mean).
-    `metrics` get no sample weights and `weighted_metrics` get them, as in
-    Keras `compile`.
+    The loss is the objective's over the whole eval set (`engine.losses.EvalLoss`):
+    sum(w * l) over the real elements of every batch divided by their number, plus
+    the model's regularization loss, Keras `evaluate`'s numbers where every batch
+    holds as many real elements. `metrics` get no sample weights and
+    `weighted_metrics` get them, as in Keras `compile`.
     """
 
     def eval_step(batch: Batch) -> None:
         if eval_step_fn is None:
             features, labels, sample_weight = unpack_batch(batch, what="eval_step_fn")
-            logits = call_model(model, features, training=False)
+            outputs = inference_outputs(model, features)
         else:
-            labels, logits, sample_weight = _eval_outputs(eval_step_fn(batch))
-        per_example = tf.cast(loss_fn(labels, logits), tf.float32)
-        if sample_weight is not None:
-            per_example = per_example * tf.cast(sample_weight, tf.float32)
-        loss_metric.update_state(per_example + regularization_loss(model))
-        count_metric.update_state(tf.cast(tf.shape(labels)[0], tf.float32))
+            labels, outputs, sample_weight = _eval_outputs(eval_step_fn(batch))
+        examples = examples_in_batch(labels)
+        loss_metric.update_state(
+            objective.terms(labels, outputs, sample_weight), regularization_loss(model), examples
+        )
+        count_metric.update_state(examples)
         for metric in metrics:
-            metric.update_state(labels, logits)
+            metric.update_state(labels, outputs)
         for metric in weighted_metrics:
-            metric.update_state(labels, logits, sample_weight=sample_weight)
+            metric.update_state(labels, outputs, sample_weight=sample_weight)
 
     return eval_step
+
+
+def examples_in_batch(labels: Any) -> tf.Tensor:
+    """How many examples a batch holds (float32): the batch size of its labels' first tensor,
+    however they are nested (a tuple or dict of labels counts its examples once)."""
+    leaves = tf.nest.flatten(labels)
+    if not leaves:
+        return tf.constant(0.0)
+    return tf.cast(tf.shape(leaves[0])[0], tf.float32)
 
 
 def _eval_outputs(outputs: Any) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor | None]:

@@ -20,7 +20,7 @@ import tensorflow as tf
 
 from engine.callbacks import CallbackLike, as_callbacks
 from engine.callbacks.progress import Progress, format_logs
-from engine.checkpoint import Checkpointer
+from engine.checkpoint import Checkpointer, checkpoint_of
 from engine.checkpoint_writer import writes_in_background
 from engine.compat import num_workers
 from engine.data import Data, DataForm, DataPosition, as_eval_form, as_train_form
@@ -28,6 +28,7 @@ from engine.ema import WeightAverages, averages_swapped_in, weight_averages
 from engine.errors import DataExhaustedError, NonFiniteLossError, UserError
 from engine.goodput import GoodputClock, ModelFlops, TimedFunction, breakdown_line, scalars
 from engine.logger import logger
+from engine.losses import LossFn, Objective
 from engine.options import (
     DEFAULT_MAX_ROLLBACKS,
     DEFAULT_STEPS_PER_LOOP,
@@ -37,11 +38,12 @@ from engine.options import (
     SpikeOptions,
     StepOptions,
 )
+from engine.replica_state import replica_local_state
 from engine.resident import ResidentData, keeps_on_devices
 from engine.rollback import CHECKPOINT_KEY, Rollback, Spike, check_options, holds_position, stop_message
 from engine.runners import EvalRunner, PredictRunner, TrainRunner, as_prediction_batches, fresh_copy
 from engine.schedules import is_scheduled
-from engine.steps import EvalStep, PerExampleLoss, ReplicaStep, make_train_step
+from engine.steps import EvalStep, ReplicaStep, make_train_step
 from engine.summaries import SummaryWriters
 from engine.variables import check_regularizers_visible, require_trainable_variables
 
@@ -83,13 +85,20 @@ class Trainer:
         `DataExhaustedError`; its partial last batch trains as in `fit`.
       global_batch_size: examples per step over all replicas; the first
         batch is checked against it before any update.
-      loss_fn: per-example losses `fn(labels, logits)`, for the standard
-        step (batches of `(features, labels[, sample_weight])`) and eval; a
-        Keras loss object must have `reduction=None`.
+      loss_fn: per-element losses `fn(labels, outputs)` ((B,) a label per
+        example, (B, T) per token), for the standard step (batches of
+        `(features, labels[, sample_weight])`) and eval; a Keras loss object
+        must have `reduction=None`. Nested like several outputs (a dict or
+        list), one loss an output. Each output's loss is the mean over its
+        real elements (Keras's output mask) of the GLOBAL batch
+        (`engine.losses`).
+      loss_weights: with a nested `loss_fn`, the weight of each output's loss,
+        nested alike (Keras `compile(loss_weights=)`); None: 1.0 each.
       metrics, weighted_metrics: Keras metrics updated in training and
         evaluation, without and with the batches' sample weights (Keras
-        `compile`'s split). The eval loss is `model.evaluate`'s:
-        sum(w * l) / N + the regularization losses.
+        `compile`'s split); they apply the outputs' masks as Keras does. The
+        eval loss is the same mean over the real elements of the whole eval
+        set, plus the regularization losses (`model.evaluate`'s).
       step_fn: your own per-replica step `fn(batch) -> {name: scalar}`; it
         cannot be combined with `clip_norm`, `grad_accum_steps > 1`,
         `jit_compile` or `on_nonfinite="skip"` (those shape the standard step).
@@ -130,7 +139,8 @@ class Trainer:
         optimizer: Optimizers,
         train_data: Data,
         global_batch_size: int,
-        loss_fn: PerExampleLoss | None = None,
+        loss_fn: LossFn | None = None,
+        loss_weights: Any = None,
         step_fn: ReplicaStep | None = None,
         eval_step_fn: EvalStep | None = None,
         metrics: Sequence[keras.metrics.Metric] = (),
@@ -183,6 +193,7 @@ class Trainer:
         _check_arguments(
             strategy, loss_fn, step_fn, metrics, weighted_metrics, eval_data, global_batch_size, step_options
         )
+        self.objective = Objective(loss_fn, loss_weights) if loss_fn is not None else None
         if steps_per_loop < 1:
             raise UserError(f"`steps_per_loop={steps_per_loop}` must be at least 1")
         self.spike_options = SpikeOptions(
@@ -227,16 +238,20 @@ class Trainer:
             train_unweighted = [fresh_copy(m) for m in metrics]
             train_weighted = [fresh_copy(m) for m in weighted_metrics]
         self.train_metrics = [*train_unweighted, *train_weighted]
-        self.replica_step = step_fn or self._standard_step(loss_fn, train_unweighted, train_weighted)
+        self.replica_step = step_fn or self._standard_step(train_unweighted, train_weighted)
         # Step k trains on stream position k + offset (the batches rollbacks skipped).
         self.data_position = DataPosition()
         self.train_runner = self._make_train_runner(train_form, global_batch_size)
         self._stop_agreement = _make_stop_agreement(strategy)
         self.eval_runner: EvalRunner | None = None
         if eval_form is not None:
-            assert loss_fn is not None, "checked above: eval_data needs loss_fn"
+            assert self.objective is not None, "checked above: eval_data needs loss_fn"
             self.eval_runner = self._make_eval_runner(
-                loss_fn, eval_form, metrics=metrics, weighted_metrics=weighted_metrics, eval_step_fn=eval_step_fn
+                self.objective,
+                eval_form,
+                metrics=metrics,
+                weighted_metrics=weighted_metrics,
+                eval_step_fn=eval_step_fn,
             )
             # Each eval call that traces is compile time, the others eval time.
             self.eval_runner.loop = TimedFunction(self.eval_runner.loop, self.goodput_clock, "eval")
@@ -269,14 +284,12 @@ class Trainer:
         for callback in self.callbacks:  # Their own state on disk, now that the step is known.
             callback.restore_state(self)
 
-    def _standard_step(
-        self, loss_fn: PerExampleLoss | None, metrics: list[Any], weighted_metrics: list[Any]
-    ) -> ReplicaStep:
-        assert loss_fn is not None, "checked: loss_fn or step_fn"
+    def _standard_step(self, metrics: list[Any], weighted_metrics: list[Any]) -> ReplicaStep:
+        assert self.objective is not None, "checked: loss_fn or step_fn"
         return make_train_step(
             model=self.model,
             optimizer=next(iter(self.optimizers.values())),  # The standard step applies one.
-            loss_fn=loss_fn,
+            objective=self.objective,
             global_batch_size=self.global_batch_size,
             metrics=metrics,
             weighted_metrics=weighted_metrics,
@@ -285,15 +298,9 @@ class Trainer:
         )
 
     def _checkpoint_object(self) -> tf.train.Checkpoint:
-        """What a checkpoint holds: model, global step and optimizer(s) (with rollback, the data
-        position joins them: `engine.rollback`)."""
-        # One optimizer keeps the key "optimizer" that existing checkpoints use.
-        optimizer_state = (
-            {"optimizer": self.optimizer}
-            if self.optimizer is not None
-            else {"optimizers": dict(self.optimizers)}
-        )
-        return tf.train.Checkpoint(model=self.model, global_step=self.global_step, **optimizer_state)
+        """What a checkpoint holds (`engine.checkpoint.checkpoint_of`; with rollback, the data
+        position joins it: `engine.rollback`)."""
+        return checkpoint_of(self.model, self.global_step, self.optimizers)
 
     def _make_checkpointer(self, model_dir: str, options: CheckpointOptions) -> Checkpointer:
         checkpoint = self._checkpoint_object()
@@ -316,11 +323,12 @@ class Trainer:
             global_batch_size=global_batch_size,
             position=self.data_position,
             max_loss=self.spike_options.max_loss,
+            replica_state=replica_local_state(self.strategy, self.model),
         )
 
-    def _make_eval_runner(self, loss_fn: PerExampleLoss, data: DataForm, **options: Any) -> EvalRunner:
+    def _make_eval_runner(self, objective: Objective, data: DataForm, **options: Any) -> EvalRunner:
         return EvalRunner(
-            self.strategy, self.model, loss_fn, data, batches_per_call=self.cadence.steps_per_loop, **options
+            self.strategy, self.model, objective, data, batches_per_call=self.cadence.steps_per_loop, **options
         )
 
     # ------------------------------------------------------------------ state
@@ -725,7 +733,7 @@ def prepare_model_state(
 
 def _check_arguments(
     strategy: tf.distribute.Strategy,
-    loss_fn: PerExampleLoss | None,
+    loss_fn: LossFn | None,
     step_fn: ReplicaStep | None,
     metrics: Sequence[Any],
     weighted_metrics: Sequence[Any],
@@ -736,7 +744,6 @@ def _check_arguments(
     """The Trainer's arguments on their own and together, before anything is built."""
     if loss_fn is None and step_fn is None:
         raise UserError("pass loss_fn, step_fn or both to Trainer")
-    _check_per_example_loss(loss_fn)
     _check_metric_names(metrics, weighted_metrics)
     if isinstance(eval_data, ResidentData):
         raise UserError(
@@ -794,17 +801,6 @@ def _make_stop_agreement(strategy: tf.distribute.Strategy):
         return strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None)
 
     return any_worker
-
-
-def _check_per_example_loss(loss_fn: Any) -> None:
-    """A Keras loss object reduces its batch to one number by default; the engine needs the
-    per-example losses to average them over the global batch (and the eval set) itself."""
-    if isinstance(loss_fn, keras.losses.Loss) and loss_fn.reduction not in (None, "none"):
-        raise UserError(
-            f"loss_fn={type(loss_fn).__name__}(reduction={loss_fn.reduction!r}) reduces the batch to one "
-            f"number; pass {type(loss_fn).__name__}(..., reduction=None) so that the engine gets per-example "
-            "losses and averages them over the global batch"
-        )
 
 
 def _check_metric_names(metrics: Sequence[Any], weighted_metrics: Sequence[Any]) -> None:

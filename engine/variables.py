@@ -45,6 +45,23 @@ def require_trainable_variables(model: Any) -> list[Variable]:
     return variables
 
 
+def random_state_variables(model: Any) -> list[Variable]:
+    """The random-number state of the model's Keras layers (each `SeedGenerator`'s state:
+    Dropout, GaussianNoise, the augmentation layers, ...), in a stable order.
+
+    Keras lists it in `layer.variables` but not in `layer.weights`, and a
+    `tf.train.Checkpoint` of the model does not reach it: without it a resumed
+    run would draw the same dropout masks again from the start seed.
+    """
+    found: dict[int, Variable] = {}
+    for root in keras_roots(model):
+        weights = {id(w) for w in root.weights}
+        for variable in root.variables:
+            if id(variable) not in weights:
+                found.setdefault(id(variable), variable)
+    return list(found.values())
+
+
 def regularization_losses(model: Any) -> list[Any]:
     """Every regularization loss of `model` (weight regularizers and `add_loss` terms of
     its last call), each Keras layer counted once however it is reached."""

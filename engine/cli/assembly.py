@@ -13,7 +13,7 @@ import keras
 import tensorflow as tf
 from absl import logging
 
-from engine.checkpoint import CheckpointReader, recorded_settings
+from engine.checkpoint import CheckpointReader, checkpoint_of, recorded_settings
 from engine.cli.environment import seed_everything, set_precision
 from engine.cli.run_task import RunTask, resolve_task
 from engine.cli.settings import RunConfig
@@ -84,7 +84,7 @@ class CheckpointedModel:
         )
         self.global_step = prepare_model_state(self.strategy, self.model, {"optimizer": self.optimizer})
         self.reader = CheckpointReader(
-            tf.train.Checkpoint(model=self.model, optimizer=self.optimizer, global_step=self.global_step)
+            checkpoint_of(self.model, self.global_step, {"optimizer": self.optimizer})
         )
 
     @property
