@@ -233,3 +233,33 @@ def test_engine_main_in_a_terminal_that_closes_saves_and_exits_129(tmp_path):
     step = latest_step(tmp_path)
     assert step is not None and step > 0 and step % 20 == 0, step
     assert not (tmp_path / ".writer.lock").exists() and not list(tmp_path.rglob("*_temp"))
+
+
+@pytest.mark.process
+@pytest.mark.timeout(120)
+def test_a_parameter_server_task_takes_stop_signals_from_its_launcher_alone():
+    """A terminal's Ctrl-C reaches the ps tasks too; they must outlive it until the coordinator
+    has saved (it needs them), and end when their launcher (here: this process) says."""
+    from helpers import free_ports, read_stderr_until
+
+    chief, worker, ps = (f"localhost:{port}" for port in free_ports(3))
+    process = subprocess.Popen(
+        [sys.executable, "-m", "engine.server", "--task_type=ps", "--task_index=0"]
+        + [f"--chief_host={chief}", f"--worker_hosts={worker}", f"--ps_hosts={ps}"],
+        cwd=REPO,
+        env=python_env(**{preemption.LAUNCHER_PID_ENV: str(os.getpid())}),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        read_stderr_until(process, "serving at", timeout=90)
+        subprocess.run(["kill", "-INT", str(process.pid)], check=True, timeout=10)  # not its launcher
+        read_stderr_until(process, "left to engine.launch", timeout=10)
+        assert process.poll() is None
+        process.send_signal(signal.SIGTERM)  # its launcher
+        assert process.wait(timeout=20) == 143
+    finally:
+        if process.poll() is None:
+            process.kill()
+        process.communicate(timeout=30)
