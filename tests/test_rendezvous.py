@@ -115,6 +115,15 @@ def test_bad_flags_are_never_restarted():
     assert next_message(clients[1])["kind"] == "end" and server.status == 2
 
 
+def test_a_node_stopped_while_it_waits_for_its_round_ends_the_run_on_every_node():
+    server = serve(3)
+    clients = [join(server, rank, [6000 + rank]) for rank in (0, 1)]  # node 2 has not come yet
+    wait_until(lambda: set(server._joined) == {0, 1})
+    clients[1].send("stop", status=143, cause="node 1 received SIGTERM")
+    ends = [next_message(client) for client in clients]
+    assert [(m["kind"], m["status"], m["reason"]) for m in ends] == [("end", 143, "node 1 received SIGTERM")] * 2
+
+
 def test_a_node_that_never_joins_ends_the_start_up_naming_it():
     server = serve(3, startup_timeout=1.0)
     client = join(server, 0, [6000])

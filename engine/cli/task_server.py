@@ -14,6 +14,7 @@ or with TF_CONFIG set and no cluster flags.
 import os
 import signal
 import sys
+from collections.abc import Callable
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 # Fail RPCs to a dead peer at once so the coordinator can reschedule its work.
@@ -28,7 +29,7 @@ from engine.errors import USER_ERROR_EXIT, UserError, one_line  # noqa: E402
 SERVER_TASK_TYPES = ("worker", "ps")
 
 
-def serve(wait=None) -> None:
+def serve(wait: Callable[[], None] | None = None) -> None:
     """Starts this task's server and blocks until the process is killed (or `wait` returns)."""
     cluster = cluster_flags.cluster_from_flags()
     if cluster is None:
@@ -104,7 +105,7 @@ def main(argv: list[str]) -> int:
         # Ctrl-C and SIGTERM end the process the plain way.
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        wait = None
+        wait: Callable[[], None] | None = None
     else:  # Blocked in every thread before TensorFlow starts one, and taken by sigwaitinfo.
         signal.pthread_sigmask(signal.SIG_BLOCK, HANDLED_SIGNALS)
         wait = lambda: wait_for_the_launcher(launcher)  # noqa: E731

@@ -340,10 +340,6 @@ class _Channel:
         self._sent = 0
         self._received = 0
 
-    @property
-    def secured(self) -> bool:
-        return self._receive_key is not None
-
     def secure(self, send_key: bytes, receive_key: bytes) -> None:
         self._send_key, self._receive_key = send_key, receive_key
         self.limit = MAX_FRAME_BYTES
@@ -654,6 +650,8 @@ class RendezvousServer:
             self._on_join(conn, message)
             return
         rank = self._member_of(conn)
+        if kind == "stop" and rank is None:  # A node stopped while it waited for its round: all stop.
+            rank = next((joined for joined, node in self._joined.items() if node.conn is conn), None)
         if rank is None:
             return
         if kind == "failed":
