@@ -10,10 +10,11 @@ import re
 import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
-from helpers import REPO, SMALL, eval_steps, model_weights
+from helpers import REPO, SMALL, eval_steps, latest_step, model_weights
 
 pytestmark = [pytest.mark.slow, pytest.mark.cluster]  # every test here starts a cluster
 
@@ -73,13 +74,41 @@ def test_an_evaluator_task_evaluates_beside_a_launched_cluster(tmp_path, launch)
     run.assert_nothing_left()
 
 
-@pytest.mark.timeout(400)
-def test_sigterm_to_the_launcher_exits_143_and_a_flag_error_exits_2(tmp_path, launch):
-    run = launch("--num_workers=2", "--", *MWM, "--train_steps=100000", f"--model_dir={tmp_path}")
-    run.wait_for(r"started worker:1", timeout=120)
-    run.process.send_signal(signal.SIGTERM)
-    assert run.wait(timeout=120) == 143, run.output[-3000:]
+@pytest.mark.timeout(500)
+def test_ctrl_c_saves_once_a_second_sigterm_ends_at_once_and_a_flag_error_exits_2(tmp_path, launch):
+    flags = [*MWM, "--train_steps=100000", "--checkpoint_every=100000", f"--model_dir={tmp_path}"]
+    # Ctrl-C in a terminal: SIGINT to the launcher's whole process group. The workers took the
+    # launcher's SIGTERM for their second signal and exited without a save, leaving the lock.
+    run = launch("--num_workers=2", "--", *flags)
+    run.wait_for(r"\[worker:0\].*step \d+/100000", timeout=240)
+    sent = time.monotonic()
+    os.killpg(run.process.pid, signal.SIGINT)
+    assert run.wait(timeout=120) == 130, run.output[-3000:]
+    took = time.monotonic() - sent
+    stopped = [
+        int(run.wait_for(rf"\[worker:{i}\].*stopped at step (\d+) by signal 2;", 1).group(1)) for i in (0, 1)
+    ]
+    assert stopped[0] == stopped[1] == latest_step(tmp_path) and stopped[0] > 0, stopped  # one agreed save
+    assert not list(tmp_path.rglob("*_temp")) and not (tmp_path / ".writer.lock").exists()
+    assert "Traceback" not in run.output and took < 60, took
     run.assert_nothing_left()
+
+    # A second SIGTERM while the tasks save: every task ends at once, one line, no traceback.
+    again = launch("--num_workers=2", "--", *flags)
+    again.wait_for(rf"\[worker:0\].*steps={stopped[0]}->", timeout=240)  # resumed
+    again.wait_for(r"\[worker:0\].*step \d+/100000", timeout=120)
+    frozen = int(again.wait_for(r"started worker:1 \(pid (\d+)\)", timeout=1).group(1))
+    os.kill(frozen, signal.SIGSTOP)  # so that the agreed save waits for it: the second signal lands in it
+    again.process.send_signal(signal.SIGTERM)
+    again.wait_for(r"\[launch\] SIGTERM received; stopping every task", timeout=10)
+    sent = time.monotonic()
+    again.process.send_signal(signal.SIGTERM)
+    assert again.wait(timeout=60) == 143, again.output[-3000:]
+    assert time.monotonic() - sent < 10 and "Traceback" not in again.output, again.output[-3000:]
+    assert [line for line in again.lines if "received again" in line] == [
+        "[launch] SIGTERM received again: every task ended at once (SIGKILL), without its save; exit 143"
+    ]
+    again.assert_nothing_left()
 
     result = subprocess.run(
         [sys.executable, "-m", "engine.launch", "--num_workers=2", "--", "--train_stepz=3"],

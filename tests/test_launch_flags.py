@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
 import subprocess
 from unittest import mock
 
@@ -14,6 +15,7 @@ from absl import flags
 
 from engine.cli import launcher as launch
 from engine.cli import node_launcher
+from engine.cluster import rendezvous
 
 ONE_LAUNCHER = f"one launcher starts at most {launch.MAX_TASKS}"
 CASES = [
@@ -52,6 +54,23 @@ CASES = [
     ),
     (["--nnodes=2", "--rendezvous=node0:1", "--rejoin_timeout=nan", "--"], "--rejoin_timeout=nan must be 0 to"),
     (["--nnodes=2", "--rendezvous=node0:1", "--num_ps=1", "--"], "--nnodes > 1 launches multi_worker_mirrored"),
+    (
+        ["--nnodes=2", "--rendezvous=10.0.0.1:29400", "--"],
+        "engine.launch: error: the rendezvous at 10.0.0.1 is reachable from other machines, so the run's "
+        "nodes must share a secret: export ENGINE_RENDEZVOUS_SECRET or pass --rendezvous_secret_file=FILE",
+    ),
+    (
+        ["--nnodes=2", "--rendezvous=0.0.0.0:29400", "--node_rank=0", "--"],
+        "the rendezvous at 0.0.0.0 is reachable from other machines",
+    ),
+    (
+        ["--nnodes=2", "--rendezvous=127.0.0.1:29400", "--rendezvous_secret_file=/nonexistent/secret", "--"],
+        "--rendezvous_secret_file=/nonexistent/secret: cannot read it (No such file or directory)",
+    ),
+    (
+        ["--nnodes=2", "--rendezvous=127.0.0.1:29400", "--advertise_host=a b", "--"],
+        "--advertise_host='a b' must be a host name or an IP address",
+    ),
     (["--nnodes=0", "--"], "--nnodes=0 must be between 1 and 1024"),
     (["--nnodes=2", "--workers_per_node=0", "--"], "--workers_per_node=0 must be between 1 and 1024"),
     # engine.main's numbers, which every task would die of after the cluster started.
@@ -74,7 +93,9 @@ def launch_in_process(*argv: str, open_files: int = 65536) -> subprocess.Complet
     """`python -m engine.launch ARGV` up to its checks (a launch that passes them would start
     tasks) under `ulimit -n open_files`: the host's own limit would change the task limit."""
     stderr = io.StringIO()
+    environment = {name: value for name, value in os.environ.items() if name != "ENGINE_RENDEZVOUS_SECRET"}
     with (
+        mock.patch.dict(os.environ, environment, clear=True),
         contextlib.redirect_stderr(stderr),
         mock.patch.object(launch, "Launcher", side_effect=AssertionError),
         mock.patch.object(node_launcher, "NodeLauncher", side_effect=AssertionError),
@@ -104,3 +125,70 @@ def test_few_open_files_lower_the_task_limit():
     result = launch_in_process("--num_workers=100", "--", open_files=256)
     assert result.returncode == 2
     assert "--num_workers=100 must be between 1 and 96 (the tasks one launcher starts here" in result.stderr
+
+
+SECRET = "0123456789abcdef0123456789abcdef"
+
+
+def node_launcher_arguments(*argv: str) -> tuple[tuple, dict]:
+    """What engine.launch hands NodeLauncher for ARGV (with a secret in the environment)."""
+    with (
+        mock.patch.dict(os.environ, {"ENGINE_RENDEZVOUS_SECRET": SECRET}),
+        mock.patch.object(node_launcher, "NodeLauncher") as made,
+    ):
+        made.return_value.run.return_value = 0
+        try:
+            assert launch.main(launch.parse_flags(["engine.launch", *argv])) == 0
+        finally:
+            flags.FLAGS.unparse_flags()
+    return made.call_args
+
+
+@pytest.mark.cli
+def test_each_node_sends_the_flags_that_must_be_equal_and_not_its_own(tmp_path):
+    config = tmp_path / "run.yaml"
+    config.write_text("learning_rate: 0.5\n")
+    common = ["--nnodes=2", "--rendezvous=10.0.0.1:29400", "--"]
+    main = ["--strategy=multi_worker_mirrored", "--model=mlp", "--train_steps=400", f"--config_file={config}"]
+    args, kwargs = node_launcher_arguments(
+        "--node_rank=0", *common, *main, "--model_dir=/a", "--learning_rate=1e-1"
+    )
+    assert kwargs["secret"] == SECRET.encode()
+    node0 = kwargs["settings"]
+    _, kwargs = node_launcher_arguments(
+        "--node_rank=1",
+        "--advertise_host=10.0.0.2",
+        *common,
+        *main,
+        "--model_dir=/mnt/a",
+        "--learning_rate=0.01",
+    )
+    node1 = kwargs["settings"]
+    # The per-node settings are left out (model_dir, the timeouts, the cluster), the rest compared.
+    assert rendezvous.settings_difference(1, node1, node0) == (
+        "node 1's --learning_rate=0.01 differs from node 0's --learning_rate=0.1; "
+        "give every node the same flags after --"
+    )
+    assert node0["model"] == "mlp" and node0["train_steps"] == "400" and node0["seed"] == "42"
+    assert node0["engine.launch workers_per_node"] == "1" and node0["engine.launch nnodes"] == "2"
+    assert not {"model_dir", "startup_timeout", "task_index", "worker_hosts", "log_all_tasks"} & set(node0)
+    # A config file counts by its contents too: the same path with other contents differs.
+    config.write_text("learning_rate: 0.7\n")
+    _, kwargs = node_launcher_arguments("--node_rank=1", *common, *main, "--model_dir=/a", "--learning_rate=0.1")
+    difference = rendezvous.settings_difference(1, kwargs["settings"], node0)
+    assert difference is not None and difference.startswith(f"node 1's --config_file={config} (sha256 ")
+
+
+@pytest.mark.cli
+def test_the_secret_is_optional_on_loopback():
+    with mock.patch.dict(os.environ, {}, clear=False):
+        os.environ.pop("ENGINE_RENDEZVOUS_SECRET", None)
+        with mock.patch.object(node_launcher, "NodeLauncher") as made:
+            made.return_value.run.return_value = 0
+            try:
+                launch.main(
+                    launch.parse_flags(["engine.launch", "--nnodes=2", "--rendezvous=127.0.0.1:29400", "--"])
+                )
+            finally:
+                flags.FLAGS.unparse_flags()
+    assert made.call_args.kwargs["secret"] is None

@@ -2,20 +2,25 @@
 each host, every host a network namespace with an address of its own on a virtual bridge
 (tests/virtual_hosts.py), so nothing here can lean on localhost.
 
-Two hosts equal one process; a frozen worker and a partitioned host both end their round
-within the detection bound and --max_restarts recovers the uninterrupted weights; a host
-that never comes back leaves a cluster of three to go on with two (--min_nodes)."""
+Two hosts equal one process, while a stranger on the network sends node 0's rendezvous
+garbage, a forged join and a forged stop; a frozen worker and a partitioned host both end
+their round within the detection bound and --max_restarts recovers the uninterrupted weights;
+a host that never comes back leaves a cluster of three to go on with two (--min_nodes).
+On loopback (no namespaces needed): nodes given other flags end before any task starts,
+and SIGHUP to one node's launcher saves on every node."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
+import subprocess
 import time
 
 import numpy as np
 import pytest
-from helpers import SMALL, free_ports, in_background, model_weights, run_main
+from helpers import SMALL, free_ports, in_background, latest_step, model_weights, python_env, run_main
 from virtual_hosts import VirtualHosts
 
 pytestmark = [pytest.mark.slow, pytest.mark.cluster]
@@ -25,6 +30,8 @@ needs_hosts = pytest.mark.skipif(WHY_NOT is not None, reason=f"no virtual hosts:
 RENDEZVOUS_PORT = 29400
 LOST_WORKER_1 = r"worker:1 \(10\.213\.0\.2:\d+\) stopped answering"
 HEARTBEAT_TIMEOUT = 10  # engine.main's default: the documented detection bound builds on it.
+# The rendezvous listens on a bridge address, so the nodes must share a secret.
+SECRET = {"ENGINE_RENDEZVOUS_SECRET": "d5e0c0bd1a7f4f2a9e3b6c8d0f1a2b3c"}
 
 
 # One run for every test here, short and one step a call: the float differences of a changed
@@ -69,6 +76,7 @@ def start_nodes(launch, hosts: VirtualHosts, launcher_flags: list[str], main_fla
                 "--strategy=multi_worker_mirrored",
                 *main_flags,
                 inside=hosts.command(rank),
+                env=SECRET,
             )
         )
     return started
@@ -81,16 +89,79 @@ def assert_equal_weights(model_dir, reference_dir, step: int) -> None:
         np.testing.assert_allclose(multi[name], single[name], rtol=1e-5, atol=1e-6, err_msg=name)
 
 
+# A stranger on host 1's network, before node 1 starts: what used to kill node 0's rendezvous
+# thread, take rank 1 (and the cluster spec), or end the run with exit 0 having trained nothing.
+STRANGER = r"""
+import json, socket, sys, time
+from engine.cluster.rendezvous import PROTOCOL, RendezvousClient
+
+host, port = sys.argv[1], int(sys.argv[2])
+def frame(body):
+    data = json.dumps(body).encode()
+    return len(data).to_bytes(4, "big") + data
+deadline = time.monotonic() + 120
+while True:  # node 0 may not serve yet
+    try:
+        socket.create_connection((host, port), timeout=2).close()
+        break
+    except OSError:
+        if time.monotonic() > deadline:
+            sys.exit("no rendezvous to attack")
+        time.sleep(0.2)
+hello = frame({"kind": "hello", "protocol": PROTOCOL, "nonce": "00" * 32})
+sent = [
+    b"[" * 100000 + b"\n",
+    b'{"kind": "join", "rank": 1, "ports": [29999], "host": "10.213.0.2"}\n',
+    b'{"kind": "stop", "status": 0, "cause": "forged"}\n',
+    frame({"kind": "join", "rank": 1, "ports": [29999], "host": "10.213.0.2"}),
+    hello + frame({"kind": "proof", "proof": "00" * 32}) + frame({"kind": "stop", "status": 0, "cause": "x"}),
+]
+answers = []
+for data in sent:
+    got = b""
+    with socket.create_connection((host, port), timeout=5) as sock:
+        try:
+            sock.sendall(data)
+            while chunk := sock.recv(65536):
+                got += chunk
+        except OSError:
+            pass
+    answers.append(got.decode("latin-1"))
+wrong = RendezvousClient((host, port), heartbeat_timeout=5, secret=b"not the run's secret, 32 bytes!")
+print(json.dumps({"answers": answers, "admitted": wrong.connect(time.monotonic() + 1)}))
+"""
+
+
 @needs_hosts
 @pytest.mark.timeout(400)
-def test_two_hosts_equal_one_process(tmp_path, launch, uninterrupted):
+def test_two_hosts_equal_one_process_while_a_stranger_attacks_the_rendezvous(tmp_path, launch, uninterrupted):
+    flags = [*FLAGS, f"--model_dir={tmp_path / 'two'}"]
     with VirtualHosts(2) as hosts:
-        nodes = start_nodes(launch, hosts, [], [*FLAGS, f"--model_dir={tmp_path / 'two'}"])
+        nodes = start_nodes(launch, hosts, [], flags, nodes=[0])
+        stranger = subprocess.run(
+            hosts.python(1, "-c", STRANGER, hosts.addresses[0], str(RENDEZVOUS_PORT)),
+            env=python_env(),
+            capture_output=True,
+            text=True,
+            timeout=150,
+        )
+        nodes += start_nodes(launch, hosts, [], flags, nodes=[1])
         codes = [node.wait(timeout=300) for node in nodes]
         assert codes == [0, 0], "\n".join(node.output[-3000:] for node in nodes)
+    assert stranger.returncode == 0, stranger.stderr[-3000:]
+    seen = json.loads(stranger.stdout)
+    assert not seen["admitted"]
+    # At most the handshake's challenge: never a round, a spec or an end.
+    assert all(not re.search("round|spec|end|worker", answer) for answer in seen["answers"]), seen
+    dropped = [
+        line for line in nodes[0].lines if line.startswith("[launch node 0] warning: dropped a connection")
+    ]
+    assert len(dropped) >= 3 and all("from 10.213.0.2: " in line for line in dropped), nodes[0].output[-3000:]
     for rank, node in enumerate(nodes):  # Each task at its own host's address, never localhost.
         node.wait_for(rf"started worker:{rank} \(pid \d+\) at 10\.213\.0\.{rank + 1}:\d+", timeout=1)
         node.wait_for(rf"\[worker:{rank}\].*done: step {STEPS}", timeout=1)
+        node.wait_for(r"round with node\(s\) 0, 1: 2 worker\(s\)", timeout=1)  # the stranger took no rank
+        assert "Traceback" not in node.output
     assert_equal_to_uninterrupted(tmp_path / "two", uninterrupted)
 
 
@@ -212,3 +283,61 @@ def test_a_node_that_never_arrives_ends_the_start_up_with_one_line_naming_it(lau
         "--node_rank there, or check that they reach this address"
     ], node.output
     assert "started worker" not in node.output and took < 60
+
+
+def loopback_nodes(launch, launcher_flags: list[str], per_node: list[list[str]]) -> list:
+    """engine.launch for each node on this machine, the rendezvous on loopback (no secret needed)."""
+    port = free_ports(1)[0]
+    return [
+        launch(
+            f"--nnodes={len(per_node)}",
+            f"--node_rank={rank}",
+            f"--rendezvous=127.0.0.1:{port}",
+            *launcher_flags,
+            "--",
+            "--strategy=multi_worker_mirrored",
+            *flags,
+        )
+        for rank, flags in enumerate(per_node)
+    ]
+
+
+@pytest.mark.timeout(120)
+def test_nodes_given_other_flags_end_before_any_task_starts_naming_them(tmp_path, launch):
+    flags = [*SMALL, "--train_steps=20", f"--model_dir={tmp_path}"]
+    nodes = loopback_nodes(launch, [], [flags, [*flags, "--learning_rate=0.01"]])
+    assert [node.wait(timeout=60) for node in nodes] == [2, 2], nodes[0].output + nodes[1].output
+    line = (
+        "the run ended with exit status 2: node 1's --learning_rate=0.01 differs from node 0's "
+        "--learning_rate=0.1; give every node the same flags after --"
+    )
+    for rank, node in enumerate(nodes):
+        assert [text for text in node.lines if "the run ended" in text] == [f"[launch node {rank}] {line}"]
+        assert "started worker" not in node.output and "Traceback" not in node.output
+    assert not tmp_path.joinpath("checkpoints").exists()
+
+
+@pytest.mark.timeout(300)
+def test_sighup_to_one_nodes_launcher_saves_on_every_node_at_one_step(tmp_path, launch):
+    flags = [
+        *SMALL,
+        "--train_steps=100000",
+        "--steps_per_loop=10",
+        "--checkpoint_every=100000",
+        f"--model_dir={tmp_path}",
+    ]
+    nodes = loopback_nodes(launch, [], [flags, flags])
+    nodes[0].wait_for(r"\[worker:0\].*step \d+/100000", timeout=240)
+    os.kill(nodes[1].process.pid, signal.SIGHUP)  # node 1's ssh session closed
+    sent = time.monotonic()
+    codes = [node.wait(timeout=150) for node in nodes]
+    took = time.monotonic() - sent
+    assert codes == [129, 129], nodes[0].output[-3000:] + nodes[1].output[-3000:]
+    stopped = [
+        int(node.wait_for(rf"\[worker:{rank}\].*stopped at step (\d+) by signal 1;", timeout=1).group(1))
+        for rank, node in enumerate(nodes)
+    ]
+    assert stopped[0] == stopped[1] == latest_step(tmp_path) and stopped[0] > 0, stopped
+    nodes[0].wait_for(r"\[launch node 0\] the run ended with exit status 129: node 1 received SIGHUP", timeout=1)
+    assert not list(tmp_path.rglob("*_temp")) and not tmp_path.joinpath(".writer.lock").exists()
+    assert all("Traceback" not in node.output for node in nodes) and took < 60, took

@@ -1,14 +1,29 @@
 """The multi-host launcher's rendezvous (engine.cluster.rendezvous), with clients in this process:
-who is in a round, when a round restarts, shrinks or ends, and the one line of each end."""
+who is in a round, when a round restarts, shrinks or ends, and the one line of each end; who
+gets in (the secret, both ways), what a connection may send, and how long a node waits."""
 
 from __future__ import annotations
 
+import json
+import os
+import socket
+import threading
 import time
 
 import pytest
 from helpers import free_ports
 
-from engine.cluster.rendezvous import RendezvousClient, RendezvousServer, parse_address
+from engine.cluster import rendezvous
+from engine.cluster.rendezvous import (
+    RendezvousClient,
+    RendezvousServer,
+    parse_address,
+    settings_difference,
+    settings_digest,
+)
+
+SECRET = b"0123456789abcdef0123456789abcdef"
+SETTINGS = {"learning_rate": "0.1", "seed": "42", "train_steps": "400", "engine.launch workers_per_node": "1"}
 
 
 def serve(nnodes: int, **options) -> RendezvousServer:
@@ -19,16 +34,29 @@ def serve(nnodes: int, **options) -> RendezvousServer:
         startup_timeout=20.0,
         rejoin_timeout=20.0,
         heartbeat_timeout=10.0,
+        secret=SECRET,
     )
     settings.update(options)
     return RendezvousServer(("127.0.0.1", free_ports(1)[0]), **settings).start()
 
 
-def join(server: RendezvousServer, rank: int, ports: list[int]) -> RendezvousClient:
+def address(server: RendezvousServer) -> tuple[str, int]:
     host, port = server.address_text.rsplit(":", 1)
-    client = RendezvousClient((host, int(port)), heartbeat_timeout=10.0)
-    assert client.connect(time.monotonic() + 10)
-    client.send("join", rank=rank, ports=ports, host=None)
+    return host, int(port)
+
+
+def connect(server: RendezvousServer, secret: bytes = SECRET, workers_per_node: int = 1) -> RendezvousClient:
+    client = RendezvousClient(
+        address(server), heartbeat_timeout=10.0, secret=secret, workers_per_node=workers_per_node
+    )
+    assert client.connect(time.monotonic() + 10), client.failure
+    return client
+
+
+def join(server: RendezvousServer, rank: int, ports: list[int], settings=None) -> RendezvousClient:
+    client = connect(server, workers_per_node=len(ports))
+    settings = server.settings if settings is None else settings
+    client.send("join", rank=rank, ports=ports, host=None, settings=settings, digest=settings_digest(settings))
     return client
 
 
@@ -42,7 +70,7 @@ def next_message(client: RendezvousClient, timeout: float = 15.0) -> dict:
 
 
 def test_a_round_gives_every_node_every_address_in_rank_order():
-    server = serve(2)
+    server = serve(2, workers_per_node=2)
     second = join(server, 1, [7001, 7002])
     first = join(server, 0, [6001, 6002])
     rounds = [next_message(first), next_message(second)]
@@ -85,6 +113,15 @@ def test_bad_flags_are_never_restarted():
     [next_message(client) for client in clients]
     clients[0].send("failed", cause="worker:0 exited with status 2", status=2)
     assert next_message(clients[1])["kind"] == "end" and server.status == 2
+
+
+def test_a_node_stopped_while_it_waits_for_its_round_ends_the_run_on_every_node():
+    server = serve(3)
+    clients = [join(server, rank, [6000 + rank]) for rank in (0, 1)]  # node 2 has not come yet
+    wait_until(lambda: set(server._joined) == {0, 1})
+    clients[1].send("stop", status=143, cause="node 1 received SIGTERM")
+    ends = [next_message(client) for client in clients]
+    assert [(m["kind"], m["status"], m["reason"]) for m in ends] == [("end", 143, "node 1 received SIGTERM")] * 2
 
 
 def test_a_node_that_never_joins_ends_the_start_up_naming_it():
@@ -154,3 +191,270 @@ def test_two_launchers_with_one_rank_are_refused():
 def test_an_address_that_is_not_host_port_is_named(value):
     with pytest.raises(ValueError, match=f"^{value!r} is not HOST:PORT"):
         parse_address(value)
+
+
+# ---------------------------------------------------------------- strangers and what they send
+
+
+def frame(body: bytes | dict) -> bytes:
+    """One frame of the wire format: a 4-byte length, then the body."""
+    data = json.dumps(body).encode() if isinstance(body, dict) else body
+    return len(data).to_bytes(4, "big") + data
+
+
+def send_as_stranger(server: RendezvousServer, data: bytes, wait: float = 3.0) -> bytes:
+    """`data` on a connection of its own; what the server answered before it closed it."""
+    answered = b""
+    with socket.create_connection(address(server), timeout=wait) as sock:
+        sock.sendall(data)
+        try:
+            while chunk := sock.recv(65536):
+                answered += chunk
+        except (TimeoutError, ConnectionResetError):
+            pass
+    return answered
+
+
+def wait_until(condition, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "the condition never held"
+        time.sleep(0.05)
+
+
+def hello(nonce: bytes = b"\1" * 32) -> bytes:
+    return frame({"kind": "hello", "protocol": rendezvous.PROTOCOL, "nonce": nonce.hex()})
+
+
+def test_the_server_survives_what_strangers_send_and_the_run_forms_after(monkeypatch):
+    monkeypatch.setattr(rendezvous, "HANDSHAKE_SECONDS", 1.0)
+    warnings: list[str] = []
+    server = serve(2, settings=SETTINGS, warn=warnings.append)
+    sent = [
+        b"[" * 100_000 + b"\n",  # killed the old server's thread
+        (1 << 31).to_bytes(4, "big") + b"x" * 1000,  # a frame far over the limit
+        frame(b"x" * 513),  # just over the handshake's limit
+        frame(b"{not json"),
+        frame(b"[" * 500),  # nested past what is a message, within the limit
+        frame({"kind": "hello", "protocol": "engine-rendezvous-1", "nonce": "00" * 32}),
+        frame({"kind": "join", "rank": 1, "ports": [1], "host": "10.0.0.9"}),  # a forged join
+        b'{"kind": "stop", "status": 0, "cause": "forged"}\n',  # the old protocol's forged stop
+        hello() + frame({"kind": "proof", "proof": "00" * 32}),  # a wrong HMAC
+        hello() + frame({"kind": "join", "rank": 1, "ports": [1]}),  # a join instead of the proof
+        b"",  # a connection that says nothing
+    ]
+    for data in sent:
+        answered = send_as_stranger(server, data)
+        assert b"round" not in answered and b"end" not in answered, answered
+    wait_until(lambda: server.dropped == len(sent))
+    assert server.alive and server.status is None
+    assert 1 <= len(warnings) <= len(sent) and all(
+        line.startswith("warning: dropped a connection from 127.0.0.1: ") for line in warnings
+    ), warnings
+    first, second = join(server, 0, [6000]), join(server, 1, [6001])
+    rounds = [next_message(client) for client in (first, second)]
+    assert [message["kind"] for message in rounds] == ["round", "round"]
+    assert rounds[0]["spec"] == {"worker": ["127.0.0.1:6000", "127.0.0.1:6001"]}
+
+
+def test_a_node_with_the_secret_is_dropped_for_a_message_off_its_schema(monkeypatch):
+    monkeypatch.setattr(rendezvous, "_WARNINGS_PER_WINDOW", 100)  # every line, to check each reason
+    warnings: list[str] = []
+    server = serve(2, settings=SETTINGS, warn=warnings.append)
+    digest = settings_digest(SETTINGS)
+    join_fields = dict(rank=1, ports=[6001], host=None, settings=SETTINGS, digest=digest)
+    bad = [  # (what the node sends, why the server drops it)
+        ("join", {**join_fields, "ports": [-5]}, "join.ports=[-5] is not 1 port(s) from 1 to 65535"),  # exit 2
+        ("join", {**join_fields, "ports": list(range(1, 60_001)) * 2}, "join.ports=[1, 2, 3,"),  # E2BIG
+        ("join", {**join_fields, "ports": [6001, 6002]}, "join.ports=[6001, 6002] is not 1 port(s)"),
+        ("join", {**join_fields, "rank": "1"}, "join.rank='1' is not an integer from 0"),
+        ("join", {**join_fields, "host": "a b;rm -rf"}, "join.host='a b;rm -rf' is not a host name"),
+        ("join", {**join_fields, "digest": "0" * 64}, "join.digest is not the digest of join.settings"),
+        ("failed", {"cause": "x", "status": "x"}, "failed.status='x' is not an integer from 1 to 255"),
+        ("stop", {"cause": "x", "status": 0}, "stop.status=0 is not an integer from 1 to 255"),  # exit 0
+        ("stop", {"cause": "x" * 3000, "status": 143}, "stop.cause='xxxxxxxxx"),
+        ("restart", {"cause": "x"}, "'restart' is not a message a node sends"),
+    ]
+    for kind, fields, _ in bad:
+        client = connect(server)
+        client.send(kind, **fields)
+        wait_until(lambda client=client: (client.poll(0.05), not client.connected)[1])
+    wait_until(lambda: server.dropped == len(bad))
+    assert server.alive and server.status is None and not server._joined
+    prefix = "warning: dropped a connection from 127.0.0.1: "
+    assert len(warnings) == len(bad), warnings
+    for line, (_, _, why) in zip(warnings, bad, strict=True):
+        assert line.startswith(prefix + why), (line, why)
+    first, second = join(server, 0, [6000]), join(server, 1, [6001])
+    assert [next_message(client)["kind"] for client in (first, second)] == ["round", "round"]
+
+
+def test_a_replayed_or_injected_message_drops_the_connection():
+    warnings: list[str] = []
+    server = serve(2, warn=warnings.append)
+    member = join(server, 1, [6001])
+    wait_until(lambda: 1 in server._joined)
+    channel = member._channel
+    assert channel is not None
+    body = json.dumps({"kind": "stop", "status": 143, "cause": "replayed"}).encode()
+    # The HMAC of message 0 (its join) again: right key, spent sequence number.
+    replayed = rendezvous._mac(channel._send_key, b"message", (0).to_bytes(8, "big"), body) + body
+    channel.sock.sendall(frame(replayed))
+    wait_until(lambda: server.dropped == 1)
+    assert server.status is None and 1 not in server._joined and server.alive
+    assert "HMAC is wrong" in warnings[-1], warnings
+
+    # A recorded handshake, replayed on a new connection: the server's nonce is new each time.
+    with socket.create_connection(address(server), timeout=5) as sock:
+        sock.sendall(hello(b"\2" * 32))
+        challenge = json.loads(sock.recv(4096)[4:])
+    nonces = b"\2" * 32 + bytes.fromhex(challenge["nonce"])
+    recorded = frame({"kind": "proof", "proof": rendezvous._mac(SECRET, b"client", nonces).hex()})
+    assert send_as_stranger(server, hello(b"\2" * 32) + recorded)[4:].startswith(b'{"kind":"challenge"')
+    wait_until(lambda: server.dropped == 2)
+    assert "did not prove it holds the run's secret" in warnings[-1] and server.status is None
+
+
+def test_a_node_without_the_secret_or_with_another_is_never_admitted():
+    server = serve(2)
+    for secret in (b"", b"another secret of 32 characters!"):
+        client = RendezvousClient(address(server), heartbeat_timeout=10.0, secret=secret)
+        began = time.monotonic()
+        assert not client.connect(time.monotonic() + 1.5)
+        assert time.monotonic() - began < 2.5
+        assert client.unproven and "refused this node's proof" in client.unproven
+    assert server.status is None and server.dropped >= 2 and not server._joined
+
+
+def fake_node_0(listener: socket.socket, *, answer: bool) -> None:
+    """A server at node 0's address: with `answer`, one that plays the handshake without the
+    secret (its proof is made up); else one that accepts connections and never says a word."""
+    listener.settimeout(0.2)
+    held = []
+    deadline = time.monotonic() + 8
+    while time.monotonic() < deadline:
+        try:
+            sock, _ = listener.accept()
+        except TimeoutError:
+            continue
+        held.append(sock)
+        if answer:
+            sock.settimeout(2)
+            sock.recv(4096)
+            sock.sendall(frame({"kind": "challenge", "nonce": "ab" * 32}))
+            sock.recv(4096)
+            sock.sendall(frame({"kind": "welcome", "proof": "cd" * 32}))
+    for sock in held:
+        sock.close()
+
+
+@pytest.mark.parametrize("answer", [False, True], ids=["silent", "without-the-secret"])
+def test_a_node_gives_up_on_a_server_that_never_proves_itself_within_the_startup_timeout_in_all(answer, capsys):
+    from engine.cli import node_launcher
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    threading.Thread(target=fake_node_0, args=(listener,), kwargs={"answer": answer}, daemon=True).start()
+    options = node_launcher.NodeOptions(
+        nnodes=2,
+        node_rank=1,
+        rendezvous=listener.getsockname(),
+        startup_timeout=2.0,
+        heartbeat_timeout=0.5,  # each reconnect restarted the old wait; the bound is in all now
+    )
+    node = node_launcher.NodeLauncher(options, [], secret=SECRET)
+    began = time.monotonic()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(node_launcher.StopSignals, "install", lambda self: None)
+        status = node.run()
+    took = time.monotonic() - began
+    listener.close()
+    lines = capsys.readouterr().err.splitlines()
+    assert took < 2.0 + 1.0, took
+    assert len(lines) == 1, lines
+    host, port = options.rendezvous
+    if answer:
+        assert status == 2
+        assert lines[0].startswith(f"[launch node 1] error: no rendezvous at {host}:{port} within 2 s ")
+        assert "that shares the secret: the server did not prove it holds the run's secret" in lines[0]
+    else:
+        assert status == 1
+        assert "(last: the server did not answer the handshake in time)" in lines[0], lines[0]
+
+
+# ---------------------------------------------------------------- the nodes agree on the run
+
+
+def test_a_node_given_other_settings_ends_every_node_naming_the_flags():
+    server = serve(2, settings=SETTINGS)
+    first = join(server, 0, [6000])
+    second = join(server, 1, [6001], settings={**SETTINGS, "learning_rate": "0.01"})
+    ends = [next_message(client) for client in (first, second)]
+    reason = (
+        "node 1's --learning_rate=0.01 differs from node 0's --learning_rate=0.1; "
+        "give every node the same flags after --"
+    )
+    assert [(m["kind"], m["status"], m["reason"]) for m in ends] == [("end", 2, reason)] * 2
+    assert server.status == 2
+
+
+def test_the_difference_names_every_differing_flag_and_the_launchers_own():
+    ours = {"model": "mlp", "train_steps": "400", "epochs": None, "engine.launch workers_per_node": "1"}
+    theirs = {**ours, "model": "cnn", "train_steps": None, "epochs": "2.0"}
+    assert settings_difference(2, theirs, ours) == (
+        "node 2's --epochs=2.0, --model=cnn, --train_steps unset differ from node 0's --epochs unset, "
+        "--model=mlp, --train_steps=400; give every node the same flags after --"
+    )
+    assert settings_difference(1, {**ours, "engine.launch workers_per_node": "2"}, ours) == (
+        "node 1's --workers_per_node=2 differs from node 0's --workers_per_node=1; run the same "
+        "engine.launch command on every node, changing only --node_rank"
+    )
+    assert settings_difference(1, dict(ours), ours) is None
+
+
+# ---------------------------------------------------------------- the secret
+
+
+def test_the_secret_comes_from_the_file_flag_or_else_the_environment(tmp_path):
+    path = tmp_path / "secret"
+    path.write_text("from-the-file-0123456789\n")
+    environment = {rendezvous.SECRET_ENV: " from-the-environment-0123 "}
+    assert rendezvous.read_secret(str(path), environment) == b"from-the-file-0123456789"
+    assert rendezvous.read_secret(None, environment) == b"from-the-environment-0123"
+    assert rendezvous.read_secret(None, {}) is None
+
+
+@pytest.mark.parametrize("case", ["short-file", "short-env", "fifo", "missing", "directory"])
+def test_a_secret_that_is_not_one_is_one_line_naming_its_source(tmp_path, case):
+    path = tmp_path / "secret"
+    environment: dict[str, str] = {}
+    if case == "short-file":
+        path.write_text("password\n")
+        expected = f"--rendezvous_secret_file={path} holds a secret of 8 byte(s); use at least 16 random ones"
+    elif case == "short-env":
+        environment[rendezvous.SECRET_ENV] = "abc"
+        path = None
+        expected = "ENGINE_RENDEZVOUS_SECRET holds a secret of 3 byte(s); use at least 16"
+    elif case == "fifo":
+        os.mkfifo(path)  # never blocks the launcher
+        expected = f"--rendezvous_secret_file={path} must be a regular file of at most 4096 bytes"
+    elif case == "missing":
+        expected = f"--rendezvous_secret_file={path}: cannot read it (No such file or directory)"
+    else:
+        path.mkdir()
+        expected = f"--rendezvous_secret_file={path} must be a regular file"
+    with pytest.raises(ValueError) as raised:
+        rendezvous.read_secret(None if path is None else str(path), environment)
+    assert str(raised.value).startswith(expected) and "\n" not in str(raised.value), str(raised.value)
+
+
+def test_a_secret_is_required_off_loopback_only():
+    assert rendezvous.is_loopback("127.0.0.1") and rendezvous.is_loopback("localhost")
+    assert rendezvous.is_loopback("::1") and rendezvous.is_loopback("127.3.4.5")
+    for host in ("0.0.0.0", "10.213.0.1", "192.0.2.7", "no-such-host.invalid"):
+        assert not rendezvous.is_loopback(host), host
+    assert rendezvous.secret_problem("127.0.0.1", None) is None
+    assert rendezvous.secret_problem("10.0.0.1", SECRET) is None
+    problem = rendezvous.secret_problem("10.0.0.1", None)
+    assert (
+        problem is not None and "ENGINE_RENDEZVOUS_SECRET" in problem and "--rendezvous_secret_file" in problem
+    )

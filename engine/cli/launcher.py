@@ -30,13 +30,18 @@ coordinator reschedules its work meanwhile; `--max_worker_restarts`), a ps
 task that dies ends the run. `--evaluator` adds an evaluator task that
 evaluates each new checkpoint beside training and survives restarts; the
 launcher waits for its last evaluation, and its failure is the run's
-status when training itself succeeded. SIGINT exits 130, SIGTERM 143.
+status when training itself succeeded. SIGINT, SIGTERM and SIGHUP are passed
+on to every task, which saves at the step the workers agree on, as one
+engine.main does; the launcher then exits 130, 143 or 129 (a second signal
+ends every task at once).
 """
 
 from __future__ import annotations
 
+import hashlib
+import os
 import resource
-import signal
+import stat
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -48,14 +53,16 @@ from engine.cli.task_processes import (
     FILES_PER_TASK,
     MAX_RESTARTS,
     MAX_TASKS,
+    SAVE_GRACE_SECONDS,
     Interrupted,
     Launcher,
+    StopSignals,
     Task,
     cluster_spec,
     free_ports,
     make_tasks,
-    raise_interrupted,
     say,
+    stopping_line,
 )
 from engine.cluster import security_warning
 from engine.errors import USER_ERROR_EXIT, UserError, one_line
@@ -100,6 +107,14 @@ flags.DEFINE_string(
     "With --nnodes > 1: the address the other nodes reach this one at (default: the address "
     "node 0 sees this node's connection come from).",
 )
+flags.DEFINE_string(
+    "rendezvous_secret_file",
+    None,
+    "With --nnodes > 1: a file (readable by this user alone) holding the secret the run's nodes "
+    "share, at least 16 random characters, the same on every node; default: the "
+    "ENGINE_RENDEZVOUS_SECRET environment variable. Required when --rendezvous is not a loopback "
+    "address: without it nothing a connection sends can join, stop or steer the run.",
+)
 flags.DEFINE_boolean(
     "evaluator", False, "Add an evaluator task: engine.main evaluating each new checkpoint beside training."
 )
@@ -122,6 +137,68 @@ def check_main_flags(main_flags: Sequence[str]) -> str | None:
     except UserError as error:
         return f"engine.main would refuse the flags after --: {in_flag_terms(error)}"
     return None
+
+
+# engine.main's settings that may differ from one node to the next: where this node's files and
+# data are, what it prints, how long it waits, and the cluster that the launchers set up.
+NODE_OWN_SETTINGS = frozenset(
+    {
+        *("worker_hosts", "ps_hosts", "chief_host", "task_type", "task_index", "cluster_resolver"),
+        *("slurm_port_base", "model_dir", "data_dir", "eval_file", "export_dir", "predict_input"),
+        *("predict_output", "log_prefix", "log_all_tasks", "print_config", "collective_timeout"),
+        *("startup_timeout", "heartbeat_timeout", "eval_timeout"),
+    }
+)
+# The launcher's own flags that every node must share: how many nodes, and tasks on each.
+SHARED_LAUNCH_FLAGS = ("nnodes", "workers_per_node")
+
+
+def run_settings() -> dict[str, str | None]:
+    """What every node of a multi-host run must be given alike, as text: engine.main's flags
+    after -- as `check_main_flags` parsed them (defaults and --flagfile resolved; a
+    --config_file by its path and its contents' digest), less `NODE_OWN_SETTINGS`, and the
+    launcher's `SHARED_LAUNCH_FLAGS`. No TensorFlow: the launcher compares, engine.main reads."""
+    from engine.cli.settings import flag_settings
+    from engine.cluster.rendezvous import LAUNCH_SETTING
+
+    settings: dict[str, str | None] = {}
+    for name in flag_settings():
+        if name not in NODE_OWN_SETTINGS:
+            settings[name] = _setting_text(name, FLAGS[name].value)
+    for name in SHARED_LAUNCH_FLAGS:
+        settings[LAUNCH_SETTING + name] = str(FLAGS[name].value)
+    return settings
+
+
+def _setting_text(name: str, value: Any) -> str | None:
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if name == "config_file":
+        return ",".join(f"{path} (sha256 {_file_digest(path)})" for path in value)
+    if isinstance(value, (list, tuple)):
+        return ",".join(str(item) for item in value)
+    return repr(value) if isinstance(value, float) else str(value)
+
+
+def _file_digest(path: str) -> str:
+    """The first 12 hex digits of a regular local file's SHA-256, or `unread` (remote, a FIFO,
+    too large): then its path alone is compared."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError:
+        return "unread"
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_size > 16 << 20:
+            return "unread"
+        with os.fdopen(os.dup(fd), "rb") as handle:
+            return hashlib.sha256(handle.read()).hexdigest()[:12]
+    except OSError:
+        return "unread"
+    finally:
+        os.close(fd)
 
 
 def most_tasks() -> int:
@@ -208,14 +285,12 @@ def main(argv: list[str]) -> int:
         max_restarts=FLAGS.max_restarts,
         new_training_tasks=new_training_tasks,
     )
-    # Explicitly: a process started from a background shell job inherits
-    # SIGINT *ignored*, and Python then installs no KeyboardInterrupt handler.
-    signal.signal(signal.SIGINT, raise_interrupted)
-    signal.signal(signal.SIGTERM, raise_interrupted)
+    StopSignals(launcher.kill_now).install()
     try:
         status = launcher.run()
     except Interrupted as interrupt:
-        say(f"{signal.Signals(interrupt.signum).name} received; stopping every task")
+        say(stopping_line(interrupt.signum, "every task"))
+        launcher.stop(grace=SAVE_GRACE_SECONDS, signum=interrupt.signum)
         status = 128 + interrupt.signum
     finally:
         launcher.stop()
@@ -232,7 +307,7 @@ def main(argv: list[str]) -> int:
 def _run_node(main_flags: list[str]) -> int:
     """This machine's part of a multi-host cluster (`engine.cli.node_launcher`)."""
     from engine.cli.node_launcher import NodeLauncher, NodeOptions, check_node_options
-    from engine.cluster.rendezvous import parse_address
+    from engine.cluster.rendezvous import parse_address, read_secret, secret_problem
 
     problem = None
     if FLAGS.num_ps or FLAGS.evaluator:
@@ -260,7 +335,15 @@ def _run_node(main_flags: list[str]) -> int:
             host=FLAGS.advertise_host,
         )
         problem = check_node_options(options)
+    secret = None
+    if problem is None:
+        try:
+            secret = read_secret(FLAGS.rendezvous_secret_file, os.environ)
+        except ValueError as error:
+            problem = str(error)
+    if problem is None:
+        problem = secret_problem(rendezvous[0], secret)
     if problem is not None:
         print(f"{PROGRAM}: error: {problem}", file=sys.stderr)
         return USER_ERROR_EXIT
-    return NodeLauncher(options, main_flags).run()
+    return NodeLauncher(options, main_flags, secret=secret, settings=run_settings()).run()

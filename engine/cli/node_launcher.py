@@ -11,7 +11,12 @@ all; with `--min_nodes` below `--nnodes` a node that does not come back
 within `--rejoin_timeout` is left out and the run resumes from the latest
 checkpoint on the nodes that remain, with the same global batch. The
 start-up (every node joining) is bounded by the `--startup_timeout` given to
-engine.main, with one line naming the nodes that never came.
+engine.main, with one line naming the nodes that never came; a node that
+reaches no rendezvous proving the run's secret gives up after that long in
+all, however many connections it tried. Nodes given different settings (the
+flags after `--` that must be equal everywhere) end before any task starts,
+with one line naming them (exit 2). SIGINT, SIGTERM or SIGHUP to any node's
+launcher stops every node's tasks, each saving at the step they agree on.
 """
 
 from __future__ import annotations
@@ -24,20 +29,31 @@ from collections.abc import Sequence
 from typing import Any
 
 from engine.cli.task_processes import (
+    SAVE_GRACE_SECONDS,
     STOP_GRACE_SECONDS,
+    STOP_SIGNALS,
     Interrupted,
     Launcher,
+    StopSignals,
     Task,
     cause_of,
     describe_exit,
     free_ports,
     make_tasks,
-    raise_interrupted,
     shell_status,
+    stopping_line,
+    write_line,
 )
 from engine.cluster import security_warning
-from engine.cluster.rendezvous import RendezvousClient, RendezvousServer
-from engine.errors import PEER_LOST_EXIT
+from engine.cluster.rendezvous import (
+    SECRET_ENV,
+    SECRET_FLAG,
+    RendezvousClient,
+    RendezvousServer,
+    settings_digest,
+    valid_host,
+)
+from engine.errors import PEER_LOST_EXIT, USER_ERROR_EXIT
 
 POLL_SECONDS = 0.2
 RESTART_GRACE_SECONDS = 2.0
@@ -67,14 +83,27 @@ class NodeOptions:
 class NodeLauncher:
     """Joins rounds of the rendezvous and runs this node's tasks in each."""
 
-    def __init__(self, options: NodeOptions, main_flags: Sequence[str]):
+    def __init__(
+        self,
+        options: NodeOptions,
+        main_flags: Sequence[str],
+        *,
+        secret: bytes | None = None,
+        settings: dict[str, str | None] | None = None,
+    ):
         self.options = options
         self.main_flags = list(main_flags)
+        self.secret = secret
+        self.settings = dict(settings or {})
         self._client: RendezvousClient | None = None
         self._launcher: Launcher | None = None
 
     def say(self, line: str) -> None:
-        print(f"[launch node {self.options.node_rank}] {line}", file=sys.stderr, flush=True)
+        write_line(f"[launch node {self.options.node_rank}] {line}", sys.stderr)
+
+    def _kill_tasks(self) -> None:
+        if self._launcher is not None:
+            self._launcher.kill_now()
 
     def run(self) -> int:
         options = self.options
@@ -89,6 +118,10 @@ class NodeLauncher:
                     startup_timeout=options.startup_timeout,
                     rejoin_timeout=options.rejoin_timeout,
                     heartbeat_timeout=options.heartbeat_timeout,
+                    workers_per_node=options.workers_per_node,
+                    secret=self.secret,
+                    settings=self.settings,
+                    warn=self.say,
                 ).start()
             except OSError as error:
                 self.say(
@@ -97,17 +130,21 @@ class NodeLauncher:
                     "of this host and a free port"
                 )
                 return 1
-            self.say(f"serving the rendezvous at {options.rendezvous_text} for {options.nnodes} node(s)")
-        signal.signal(signal.SIGINT, raise_interrupted)
-        signal.signal(signal.SIGTERM, raise_interrupted)
+            secured = f"; nodes prove the secret ({SECRET_ENV} / {SECRET_FLAG})" if self.secret else ""
+            self.say(
+                f"serving the rendezvous at {options.rendezvous_text} for {options.nnodes} node(s){secured}"
+            )
+        StopSignals(self._kill_tasks, say=self.say).install()
         try:
             return self._rounds()
         except Interrupted as stop:
             name = signal.Signals(stop.signum).name
-            self.say(f"{name} received; stopping this node's tasks and the run")
+            self.say(stopping_line(stop.signum, "this node's tasks and the run on every node"))
             if self._client is not None:
                 cause = f"node {options.node_rank} received {name}"
                 self._client.send("stop", status=128 + stop.signum, cause=cause)
+            if self._launcher is not None:
+                self._launcher.stop(grace=SAVE_GRACE_SECONDS, signum=stop.signum)
             return 128 + stop.signum
         finally:
             if self._launcher is not None:
@@ -119,18 +156,30 @@ class NodeLauncher:
 
     def _rounds(self) -> int:
         options = self.options
+        # How long this node tries to reach a rendezvous that proves the run's secret: in all,
+        # however many connections it takes; only a proven node 0 lost again starts it anew.
         deadline = self._reconnect_deadline()
         while True:
-            client = RendezvousClient(options.rendezvous, heartbeat_timeout=options.heartbeat_timeout)
+            client = RendezvousClient(
+                options.rendezvous,
+                # Waiting for a round, a node 0 that is silent (frozen) past either bound is lost.
+                heartbeat_timeout=options.heartbeat_timeout or options.startup_timeout,
+                secret=self.secret,
+                workers_per_node=options.workers_per_node,
+            )
             self._client = client
             if not client.connect(deadline):
-                self.say(
-                    f"error: no rendezvous at {options.rendezvous_text} within {options.startup_timeout:g} s "
-                    "(--startup_timeout): node 0's engine.launch serves it; start it, or check --rendezvous"
-                )
-                return 1
+                return self._unreached(client)
             ports = free_ports(options.workers_per_node, host="0.0.0.0")  # TF's servers listen on all.
-            client.send("join", rank=options.node_rank, ports=ports, host=options.host)
+            digest = settings_digest(self.settings)
+            client.send(
+                "join",
+                rank=options.node_rank,
+                ports=ports,
+                host=options.host,
+                settings=self.settings,
+                digest=digest,
+            )
             message = self._wait(client)
             client_lost = message is None or message["kind"] == "restart"
             if client_lost:
@@ -146,13 +195,33 @@ class NodeLauncher:
             outcome = self._run_round(client, message)
             assert self._launcher is not None, "started by _run_round"
             # A round that failed has nothing left to save (its collectives need the lost peer):
-            # what still runs is ended after a short grace, and the next round resumes.
-            self._launcher.stop(grace=STOP_GRACE_SECONDS if outcome is not None else RESTART_GRACE_SECONDS)
+            # what still runs is ended after a short grace, and the next round resumes. A run
+            # stopped by a signal on some node: every task saves at the step they agree on.
+            signum = (outcome or 0) - 128
+            if signum in STOP_SIGNALS:
+                self._launcher.stop(grace=SAVE_GRACE_SECONDS, signum=signum)
+            else:
+                self._launcher.stop(grace=STOP_GRACE_SECONDS if outcome is not None else RESTART_GRACE_SECONDS)
             self._launcher = None
             client.close()
             if outcome is not None:
                 return outcome
             deadline = self._reconnect_deadline()
+
+    def _unreached(self, client: RendezvousClient) -> int:
+        """The one line (and status) of a node that reached no rendezvous proving the secret."""
+        options = self.options
+        within = f"within {options.startup_timeout:g} s (--startup_timeout)"
+        if client.unproven:
+            where = f"no rendezvous at {options.rendezvous_text} {within}"
+            self.say(f"error: {where} that shares the secret: {client.unproven}")
+            return USER_ERROR_EXIT
+        why = f" (last: {client.failure})" if client.failure else ""
+        self.say(
+            f"error: no rendezvous at {options.rendezvous_text} {within}{why}: node 0's engine.launch "
+            "serves it; start it, or check --rendezvous"
+        )
+        return 1
 
     def _reconnect_deadline(self) -> float:
         return time.monotonic() + (self.options.startup_timeout or float("inf"))
@@ -212,8 +281,7 @@ class NodeLauncher:
                 reported = True
 
     def _ended(self, message: dict[str, Any]) -> int:
-        status = int(message.get("status", 1))
-        reason = message.get("reason", "")
+        status, reason = message["status"], message["reason"]
         if status:
             self.say(f"the run ended with exit status {status}: {reason}")
         else:
@@ -242,4 +310,6 @@ def check_node_options(options: NodeOptions) -> str | None:
         return f"--workers_per_node={options.workers_per_node} must be at least 1"
     if not 0 <= options.rejoin_timeout <= MAX_TIMEOUT_SECONDS:  # nan fails both
         return f"--rejoin_timeout={options.rejoin_timeout:g} must be 0 to {MAX_TIMEOUT_SECONDS:g} seconds"
+    if options.host is not None and not valid_host(options.host):
+        return f"--advertise_host={options.host!r} must be a host name or an IP address"
     return None

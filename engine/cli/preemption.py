@@ -1,10 +1,15 @@
-"""Graceful stop on SIGTERM/SIGINT: finish the loop, save, exit 128+signal.
+"""Graceful stop on SIGTERM/SIGINT/SIGHUP: finish the loop, save, exit 128+signal.
 
-Schedulers preempt with SIGTERM and people with Ctrl-C. Either way the
+Schedulers preempt with SIGTERM, people with Ctrl-C, and a closed ssh session
+sends SIGHUP (after which the terminal takes no more output: it goes to
+/dev/null, `leave_a_closed_terminal`). Either way the
 trainer is asked to stop after the compiled call it is running (at most
 `steps_per_loop` train steps or eval batches), saves a checkpoint and writes
 its summaries; a restart with the same flags continues from there. A second
-signal ends the process at once with 128+signal.
+signal ends the process at once with 128+signal. A task that `engine.launch`
+started (`LAUNCHER_PID_ENV`) takes its launcher's signal as the same stop it
+is already making, never as the second: a terminal's Ctrl-C reaches the
+launcher's whole process group, and the launcher passes the stop on too.
 
 Python runs signal handlers only between bytecodes, so while the main thread
 sits in one compiled call a handler would wait for the whole call (and two
@@ -27,7 +32,34 @@ from collections.abc import Iterator
 
 from absl import logging
 
-HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+STOP_SIGNALS = HANDLED_SIGNALS  # The launchers take the same ones (engine.cli.task_processes).
+# Set by engine.launch in each task's environment: its pid, whose signals pass on a stop.
+LAUNCHER_PID_ENV = "ENGINE_LAUNCHER_PID"
+
+
+def launcher_pid() -> int | None:
+    """The pid of the engine.launch that started this process and still is its parent, or None."""
+    try:
+        pid = int(os.environ.get(LAUNCHER_PID_ENV, ""))
+    except ValueError:
+        return None
+    return pid if pid == os.getppid() else None
+
+
+def leave_a_closed_terminal() -> None:
+    """After SIGHUP: stdout and stderr that are a terminal go to /dev/null, so that a line
+    written while saving does not fail on the closed terminal (EIO) and end the save."""
+    for fd in (1, 2):
+        try:
+            if os.isatty(fd):
+                devnull = os.open(os.devnull, os.O_WRONLY)
+                os.dup2(devnull, fd)
+                os.close(devnull)
+        except OSError:
+            pass
+
+
 # How long the watcher waits for a signal before it looks whether it is paused.
 _WAIT_SECONDS = 0.2
 
@@ -55,6 +87,7 @@ class _Watcher:
         self._paused_changed = threading.Condition()
         self._paused = False
         self._waiting = False  # Inside sigtimedwait.
+        self._trained = False  # A trainer was registered: past the start-up.
 
     def watch(self) -> None:
         while True:
@@ -67,11 +100,21 @@ class _Watcher:
                 self._waiting = False
                 self._paused_changed.notify_all()
             if info is not None:
-                self._take(info.si_signo)
+                self._take(info.si_signo, info.si_pid)
 
-    def _take(self, signum: int) -> None:
+    def _take(self, signum: int, sender: int = 0) -> None:
         name = signal.Signals(signum).name
+        if signum == signal.SIGHUP:
+            leave_a_closed_terminal()
         with self._lock:
+            if (
+                sender
+                and sender == launcher_pid()
+                and (self._stopping or (self._trainer is None and self._trained))
+            ):
+                # The launcher passing on the stop this process makes already (or it is past
+                # training, about to exit): the launcher bounds it, and it must not cut the save.
+                return
             if self._stopping or self._trainer is None:
                 logging.warning(
                     "%s received%s: exiting now with status %d",
@@ -111,6 +154,7 @@ class _Watcher:
         record = SignalRecord()
         with self._lock:
             self._trainer, self._record, self._stopping = trainer, record, False
+            self._trained = True
         try:
             yield record
         finally:
@@ -124,7 +168,7 @@ _watcher: _Watcher | None = None
 
 
 def install_watcher() -> None:
-    """Blocks SIGTERM/SIGINT in this and every later thread and starts the watcher.
+    """Blocks SIGTERM/SIGINT/SIGHUP in this and every later thread and starts the watcher.
 
     Call it first thing in the program's main thread, before TensorFlow
     starts threads: a thread that does not block the signals could take one
@@ -156,7 +200,7 @@ def signals_left_pending() -> Iterator[None]:
 
 @contextlib.contextmanager
 def stop_on_signals(trainer) -> Iterator[SignalRecord]:
-    """While inside, SIGTERM/SIGINT call `trainer.request_stop()`; the record says which came."""
+    """While inside, SIGTERM/SIGINT/SIGHUP call `trainer.request_stop()`; the record says which came."""
     if _watcher is not None:
         with _watcher.stopping(trainer) as record:
             yield record
@@ -165,6 +209,8 @@ def stop_on_signals(trainer) -> Iterator[SignalRecord]:
     previous = {signum: signal.getsignal(signum) for signum in HANDLED_SIGNALS}
 
     def handle(signum, frame):
+        if signum == signal.SIGHUP:
+            leave_a_closed_terminal()
         record.signum = signum
         for handled in HANDLED_SIGNALS:  # A second signal ends the process.
             signal.signal(handled, signal.SIG_DFL)

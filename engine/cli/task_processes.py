@@ -19,12 +19,21 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
+from engine.cli.preemption import LAUNCHER_PID_ENV, STOP_SIGNALS, leave_a_closed_terminal
 from engine.cluster import Cluster
+from engine.cluster.rendezvous import SECRET_ENV
 from engine.errors import PEER_LOST_EXIT, USER_ERROR_EXIT
 from engine.goodput import RESTARTS_ENV, RESTARTS_LOST_ENV
 
 POLL_SECONDS = 0.2
 STOP_GRACE_SECONDS = 10.0
+# After SIGINT, SIGTERM or SIGHUP to a launcher: how long its tasks have to finish their compiled
+# call and save at the step they agree on (a second signal ends them at once), as a pod's
+# terminationGracePeriodSeconds in examples/kubernetes.
+SAVE_GRACE_SECONDS = 120.0
+# How long a task killed with SIGKILL may take to go (one stuck in the kernel, on a dead NFS
+# mount, never does): the launcher goes on without it after this.
+KILL_WAIT_SECONDS = 5.0
 _PR_SET_PDEATHSIG = 1
 # The processes one launcher starts and watches on this machine (each holds a port's socket
 # while the ports are chosen, then the pipe of its output) and the restarts it counts.
@@ -57,6 +66,12 @@ class Task:
     @property
     def is_evaluator(self) -> bool:
         return self.cluster.task_type == "evaluator"
+
+    @property
+    def runs_main(self) -> bool:
+        """engine.main (it saves on a stop signal), not an engine.server (a parameter-server
+        cluster's worker or ps task, which ends when its launcher says)."""
+        return "engine.server" not in self.argv
 
 
 def free_ports(count: int, host: str = "localhost") -> list[int]:
@@ -105,7 +120,16 @@ def _die_with_parent() -> None:
 
 
 def say(line: str) -> None:
-    print(f"[launch] {line}", file=sys.stderr, flush=True)
+    write_line(f"[launch] {line}", sys.stderr)
+
+
+def write_line(line: str, stream) -> None:
+    """`line` to `stream`; nothing when it cannot take it (a terminal closed under a SIGHUP):
+    the launcher still has its tasks to stop."""
+    try:
+        print(line, file=stream, flush=True)
+    except (OSError, ValueError):
+        pass
 
 
 class Launcher:
@@ -147,6 +171,8 @@ class Launcher:
 
     def start(self, task: Task) -> None:
         env = dict(os.environ, TF_CONFIG=task.cluster.tf_config(), PYTHONUNBUFFERED="1")
+        env[LAUNCHER_PID_ENV] = str(os.getpid())  # Its stop signals are this one's (engine.cli.preemption).
+        env.pop(SECRET_ENV, None)  # The rendezvous is the launcher's: no task needs its secret.
         if self.parameter_server:  # Workers' RPCs fail fast, so the coordinator reschedules.
             env.setdefault("GRPC_FAIL_FAST", "use_caller")
         env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -174,8 +200,8 @@ class Launcher:
             if line.strip():
                 task.last_line = line.removeprefix(prefix)
             with self._print_lock:  # A task that is not the chief prefixes its own lines (engine.cli.console).
-                print(line if line.startswith(prefix) else prefix + line, flush=True)
-        process.stdout.close()
+                write_line(line if line.startswith(prefix) else prefix + line, sys.stdout)
+        process.stdout.close()  # Read to the end even with nowhere to print: a task never blocks on a full pipe.
 
     def run(self) -> int:
         """Starts every task and returns the run's exit status (after the evaluator's last evaluation)."""
@@ -258,32 +284,54 @@ class Launcher:
         for task in fresh:
             self.start(task)
 
-    def stop(self, grace: float = STOP_GRACE_SECONDS) -> None:
-        """SIGTERM to every live task, SIGKILL after `grace` seconds, then reap.
+    def stop(self, grace: float = STOP_GRACE_SECONDS, signum: int = signal.SIGTERM) -> None:
+        """`signum` to every live engine.main task (SIGTERM to the others), SIGKILL after
+        `grace` seconds, then reap.
 
-        With parameter servers the coordinator goes first: on SIGTERM it
+        With parameter servers the coordinator goes first: on the signal it
         finishes its loop and saves, which needs the workers (to finish the
         loop) and the ps tasks (which hold the variables) still running.
+        A task that got the same stop from elsewhere too (a terminal's Ctrl-C
+        reaches the launcher's whole process group) does not count this one
+        as a second signal: it comes from its launcher (engine.cli.preemption).
         """
         deadline = time.monotonic() + grace  # for the whole stop, not per task
         first = [t for t in self.tasks if self.parameter_server and t.cluster.task_type == "chief"]
-        self._terminate(first, deadline)
-        self._terminate([t for t in self.tasks if t not in first], deadline)
+        self._terminate(first, deadline, signum)
+        self._terminate([t for t in self.tasks if t not in first], deadline, signum)
         for task in self.tasks:
             if task.reader is not None:
                 task.reader.join(timeout=max(0.1, deadline + 2 - time.monotonic()))
 
-    def _terminate(self, tasks: list[Task], deadline: float) -> None:
-        live = [t.process for t in tasks if t.process is not None and t.process.poll() is None]
+    def kill_now(self) -> None:
+        """SIGKILL to every live task, reaped within KILL_WAIT_SECONDS in all: a second stop
+        signal to the launcher, which exits right after and leaves no task behind."""
+        live = [task.started for task in self.tasks if task.process is not None and task.process.poll() is None]
         for process in live:
             with contextlib.suppress(ProcessLookupError):
-                process.terminate()
-        for process in live:
-            try:
-                process.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
                 process.kill()
-                process.wait()
+        deadline = time.monotonic() + KILL_WAIT_SECONDS
+        for process in live:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.wait(timeout=max(0.01, deadline - time.monotonic()))
+
+    def _terminate(self, tasks: list[Task], deadline: float, signum: int = signal.SIGTERM) -> None:
+        live = [t for t in tasks if t.process is not None and t.process.poll() is None]
+        for task in live:
+            with contextlib.suppress(ProcessLookupError):
+                task.started.send_signal(signum if task.runs_main else signal.SIGTERM)
+        for task in live:
+            try:
+                task.started.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                task.started.kill()
+                try:
+                    task.started.wait(timeout=KILL_WAIT_SECONDS)
+                except subprocess.TimeoutExpired:
+                    self.say(
+                        f"warning: {task.name} (pid {task.started.pid}) is still there {KILL_WAIT_SECONDS:g} s "
+                        "after SIGKILL (stuck in the kernel, e.g. on a lost file system); going on without it"
+                    )
 
 
 def cause_of(task: Task, code: int, tasks: list[Task]) -> str:
@@ -306,13 +354,60 @@ def shell_status(code: int) -> int:
 
 
 class Interrupted(Exception):
-    """SIGINT or SIGTERM to a launcher, raised where it waits, so that it stops its tasks."""
+    """SIGINT, SIGTERM or SIGHUP to a launcher, raised where it waits, so that it stops its tasks."""
 
     def __init__(self, signum: int):
         super().__init__(signum)
         self.signum = signum
 
 
-def raise_interrupted(signum, frame) -> None:
-    """The launchers' handler for SIGINT and SIGTERM."""
-    raise Interrupted(signum)
+def stopping_line(signum: int, what: str) -> str:
+    """A launcher's line on its first stop signal."""
+    name = signal.Signals(signum).name
+    return (
+        f"{name} received; stopping {what}: each task finishes its compiled call and saves at the step "
+        f"the workers agree on (at most {SAVE_GRACE_SECONDS:g} s); send {name} again to end them at once"
+    )
+
+
+class StopSignals:
+    """A launcher's SIGINT, SIGTERM and SIGHUP (a closed ssh session), as engine.main takes them.
+
+    The first raises `Interrupted` where the launcher waits, and the launcher
+    passes the signal on to its tasks, which save at the step they agree on
+    (`Launcher.stop`). A second, while they save, ends them (`kill_tasks`) and
+    the launcher at once with one line and 128+signal, as a second signal
+    ends engine.main: it never raises into the first one's clean-up, which
+    printed a traceback. After SIGHUP the launcher's lines go nowhere instead
+    of failing on the closed terminal.
+    """
+
+    def __init__(
+        self,
+        kill_tasks: Callable[[], None],
+        *,
+        say: Callable[[str], None] = say,
+        exit: Callable[[int], None] = os._exit,
+    ):
+        self.kill_tasks = kill_tasks
+        self.say = say
+        self.exit = exit
+        self.signum: int | None = None
+
+    def install(self) -> None:
+        # Explicitly: a process started from a background shell job inherits SIGINT *ignored*.
+        for signum in STOP_SIGNALS:
+            signal.signal(signum, self.handle)
+
+    def handle(self, signum: int, frame: object) -> None:
+        if signum == signal.SIGHUP:
+            leave_a_closed_terminal()
+        if self.signum is None:
+            self.signum = signum
+            raise Interrupted(signum)
+        self.kill_tasks()
+        name = signal.Signals(signum).name
+        self.say(
+            f"{name} received again: every task ended at once (SIGKILL), without its save; exit {128 + signum}"
+        )
+        self.exit(128 + signum)

@@ -14,6 +14,7 @@ or with TF_CONFIG set and no cluster flags.
 import os
 import signal
 import sys
+from collections.abc import Callable
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 # Fail RPCs to a dead peer at once so the coordinator can reschedule its work.
@@ -21,14 +22,15 @@ os.environ.setdefault("GRPC_FAIL_FAST", "use_caller")
 
 from engine.cli import cluster_flags  # noqa: E402  (defines the cluster flags)
 from engine.cli.flag_names import in_flag_terms  # noqa: E402
+from engine.cli.preemption import HANDLED_SIGNALS, launcher_pid  # noqa: E402
 from engine.cluster import security_warning  # noqa: E402
 from engine.errors import USER_ERROR_EXIT, UserError, one_line  # noqa: E402
 
 SERVER_TASK_TYPES = ("worker", "ps")
 
 
-def serve() -> None:
-    """Starts this task's server and blocks until the process is killed."""
+def serve(wait: Callable[[], None] | None = None) -> None:
+    """Starts this task's server and blocks until the process is killed (or `wait` returns)."""
     cluster = cluster_flags.cluster_from_flags()
     if cluster is None:
         raise UserError(
@@ -68,19 +70,47 @@ def serve() -> None:
         file=sys.stderr,
         flush=True,
     )
-    server.join()
+    if wait is None:
+        server.join()
+    else:
+        wait()
+
+
+def wait_for_the_launcher(launcher: int) -> None:
+    """Under engine.launch: the stop signals are taken from the launcher alone, which ends
+    this task once the coordinator has saved (it needs this task to save). Others, such as a
+    terminal's Ctrl-C that reaches the launcher's whole process group, are named and left to
+    it. A signal from the launcher ends the process with 128+signal."""
+    while True:
+        info = signal.sigwaitinfo(HANDLED_SIGNALS)
+        name = signal.Signals(info.si_signo).name
+        if info.si_pid == launcher:
+            sys.stderr.flush()
+            os._exit(128 + info.si_signo)
+        print(
+            f"engine.server: {name} from pid {info.si_pid} left to engine.launch (pid {launcher}), which "
+            "stops this task after the coordinator's save; SIGKILL ends it at once",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def main(argv: list[str]) -> int:
     if len(argv) > 1:
         print(f"engine.server: error: unexpected arguments {argv[1:]}", file=sys.stderr)
         return USER_ERROR_EXIT
-    # join() blocks inside TensorFlow where Python never sees a signal: let
-    # Ctrl-C and SIGTERM end the process the plain way.
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    launcher = launcher_pid()
+    if launcher is None:
+        # join() blocks inside TensorFlow where Python never sees a signal: let
+        # Ctrl-C and SIGTERM end the process the plain way.
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        wait: Callable[[], None] | None = None
+    else:  # Blocked in every thread before TensorFlow starts one, and taken by sigwaitinfo.
+        signal.pthread_sigmask(signal.SIG_BLOCK, HANDLED_SIGNALS)
+        wait = lambda: wait_for_the_launcher(launcher)  # noqa: E731
     try:
-        serve()
+        serve(wait)
     except UserError as error:
         print(f"engine.server: error: {in_flag_terms(error)}", file=sys.stderr)
         return USER_ERROR_EXIT

@@ -63,14 +63,14 @@ def main(argv: list[str]) -> int:
 
 
 def pending_stop_signal(pid: int) -> int | None:
-    """SIGTERM or SIGINT if the task has one pending (blocked), from /proc/PID/status."""
+    """SIGTERM, SIGINT or SIGHUP if the task has one pending (blocked), from /proc/PID/status."""
     try:
         with open(f"/proc/{pid}/status") as handle:
             fields = dict(line.split(":", 1) for line in handle if ":" in line)
     except OSError:
         return None
     pending = int(fields.get("ShdPnd", "0").strip(), 16) | int(fields.get("SigPnd", "0").strip(), 16)
-    for signum in (signal.SIGTERM, signal.SIGINT):
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         if pending & (1 << (signum - 1)):
             return signum
     return None
