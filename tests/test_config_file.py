@@ -6,11 +6,13 @@ The precedence and each refusal are checked in-process on `--print_config` or a 
 model_dir, checks that later commands need no flag repeated (slow: it trains for seconds)."""
 
 import json
+import os
+import time
 
 import numpy as np
 import pytest
 import yaml
-from helpers import copy_of, main_in_process, one_error_line, snapshot
+from helpers import copy_of, in_background, main_in_process, one_error_line, snapshot
 
 from engine.cli.config_files import parse_overrides
 from engine.cli.settings import CLUSTER_SETTINGS, MODEL_AND_DATA_SETTINGS, PER_INVOCATION_SETTINGS
@@ -151,6 +153,10 @@ def test_train_steps_and_epochs_are_alternatives_across_layers(tmp_path):
 # ------------------------------------------------------------------ bad files: one line, nothing written
 
 
+ALIAS_BOMB = "a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
+    f"{name}: &{name} [{', '.join([f'*{previous}'] * 9)}]\n"
+    for previous, name in zip("abcdefgh", "bcdefghi", strict=True)
+)
 BAD_FILES = {
     "unknown.yaml": ("modle: mlp\n", "unknown setting 'modle'"),
     "type.json": ('{"train_steps": "many"}', "train_steps=many is not an integer"),
@@ -160,6 +166,15 @@ BAD_FILES = {
     "twice.yaml": ("model: mlp\nmodel: cnn\n", "'model' is set twice"),
     "binary.yaml": (b"model: \xff\n", "is not a text file"),
     "cli.yaml": ("print_config: true\n", "print_config is a setting of the command line only"),
+    # Nine aliases of nine aliases, nine deep: 9**9 values expanded from under 1 KB (it hung).
+    "bomb.yaml": (ALIAS_BOMB, "holds more than 10000 values (aliases expanded)"),
+    "deep.yaml": (
+        "task_params: " + "[" * 20_000 + "]" * 20_000 + "\n",
+        "nests lists or mappings more than 50 deep",
+    ),
+    "deep.json": ("[" * 20_000 + "]" * 20_000, "nests lists or mappings more than 50 deep"),
+    "loop.yaml": ("task_params: &a {a: *a}\n", "alias *a is inside the node &a it names"),
+    "huge.yaml": ("#" * 2**20 + "\n", f"is {2**20 + 1} bytes, more than the {2**20} bytes"),
 }
 
 
@@ -171,10 +186,63 @@ def test_a_bad_config_file_is_one_line_naming_it_and_nothing_is_written(tmp_path
         content, _ = BAD_FILES[name]
         path.write_bytes(content if isinstance(content, bytes) else content.encode())
     model_dir = tmp_path / "run"
+    started = time.monotonic()
     line = refused(f"--config_file={path}", f"--model_dir={model_dir}", "--train_steps=4")
     assert f"--config_file={path}" in line
     assert (BAD_FILES[name][1] if name in BAD_FILES else "does not exist") in line
     assert not model_dir.exists()
+    assert time.monotonic() - started < 20  # Refused at once: nothing expanded, nothing hung.
+
+
+def not_blocked_by(fifo, *flags: str):
+    """`main_in_process(*flags)` in a thread, given 30 s: a command that blocks on `fifo` fails the
+    test instead of hanging it, and a writer then lets the blocked open go."""
+    future = in_background(main_in_process, *flags)
+    try:
+        return future.result(timeout=30)
+    finally:
+        if not future.done():
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+
+
+@pytest.mark.cli
+def test_a_fifo_as_a_config_file_or_the_stored_config_is_one_line_not_a_hang(tmp_path):
+    fifo = tmp_path / "settings.yaml"
+    os.mkfifo(fifo)
+    model_dir = tmp_path / "run"
+    line = one_error_line(
+        not_blocked_by(fifo, f"--config_file={fifo}", f"--model_dir={model_dir}", "--print_config")
+    )
+    assert line == (
+        f"engine.main: error: --config_file={fifo} is a FIFO (named pipe), not a regular file; "
+        "pass a readable YAML or JSON file"
+    )
+    model_dir.mkdir()
+    os.mkfifo(model_dir / "config.yaml")
+    for mode in ("eval", "train"):
+        line = one_error_line(
+            not_blocked_by(model_dir / "config.yaml", f"--mode={mode}", f"--model_dir={model_dir}")
+        )
+        assert f"{model_dir}/config.yaml (the settings the run was trained with) is a FIFO (named pipe)" in line
+    assert sorted(p.name for p in model_dir.iterdir()) == ["config.yaml"]
+
+
+@pytest.mark.cli
+def test_a_flagfile_that_is_a_fifo_or_a_device_is_one_line_not_a_hang(tmp_path):
+    fifo = tmp_path / "run.flags"
+    os.mkfifo(fifo)
+    line = one_error_line(not_blocked_by(fifo, f"--flagfile={fifo}", "--print_config"))
+    assert (
+        f"--flagfile={fifo} is a FIFO (named pipe), not a regular file; write the flags to a regular file"
+        in line
+    )
+    line = one_error_line(main_in_process("--flagfile=/dev/zero", "--print_config"))  # Endless: read until OOM.
+    assert "--flagfile=/dev/zero is a character device, not a regular file" in line
+    big = tmp_path / "big.flags"
+    big.write_text("--seed=1\n" * 2**17)
+    assert "more than the 1048576 bytes" in one_error_line(
+        main_in_process(f"--flagfile={big}", "--print_config")
+    )
 
 
 @pytest.mark.cli
@@ -235,6 +303,7 @@ def test_model_and_data_may_change_until_there_is_a_checkpoint(tmp_path):
         ("", "is damaged: not a mapping"),
         ("train_steps: many\n", "train_steps=many is not an integer"),
         ("modle: mlp\n", "unknown setting 'modle'"),
+        pytest.param(ALIAS_BOMB, "holds more than 10000 values (aliases expanded)", id="alias_bomb"),
     ],
 )
 def test_a_damaged_stored_config_is_one_line_naming_it_and_nothing_is_written(tmp_path, content, named):
