@@ -238,6 +238,13 @@ def test_a_flagfile_that_is_a_fifo_or_a_device_is_one_line_not_a_hang(tmp_path):
     )
     line = one_error_line(main_in_process("--flagfile=/dev/zero", "--print_config"))  # Endless: read until OOM.
     assert "--flagfile=/dev/zero is a character device, not a regular file" in line
+    read, write = os.pipe()  # What the shell passes for --flagfile=<(echo --seed=7): absl reads it.
+    os.write(write, b"--seed=7\n")
+    os.close(write)
+    try:
+        assert printed(f"--flagfile=/dev/fd/{read}")["seed"] == 7
+    finally:
+        os.close(read)
     big = tmp_path / "big.flags"
     big.write_text("--seed=1\n" * 2**17)
     assert "more than the 1048576 bytes" in one_error_line(
