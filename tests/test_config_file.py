@@ -223,8 +223,24 @@ def test_a_fifo_as_a_config_file_or_the_stored_config_is_one_line_not_a_hang(tmp
         line = one_error_line(
             not_blocked_by(model_dir / "config.yaml", f"--mode={mode}", f"--model_dir={model_dir}")
         )
-        assert f"{model_dir}/config.yaml (the settings the run was trained with) is a FIFO (named pipe)" in line
+        assert f"{model_dir}/config.yaml is a FIFO (named pipe), not a regular file" in line
     assert sorted(p.name for p in model_dir.iterdir()) == ["config.yaml"]
+
+
+@pytest.mark.cli
+@pytest.mark.parametrize("name", ["metrics.json", "checkpoints/checkpoint", "best/best.json"])
+def test_a_fifo_among_the_files_a_command_reads_in_a_model_dir_is_one_line_not_a_hang(tmp_path, name):
+    model_dir = tmp_path / "run"
+    stored(model_dir, model="mlp")
+    with_a_checkpoint(model_dir)
+    fifo = model_dir / name
+    fifo.parent.mkdir(exist_ok=True)
+    os.mkfifo(fifo)
+    for mode in ("eval", "train"):
+        line = one_error_line(not_blocked_by(fifo, f"--mode={mode}", f"--model_dir={model_dir}"))
+        assert (
+            f"{fifo} is a FIFO (named pipe), not a regular file: a command reads the model_dir's files" in line
+        )
 
 
 @pytest.mark.cli
@@ -321,6 +337,72 @@ def test_a_damaged_stored_config_is_one_line_naming_it_and_nothing_is_written(tm
         line = refused(f"--mode={mode}", f"--model_dir={model_dir}", "--train_steps=4")
         assert f"{model_dir}/config.yaml" in line and named in line
     assert sorted(p.name for p in model_dir.iterdir()) == ["config.yaml"]
+
+
+# ------------------------------------------------------------------ code a model_dir names (docs/security.md)
+
+
+EVIL = "import pathlib\npathlib.Path('imported').write_text('x')\n\ndef run(**kwargs):\n    pass\n"
+
+
+@pytest.mark.cli
+@pytest.mark.parametrize("mode", ["eval", "predict", "train", "print_config"])
+def test_code_named_by_a_model_dir_alone_is_refused_before_it_is_imported(tmp_path, mode):
+    (tmp_path / "evil.py").write_text(EVIL)  # Importable where the command runs, as a user's module is.
+    model_dir = tmp_path / "given"
+    stored(model_dir, task="subprocess:run", task_params={"args": "touch pwned", "shell": True})
+    with_a_checkpoint(model_dir)
+    np.savez(tmp_path / "x.npz", x=np.zeros((2, 4), np.float32))
+    flags = {
+        "eval": ["--mode=eval"],
+        "predict": ["--mode=predict", f"--predict_input={tmp_path / 'x.npz'}", "--predict_output=out.npy"],
+        "train": ["--train_steps=8"],
+        "print_config": ["--print_config"],
+    }[mode]
+    before = snapshot(model_dir)
+    result = main_in_process(*flags, f"--model_dir={model_dir}", cwd=tmp_path)
+    assert one_error_line(result) == (
+        f"engine.main: error: task=subprocess:run in {model_dir}/config.yaml names code to run, and a model_dir "
+        "cannot choose that for you (docs/security.md); pass --task=subprocess:run to trust it"
+    )
+    for name, value in (("model", "evil:run"), ("dataset", "evil:run")):
+        stored(model_dir, **{name: value})
+        line = one_error_line(main_in_process(*flags, f"--model_dir={model_dir}", cwd=tmp_path))
+        assert f"{name}={value} in {model_dir}/config.yaml names code to run" in line
+        assert line.endswith(f"pass --{name}={value} to trust it")
+    assert not (tmp_path / "pwned").exists() and not (tmp_path / "imported").exists()
+    assert not (tmp_path / "out.npy").exists()
+    stored(model_dir, task="subprocess:run", task_params={"args": "touch pwned", "shell": True})
+    assert snapshot(model_dir) == before
+
+
+@pytest.mark.cli
+def test_code_a_model_dir_names_is_used_when_the_command_names_it_too(tmp_path):
+    model_dir = tmp_path / "run"
+    stored(model_dir, model="builtins:print", dataset="digits", learning_rate=0.5)
+    with_a_checkpoint(model_dir)
+    assert printed(f"--model_dir={model_dir}", "--model=builtins:print")["learning_rate"] == 0.5
+    config = tmp_path / "mine.yaml"  # Or in a config file the user passes, or an override.
+    config.write_text("model: builtins:print\n")
+    assert printed(f"--model_dir={model_dir}", f"--config_file={config}")["model"] == "builtins:print"
+    assert (
+        printed(f"--model_dir={model_dir}", "--params_override=model=builtins:print")["model"]
+        == "builtins:print"
+    )
+    # Built-in names, files and tfds sets are data: a model_dir's own are used as they are.
+    stored(model_dir, model="mlp", dataset="tfds:mnist")
+    assert printed(f"--model_dir={model_dir}")["dataset"] == "tfds:mnist"
+
+
+@pytest.mark.cli
+def test_a_tpu_address_a_model_dir_names_is_refused_and_readers_drop_it(tmp_path):
+    model_dir = tmp_path / "run"
+    stored(model_dir, model="mlp", strategy="tpu", tpu="grpc://10.1.2.3:8470")
+    line = refused(f"--model_dir={model_dir}", "--print_config")
+    assert "tpu=grpc://10.1.2.3:8470 in" in line and "names a machine to send the model and data to" in line
+    assert line.endswith("pass --tpu=grpc://10.1.2.3:8470 to trust it")
+    settings = printed("--mode=eval", f"--model_dir={model_dir}")  # Evaluates on this host: no TPU.
+    assert (settings["strategy"], settings["tpu"]) == ("default", None)
 
 
 # ------------------------------------------------------------------ end to end: train, then --model_dir alone

@@ -43,7 +43,7 @@ from engine.cli.settings import (
     field_default,
     flag_settings,
 )
-from engine.cli.small_files import read_small_file
+from engine.cli.small_files import check_model_dir_entries, read_small_file
 from engine.errors import UserError, one_line
 
 STORED_CONFIG = "config.yaml"
@@ -106,6 +106,8 @@ def resolve_config(flag_values) -> RunConfig:
     layers = [*files, parse_overrides(flag_values["params_override"].value), command_line]
     model_dir = _last_value(layers, "model_dir")
     mode = str(_last_value(layers, "mode") or field_default(_FIELDS["mode"]))
+    if model_dir:
+        check_model_dir_entries(model_dir)  # No FIFO where a command reads: it would block forever.
     stored = read_stored_config(model_dir) if model_dir else None
     if stored is not None:
         stored = _inherited(stored, mode)
@@ -113,6 +115,7 @@ def resolve_config(flag_values) -> RunConfig:
     for layer in [stored, *layers] if stored is not None else layers:
         _apply(values, layer)
     if stored is not None and model_dir:
+        check_trusted(values, stored, layers)
         check_model_and_data(values, stored, layers, model_dir)
     values["config_file"] = tuple(values["config_file"] or ())
     return RunConfig(**values)
@@ -132,6 +135,7 @@ def _inherited(stored: Layer, mode: str) -> Layer:
     values = dict(stored.values)
     if mode in READER_MODES and values.get("strategy") in MULTI_HOST_STRATEGIES:
         del values["strategy"]
+        values.pop("tpu", None)  # The TPU's address goes with the strategy that needs it.
     return dataclasses.replace(stored, values=values)
 
 
@@ -159,6 +163,47 @@ def merged(base: Mapping[str, Any], update: Mapping[str, Any]) -> dict[str, Any]
         else:
             result[key] = value
     return result
+
+
+def names_code(name: str, value: Any) -> bool:
+    """Whether setting `name`'s `value` makes the engine import and call code, or reach a
+    machine: a `package.module:function` (--task always; --model and --dataset unless a built-in
+    name, a file or tfds:NAME), or a TPU's network address."""
+    if not isinstance(value, str) or not value:
+        return False
+    if name == "task":
+        return True
+    if name == "model":
+        return ":" in value
+    if name == "dataset":
+        return ":" in value and not value.startswith("tfds:") and not value.endswith((".npz", ".csv"))
+    if name == "tpu":
+        return value != "local"
+    return False
+
+
+TRUSTED_SETTINGS = ("task", "model", "dataset", "tpu")  # The settings that can name code (names_code).
+
+
+def check_trusted(values: Mapping[str, Any], stored: Layer, layers: list[Layer]) -> None:
+    """A model_dir is data: the code its config.yaml names runs only if this command names it too.
+
+    A `package.module:function` (or a TPU address) that a command would take from the stored
+    config.yaml alone is refused, unless a flag, a --config_file or --params_override of this
+    command gives the same value: `task: subprocess:run` with `task_params: {args: ..., shell:
+    true}` in a model_dir someone hands over would otherwise run a shell command on `--mode=eval`.
+    Refused before anything is imported."""
+    for name in TRUSTED_SETTINGS:
+        value = values[name]
+        if not names_code(name, value) or stored.values.get(name) != value:
+            continue
+        if any(layer.values.get(name) == value for layer in layers):
+            continue  # Named by this command's own flags or files: the user's choice.
+        what = "a machine to send the model and data to" if name == "tpu" else "code to run"
+        raise UserError(
+            f"{name}={value} in {stored.where} names {what}, and a model_dir cannot choose that for you "
+            f"(docs/security.md); pass --{name}={value} to trust it"
+        )
 
 
 def check_model_and_data(values: Mapping[str, Any], stored: Layer, layers: list[Layer], model_dir: str) -> None:

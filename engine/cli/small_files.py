@@ -105,3 +105,36 @@ def is_shell_pipe(path: str) -> bool:
     """A pipe the shell opened for this process (`--flagfile=<(...)`: /dev/fd/N): it has a
     writer, so reading it ends. A named FIFO elsewhere may have none and block forever."""
     return path.startswith(("/dev/fd/", "/proc/self/fd/", f"/proc/{os.getpid()}/fd/"))
+
+
+# The directories of a model_dir whose files a command reads (engine.model_dir.SUBDIRECTORIES).
+_READ_SUBDIRECTORIES = ("checkpoints", "best", "hooks")
+_LOCK_FILE = ".writer.lock"  # Opened without blocking by engine.model_dir.writer_lock, which names it.
+
+
+def check_model_dir_entries(model_dir: str) -> None:
+    """Refuses a local model_dir where a file a command reads (config.yaml, metrics.json, the
+    checkpoints and their state files, best/, hooks/) is a FIFO, socket or device: opening a FIFO
+    nothing writes to blocks forever, in Python's code or in TensorFlow's. Regular files,
+    directories and dangling links are left to the readers, which name them."""
+    if "://" in model_dir or not os.path.isdir(model_dir):
+        return
+    directories = [model_dir, *(os.path.join(model_dir, name) for name in _READ_SUBDIRECTORIES)]
+    for directory in directories:
+        try:
+            names = os.listdir(directory)
+        except OSError:
+            continue  # Missing, or not a directory: engine.model_dir.check_kinds names it.
+        for name in names:
+            if directory == model_dir and name == _LOCK_FILE:
+                continue
+            path = os.path.join(directory, name)
+            try:
+                mode = os.stat(path).st_mode
+            except OSError:
+                continue
+            if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+                raise UserError(
+                    f"{path} is {file_kind(mode)}, not a regular file: a command reads the model_dir's files "
+                    "and would wait on it forever; move it away, or pass another --model_dir"
+                )
