@@ -59,9 +59,9 @@ def test_the_named_tuples_of_settings():
 @pytest.mark.cli
 def test_precedence_file_then_later_file_then_override_then_flag(tmp_path):
     first = tmp_path / "first.yaml"
-    first.write_text(
+    first.write_text(  # --print_config imports the task (any callable taking keywords), never calls it.
         "model: mlp\nlearning_rate: 0.1\nglobal_batch_size: 32\nseed: 1\neval_every: 1\ntrain_steps: 3\n"
-        "task_params:\n  units: 16\n  depth: 2\n"
+        "task: builtins:dict\ntask_params:\n  units: 16\n  depth: 2\n"
     )
     second = tmp_path / "second.json"  # JSON, by its name.
     second.write_text(json.dumps({"learning_rate": 0.2, "global_batch_size": 16, "seed": 2, "eval_every": 2}))
@@ -92,7 +92,9 @@ def test_a_flag_in_a_flagfile_wins_and_an_absent_flag_hides_nothing(tmp_path):
 @pytest.mark.cli
 def test_printed_config_reads_back_as_the_same_config(tmp_path):
     config = tmp_path / "run.yaml"
-    config.write_text("model: mlp\nlearning_rate: 3e-3\nprofile_steps: '2,4'\ntask_params: {units: 8}\n")
+    config.write_text(
+        "model: mlp\nlearning_rate: 3e-3\nprofile_steps: '2,4'\ntask: builtins:dict\ntask_params: {units: 8}\n"
+    )
     first = main_in_process(f"--config_file={config}", "--train_steps=5", "--print_config")
     assert first.returncode == 0, first.stderr[-3000:]
     (tmp_path / "printed.yaml").write_text(first.stdout)
@@ -140,6 +142,22 @@ def test_a_bad_override_is_one_line_naming_it(override, named):
     with pytest.raises(UserError, match="--params_override") as raised:
         parse_overrides(override)
     assert named in str(raised.value)
+
+
+@pytest.mark.cli
+def test_task_params_without_a_task_are_refused_naming_where_they_are_set(tmp_path):
+    model_dir = tmp_path / "run"
+    line = refused("--model=mlp", "--params_override=task_params.units=64", f"--model_dir={model_dir}")
+    assert line == (
+        "engine.main: error: --params_override=task_params={units: 64} sets keyword arguments of a --task "
+        "function, but no --task is given; pass --task=package.module:function, or drop task_params from "
+        "--params_override"
+    )
+    config = tmp_path / "run.yaml"
+    config.write_text("task_params: {units: 64}\n")
+    line = refused(f"--config_file={config}", f"--model_dir={model_dir}")
+    assert line.endswith(f"pass --task=package.module:function, or remove task_params from {config}")
+    assert not model_dir.exists()
 
 
 @pytest.mark.cli
@@ -339,6 +357,19 @@ def test_a_damaged_stored_config_is_one_line_naming_it_and_nothing_is_written(tm
     assert sorted(p.name for p in model_dir.iterdir()) == ["config.yaml"]
 
 
+def test_stored_settings_keep_the_task_and_its_params_but_not_per_invocation_ones():
+    from engine.cli.config_files import stored_settings
+    from engine.cli.settings import RunConfig
+
+    config = RunConfig(task="my_tasks:build", task_params={"units": 8, "encoder": {"depth": 2}}, mode="eval")
+    settings = stored_settings(config)
+    assert settings["task"] == "my_tasks:build" and settings["task_params"] == {
+        "units": 8,
+        "encoder": {"depth": 2},
+    }
+    assert not set(settings) & set(PER_INVOCATION_SETTINGS)
+
+
 # ------------------------------------------------------------------ code a model_dir names (docs/security.md)
 
 
@@ -413,7 +444,7 @@ def trained(tmp_path_factory):
     """A model_dir trained with `--model=mlp --config_file=...` (and an export) by engine.main."""
     root = tmp_path_factory.mktemp("config")
     config = root / "mlp.yaml"
-    config.write_text(yaml.safe_dump({**TINY, "learning_rate": 0.01, "task_params": {"units": 8}}))
+    config.write_text(yaml.safe_dump({**TINY, "learning_rate": 0.01}))
     model_dir = root / "run"
     result = main_in_process(
         "--model=mlp", f"--config_file={config}", f"--model_dir={model_dir}", f"--export_dir={root / 'export'}"
@@ -427,7 +458,7 @@ def trained(tmp_path_factory):
 def test_the_training_keeps_its_resolved_settings_in_config_yaml(trained):
     settings = yaml.safe_load((trained / "config.yaml").read_text())
     assert settings["model"] == "mlp" and settings["learning_rate"] == 0.01 and settings["train_steps"] == 4
-    assert settings["task_params"] == {"units": 8}
+    assert settings["task_params"] == {}  # A --task's keyword arguments are kept: test_stored_settings_...
     assert not set(settings) & set(PER_INVOCATION_SETTINGS)  # export_dir, mode, model_dir, ... left out
     assert not [p.name for p in trained.iterdir() if ".tmp" in p.name]  # written by a rename
 

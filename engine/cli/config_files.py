@@ -117,6 +117,7 @@ def resolve_config(flag_values) -> RunConfig:
     if stored is not None and model_dir:
         check_trusted(values, stored, layers)
         check_model_and_data(values, stored, layers, model_dir)
+    check_task_params_have_a_task(values, layers)
     values["config_file"] = tuple(values["config_file"] or ())
     return RunConfig(**values)
 
@@ -163,6 +164,19 @@ def merged(base: Mapping[str, Any], update: Mapping[str, Any]) -> dict[str, Any]
         else:
             result[key] = value
     return result
+
+
+def check_task_params_have_a_task(values: Mapping[str, Any], layers: list[Layer]) -> None:
+    """task_params are the keyword arguments of a --task function: given without one (a
+    --params_override=task_params.units=64 for a --model run), nothing would read them."""
+    if values["task"] or not values["task_params"]:
+        return
+    layer = next((layer for layer in reversed(layers) if layer.values.get("task_params")), None)
+    if layer is not None:  # Else only a hand-edited config.yaml holds them: the run never used them.
+        raise UserError(
+            f"{layer.spelled('task_params')} sets keyword arguments of a --task function, but no --task is "
+            f"given; pass --task=package.module:function, or {layer.without('task_params')}"
+        )
 
 
 def names_code(name: str, value: Any) -> bool:
