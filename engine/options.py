@@ -21,6 +21,9 @@ SCHEDULE_NAMES = ("constant", "cosine", "step", "warmup_cosine")
 # checkpoint and skip the batches that led to it (engine.rollback).
 NONFINITE_POLICIES = ("stop", "skip", "rollback")
 DEFAULT_MAX_ROLLBACKS = 3
+# Each rollback restores a checkpoint and trains again from it: a run whose loss spikes at every step
+# with a huge max_rollbacks would never end. A run that needs more than this has a problem to fix.
+MAX_ROLLBACKS = 100
 METRIC_MODES = ("auto", "min", "max")  # Whether a watched metric should go down or up.
 COMMUNICATIONS = ("auto", "ring", "nccl")  # multi_worker_mirrored's collectives.
 # Steps per compiled call: the Trainer's default and the CLI's (--steps_per_loop).
@@ -100,6 +103,11 @@ class SpikeOptions:
             return f"`rollback_skip_batches={self.rollback_skip_batches}` must be >= 0"
         if self.max_rollbacks < 1:
             return f"`max_rollbacks={self.max_rollbacks}` must be at least 1"
+        if self.max_rollbacks > MAX_ROLLBACKS:
+            return (
+                f"`max_rollbacks={self.max_rollbacks}` must be at most {MAX_ROLLBACKS} (each rollback trains "
+                "again from a checkpoint; a run that spikes that often needs a lower learning rate or clipping)"
+            )
         return None
 
 

@@ -8,7 +8,7 @@ from input.errors import DataError
 from input.labels import LabelSpec
 from input.registry import FORMS as DATASET_FORMS
 from input.registry import DataOptions, check_dataset_name, dataset_names, get_data_source
-from input.source import DataSource
+from input.source import DataSource, DescribedSource
 from input.tfrecord import write_tfrecords
 from input.user_data import as_data_source
 
@@ -17,6 +17,7 @@ __all__ = [
     "DataError",
     "DataOptions",
     "DataSource",
+    "DescribedSource",
     "LabelSpec",
     "as_data_source",
     "check_dataset_name",

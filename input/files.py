@@ -100,38 +100,16 @@ def read_table(
 ) -> tuple[list[str], np.ndarray, np.ndarray | None]:
     """(feature column names, features (N, F) float32, labels (N,) or None without a
     label column): every cell a number, or one line naming the row and column."""
-    if not os.path.isfile(path):
-        raise DataError(f"--{flag}={path} does not exist or is not a file")
-    try:
-        with open(path, newline="", encoding="utf-8-sig") as handle:  # -sig: a spreadsheet's BOM is not a name.
-            rows = [row for row in csv.reader(handle) if row]
-    except (OSError, UnicodeDecodeError, csv.Error) as error:
-        raise DataError(f"cannot read --{flag}={path}: {error}") from None
-    if len(rows) < 2:
-        raise DataError(f"--{flag}={path} needs a header row and at least one example row")
-    header = [name.strip() for name in rows[0]]
+    header, rows = read_rows(path, flag)
     if label_column is not None and label_column not in header:
         raise DataError(f"--{flag}={path} has no column {label_column!r}; its columns are {header}")
-    values = np.empty((len(rows) - 1, len(header)), dtype=np.float64)
-    for line, row in enumerate(rows[1:], start=2):
-        if len(row) != len(header):
-            raise DataError(f"--{flag}={path} line {line} has {len(row)} values under {len(header)} columns")
-        for column, cell in enumerate(row):
-            try:
-                values[line - 2, column] = float(cell)
-            except ValueError:
-                what = (
-                    "is empty (a missing value: fill or drop that row)"
-                    if not cell.strip()
-                    else f"{cell!r} is not a number; every column must be numeric (encode categories first)"
-                )
-                raise DataError(f"--{flag}={path} line {line}, column {header[column]!r} {what}") from None
+    values = _numbers(path, flag, header, rows, list(range(len(header))))
     integral = np.all(values == np.round(values), axis=0) & np.isfinite(values).all(axis=0)
     if label_column is None:
         return header, values.astype(np.float32), None
     index = header.index(label_column)
     names = [name for name in header if name != label_column]
-    label_cells = [row[index].strip() for row in rows[1:]]
+    label_cells = [row[index].strip() for row in rows]
     # Class ids are written as integers ("3"); "3.0" or "151.5" are values to regress.
     as_integers = bool(integral[index]) and all(_is_integer_text(cell) for cell in label_cells)
     labels = values[:, index].astype(np.int64) if as_integers else values[:, index]
@@ -139,6 +117,74 @@ def read_table(
     if features.shape[1] == 0:
         raise DataError(f"--{flag}={path} has no feature column besides {label_column!r}")
     return names, features, labels
+
+
+def read_columns(path: str, names: list[str], *, flag: str) -> tuple[np.ndarray, list[str]]:
+    """(the columns `names` of `path` by header name, in that order, as float32 (N, len(names));
+    the names of its other columns, which are not read). A missing column is one line naming it."""
+    header, rows = read_rows(path, flag)
+    missing = [name for name in names if name not in header]
+    if missing:
+        raise DataError(
+            f"--{flag}={path} has no column {missing[0]!r}"
+            + (f" (nor {', '.join(repr(name) for name in missing[1:4])})" if len(missing) > 1 else "")
+            + f"; the model was trained on the columns {names}, found {header}"
+        )
+    values = _numbers(path, flag, header, rows, [header.index(name) for name in names])
+    return values.astype(np.float32), [name for name in header if name not in names]
+
+
+def csv_header(path: str, flag: str = "dataset") -> list[str]:
+    """The column names of `path`'s header row (as `read_table` names them), reading that row only."""
+    try:
+        with open(path, newline="", encoding="utf-8-sig") as handle:
+            return [name.strip() for name in next(csv.reader(handle), [])]
+    except (OSError, UnicodeDecodeError, csv.Error) as error:
+        raise DataError(f"cannot read --{flag}={path}: {error}") from None
+
+
+def read_rows(path: str, flag: str) -> tuple[list[str], list[list[str]]]:
+    """The header's column names (each once) and the example rows of a CSV file, as text."""
+    if not os.path.isfile(path):
+        raise DataError(f"--{flag}={path} does not exist or is not a file")
+    try:
+        with open(path, newline="", encoding="utf-8-sig") as handle:  # -sig: a spreadsheet's BOM is not a name.
+            rows = [row for row in csv.reader(handle) if row]
+    except (OSError, UnicodeDecodeError, csv.Error) as error:
+        raise DataError(f"cannot read --{flag}={path}: {error}; save it as UTF-8 text") from None
+    if len(rows) < 2:
+        raise DataError(f"--{flag}={path} needs a header row and at least one example row")
+    header = [name.strip() for name in rows[0]]
+    seen: dict[str, int] = {}
+    for column, name in enumerate(header, start=1):
+        if name in seen:  # Which copy would a name pick? csv keeps both; a model would train on one.
+            raise DataError(
+                f"--{flag}={path} names column {name!r} twice (columns {seen[name]} and {column}); give every "
+                "column its own name"
+            )
+        seen[name] = column
+    return header, rows[1:]
+
+
+def _numbers(path: str, flag: str, header: list[str], rows: list[list[str]], columns: list[int]) -> np.ndarray:
+    """The cells of `columns` (indices into `header`) as float64 (N, len(columns)); every row must
+    have a cell under every column, and those read must be numbers."""
+    values = np.empty((len(rows), len(columns)), dtype=np.float64)
+    for line, row in enumerate(rows, start=2):
+        if len(row) != len(header):
+            raise DataError(f"--{flag}={path} line {line} has {len(row)} values under {len(header)} columns")
+        for position, column in enumerate(columns):
+            cell = row[column]
+            try:
+                values[line - 2, position] = float(cell)
+            except ValueError:
+                what = (
+                    "is empty (a missing value: fill or drop that row)"
+                    if not cell.strip()
+                    else f"{cell!r} is not a number; every column must be numeric (encode categories first)"
+                )
+                raise DataError(f"--{flag}={path} line {line}, column {header[column]!r} {what}") from None
+    return values
 
 
 def _is_integer_text(cell: str) -> bool:

@@ -155,3 +155,24 @@ class DataSource(abc.ABC):
     @abc.abstractmethod
     def _eval_batches(self, layout: BatchLayout, input_context: InputContext | None) -> tf.data.Dataset:
         """`eval_dataset`'s batches, for a source with an eval split."""
+
+
+@dataclass(frozen=True)
+class DescribedSource(DataSource):
+    """A data set known only by what its examples and labels are, without them: what
+    `--mode=predict` rebuilds a trained model from (the training data need not exist any
+    more). It has no stream and no eval split."""
+
+    stored_dtype: str = "float32"  # "uint8": pixels, as the training held them.
+
+    @property
+    def feature_dtype(self) -> str:
+        return self.stored_dtype
+
+    def _train_stream(
+        self, layout: BatchLayout, *, seed: int, start_step: int, input_context: InputContext | None
+    ) -> tf.data.Dataset:
+        raise RuntimeError(f"{self.name} describes a data set; it holds no examples to train on")
+
+    def _eval_batches(self, layout: BatchLayout, input_context: InputContext | None) -> tf.data.Dataset:
+        raise RuntimeError(f"{self.name} describes a data set; it holds no examples to evaluate")

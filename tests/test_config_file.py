@@ -6,11 +6,13 @@ The precedence and each refusal are checked in-process on `--print_config` or a 
 model_dir, checks that later commands need no flag repeated (slow: it trains for seconds)."""
 
 import json
+import os
+import time
 
 import numpy as np
 import pytest
 import yaml
-from helpers import copy_of, main_in_process, one_error_line, snapshot
+from helpers import copy_of, in_background, main_in_process, one_error_line, snapshot
 
 from engine.cli.config_files import parse_overrides
 from engine.cli.settings import CLUSTER_SETTINGS, MODEL_AND_DATA_SETTINGS, PER_INVOCATION_SETTINGS
@@ -57,9 +59,9 @@ def test_the_named_tuples_of_settings():
 @pytest.mark.cli
 def test_precedence_file_then_later_file_then_override_then_flag(tmp_path):
     first = tmp_path / "first.yaml"
-    first.write_text(
+    first.write_text(  # --print_config imports the task (any callable taking keywords), never calls it.
         "model: mlp\nlearning_rate: 0.1\nglobal_batch_size: 32\nseed: 1\neval_every: 1\ntrain_steps: 3\n"
-        "task_params:\n  units: 16\n  depth: 2\n"
+        "task: builtins:dict\ntask_params:\n  units: 16\n  depth: 2\n"
     )
     second = tmp_path / "second.json"  # JSON, by its name.
     second.write_text(json.dumps({"learning_rate": 0.2, "global_batch_size": 16, "seed": 2, "eval_every": 2}))
@@ -90,7 +92,9 @@ def test_a_flag_in_a_flagfile_wins_and_an_absent_flag_hides_nothing(tmp_path):
 @pytest.mark.cli
 def test_printed_config_reads_back_as_the_same_config(tmp_path):
     config = tmp_path / "run.yaml"
-    config.write_text("model: mlp\nlearning_rate: 3e-3\nprofile_steps: '2,4'\ntask_params: {units: 8}\n")
+    config.write_text(
+        "model: mlp\nlearning_rate: 3e-3\nprofile_steps: '2,4'\ntask: builtins:dict\ntask_params: {units: 8}\n"
+    )
     first = main_in_process(f"--config_file={config}", "--train_steps=5", "--print_config")
     assert first.returncode == 0, first.stderr[-3000:]
     (tmp_path / "printed.yaml").write_text(first.stdout)
@@ -141,6 +145,22 @@ def test_a_bad_override_is_one_line_naming_it(override, named):
 
 
 @pytest.mark.cli
+def test_task_params_without_a_task_are_refused_naming_where_they_are_set(tmp_path):
+    model_dir = tmp_path / "run"
+    line = refused("--model=mlp", "--params_override=task_params.units=64", f"--model_dir={model_dir}")
+    assert line == (
+        "engine.main: error: --params_override=task_params={units: 64} sets keyword arguments of a --task "
+        "function, but no --task is given; pass --task=package.module:function, or drop task_params from "
+        "--params_override"
+    )
+    config = tmp_path / "run.yaml"
+    config.write_text("task_params: {units: 64}\n")
+    line = refused(f"--config_file={config}", f"--model_dir={model_dir}")
+    assert line.endswith(f"pass --task=package.module:function, or remove task_params from {config}")
+    assert not model_dir.exists()
+
+
+@pytest.mark.cli
 def test_train_steps_and_epochs_are_alternatives_across_layers(tmp_path):
     config = tmp_path / "run.yaml"
     config.write_text("train_steps: 40\n")
@@ -151,6 +171,10 @@ def test_train_steps_and_epochs_are_alternatives_across_layers(tmp_path):
 # ------------------------------------------------------------------ bad files: one line, nothing written
 
 
+ALIAS_BOMB = "a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
+    f"{name}: &{name} [{', '.join([f'*{previous}'] * 9)}]\n"
+    for previous, name in zip("abcdefgh", "bcdefghi", strict=True)
+)
 BAD_FILES = {
     "unknown.yaml": ("modle: mlp\n", "unknown setting 'modle'"),
     "type.json": ('{"train_steps": "many"}', "train_steps=many is not an integer"),
@@ -160,6 +184,15 @@ BAD_FILES = {
     "twice.yaml": ("model: mlp\nmodel: cnn\n", "'model' is set twice"),
     "binary.yaml": (b"model: \xff\n", "is not a text file"),
     "cli.yaml": ("print_config: true\n", "print_config is a setting of the command line only"),
+    # Nine aliases of nine aliases, nine deep: 9**9 values expanded from under 1 KB (it hung).
+    "bomb.yaml": (ALIAS_BOMB, "holds more than 10000 values (aliases expanded)"),
+    "deep.yaml": (
+        "task_params: " + "[" * 20_000 + "]" * 20_000 + "\n",
+        "nests lists or mappings more than 50 deep",
+    ),
+    "deep.json": ("[" * 20_000 + "]" * 20_000, "nests lists or mappings more than 50 deep"),
+    "loop.yaml": ("task_params: &a {a: *a}\n", "alias *a is inside the node &a it names"),
+    "huge.yaml": ("#" * 2**20 + "\n", f"is {2**20 + 1} bytes, more than the {2**20} bytes"),
 }
 
 
@@ -171,10 +204,86 @@ def test_a_bad_config_file_is_one_line_naming_it_and_nothing_is_written(tmp_path
         content, _ = BAD_FILES[name]
         path.write_bytes(content if isinstance(content, bytes) else content.encode())
     model_dir = tmp_path / "run"
+    started = time.monotonic()
     line = refused(f"--config_file={path}", f"--model_dir={model_dir}", "--train_steps=4")
     assert f"--config_file={path}" in line
     assert (BAD_FILES[name][1] if name in BAD_FILES else "does not exist") in line
     assert not model_dir.exists()
+    assert time.monotonic() - started < 20  # Refused at once: nothing expanded, nothing hung.
+
+
+def not_blocked_by(fifo, *flags: str):
+    """`main_in_process(*flags)` in a thread, given 30 s: a command that blocks on `fifo` fails the
+    test instead of hanging it, and a writer then lets the blocked open go."""
+    future = in_background(main_in_process, *flags)
+    try:
+        return future.result(timeout=30)
+    finally:
+        if not future.done():
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+
+
+@pytest.mark.cli
+def test_a_fifo_as_a_config_file_or_the_stored_config_is_one_line_not_a_hang(tmp_path):
+    fifo = tmp_path / "settings.yaml"
+    os.mkfifo(fifo)
+    model_dir = tmp_path / "run"
+    line = one_error_line(
+        not_blocked_by(fifo, f"--config_file={fifo}", f"--model_dir={model_dir}", "--print_config")
+    )
+    assert line == (
+        f"engine.main: error: --config_file={fifo} is a FIFO (named pipe), not a regular file; "
+        "pass a readable YAML or JSON file"
+    )
+    model_dir.mkdir()
+    os.mkfifo(model_dir / "config.yaml")
+    for mode in ("eval", "train"):
+        line = one_error_line(
+            not_blocked_by(model_dir / "config.yaml", f"--mode={mode}", f"--model_dir={model_dir}")
+        )
+        assert f"{model_dir}/config.yaml is a FIFO (named pipe), not a regular file" in line
+    assert sorted(p.name for p in model_dir.iterdir()) == ["config.yaml"]
+
+
+@pytest.mark.cli
+@pytest.mark.parametrize("name", ["metrics.json", "checkpoints/checkpoint", "best/best.json"])
+def test_a_fifo_among_the_files_a_command_reads_in_a_model_dir_is_one_line_not_a_hang(tmp_path, name):
+    model_dir = tmp_path / "run"
+    stored(model_dir, model="mlp")
+    with_a_checkpoint(model_dir)
+    fifo = model_dir / name
+    fifo.parent.mkdir(exist_ok=True)
+    os.mkfifo(fifo)
+    for mode in ("eval", "train"):
+        line = one_error_line(not_blocked_by(fifo, f"--mode={mode}", f"--model_dir={model_dir}"))
+        assert (
+            f"{fifo} is a FIFO (named pipe), not a regular file: a command reads the model_dir's files" in line
+        )
+
+
+@pytest.mark.cli
+def test_a_flagfile_that_is_a_fifo_or_a_device_is_one_line_not_a_hang(tmp_path):
+    fifo = tmp_path / "run.flags"
+    os.mkfifo(fifo)
+    line = one_error_line(not_blocked_by(fifo, f"--flagfile={fifo}", "--print_config"))
+    assert (
+        f"--flagfile={fifo} is a FIFO (named pipe), not a regular file; write the flags to a regular file"
+        in line
+    )
+    line = one_error_line(main_in_process("--flagfile=/dev/zero", "--print_config"))  # Endless: read until OOM.
+    assert "--flagfile=/dev/zero is a character device, not a regular file" in line
+    read, write = os.pipe()  # What the shell passes for --flagfile=<(echo --seed=7): absl reads it.
+    os.write(write, b"--seed=7\n")
+    os.close(write)
+    try:
+        assert printed(f"--flagfile=/dev/fd/{read}")["seed"] == 7
+    finally:
+        os.close(read)
+    big = tmp_path / "big.flags"
+    big.write_text("--seed=1\n" * 2**17)
+    assert "more than the 1048576 bytes" in one_error_line(
+        main_in_process(f"--flagfile={big}", "--print_config")
+    )
 
 
 @pytest.mark.cli
@@ -235,6 +344,7 @@ def test_model_and_data_may_change_until_there_is_a_checkpoint(tmp_path):
         ("", "is damaged: not a mapping"),
         ("train_steps: many\n", "train_steps=many is not an integer"),
         ("modle: mlp\n", "unknown setting 'modle'"),
+        pytest.param(ALIAS_BOMB, "holds more than 10000 values (aliases expanded)", id="alias_bomb"),
     ],
 )
 def test_a_damaged_stored_config_is_one_line_naming_it_and_nothing_is_written(tmp_path, content, named):
@@ -247,6 +357,85 @@ def test_a_damaged_stored_config_is_one_line_naming_it_and_nothing_is_written(tm
     assert sorted(p.name for p in model_dir.iterdir()) == ["config.yaml"]
 
 
+def test_stored_settings_keep_the_task_and_its_params_but_not_per_invocation_ones():
+    from engine.cli.config_files import stored_settings
+    from engine.cli.settings import RunConfig
+
+    config = RunConfig(task="my_tasks:build", task_params={"units": 8, "encoder": {"depth": 2}}, mode="eval")
+    settings = stored_settings(config)
+    assert settings["task"] == "my_tasks:build" and settings["task_params"] == {
+        "units": 8,
+        "encoder": {"depth": 2},
+    }
+    assert not set(settings) & set(PER_INVOCATION_SETTINGS)
+
+
+# ------------------------------------------------------------------ code a model_dir names (docs/security.md)
+
+
+EVIL = "import pathlib\npathlib.Path('imported').write_text('x')\n\ndef run(**kwargs):\n    pass\n"
+
+
+@pytest.mark.cli
+@pytest.mark.parametrize("mode", ["eval", "predict", "train", "print_config"])
+def test_code_named_by_a_model_dir_alone_is_refused_before_it_is_imported(tmp_path, mode):
+    (tmp_path / "evil.py").write_text(EVIL)  # Importable where the command runs, as a user's module is.
+    model_dir = tmp_path / "given"
+    stored(model_dir, task="subprocess:run", task_params={"args": "touch pwned", "shell": True})
+    with_a_checkpoint(model_dir)
+    np.savez(tmp_path / "x.npz", x=np.zeros((2, 4), np.float32))
+    flags = {
+        "eval": ["--mode=eval"],
+        "predict": ["--mode=predict", f"--predict_input={tmp_path / 'x.npz'}", "--predict_output=out.npy"],
+        "train": ["--train_steps=8"],
+        "print_config": ["--print_config"],
+    }[mode]
+    before = snapshot(model_dir)
+    result = main_in_process(*flags, f"--model_dir={model_dir}", cwd=tmp_path)
+    assert one_error_line(result) == (
+        f"engine.main: error: task=subprocess:run in {model_dir}/config.yaml names code to run, and a model_dir "
+        "cannot choose that for you (docs/security.md); pass --task=subprocess:run to trust it"
+    )
+    for name, value in (("model", "evil:run"), ("dataset", "evil:run")):
+        stored(model_dir, **{name: value})
+        line = one_error_line(main_in_process(*flags, f"--model_dir={model_dir}", cwd=tmp_path))
+        assert f"{name}={value} in {model_dir}/config.yaml names code to run" in line
+        assert line.endswith(f"pass --{name}={value} to trust it")
+    assert not (tmp_path / "pwned").exists() and not (tmp_path / "imported").exists()
+    assert not (tmp_path / "out.npy").exists()
+    stored(model_dir, task="subprocess:run", task_params={"args": "touch pwned", "shell": True})
+    assert snapshot(model_dir) == before
+
+
+@pytest.mark.cli
+def test_code_a_model_dir_names_is_used_when_the_command_names_it_too(tmp_path):
+    model_dir = tmp_path / "run"
+    stored(model_dir, model="builtins:print", dataset="digits", learning_rate=0.5)
+    with_a_checkpoint(model_dir)
+    assert printed(f"--model_dir={model_dir}", "--model=builtins:print")["learning_rate"] == 0.5
+    config = tmp_path / "mine.yaml"  # Or in a config file the user passes, or an override.
+    config.write_text("model: builtins:print\n")
+    assert printed(f"--model_dir={model_dir}", f"--config_file={config}")["model"] == "builtins:print"
+    assert (
+        printed(f"--model_dir={model_dir}", "--params_override=model=builtins:print")["model"]
+        == "builtins:print"
+    )
+    # Built-in names, files and tfds sets are data: a model_dir's own are used as they are.
+    stored(model_dir, model="mlp", dataset="tfds:mnist")
+    assert printed(f"--model_dir={model_dir}")["dataset"] == "tfds:mnist"
+
+
+@pytest.mark.cli
+def test_a_tpu_address_a_model_dir_names_is_refused_and_readers_drop_it(tmp_path):
+    model_dir = tmp_path / "run"
+    stored(model_dir, model="mlp", strategy="tpu", tpu="grpc://10.1.2.3:8470")
+    line = refused(f"--model_dir={model_dir}", "--print_config")
+    assert "tpu=grpc://10.1.2.3:8470 in" in line and "names a machine to send the model and data to" in line
+    assert line.endswith("pass --tpu=grpc://10.1.2.3:8470 to trust it")
+    settings = printed("--mode=eval", f"--model_dir={model_dir}")  # Evaluates on this host: no TPU.
+    assert (settings["strategy"], settings["tpu"]) == ("default", None)
+
+
 # ------------------------------------------------------------------ end to end: train, then --model_dir alone
 
 
@@ -255,7 +444,7 @@ def trained(tmp_path_factory):
     """A model_dir trained with `--model=mlp --config_file=...` (and an export) by engine.main."""
     root = tmp_path_factory.mktemp("config")
     config = root / "mlp.yaml"
-    config.write_text(yaml.safe_dump({**TINY, "learning_rate": 0.01, "task_params": {"units": 8}}))
+    config.write_text(yaml.safe_dump({**TINY, "learning_rate": 0.01}))
     model_dir = root / "run"
     result = main_in_process(
         "--model=mlp", f"--config_file={config}", f"--model_dir={model_dir}", f"--export_dir={root / 'export'}"
@@ -269,7 +458,7 @@ def trained(tmp_path_factory):
 def test_the_training_keeps_its_resolved_settings_in_config_yaml(trained):
     settings = yaml.safe_load((trained / "config.yaml").read_text())
     assert settings["model"] == "mlp" and settings["learning_rate"] == 0.01 and settings["train_steps"] == 4
-    assert settings["task_params"] == {"units": 8}
+    assert settings["task_params"] == {}  # A --task's keyword arguments are kept: test_stored_settings_...
     assert not set(settings) & set(PER_INVOCATION_SETTINGS)  # export_dir, mode, model_dir, ... left out
     assert not [p.name for p in trained.iterdir() if ".tmp" in p.name]  # written by a rename
 

@@ -15,6 +15,7 @@ from helpers import REPO, global_batches, kill_group, loss_fn, make_arrays, make
 import engine
 from engine.callbacks import Callback
 from engine.hooks import BestCheckpoint, EarlyStopping, ReduceLROnPlateau
+from engine.hooks.metric_watch import MetricWatch
 
 
 class Scripted(keras.metrics.Metric):
@@ -169,6 +170,19 @@ def test_a_missing_metric_names_the_reported_ones(mirrored, tmp_path):
         engine.UserError, match="'acuracy' is not reported; choose one of: loss, num_examples, score"
     ):
         trainer.train(2)
+
+
+def test_a_nan_or_inf_evaluation_is_never_the_best(caplog):
+    for mode in ("min", "max"):
+        watch = MetricWatch("loss", mode)
+        assert not watch.improves(float("nan"), None) and not watch.improves(float("inf"), None)
+        assert not watch.improves(float("-inf"), 1.0) and not watch.improves(float("nan"), 1.0)
+        assert not watch.update(float("nan")) and watch.best is None and watch.wait == 1
+        assert watch.update(0.5) and watch.best == 0.5  # The next finite value is the first best.
+    hook = BestCheckpoint("loss")  # A NaN eval loss once became best/ckpt-N, with "value": NaN in best.json.
+    hook.on_eval_end(trainer=None, step=4, logs={"loss": float("nan")})  # Touches no trainer, writes nothing.
+    assert (hook.best, hook.best_step) == (None, None)
+    assert "eval loss=nan at step 4 is not a number to keep a best checkpoint by" in caplog.text
 
 
 def test_early_stopping_modes():

@@ -2,12 +2,14 @@
 with the run's own evaluation and with the exported SavedModel, for .npz and .csv inputs."""
 
 import csv
+import errno
 import json
+import os
 
 import numpy as np
 import pytest
 import tensorflow as tf
-from helpers import main_in_process, one_error_line, snapshot
+from helpers import copy_of, main_in_process, one_error_line, snapshot
 
 TRAIN = ["--model=mlp", "--train_steps=20", "--steps_per_loop=10", "--global_batch_size=32", "--eval_every=0"]
 
@@ -115,3 +117,151 @@ def test_bad_predict_input_is_one_line_and_writes_nothing(trained, tmp_path, cas
 def test_predict_flags_without_predict_mode_are_refused(trained, tmp_path):
     line = one_error_line(main_in_process(*TRAIN, f"--predict_input={tmp_path / 'x.npz'}"))
     assert "--predict_input/--predict_output need --mode=predict" in line
+
+
+# ------------------------------------------------------------------ a CSV's columns, by name
+
+
+@pytest.fixture(scope="module")
+def csv_trained(tmp_path_factory):
+    """A model_dir trained for two steps on a tiny CSV (a, b, c and the label), the rows' features,
+    and no training CSV left: predict must not need it."""
+    root = tmp_path_factory.mktemp("csv")
+    rng = np.random.default_rng(0)
+    features = rng.normal(size=(64, 3)).astype(np.float32)
+    write_table(root / "train.csv", ["a", "label", "b", "c"], features, (features[:, 0] > 0).astype(int))
+    model_dir = root / "run"
+    result = main_in_process(
+        f"--dataset={root / 'train.csv'}",
+        "--label_column=label",
+        "--model=mlp",
+        "--train_steps=2",
+        "--mode=train",
+        "--global_batch_size=16",
+        f"--model_dir={model_dir}",
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    (root / "train.csv").unlink()
+    return model_dir, features
+
+
+def write_table(path, header, features, labels=None):
+    """`features` under the columns a, b, c of `header` (any order, with others: label, id)."""
+    with open(path, "w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(header)
+        for row, x in enumerate(features):
+            cells = {
+                "a": x[0],
+                "b": x[1],
+                "c": x[2],
+                "id": f"row{row}",
+                "label": 0 if labels is None else labels[row],
+            }
+            writer.writerow([cells[name] for name in header])
+    return path
+
+
+def test_predict_reads_a_csv_by_column_name_without_the_training_csv(csv_trained, tmp_path):
+    model_dir, features = csv_trained
+    record = json.loads((model_dir / "inputs.json").read_text())
+    assert (record["feature_columns"], record["label_column"]) == (["a", "b", "c"], "label")
+    as_trained = write_table(tmp_path / "as_trained.csv", ["a", "label", "b", "c"], features)
+    # Another order, no label column, a column of text the model does not take: the same predictions.
+    shuffled = write_table(tmp_path / "shuffled.csv", ["id", "c", "a", "b"], features)
+    before = snapshot(model_dir)
+    first = predict(model_dir, as_trained, tmp_path / "first.npy")
+    second = predict(model_dir, shuffled, tmp_path / "second.npy")
+    assert first.returncode == 0 and second.returncode == 0, (first.stderr[-2000:], second.stderr[-2000:])
+    assert "columns not read (not features): id" in second.stderr
+    np.testing.assert_array_equal(np.load(tmp_path / "first.npy"), np.load(tmp_path / "second.npy"))
+    assert np.load(tmp_path / "first.npy").shape == (64, 2)
+    assert snapshot(model_dir) == before
+
+
+@pytest.mark.parametrize(
+    "case,message",
+    [
+        ("missing", "has no column 'b'; the model was trained on the columns ['a', 'b', 'c'], found ['a', 'c']"),
+        ("twice", "names column 'a' twice (columns 1 and 3)"),
+        ("latin1", "'utf-8' codec can't decode byte 0xe9"),
+        ("zero_d", "x is a single value (a 0-d array), not examples"),
+    ],
+)
+def test_a_bad_csv_or_array_to_predict_is_one_line_and_writes_nothing(csv_trained, tmp_path, case, message):
+    model_dir, features = csv_trained
+    inputs = tmp_path / "in.csv"
+    if case == "missing":
+        write_table(inputs, ["a", "c"], features)
+    elif case == "twice":
+        inputs.write_text("a,b,a,c\n1,2,3,4\n")
+    elif case == "latin1":
+        inputs.write_bytes("a,b,c,caf\u00e9\n1,2,3,4\n".encode("latin-1"))
+    else:
+        inputs = tmp_path / "in.npz"
+        np.savez(inputs, x=np.float32(3.0))
+    before = snapshot(tmp_path), snapshot(model_dir)
+    line = one_error_line(predict(model_dir, inputs, tmp_path / "out.npy"))
+    assert message in line, line
+    assert (snapshot(tmp_path), snapshot(model_dir)) == before
+
+
+# ------------------------------------------------------------------ the output file
+
+
+def test_an_output_that_appears_while_predicting_is_never_replaced(tmp_path, monkeypatch):
+    from engine.cli import predictor
+    from engine.errors import UserError
+
+    outputs = np.arange(6, dtype=np.float32).reshape(3, 2)
+    target = tmp_path / "out.npy"
+    target.write_bytes(b"the other predict's rows")  # Written after this command checked the path.
+    with pytest.raises(UserError, match="appeared while this command predicted .* it was left as it is"):
+        predictor.write_rows(str(target), outputs)
+    assert target.read_bytes() == b"the other predict's rows" and sorted(tmp_path.iterdir()) == [target]
+    # Where the file system has no hard links, the name is claimed with O_EXCL: the same rule.
+    monkeypatch.setattr(os, "link", lambda *args: (_ for _ in ()).throw(OSError(errno.EPERM, "no links")))
+    with pytest.raises(UserError, match="appeared while this command predicted"):
+        predictor.write_rows(str(target), outputs)
+    predictor.write_rows(str(tmp_path / "new.csv"), outputs)
+    assert (tmp_path / "new.csv").read_text().splitlines() == [
+        "output_0,output_1",
+        "0.0,1.0",
+        "2.0,3.0",
+        "4.0,5.0",
+    ]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["new.csv", "out.npy"]
+
+
+def test_a_full_disk_under_the_output_is_one_line_and_leaves_nothing(tmp_path, monkeypatch):
+    from engine.cli import predictor
+    from engine.errors import UserError
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(np, "save", full)
+    with pytest.raises(UserError) as raised:
+        predictor.write_rows(str(tmp_path / "out.npy"), np.zeros((3, 2), np.float32))
+    assert str(raised.value) == (
+        f"--predict_output={tmp_path / 'out.npy'} cannot be written (No space left on device); free some space, "
+        "or pass a --predict_output on another disk; nothing was written there"
+    )
+    assert list(tmp_path.iterdir()) == []  # The temporary file went too.
+
+
+@pytest.mark.parametrize(
+    "record",
+    ['{"feature_shape": [3]', '{"feature_shape": [-1], "feature_dtype": "float32"}', "[]"],
+    ids=["truncated", "negative", "list"],
+)
+def test_a_damaged_inputs_record_is_one_line(csv_trained, tmp_path, record):
+    model_dir = copy_of(csv_trained[0], tmp_path / "run")
+    (model_dir / "inputs.json").write_text(record)
+    write_table(tmp_path / "in.csv", ["a", "b", "c"], csv_trained[1])
+    line = one_error_line(predict(model_dir, tmp_path / "in.csv", tmp_path / "out.npy"))
+    assert line == (
+        f"engine.main: error: {model_dir}/inputs.json (what the training's examples were) is damaged; "
+        "restore it or move it away (predict then reads the training's data again)"
+    )
+    assert not (tmp_path / "out.npy").exists()

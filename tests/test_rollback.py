@@ -285,6 +285,7 @@ def test_a_resume_after_a_rollback_reads_the_same_batches(default, tmp_path):
     [
         ({"on_nonfinite": "rollback", "rollback_skip_batches": -1}, "`rollback_skip_batches=-1` must be >= 0"),
         ({"on_nonfinite": "rollback", "max_rollbacks": 0}, "`max_rollbacks=0` must be at least 1"),
+        ({"on_nonfinite": "rollback", "max_rollbacks": 2**31 - 1}, "`max_rollbacks=2147483647` must be at most"),
         ({"max_loss": -1.0}, "`max_loss=-1.0` must be a positive, finite loss"),
         ({"on_nonfinite": "skip", "max_loss": 10.0}, "`max_loss=10.0` stops or rolls back on a spike"),
     ],
@@ -303,6 +304,7 @@ def test_bad_spike_options_are_refused_naming_them(default, arguments, message):
     [
         (["--on_nonfinite=rollback", "--rollback_skip_batches=-1"], "--rollback_skip_batches=-1 must be >= 0"),
         (["--on_nonfinite=rollback", "--max_rollbacks=0"], "--max_rollbacks=0 must be at least 1"),
+        (["--on_nonfinite=rollback", "--max_rollbacks=2147483647"], "--max_rollbacks=2147483647 must be at"),
         (["--on_nonfinite=skip", "--max_loss=10"], "pass --on_nonfinite=stop or --on_nonfinite=rollback"),
         (
             ["--on_nonfinite=rollback", "--strategy=parameter_server"],

@@ -67,13 +67,15 @@ class CheckpointedModel:
     checkpoints read-only (`CheckpointReader`): what `--mode=eval`, `continuous_eval` and
     `predict` restore into. Built on this host alone, whatever the training's cluster."""
 
-    def __init__(self, config: RunConfig, *, model_dir: str):
+    def __init__(self, config: RunConfig, *, model_dir: str, source=None):
+        """`source`: an input.DescribedSource of the training's examples (predict), so that no
+        data is read; None reads the data the settings name (eval needs its examples)."""
         prepare_process(config)
         # The cluster's strategy needs its peers; a reader works alone on this host.
         local = "mirrored" if config.cpu_devices > 1 or config.num_gpus else "default"
         name = config.strategy if config.strategy in ("default", "one_device", "mirrored") else local
         self.strategy = build_strategy(name, cpu_devices=config.cpu_devices, num_gpus=config.num_gpus)
-        self.task = resolve_task(config)
+        self.task = resolve_task(config, source=source)
         self.source = self.task.source
         self.final_step = config.total_steps(self.source.num_train_examples)
         # As training builds them (checked against the data before anything is read or written).

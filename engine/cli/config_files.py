@@ -43,6 +43,7 @@ from engine.cli.settings import (
     field_default,
     flag_settings,
 )
+from engine.cli.small_files import check_model_dir_entries, read_small_file
 from engine.errors import UserError, one_line
 
 STORED_CONFIG = "config.yaml"
@@ -105,6 +106,8 @@ def resolve_config(flag_values) -> RunConfig:
     layers = [*files, parse_overrides(flag_values["params_override"].value), command_line]
     model_dir = _last_value(layers, "model_dir")
     mode = str(_last_value(layers, "mode") or field_default(_FIELDS["mode"]))
+    if model_dir:
+        check_model_dir_entries(model_dir)  # No FIFO where a command reads: it would block forever.
     stored = read_stored_config(model_dir) if model_dir else None
     if stored is not None:
         stored = _inherited(stored, mode)
@@ -112,7 +115,9 @@ def resolve_config(flag_values) -> RunConfig:
     for layer in [stored, *layers] if stored is not None else layers:
         _apply(values, layer)
     if stored is not None and model_dir:
+        check_trusted(values, stored, layers)
         check_model_and_data(values, stored, layers, model_dir)
+    check_task_params_have_a_task(values, layers)
     values["config_file"] = tuple(values["config_file"] or ())
     return RunConfig(**values)
 
@@ -131,6 +136,7 @@ def _inherited(stored: Layer, mode: str) -> Layer:
     values = dict(stored.values)
     if mode in READER_MODES and values.get("strategy") in MULTI_HOST_STRATEGIES:
         del values["strategy"]
+        values.pop("tpu", None)  # The TPU's address goes with the strategy that needs it.
     return dataclasses.replace(stored, values=values)
 
 
@@ -158,6 +164,60 @@ def merged(base: Mapping[str, Any], update: Mapping[str, Any]) -> dict[str, Any]
         else:
             result[key] = value
     return result
+
+
+def check_task_params_have_a_task(values: Mapping[str, Any], layers: list[Layer]) -> None:
+    """task_params are the keyword arguments of a --task function: given without one (a
+    --params_override=task_params.units=64 for a --model run), nothing would read them."""
+    if values["task"] or not values["task_params"]:
+        return
+    layer = next((layer for layer in reversed(layers) if layer.values.get("task_params")), None)
+    if layer is not None:  # Else only a hand-edited config.yaml holds them: the run never used them.
+        raise UserError(
+            f"{layer.spelled('task_params')} sets keyword arguments of a --task function, but no --task is "
+            f"given; pass --task=package.module:function, or {layer.without('task_params')}"
+        )
+
+
+def names_code(name: str, value: Any) -> bool:
+    """Whether setting `name`'s `value` makes the engine import and call code, or reach a
+    machine: a `package.module:function` (--task always; --model and --dataset unless a built-in
+    name, a file or tfds:NAME), or a TPU's network address."""
+    if not isinstance(value, str) or not value:
+        return False
+    if name == "task":
+        return True
+    if name == "model":
+        return ":" in value
+    if name == "dataset":
+        return ":" in value and not value.startswith("tfds:") and not value.endswith((".npz", ".csv"))
+    if name == "tpu":
+        return value != "local"
+    return False
+
+
+TRUSTED_SETTINGS = ("task", "model", "dataset", "tpu")  # The settings that can name code (names_code).
+
+
+def check_trusted(values: Mapping[str, Any], stored: Layer, layers: list[Layer]) -> None:
+    """A model_dir is data: the code its config.yaml names runs only if this command names it too.
+
+    A `package.module:function` (or a TPU address) that a command would take from the stored
+    config.yaml alone is refused, unless a flag, a --config_file or --params_override of this
+    command gives the same value: `task: subprocess:run` with `task_params: {args: ..., shell:
+    true}` in a model_dir someone hands over would otherwise run a shell command on `--mode=eval`.
+    Refused before anything is imported."""
+    for name in TRUSTED_SETTINGS:
+        value = values[name]
+        if not names_code(name, value) or stored.values.get(name) != value:
+            continue
+        if any(layer.values.get(name) == value for layer in layers):
+            continue  # Named by this command's own flags or files: the user's choice.
+        what = "a machine to send the model and data to" if name == "tpu" else "code to run"
+        raise UserError(
+            f"{name}={value} in {stored.where} names {what}, and a model_dir cannot choose that for you "
+            f"(docs/security.md); pass --{name}={value} to trust it"
+        )
 
 
 def check_model_and_data(values: Mapping[str, Any], stored: Layer, layers: list[Layer], model_dir: str) -> None:
@@ -361,15 +421,8 @@ def _kind_of(data: Any) -> str:
 
 
 def _read_text(path: str, where: str, *, fix: str) -> str:
-    try:
-        if tf.io.gfile.isdir(path):
-            raise UserError(f"{where} is a directory; {fix}")
-        with tf.io.gfile.GFile(path, "rb") as handle:
-            data = handle.read()
-    except tf.errors.NotFoundError:
-        raise UserError(f"{where} does not exist; {fix}") from None
-    except (tf.errors.OpError, OSError) as error:
-        raise UserError(f"{where} cannot be read ({one_line(error, 120)}); {fix}") from None
+    """A config file's text: a regular file of at most 1 MiB (small_files), UTF-8."""
+    data = read_small_file(path, where, fix=fix)
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as error:
@@ -385,13 +438,17 @@ def _parse(path: str, text: str, where: str, *, fix: str, damaged: bool = False)
     is_not = "is damaged: not valid" if damaged else "is not valid"
     try:
         if path.endswith(".json"):
-            return json.loads(text, object_pairs_hook=_unique_pairs)
+            data = json.loads(text, object_pairs_hook=_unique_pairs)
+            _check_json_size(data)
+            return data
         return yaml.load(text, Loader=_StrictLoader)  # noqa: S506 (a SafeLoader)
     except json.JSONDecodeError as error:
         raise UserError(f"{where} {is_not} JSON ({error}); {fix}") from None
+    except RecursionError:  # json's own parser, nested deeper than Python's stack.
+        raise UserError(f"{where}: {_TooLarge.deep()}; {fix}") from None
     except yaml.YAMLError as error:
         raise UserError(f"{where} {is_not} YAML ({_yaml_problem(error)}); {fix}") from None
-    except _DuplicateKey as error:
+    except (_DuplicateKey, _TooLarge) as error:
         raise UserError(f"{where}: {error}; {fix}") from None
 
 
@@ -408,8 +465,84 @@ def _unique_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return result
 
 
+# What a file of settings may hold, counted as YAML composes it, aliases expanded: a 1 KB file of
+# nested aliases (a "billion laughs") expands to billions of values, which every later step (typing,
+# merging, printing, copying the config) walks; nested 20,000 deep, it overflows Python's stack.
+MAX_VALUES = 10_000  # Scalars, lists and mappings; a config holds about a hundred.
+MAX_DEPTH = 50  # Lists and mappings inside each other.
+
+
+class _TooLarge(ValueError):
+    @staticmethod
+    def deep() -> str:
+        return f"it nests lists or mappings more than {MAX_DEPTH} deep; a config file is a few levels deep"
+
+    @staticmethod
+    def many() -> str:
+        return f"it holds more than {MAX_VALUES} values (aliases expanded); a config file holds about a hundred"
+
+
 class _StrictLoader(yaml.SafeLoader):
-    """PyYAML's SafeLoader refusing a key set twice in one mapping (it keeps the last one)."""
+    """PyYAML's SafeLoader refusing a key set twice in one mapping (it keeps the last one), and
+    bounded: it counts every node as it composes it, an alias as the whole node it names, and
+    refuses more than MAX_VALUES of them, nesting deeper than MAX_DEPTH (an alias adds the depth of
+    what it names), and an alias inside the node it names (an endless structure). Aliases stay
+    allowed (anchors and `<<: *defaults` merges are ordinary YAML); only what they expand to counts.
+    The check runs before anything is constructed, in time linear in the file's length."""
+
+    def __init__(self, stream: str) -> None:
+        super().__init__(stream)
+        self._values = 0  # Nodes composed so far, aliases expanded.
+        self._depth = 0  # The depth of the node being composed.
+        self._deepest = 0  # The deepest level reached so far, aliases expanded.
+        self._expanded: dict[int, tuple[int, int]] = {}  # id(node) -> (its values, its height)
+
+    def compose_node(self, parent: yaml.Node | None, index: Any) -> yaml.Node:
+        if self.check_event(yaml.AliasEvent):
+            anchor = self.peek_event().anchor
+            node = self.anchors.get(anchor)
+            if node is not None:  # Else PyYAML's own "found undefined alias".
+                if id(node) not in self._expanded:
+                    raise _TooLarge(
+                        f"alias *{anchor} is inside the node &{anchor} it names (an endless structure)"
+                    )
+                values, height = self._expanded[id(node)]
+                self._count(values, self._depth + height)
+            return super().compose_node(parent, index)
+        self._depth += 1
+        if self._depth > MAX_DEPTH:
+            raise _TooLarge(_TooLarge.deep())
+        values_before, deepest_before = self._values, self._deepest
+        self._deepest = self._depth
+        node = super().compose_node(parent, index)
+        self._count(1, self._depth)
+        self._expanded[id(node)] = (self._values - values_before, self._deepest - self._depth + 1)
+        self._deepest = max(self._deepest, deepest_before)
+        self._depth -= 1
+        return node
+
+    def _count(self, values: int, deepest: int) -> None:
+        self._values += values
+        self._deepest = max(self._deepest, deepest)
+        if self._values > MAX_VALUES:
+            raise _TooLarge(_TooLarge.many())
+        if self._deepest > MAX_DEPTH:
+            raise _TooLarge(_TooLarge.deep())
+
+
+def _check_json_size(data: Any) -> None:
+    """The JSON form of `_StrictLoader`'s bounds (JSON has no aliases: a walk counts them)."""
+    pending, values = [(data, 1)], 0
+    while pending:
+        value, depth = pending.pop()
+        values += 1
+        if values > MAX_VALUES:
+            raise _TooLarge(_TooLarge.many())
+        if isinstance(value, (dict, list)):
+            if depth > MAX_DEPTH:
+                raise _TooLarge(_TooLarge.deep())
+            children = value.values() if isinstance(value, dict) else value
+            pending.extend((child, depth + 1) for child in children)
 
 
 def _unique_mapping(loader: _StrictLoader, node: yaml.MappingNode) -> dict[Any, Any]:

@@ -1,10 +1,12 @@
 """The --flagfile files of a command line, checked before absl reads them.
 
 absl reads a flagfile as text and dies with a UnicodeDecodeError traceback
-on binary bytes, and it skips a flagfile that includes itself with a warning,
-running with the flags it never read. Both become one line naming the file.
-Only regular files are read here: a pipe (`--flagfile=<(...)`) can be read once,
-by absl.
+on binary bytes, it skips a flagfile that includes itself with a warning,
+running with the flags it never read, and it blocks forever on a named pipe
+nothing writes to (or reads /dev/zero until memory runs out). Each becomes one
+line naming the file: a flagfile is a regular file of at most 1 MiB, or the
+pipe the shell opens for `--flagfile=<(...)` (/dev/fd/N), which only absl reads
+(a pipe can be read once).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import os
 import stat
 from collections.abc import Iterator, Sequence
 
+from engine.cli.small_files import file_kind, is_shell_pipe, read_small_file
 from engine.errors import UserError
 
 _DIRECTIVES = ("--flagfile=", "-flagfile=")
@@ -48,12 +51,15 @@ def _check(name: str, stack: tuple[str, ...]) -> None:
             f"--flagfile={name} includes itself ({chain}); remove the --flagfile line that closes the loop"
         )
     try:
-        if not stat.S_ISREG(os.stat(name).st_mode):
-            return  # A pipe or device: absl reads it (once); a directory: absl names it.
-        with open(name, "rb") as handle:
-            data = handle.read()
+        mode = os.stat(name).st_mode
     except OSError:
         return  # absl names the file and the reason in one line.
+    if stat.S_ISDIR(mode) or (stat.S_ISFIFO(mode) and is_shell_pipe(name)):
+        return  # A directory: absl names it; the shell's pipe: absl reads it (once).
+    fix = "write the flags to a regular file, one --flag=value per line"
+    if not stat.S_ISREG(mode):
+        raise UserError(f"--flagfile={name} is {file_kind(mode)}, not a regular file; {fix}")
+    data = read_small_file(name, f"--flagfile={name}", fix=fix)
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as error:

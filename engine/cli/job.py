@@ -24,7 +24,7 @@ from engine import checkpoint as checkpoint_lib
 from engine import model_dir as model_dir_lib
 from engine import repairs
 from engine.callbacks.progress import format_logs
-from engine.cli import evaluator, host_memory, predictor
+from engine.cli import evaluator, host_memory, inputs_record, predictor
 from engine.cli.assembly import build_model_and_optimizer, prepare_process
 from engine.cli.config_files import check_stored_config_writable, write_stored_config
 from engine.cli.hooks_from_flags import hooks_from_config
@@ -146,6 +146,7 @@ def _train_and_evaluate(
             raise UserError(f"{metrics_path} is a directory; move it away, the run writes its results there")
         read_record(model_dir)  # Damaged: refused now, not after training.
         check_stored_config_writable(model_dir)
+        inputs_record.check_writable(model_dir)
         model_dir_lib.recover_state(checkpoint_lib.checkpoint_dir(model_dir))
         checkpoint_lib.check_settings(
             model_dir, _optimizer_settings(config), flags_may_change=config.reset_optimizer
@@ -202,6 +203,7 @@ def _train_and_evaluate(
         checkpoint_lib.record_settings(model_dir, _optimizer_settings(config))
         # What a rerun, --mode=eval or --mode=predict with only --model_dir rebuilds the model from.
         write_stored_config(model_dir, config)
+        inputs_record.write(model_dir, task, config.label_column)  # What predict rebuilds the model from.
     try:
         outcome = _train_with_clean_errors(
             config, strategy, source, trainer, total_steps, evaluates=eval_data is not None, model_dir=model_dir

@@ -7,20 +7,34 @@ the model restored read-only from `--model_dir` (its moving averages with
 --ema_decay) over the replicas, and writes one output row per example, in
 the input's order, to a new `--predict_output` (.npy or .csv). The model_dir
 is only read.
+
+The model is rebuilt from `<model_dir>/inputs.json` (engine.cli.inputs_record), not from
+the training's data, which need not exist any more; a CSV's columns are read by the
+names the model was trained on, in that order (its label column and any other column
+are not read), so a file with its columns in another order predicts the same. A
+model_dir without inputs.json (an older run) reads the training's data as before, and a
+CSV's columns by position. The output is written to a temporary file beside it and
+linked into place only if nothing is there: two predicts to one path never replace each
+other's file.
 """
 
 from __future__ import annotations
 
+import contextlib
 import csv
+import errno
 import math
 import os
 import tempfile
+import zipfile
+import zlib
 from typing import Any
 
 import numpy as np
 from absl import logging
 
 from engine import checkpoint as checkpoint_lib
+from engine.cli import inputs_record
 from engine.cli.assembly import CheckpointedModel
 from engine.cli.settings import RunConfig
 from engine.errors import UserError
@@ -37,8 +51,15 @@ def run(config: RunConfig) -> dict[str, Any]:
         raise UserError(
             f"--mode=predict: no checkpoint in {directory}; train first or pass the --model_dir of a trained run"
         )
-    restored = CheckpointedModel(config, model_dir=config.model_dir)
-    inputs = read_examples(config.predict_input, restored.task.input_shape, label_column=config.label_column)
+    record = inputs_record.read(config.model_dir)
+    columns = record.feature_columns if record is not None else None
+    if record is not None:  # The examples' shape without the training's data: nothing else is read.
+        restored = CheckpointedModel(config, model_dir=config.model_dir, source=record.source(config.dataset))
+    else:
+        restored = CheckpointedModel(config, model_dir=config.model_dir)
+    inputs = read_examples(
+        config.predict_input, restored.task.input_shape, label_column=config.label_column, columns=columns
+    )
     restored.reader.read(path, strict=True)
     with restored.averaged_weights():
         outputs = PredictRunner(restored.strategy, restored.model).run(
@@ -55,19 +76,34 @@ def run(config: RunConfig) -> dict[str, Any]:
     return {"global_step": restored.step, "predictions": len(inputs), "predict_output": config.predict_output}
 
 
-def read_examples(path: str, input_shape: tuple[int, ...], *, label_column: str | None = None) -> np.ndarray:
-    """The examples of `path` as float32 of shape (N, *input_shape), prepared as in training;
-    a .csv's `label_column` (the training's --label_column), if it has one, is dropped."""
+def read_examples(
+    path: str,
+    input_shape: tuple[int, ...],
+    *,
+    label_column: str | None = None,
+    columns: tuple[str, ...] | None = None,
+) -> np.ndarray:
+    """The examples of `path` as float32 of shape (N, *input_shape), prepared as in training.
+    A .csv's `columns` (the training's feature columns) are read by name; without them, every
+    column by position but `label_column` (the training's --label_column), if it has one."""
     if path.endswith(".npz"):
         try:
-            with np.load(path, allow_pickle=False) as arrays:
+            loaded = np.load(path, allow_pickle=False)
+            if not hasattr(loaded, "files"):  # np.save's single array, whatever the file's name.
+                raise UserError(f"--predict_input={path} is one .npy array; save it as np.savez(path, x=...)")
+            with loaded as arrays:
                 if "x" not in arrays:
                     raise UserError(f"--predict_input={path} holds {sorted(arrays)}, no `x` array of examples")
                 examples = arrays["x"]
-        except (OSError, ValueError) as error:
+        except (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error) as error:
             raise UserError(f"--predict_input={path} is not a readable .npz ({error})") from None
     else:
-        examples = _read_csv(path, label_column)
+        examples = _read_csv(path, label_column, columns)
+    if examples.ndim == 0:
+        raise UserError(
+            f"--predict_input={path}: x is a single value (a 0-d array), not examples; save one example a row, "
+            "x of shape (N, ...)"
+        )
     if examples.dtype == np.uint8:
         examples = examples.astype(np.float32) / 255.0  # As the data sets scale their pixels.
     elif not np.issubdtype(examples.dtype, np.floating) and not np.issubdtype(examples.dtype, np.integer):
@@ -88,26 +124,40 @@ def read_examples(path: str, input_shape: tuple[int, ...], *, label_column: str 
     return examples
 
 
-def _read_csv(path: str, label_column: str | None) -> np.ndarray:
+def _read_csv(path: str, label_column: str | None, columns: tuple[str, ...] | None) -> np.ndarray:
     from engine.cli.own_packages import own_package
 
-    input_lib = own_package("input")
-    with open(path, newline="") as handle:
-        header = [name.strip() for name in next(csv.reader(handle), [])]
+    files = own_package("input").files
     try:
-        _, features, _ = input_lib.files.read_table(
+        if columns is not None:
+            features, others = files.read_columns(path, list(columns), flag="predict_input")
+            ignored = [name for name in others if name != label_column]
+            if ignored:
+                logging.info("--predict_input=%s: columns not read (not features): %s", path, ",".join(ignored))
+            return features
+        header = files.csv_header(path, flag="predict_input")
+        _, features, _ = files.read_table(
             path, label_column if label_column in header else None, flag="predict_input"
         )
-    except input_lib.DataError as error:
+    except own_package("input").DataError as error:
         raise UserError(str(error)) from None
     return features
 
 
+# What a file system without hard links says to os.link (then an O_EXCL claim of the name is used).
+_NO_HARD_LINKS = {errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EXDEV, errno.EMLINK, errno.ENOSYS}
+
+
 def write_rows(path: str, outputs: np.ndarray) -> None:
-    """One row per example, written to a temporary file and renamed, so a reader never
-    sees half of it."""
+    """One row per example, written to a temporary file beside `path` and moved there only if
+    nothing is there yet (a hard link fails on an existing name; another predict's file, or
+    anyone's, is never replaced), so a reader never sees half of it. A full disk or another
+    write error is one line, and nothing is left behind."""
     directory = os.path.dirname(os.path.abspath(path))
-    handle, temporary = tempfile.mkstemp(dir=directory, prefix=".predict-", suffix=os.path.splitext(path)[1])
+    try:
+        handle, temporary = tempfile.mkstemp(dir=directory, prefix=".predict-", suffix=os.path.splitext(path)[1])
+    except OSError as error:
+        raise UserError(_write_problem(path, error)) from None
     try:
         with os.fdopen(handle, "w" if path.endswith(".csv") else "wb") as out:
             if path.endswith(".npy"):
@@ -117,7 +167,43 @@ def write_rows(path: str, outputs: np.ndarray) -> None:
                 writer = csv.writer(out)
                 writer.writerow([f"output_{index}" for index in range(len(rows[0]))])
                 writer.writerows(rows.tolist())
-        os.replace(temporary, path)
-    except BaseException:
-        os.unlink(temporary)
+            out.flush()
+            os.fsync(out.fileno())
+        _move_into_place(temporary, path)
+    except FileExistsError:
+        raise UserError(
+            f"--predict_output={path} appeared while this command predicted (another command wrote it); it was "
+            "left as it is: pass a new path"
+        ) from None
+    except OSError as error:
+        raise UserError(_write_problem(path, error)) from None
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(temporary)
+
+
+def _move_into_place(temporary: str, path: str) -> None:
+    """`temporary` at `path` if `path` does not exist, else FileExistsError (never replaced)."""
+    try:
+        os.link(temporary, path)
+    except FileExistsError:
         raise
+    except OSError as error:
+        if error.errno not in _NO_HARD_LINKS:
+            raise
+        os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))  # Claims the name, or fails.
+        os.replace(temporary, path)  # Over our own empty claim only.
+
+
+def _write_problem(path: str, error: OSError) -> str:
+    reason = error.strerror or str(error)
+    hint = (
+        "free some space, or pass a --predict_output on another disk"
+        if error.errno
+        in (
+            errno.ENOSPC,
+            errno.EDQUOT,
+        )
+        else "pass a --predict_output where this user can write"
+    )
+    return f"--predict_output={path} cannot be written ({reason}); {hint}; nothing was written there"

@@ -43,6 +43,8 @@ class RunTask:
     _metrics: Callable[[], list[keras.metrics.Metric]] = field(repr=False)
     step_fn: ReplicaStep | None = None
     eval_step_fn: EvalStep | None = None
+    # A CSV's feature columns, by name, in the order the model takes them (None: not a CSV).
+    feature_columns: tuple[str, ...] | None = None
 
     @property
     def input_shape(self) -> tuple[int, ...]:
@@ -119,8 +121,10 @@ def user_task(config: RunConfig) -> Task:
     return task
 
 
-def resolve_task(config: RunConfig) -> RunTask:
-    """The run's task, its data loaded (or checked) and its loss and metrics chosen."""
+def resolve_task(config: RunConfig, *, source: Any = None) -> RunTask:
+    """The run's task, its data loaded (or checked) and its loss and metrics chosen. With a
+    `source` (an input.DescribedSource: what the data were, recorded by the training), no data
+    are read: predict rebuilds the model from it."""
     task = user_task(config)
     models, input_lib = own_package("models"), own_package("input")
     loss = task.loss if task.loss is not None else config.loss
@@ -141,8 +145,11 @@ def resolve_task(config: RunConfig) -> RunTask:
         "eval_fraction": config.eval_fraction,
         "label_kind": wanted_kind,
     }
+    feature_columns = None
     try:
-        if task.data is not None:
+        if source is not None:
+            pass  # Described by the training's record: nothing to read.
+        elif task.data is not None:
             source = input_lib.as_data_source(
                 task.data,
                 input_lib.DataOptions(**options),
@@ -154,6 +161,9 @@ def resolve_task(config: RunConfig) -> RunTask:
             if shape is None and config.dataset in IMAGE_SETS_AT_MODEL_SHAPE:
                 shape = default_shape or models.USER_MODEL_INPUT_SHAPE
             source = input_lib.get_data_source(config.dataset, image_shape=shape, **options)
+            if config.dataset.endswith(".csv"):  # What predict reads a CSV's columns by.
+                header = input_lib.files.csv_header(config.dataset)
+                feature_columns = tuple(name for name in header if name != config.label_column)
     except input_lib.DataError as error:
         raise UserError(str(error)) from None
     labels = source.labels
@@ -199,6 +209,7 @@ def resolve_task(config: RunConfig) -> RunTask:
         _metrics=metrics,
         step_fn=task.step_fn,
         eval_step_fn=task.eval_step_fn,
+        feature_columns=feature_columns,
     )
 
 

@@ -30,6 +30,7 @@ from engine.options import (  # noqa: F401 (re-exported: the command line's name
     DEFAULT_MAX_ROLLBACKS,
     DEFAULT_STARTUP_TIMEOUT,
     DEFAULT_STEPS_PER_LOOP,
+    MAX_ROLLBACKS,
     METRIC_MODES,
     MULTI_HOST_STRATEGIES,
     NONFINITE_POLICIES,
@@ -398,7 +399,8 @@ class RunConfig:
     )
     max_rollbacks: int = setting(
         DEFAULT_MAX_ROLLBACKS,
-        "--on_nonfinite=rollback: after this many rollbacks the next spike stops the run (nothing saved).",
+        f"--on_nonfinite=rollback: after this many rollbacks (at most {MAX_ROLLBACKS}) the next spike stops the "
+        "run (nothing saved).",
     )
     # State on disk.
     model_dir: str | None = setting(

@@ -72,6 +72,15 @@ class BestCheckpoint(Callback):
 
     def on_eval_end(self, trainer: TrainerView, step: int, logs: Mapping[str, Any]) -> None:
         value = metric_value(logs, self.metric)
+        if not math.isfinite(value):
+            logging.warning(
+                "eval %s=%s at step %d is not a number to keep a best checkpoint by; the best stays %s",
+                self.metric,
+                value,
+                step,
+                "unset" if self.best_step is None else f"step {self.best_step}'s",
+            )
+            return
         if not self.watch.improves(value, self.watch.best):
             return
         if trainer.strategy.extended.should_checkpoint:  # Only the chief writes; every worker tracks the best.

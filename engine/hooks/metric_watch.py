@@ -55,6 +55,11 @@ class MetricWatch:
         self.wait = 0
 
     def improves(self, value: float, reference: float | None) -> bool:
+        """Whether `value` beats `reference` (None: nothing yet). A NaN or infinite value never
+        does: a diverged evaluation is not a best checkpoint, nor the bar later ones must beat
+        (NaN compares false with everything, so it would stay the best forever)."""
+        if not math.isfinite(value):
+            return False
         if reference is None:
             return True
         if self.mode == "min":
