@@ -16,7 +16,8 @@ from typing import Any
 
 import keras
 
-from engine.steps import EvalStep, PerExampleLoss, ReplicaStep
+from engine.losses import LossFn
+from engine.steps import EvalStep, ReplicaStep
 
 
 @dataclass(frozen=True)
@@ -30,7 +31,9 @@ class Task:
       `(train, eval)` finite `tf.data.Dataset`s of unbatched `(features, labels)` examples
       (read into memory; eval may be None), or a function returning either; None: `--dataset`.
     - `loss`: a Keras loss name (`engine.objectives`), or `loss_fn(labels, outputs)`
-      returning per-example losses (with `num_outputs`); None: `--loss` or the labels' default.
+      returning per-example (or per-element) losses (with `num_outputs`), or such functions
+      nested like a model's several outputs; None: `--loss` or the labels' default.
+    - `loss_weights`: with a nested `loss`, each output's weight nested alike (`engine.losses`).
     - `metrics`: names (`engine.objectives.build_metric`) or `keras.metrics.Metric`
       objects (fed the model's outputs as they are); None: `--metrics` or the default.
     - `num_outputs`: the model's output size where `loss` is a function; None: from the labels.
@@ -39,8 +42,9 @@ class Task:
 
     model: Callable[[tuple[int, ...], int], keras.Model] | None = None
     data: Any = None
-    loss: str | PerExampleLoss | None = None
+    loss: str | LossFn | None = None
     metrics: Sequence[str | keras.metrics.Metric] | None = None
     num_outputs: int | None = None
     step_fn: ReplicaStep | None = None
     eval_step_fn: EvalStep | None = None
+    loss_weights: Any = None

@@ -403,5 +403,59 @@ FORMS = [
 BY_NAME = {form.name: form for form in FORMS}
 
 
+# The forms whose state a resume must carry: random state, replica-local statistics,
+# masks with sparse gradients and momentum, several outputs, Adam's slots.
+RESUMED = ("dropout", "augmentation", "batch_norm", "masked_gru", "two_outputs_dict", "conv")
+
+
+def trained_weights(form: Form, strategy: Any, steps: int, model_dir: str | None) -> list[np.ndarray]:
+    """Every variable of the form's model (random state included) after training to `steps`
+    with the engine, two steps a loop, checkpoints in `model_dir`."""
+    import tensorflow as tf
+
+    import engine
+
+    with strategy.scope():
+        model = form.model()
+        optimizer = form.make_optimizer()
+    x, y, *weights = form.data(NUM_TRAIN, SEED)
+    arrays = (x, y, *weights)
+    as_tuples = lambda v: tuple(v) if isinstance(v, list) else v  # noqa: E731
+    trainer = engine.Trainer(
+        strategy=strategy,
+        model=model,
+        optimizer=optimizer,
+        train_data=tf.data.Dataset.from_tensor_slices(tuple(as_tuples(a) for a in arrays)).batch(GLOBAL_BATCH),
+        global_batch_size=GLOBAL_BATCH,
+        loss_fn=form.engine_loss(),
+        loss_weights=form.loss_weights,
+        steps_per_loop=2,
+        model_dir=model_dir,
+    )
+    trainer.train(steps)
+    trainer.close()
+    return [np.asarray(tf.convert_to_tensor(v)) for v in engine.variables.all_variables(model)]
+
+
+def main(argv: list[str]) -> None:
+    """`conformance_forms.py half DIR` trains each RESUMED form to step 2 in DIR/<form> and
+    its uninterrupted run to TRAIN_STEPS (saved as DIR/<form>.whole.npz); `... resume DIR`
+    resumes DIR/<form> to TRAIN_STEPS in this new process (DIR/<form>.resumed.npz). Two
+    replicas, as the suite's processes have them."""
+    import engine
+
+    engine.configure_cpu_devices(2)
+    strategy = engine.build_strategy("mirrored", cpu_devices=2)
+    what, root = argv
+    for name in RESUMED:
+        form = BY_NAME[name]
+        model_dir = f"{root}/{name}"
+        if what == "half":
+            np.savez(f"{root}/{name}.whole.npz", *trained_weights(form, strategy, TRAIN_STEPS, None))
+            trained_weights(form, strategy, 2, model_dir)
+        else:
+            np.savez(f"{root}/{name}.resumed.npz", *trained_weights(form, strategy, TRAIN_STEPS, model_dir))
+
+
 if __name__ == "__main__":
-    sys.exit("import this module; tests/test_conformance.py runs it")
+    main(sys.argv[1:])

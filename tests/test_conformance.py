@@ -206,3 +206,26 @@ def test_accumulating_two_micro_batches_equals_one_batch(name, replicas):
     for one_batch, two_parts in zip(whole.model.weights, accumulated.model.weights, strict=True):
         assert_close(replica_mean(two_parts), replica_mean(one_batch), one_batch.path)
     assert_close(logs["loss"], whole_logs["loss"], "loss")
+
+
+@pytest.mark.slow
+@pytest.mark.process
+def test_a_run_resumed_in_a_new_process_ends_bitwise_where_the_uninterrupted_run_ends(tmp_path):
+    """Forms whose state a resume must carry (conformance_forms.RESUMED): every variable,
+    random state included, on two replicas, checkpointed at step 2 and resumed in a new
+    process, against the uninterrupted run with the same loops."""
+    script = str(REPO / "tests" / "conformance_forms.py")
+    for what in ("half", "resume"):
+        done = subprocess.run(
+            [sys.executable, script, what, str(tmp_path)],
+            env=python_env(),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+    for name in forms.RESUMED:
+        whole, resumed = np.load(tmp_path / f"{name}.whole.npz"), np.load(tmp_path / f"{name}.resumed.npz")
+        assert len(whole.files) == len(resumed.files) > 0
+        for key in whole.files:
+            np.testing.assert_array_equal(resumed[key], whole[key], err_msg=f"{name} {key}")

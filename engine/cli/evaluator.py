@@ -37,6 +37,7 @@ from engine.data import as_eval_form
 from engine.errors import UserError
 from engine.hooks.best_checkpoint import BestCheckpoint
 from engine.logger import logger
+from engine.losses import Objective
 from engine.model_dir import latest_checkpoint
 from engine.runners import EvalRunner
 from engine.summaries import SummaryWriters
@@ -110,7 +111,7 @@ class Evaluator:
         self.runner = EvalRunner(
             self.strategy,
             self.model,
-            task["loss_fn"],
+            Objective(task["loss_fn"], task.get("loss_weights")),
             as_eval_form(lambda context: source.eval_dataset(global_batch_size=batch, input_context=context)),
             metrics=task["metrics"],
             eval_step_fn=task.get("eval_step_fn"),

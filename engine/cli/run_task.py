@@ -21,7 +21,8 @@ from engine import objectives
 from engine.cli.own_packages import own_package  # The engine's, beside a user's models.py/input.py.
 from engine.cli.settings import RunConfig
 from engine.errors import UserError
-from engine.steps import EvalStep, PerExampleLoss, ReplicaStep
+from engine.losses import LossFn
+from engine.steps import EvalStep, ReplicaStep
 from engine.task import Task
 from engine.user_code import UserCodeError, first_line, import_callable, signature_text
 
@@ -37,7 +38,7 @@ class RunTask:
     build: Callable[[tuple[int, ...], int], keras.Model]
     source: Any  # input.DataSource
     loss_name: str  # A Keras name, or the user's function's name.
-    loss_fn: PerExampleLoss
+    loss_fn: LossFn
     num_outputs: int
     metric_names: tuple[str, ...]
     _metrics: Callable[[], list[keras.metrics.Metric]] = field(repr=False)
@@ -45,6 +46,7 @@ class RunTask:
     eval_step_fn: EvalStep | None = None
     # A CSV's feature columns, by name, in the order the model takes them (None: not a CSV).
     feature_columns: tuple[str, ...] | None = None
+    loss_weights: Any = None  # The Task's, for a loss nested like several outputs.
 
     @property
     def input_shape(self) -> tuple[int, ...]:
@@ -58,6 +60,8 @@ class RunTask:
     def trainer_arguments(self) -> dict[str, Any]:
         """`loss_fn`, `metrics` (new objects each call) and any custom steps, as the Trainer takes them."""
         arguments: dict[str, Any] = {"loss_fn": self.loss_fn, "metrics": self._metrics()}
+        if self.loss_weights is not None:
+            arguments["loss_weights"] = self.loss_weights
         if self.step_fn is not None:
             arguments["step_fn"] = self.step_fn
         if self.eval_step_fn is not None:
@@ -176,7 +180,7 @@ def resolve_task(config: RunConfig, *, source: Any = None) -> RunTask:
                 f"{labels.describe()} ({labels.kind}); use a loss for them, e.g. "
                 f"--loss={objectives.DEFAULT_LOSSES[labels.kind]}"
             )
-        loss_fn: PerExampleLoss = objectives.PerExampleLoss(loss, labels.width)
+        loss_fn: LossFn = objectives.PerExampleLoss(loss, labels.width)
         loss_name = loss
         num_outputs = labels.width
     else:
@@ -209,6 +213,7 @@ def resolve_task(config: RunConfig, *, source: Any = None) -> RunTask:
         _metrics=metrics,
         step_fn=task.step_fn,
         eval_step_fn=task.eval_step_fn,
+        loss_weights=task.loss_weights,
         feature_columns=feature_columns,
     )
 
