@@ -63,6 +63,26 @@ def set_keras_mask(tensor: Any, mask: Any) -> None:
     set_mask(tensor, mask)
 
 
+def metric_unbuilt(metric: Any) -> bool:
+    """Whether a Keras metric still makes its variables on its first `update_state` (R2Score,
+    F1Score, FBetaScore, AUC(multi_label=True) without num_labels): Keras's `_built` flag,
+    no public one."""
+    return getattr(metric, "_built", True) is False and callable(getattr(metric, "_build", None))
+
+
+def build_metric(metric: Any, y_true_shape: Sequence[int | None], y_pred_shape: Sequence[int | None]) -> None:
+    """Makes such a metric's variables now, for batches of these shapes (Keras's `_build`, which
+    takes the predictions' shape alone (AUC) or both): made inside a distributed step instead,
+    they fail it ("You must feed a value for placeholder tensor")."""
+    import inspect
+
+    build = metric._build  # noqa: SLF001
+    if len(inspect.signature(build).parameters) == 1:
+        build(list(y_pred_shape))
+    else:
+        build(list(y_true_shape), list(y_pred_shape))
+
+
 def num_workers(strategy: tf.distribute.Strategy) -> int:
     """The worker count of a multi-worker or parameter-server strategy (no public count)."""
     return int(strategy.extended._num_workers)  # noqa: SLF001

@@ -38,7 +38,17 @@ from engine.errors import UserError
 
 PerElementLoss = Callable[[Any, Any], tf.Tensor]
 # A loss_fn: one callable, or callables nested like the model's outputs (a dict or list).
-LossFn = PerElementLoss | Mapping[str, PerElementLoss] | Sequence[PerElementLoss]
+LossFn = PerElementLoss | Mapping[str, PerElementLoss] | Sequence[PerElementLoss] | Any
+
+
+@dataclass(frozen=True)
+class SameLabels:
+    """`loss` applied to each of a model's `outputs` outputs, every one against the same labels
+    (an auxiliary head, deep supervision): the terms are weighted 1.0 each, as Keras weighs one
+    loss given for several outputs. The command line trains a --model of several outputs so."""
+
+    loss: PerElementLoss
+    outputs: int
 
 
 @dataclass(frozen=True)
@@ -61,7 +71,10 @@ class Objective:
       loss_weights: None (each 1.0), or floats nested like a nested `loss_fn`.
     """
 
-    def __init__(self, loss_fn: LossFn, loss_weights: Any = None):
+    def __init__(self, loss_fn: LossFn | SameLabels, loss_weights: Any = None):
+        self.same_labels = isinstance(loss_fn, SameLabels)
+        if isinstance(loss_fn, SameLabels):
+            loss_fn = [loss_fn.loss] * loss_fn.outputs
         self.loss_fn = loss_fn
         self.nested = not callable(loss_fn)
         self._losses: list[PerElementLoss] = tf.nest.flatten(loss_fn) if self.nested else [loss_fn]  # type: ignore[list-item]
@@ -97,6 +110,16 @@ class Objective:
         if not self.nested:
             mask = None if tf.nest.is_nested(outputs) else keras_mask(outputs)
             return [_term(self._losses[0], labels, outputs, sample_weight, mask)]
+        if self.same_labels:
+            flat_outputs = tf.nest.flatten(outputs)
+            if len(flat_outputs) != self.num_terms:
+                raise UserError(
+                    f"the model returns {len(flat_outputs)} outputs, not the {self.num_terms} expected"
+                )
+            return [
+                _term(loss, labels, output, sample_weight, keras_mask(output))
+                for loss, output in zip(self._losses, flat_outputs, strict=True)
+            ]
         flat_outputs = _flatten_like(self.loss_fn, outputs, "outputs")
         flat_labels = _flatten_like(self.loss_fn, labels, "labels")
         flat_weights = (

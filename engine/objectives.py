@@ -22,6 +22,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
+from engine import compat
 from engine.errors import UserError
 
 CLASSES, MULTI_LABEL, VALUES = "classes", "multi_label", "values"
@@ -115,18 +116,29 @@ def as_loss_labels(labels: tf.Tensor, outputs: tf.Tensor, kind: str, *, one_hot:
 
 class OnProbabilities(keras.metrics.Metric):
     """A Keras metric fed probabilities (softmax of class logits, sigmoid of binary ones) and
-    labels as the loss reads them, so that it means what it means in Keras."""
+    labels as the loss reads them, so that it means what it means in Keras. A metric that makes
+    its variables on its first update (R2Score, F1Score) makes them here, for `num_outputs`
+    outputs: inside a distributed step they could not be made."""
 
-    def __init__(self, metric: keras.metrics.Metric, kind: str):
+    def __init__(self, metric: keras.metrics.Metric, kind: str, num_outputs: int = 1):
         super().__init__(name=metric.name)
         self.metric = metric
         self.kind = kind
+        self.num_outputs = num_outputs
+        if compat.metric_unbuilt(metric):
+            outputs = (None, num_outputs)
+            compat.build_metric(metric, (None,) if kind == CLASSES else outputs, outputs)
 
     def update_state(self, y_true: Any, y_pred: Any, sample_weight: Any = None) -> Any:
+        if tf.nest.is_nested(y_pred):  # A model of several outputs (an auxiliary head): the first.
+            y_pred = tf.nest.flatten(y_pred)[0]
+        mask = compat.keras_mask(y_pred)  # Padding (a masked sequence) is left out, as Keras leaves it.
         if self.kind == CLASSES:
             y_pred = tf.nn.softmax(y_pred)
         elif self.kind == MULTI_LABEL:
             y_pred = tf.sigmoid(y_pred)
+        if mask is not None:
+            compat.set_keras_mask(y_pred, mask)
         return self.metric.update_state(as_loss_labels(y_true, y_pred, self.kind), y_pred, sample_weight)
 
     def result(self) -> Any:
@@ -137,12 +149,12 @@ class OnProbabilities(keras.metrics.Metric):
 
     def get_config(self) -> dict[str, Any]:
         """What `from_config` rebuilds it from (the engine makes fresh copies per evaluation)."""
-        return {"metric": self.metric, "kind": self.kind}
+        return {"metric": self.metric, "kind": self.kind, "num_outputs": self.num_outputs}
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> OnProbabilities:
         metric = config["metric"]
-        return cls(type(metric).from_config(metric.get_config()), config["kind"])
+        return cls(type(metric).from_config(metric.get_config()), config["kind"], config.get("num_outputs", 1))
 
 
 def build_metric(name: str, kind: str, num_outputs: int) -> keras.metrics.Metric:
@@ -168,7 +180,7 @@ def build_metric(name: str, kind: str, num_outputs: int) -> keras.metrics.Metric
             raise UserError(
                 f"metric {name!r} has no meaning for {kind} labels; it is for {' or '.join(by_kind)} labels"
             )
-        return OnProbabilities(by_kind[kind](), kind)
+        return OnProbabilities(by_kind[kind](), kind, num_outputs)
     try:
         found = keras.metrics.get(name)
     except ValueError:
@@ -180,4 +192,4 @@ def build_metric(name: str, kind: str, num_outputs: int) -> keras.metrics.Metric
     metric = (
         found if isinstance(found, keras.metrics.Metric) else keras.metrics.MeanMetricWrapper(found, name=name)
     )
-    return OnProbabilities(metric, kind)
+    return OnProbabilities(metric, kind, num_outputs)

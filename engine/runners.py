@@ -18,6 +18,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from engine import compat
 from engine.data import (
     DataForm,
     DataPosition,
@@ -25,7 +26,7 @@ from engine.data import (
     distribute_train_data,
     yields_global_batches,
 )
-from engine.errors import UserError
+from engine.errors import UserError, one_line
 from engine.loop import (
     CHECK_EXACT,
     CHECK_NONE,
@@ -189,8 +190,8 @@ class EvalRunner:
         self.data = data
         self.batches_per_call = batches_per_call
         with strategy.scope():
-            unweighted = [fresh_copy(m) for m in metrics]
-            weighted = [fresh_copy(m) for m in weighted_metrics]
+            unweighted = [fresh_copy(m, model) for m in metrics]
+            weighted = [fresh_copy(m, model) for m in weighted_metrics]
             self.loss = EvalLoss(objective)
             self.count = keras.metrics.Sum(name="num_examples")
         self.metrics = [*unweighted, *weighted]
@@ -295,6 +296,43 @@ def as_prediction_batches(data: Any, global_batch_size: int) -> tf.data.Dataset:
     )
 
 
-def fresh_copy(metric: keras.metrics.Metric) -> keras.metrics.Metric:
-    """A new, empty metric of the same config, created in the current scope."""
-    return type(metric).from_config(metric.get_config())
+def fresh_copy(metric: keras.metrics.Metric, model: Any = None) -> keras.metrics.Metric:
+    """A new, empty metric of the same config, created in the current scope (a strategy's),
+    its variables made now even where Keras makes them on the first update (`model`'s
+    output shape says their shape): made inside a step on several replicas, they would fail it.
+
+    Raises:
+      UserError: the metric cannot be remade from its config (a custom metric whose
+        `get_config` does not return its `__init__` arguments), or its variables' shape
+        cannot be known.
+    """
+    try:
+        copy = type(metric).from_config(metric.get_config())
+    except (TypeError, ValueError, NotImplementedError) as error:
+        raise UserError(
+            f"metric {metric.name!r} ({type(metric).__name__}) cannot be remade from its config "
+            f"({type(error).__name__}: {one_line(error, 120)}); give it a get_config() returning its __init__ "
+            "arguments (Keras's rule for custom metrics): the engine makes a fresh copy in the strategy's scope"
+        ) from None
+    if compat.metric_unbuilt(copy):
+        shape = _output_shape(model)
+        if shape is not None:
+            compat.build_metric(copy, shape, shape)
+        elif tf.distribute.get_strategy().num_replicas_in_sync > 1:  # One replica makes them as Keras does.
+            raise UserError(
+                f"metric {metric.name!r} ({type(metric).__name__}) makes its variables on its first update, "
+                "which cannot happen inside a step on several replicas, and the model output shape is unknown; "
+                "pass a built keras.Model, or a metric that takes its size up front (e.g. AUC(num_labels=...))"
+            )
+    return copy
+
+
+def _output_shape(model: Any) -> tuple[int | None, ...] | None:
+    """The shape of a built Keras model's (only) output; None where it cannot be told."""
+    outputs = getattr(model, "outputs", None) if isinstance(model, keras.Model) else None
+    try:
+        if outputs and len(outputs) == 1:
+            return tuple(outputs[0].shape)
+    except (AttributeError, ValueError):
+        pass
+    return None

@@ -31,6 +31,9 @@ Batch = Any
 # finite on this replica. The loop takes it out again and counts the step as non-finite
 # where any replica reported 0.0, as it counts a non-finite loss.
 STEP_FINITE = "engine/step_finite"
+# What the standard step adds to its outputs: the examples the step held over all replicas
+# (fewer than the global batch in a partial last batch), for the loop's examples/s.
+STEP_EXAMPLES = "engine/examples"
 ReplicaStep = Callable[[Batch], Mapping[str, tf.Tensor]]
 # Maps (labels, outputs) to one loss value per example (or per element), unreduced.
 PerExampleLoss = Callable[[Any, Any], tf.Tensor]
@@ -181,7 +184,8 @@ def make_train_step(
       with them, as Keras `compile(metrics=, weighted_metrics=)` does; both see
       the outputs' masks, as in Keras.
     - Every step reports `STEP_FINITE` (loss and, without loss scaling, the
-      gradients finite on this replica) for the loop's non-finite count.
+      gradients finite on this replica) for the loop's non-finite count, and
+      `STEP_EXAMPLES` (the examples it held) for the loop's examples/s.
     - `skip_nonfinite` leaves the variables untouched on a step whose loss
       or gradients are not finite on any replica (one extra scalar
       all-reduce a step); the step's loss is still returned, so the loop
@@ -265,7 +269,7 @@ def make_train_step(
         features, labels, sample_weight = unpack_batch(batch)
         num_examples = examples_in_step(labels, global_batch_size)
         gradients, loss, outputs = compute_gradients(features, labels, sample_weight, num_examples)
-        result = {"loss": loss}
+        result = {"loss": loss, STEP_EXAMPLES: num_examples}
         if clip_norm is not None:
             gradients, norm = _clip_global_norm(gradients, clip_norm, optimizer, uses_loss_scale)
             if grad_norm:

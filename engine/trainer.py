@@ -43,7 +43,7 @@ from engine.resident import ResidentData, keeps_on_devices
 from engine.rollback import CHECKPOINT_KEY, Rollback, Spike, check_options, holds_position, stop_message
 from engine.runners import EvalRunner, PredictRunner, TrainRunner, as_prediction_batches, fresh_copy
 from engine.schedules import is_scheduled
-from engine.steps import EvalStep, ReplicaStep, make_train_step
+from engine.steps import STEP_EXAMPLES, EvalStep, ReplicaStep, make_train_step
 from engine.summaries import SummaryWriters
 from engine.variables import check_regularizers_visible, require_trainable_variables
 
@@ -222,7 +222,7 @@ class Trainer:
         self.last_goodput: dict[str, float] | None = None  # What the last `report_goodput()` reported.
         self._summaries = SummaryWriters(model_dir)
         self._steady_seconds = 0.0
-        self._steady_steps = 0
+        self._steady_examples = 0.0
         self._compiled_once = False
         self.last_eval: tuple[int, dict[str, float]] | None = None  # (step, logs)
         # Progress lines every `log_every` steps (every loop when None) come first.
@@ -235,8 +235,8 @@ class Trainer:
         self.global_step = prepare_model_state(strategy, model, self.optimizers)
         with strategy.scope():
             # Keras compile's split: `metrics` see no sample weights, `weighted_metrics` do.
-            train_unweighted = [fresh_copy(m) for m in metrics]
-            train_weighted = [fresh_copy(m) for m in weighted_metrics]
+            train_unweighted = [fresh_copy(m, model) for m in metrics]
+            train_weighted = [fresh_copy(m, model) for m in weighted_metrics]
         self.train_metrics = [*train_unweighted, *train_weighted]
         self.replica_step = step_fn or self._standard_step(train_unweighted, train_weighted)
         # Step k trains on stream position k + offset (the batches rollbacks skipped).
@@ -556,10 +556,12 @@ class Trainer:
             self.rollback.recover(spike, self._summaries)
             return None
         logs = dict(result.logs)
+        # The standard step counts its examples (a partial last batch holds fewer); a step_fn's, by the batch.
+        examples_per_step = logs.pop(STEP_EXAMPLES, float(self.global_batch_size))
         if self.step_options.on_nonfinite == "skip":  # Under "stop" it is 0, or the run ended above.
             logs["nonfinite_steps"] = float(result.nonfinite_steps)
         logs.update({m.name: float(m.result()) for m in self.train_metrics})
-        logs.update(self._speed(result.steps_run, seconds))
+        logs.update(self._speed(result.steps_run, examples_per_step * result.steps_run, seconds))
         logs.update(self._learning_rates())
         self._summaries.write("train", self.step, logs)
         return logs
@@ -611,14 +613,14 @@ class Trainer:
         """Whether the loop that ends at `step` is followed by an evaluation (`TrainerView`)."""
         return self.cadence.evaluates_after(step) and self.eval_runner is not None
 
-    def _speed(self, num_steps: int, seconds: float) -> dict[str, float]:
+    def _speed(self, num_steps: int, examples: float, seconds: float) -> dict[str, float]:
         """Throughput of this loop; the first loop (tracing, compiling) is left
         out of the steady rate that `examples_per_second` reports."""
         if self._compiled_once:
             self._steady_seconds += seconds
-            self._steady_steps += num_steps
+            self._steady_examples += examples
         self._compiled_once = True
-        examples_per_second = num_steps * self.global_batch_size / seconds
+        examples_per_second = examples / seconds
         return {
             "steps_per_second": num_steps / seconds,
             "examples_per_second": examples_per_second,
@@ -639,9 +641,9 @@ class Trainer:
     @property
     def steady_examples_per_second(self) -> float | None:
         """Examples/s over every loop but the first; None until there are two."""
-        if not self._steady_steps:
+        if not self._steady_examples:
             return None
-        return self._steady_steps * self.global_batch_size / self._steady_seconds
+        return self._steady_examples / self._steady_seconds
 
     # -------------------------------------------------------------- evaluation
 
@@ -720,7 +722,11 @@ def prepare_model_state(
     with strategy.scope():
         variables = require_trainable_variables(model)
         check_regularizers_visible(model)
-        _check_created_in_scope(strategy, variables)
+        _check_created_in_scope(strategy, variables, "the model's variables were")
+        for name, optimizer in optimizers.items():
+            _check_created_in_scope(
+                strategy, [optimizer.iterations], f"optimizer {name!r} ({type(optimizer).__name__}) was"
+            )
         _build_optimizers(optimizers, model, variables)
         return tf.Variable(
             0,
@@ -883,13 +889,13 @@ def _check_dataset_batch(form: DataForm, global_batch_size: int) -> None:
         )
 
 
-def _check_created_in_scope(strategy: tf.distribute.Strategy, variables: list) -> None:
+def _check_created_in_scope(strategy: tf.distribute.Strategy, variables: list, what: str) -> None:
     for variable in variables[:1]:
         if isinstance(variable, keras.Variable):
             variable = variable.value  # The tf.Variable inside a Keras variable.
         if not strategy.extended.variable_created_in_scope(variable):
             raise UserError(
-                "the model's variables were created outside strategy.scope(); "
+                f"{what} created outside strategy.scope(); "
                 "build the model and optimizer inside `with strategy.scope():`"
             )
 

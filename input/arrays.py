@@ -39,10 +39,13 @@ def labels_as(spec: LabelSpec, kind: str | None, where: str, labels: np.ndarray)
     """The labels as the loss reads them (`kind`, from --loss), checked; None keeps `spec`.
 
     Any numbers can be regressed; binary losses need labels of 0 and 1 (class ids 0/1 become
-    one binary label); class ids cannot be made of values.
+    one binary label); one 0/1 label column is two class ids to a class-id loss; class ids
+    cannot be made of values.
     """
     if kind is None or kind == spec.kind:
         return spec
+    if kind == CLASSES and spec.kind == MULTI_LABEL and spec.width == 1 and labels.ndim == 1:
+        return LabelSpec(CLASSES, 2)
     width = 1 if labels.ndim == 1 else int(labels.shape[1])
     shape = () if labels.ndim == 1 else (width,)
     if kind == VALUES:
@@ -56,6 +59,12 @@ def labels_as(spec: LabelSpec, kind: str | None, where: str, labels: np.ndarray)
                 "--loss=sparse_categorical_crossentropy for class ids or --loss=mse for values"
             )
         return LabelSpec(MULTI_LABEL, width, shape)
+    if kind == CLASSES and labels.ndim == 2 and np.issubdtype(labels.dtype, np.integer):
+        # A class id per element (a tag per token): the model outputs (N, T, classes).
+        smallest, largest = int(labels.min()), int(labels.max())
+        if smallest < 0:
+            raise DataError(f"{where}: label {smallest} is negative; class ids are 0..C-1")
+        return LabelSpec(CLASSES, max(largest + 1, 2), (int(labels.shape[1]),))
     raise DataError(
         f"{where}: labels are {spec.describe()} ({spec.kind}), not class ids; use a loss for "
         f"{spec.kind} (see --loss) or store integer class ids"
@@ -112,9 +121,12 @@ def source_from_arrays(
         eval_spec = infer_labels(y_eval, f"{name} eval labels", num_classes=num_classes or spec.num_classes)
         spec = check_same_labels(spec, eval_spec, name)
         splits.append((x_eval, y_eval))
-    spec = labels_as(spec, label_kind, f"{name} labels", y_train)
+    converted = labels_as(spec, label_kind, f"{name} labels", y_train)
     if eval_split is not None:
-        labels_as(spec, label_kind, f"{name} eval labels", splits[1][1])
+        eval_converted = labels_as(spec, label_kind, f"{name} eval labels", splits[1][1])
+        if converted.kind == CLASSES and converted.shape:  # Per-element class ids: the ids of both splits.
+            converted = LabelSpec(CLASSES, max(converted.width, eval_converted.width), converted.shape)
+    spec = converted
     shaped = [(x, _label_array(y, spec)) for x, y in splits]
     return InMemorySource.from_arrays(name, spec, shaped[0], shaped[1] if eval_split is not None else None)
 
@@ -122,5 +134,5 @@ def source_from_arrays(
 def _label_array(labels: np.ndarray, spec: LabelSpec) -> np.ndarray:
     labels = np.asarray(labels)
     if spec.kind == CLASSES:
-        return labels.reshape(len(labels)).astype(np.int32)
+        return labels.reshape((len(labels), *spec.shape)).astype(np.int32)
     return labels.reshape((len(labels), *spec.shape)).astype(np.float32)

@@ -2,9 +2,10 @@
 
 The label kind decides the default loss and metrics, the model's output size
 and how labels are checked, so it is found once, from the data, before any
-model is built: integer labels of shape (N,) are class ids, integer or
-boolean labels of shape (N, k) holding only 0 and 1 are k binary labels
-(multi-label), float labels are values to regress.
+model is built: integer labels of shape (N,) are class ids, except a column
+holding only 0 and 1, which is one binary label (binary cross-entropy, a
+sigmoid's AUC); integer or boolean labels of shape (N, k) holding only 0 and
+1 are k binary labels (multi-label); float labels are values to regress.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ class LabelSpec:
 
     def describe(self) -> str:
         return {
-            CLASSES: f"{self.width} classes",
+            CLASSES: f"{self.width} classes" + (f" for each of {self.shape[0]} elements" if self.shape else ""),
             MULTI_LABEL: f"{self.width} binary labels",
             VALUES: f"{self.width} value(s)" if self.shape else "one value",
         }[self.kind]
@@ -93,6 +94,8 @@ def infer_labels(labels: np.ndarray, where: str, *, num_classes: int | None = No
         if largest >= num_classes:
             raise DataError(f"{where}: label {largest} is not a class of 0..{num_classes - 1}")
         return classes(num_classes)
+    if largest <= 1:  # A yes/no column: one binary label, as a class-id loss can still read it.
+        return LabelSpec(MULTI_LABEL, 1)
     if largest + 1 > MAX_INFERRED_CLASSES:
         raise DataError(
             f"{where}: integer labels up to {largest} would be {largest + 1} classes; for a regression store "

@@ -15,15 +15,23 @@ import keras
 from models.registry import ModelError
 
 
-def check_fits_data(name: str, model: keras.Model, input_shape: tuple[int, ...], num_outputs: int) -> None:
+def check_fits_data(
+    name: str,
+    model: keras.Model,
+    input_shape: tuple[int, ...],
+    num_outputs: int,
+    element_shape: tuple[int, ...] = (),
+) -> int:
     """Raises ModelError naming both shapes when `model` cannot take batches of examples of
-    `input_shape` or does not return one (batch, num_outputs) tensor (logits or values).
+    `input_shape` or does not return (batch, *element_shape, num_outputs) tensors (logits or
+    values; `element_shape` is (T,) for a class id per element, a tag per token); returns
+    how many such outputs it has (several: each is trained against the same labels).
 
     A model that is not built yet (a subclassed model never called) has no
     variables to train; the Trainer refuses it with its own message.
     """
     if not model.built:
-        return
+        return 1
     data = (None, *input_shape)
     declared = _declared_input_shapes(model)
     if declared is not None:
@@ -45,17 +53,15 @@ def check_fits_data(name: str, model: keras.Model, input_shape: tuple[int, ...],
             f"{type(error).__name__}: {_first_line(error)}"
         ) from None
     flat = keras.tree.flatten(outputs)
-    shapes = [tuple(getattr(output, "shape", ())) for output in flat]
-    if len(flat) != 1:
-        raise ModelError(
-            f"--model={name} returns {len(flat)} outputs {shapes}; the engine trains one output "
-            f"of shape (batch, {num_outputs}): return a single tensor"
-        )
-    if len(shapes[0]) != 2 or shapes[0][-1] not in (None, num_outputs):
-        raise ModelError(
-            f"--model={name} outputs shape {shapes[0]}; the data's labels need {num_outputs} outputs: "
-            f"return shape (batch, {num_outputs}), e.g. end with a Dense({num_outputs})"
-        )
+    wanted = (None, *element_shape, num_outputs)
+    for shape in (tuple(getattr(output, "shape", ())) for output in flat):
+        if not _compatible(shape, wanted):
+            raise ModelError(
+                f"--model={name} outputs shape {shape}; the data's labels need {num_outputs} outputs"
+                f"{' for each of ' + str(element_shape[0]) + ' elements' if element_shape else ''}: return "
+                f"shape {wanted}, e.g. end with a Dense({num_outputs})"
+            )
+    return len(flat)
 
 
 def _declared_input_shapes(model: keras.Model) -> list[tuple[Any, ...]] | None:

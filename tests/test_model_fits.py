@@ -18,10 +18,10 @@ def flat_input(input_shape, num_classes):
     return keras.Sequential([keras.Input((784,)), keras.layers.Dense(num_classes)])
 
 
-def two_outputs(input_shape, num_classes):
+def two_outputs_one_narrow(input_shape, num_classes):
     images = keras.Input(input_shape)
     flat = keras.layers.Flatten()(images)
-    return keras.Model(images, [keras.layers.Dense(num_classes)(flat), keras.layers.Dense(num_classes)(flat)])
+    return keras.Model(images, [keras.layers.Dense(num_classes)(flat), keras.layers.Dense(3)(flat)])
 
 
 def per_pixel_logits(input_shape, num_classes):
@@ -50,7 +50,8 @@ CASES = [
         "takes inputs of shape (None, 32, 32, 3) but the data's examples have shape (None, 28, 28, 1)",
     ),
     ("flat_input", "takes inputs of shape (None, 784) but the data's examples have shape (None, 28, 28, 1)"),
-    ("two_outputs", "returns 2 outputs [(None, 10), (None, 10)]; the engine trains one output"),
+    # Several outputs train each against the labels (an auxiliary head): each must fit them.
+    ("two_outputs_one_narrow", "outputs shape (None, 3); the data's labels need 10 outputs"),
     ("per_pixel_logits", "outputs shape (None, 28, 28, 10); the data's labels need 10 outputs"),
     ("subclassed_three_classes", "outputs shape (None, 3); the data's labels need 10 outputs"),
 ]

@@ -107,7 +107,7 @@ class Evaluator:
         self.model, self.optimizer, self.reader = restored.model, restored.optimizer, restored.reader
         batch = config.global_batch_size
         check_reported(config, restored.task)
-        task = restored.task.trainer_arguments()
+        task = restored.task.trainer_arguments(restored.model)
         self.runner = EvalRunner(
             self.strategy,
             self.model,

@@ -175,7 +175,7 @@ def _train_and_evaluate(
         steps_per_epoch=max(1, source.num_train_examples // batch) if source.num_train_examples else None,
         ema_decay=config.ema_decay or None,
         flops_per_example=own_package("models").known_flops_per_example(model),  # None: not counted.
-        **task.trainer_arguments(),
+        **task.trainer_arguments(model),
         **settings_of(config, TRAINER_SETTINGS),
     )
     trainer.goodput_clock.start_from(started_at)  # Start-up counts from the process's start.

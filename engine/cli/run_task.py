@@ -21,7 +21,7 @@ from engine import objectives
 from engine.cli.own_packages import own_package  # The engine's, beside a user's models.py/input.py.
 from engine.cli.settings import RunConfig
 from engine.errors import UserError
-from engine.losses import LossFn
+from engine.losses import LossFn, SameLabels
 from engine.steps import EvalStep, ReplicaStep
 from engine.task import Task
 from engine.user_code import UserCodeError, first_line, import_callable, signature_text
@@ -57,9 +57,15 @@ class RunTask:
         """The eval metrics a run reports: what --best_checkpoint_metric and the others may name."""
         return ("loss", *self.metric_names)
 
-    def trainer_arguments(self) -> dict[str, Any]:
-        """`loss_fn`, `metrics` (new objects each call) and any custom steps, as the Trainer takes them."""
-        arguments: dict[str, Any] = {"loss_fn": self.loss_fn, "metrics": self._metrics()}
+    def trainer_arguments(self, model: Any = None) -> dict[str, Any]:
+        """`loss_fn`, `metrics` (new objects each call) and any custom steps, as the Trainer takes
+        them. A `model` of several outputs (an auxiliary head) trains each against the labels
+        with the loss a name chose (`engine.losses.SameLabels`); the metrics measure the first."""
+        loss_fn: Any = self.loss_fn
+        heads = _heads(model)
+        if heads > 1 and isinstance(loss_fn, objectives.PerExampleLoss):
+            loss_fn = SameLabels(loss_fn, heads)
+        arguments: dict[str, Any] = {"loss_fn": loss_fn, "metrics": self._metrics()}
         if self.loss_weights is not None:
             arguments["loss_weights"] = self.loss_weights
         if self.step_fn is not None:
@@ -81,7 +87,8 @@ class RunTask:
                     f"--model={self.model_name} cannot take the data's examples of shape "
                     f"{(None, *self.input_shape)}: {type(error).__name__}: {first_line(error)}{hint}"
                 ) from None
-            models.check_fits_data(self.model_name, model, self.input_shape, self.num_outputs)
+            element_shape = self.source.labels.shape if self.source.labels.kind == objectives.CLASSES else ()
+            models.check_fits_data(self.model_name, model, self.input_shape, self.num_outputs, element_shape)
         except models.ModelError as error:  # A user's builder returned something unusable.
             raise UserError(str(error)) from None
         return model
@@ -89,6 +96,14 @@ class RunTask:
     def describe(self) -> str:
         labels = self.source.labels.describe()
         return f"loss={self.loss_name} metrics={','.join(self.metric_names) or 'none'} labels={labels}"
+
+
+def _heads(model: Any) -> int:
+    """How many outputs a Keras model returns (1 where it cannot be told: a subclassed model)."""
+    try:
+        return max(1, len(keras.tree.flatten(model.outputs))) if isinstance(model, keras.Model) else 1
+    except (AttributeError, ValueError):  # No symbolic outputs.
+        return 1
 
 
 def user_task(config: RunConfig) -> Task:
