@@ -574,13 +574,19 @@ class Trainer:
             self.checkpointer.wait()  # A background write ends with the run, its error raised.
 
     def _stop_on_nonfinite(self, spike: Spike) -> NoReturn:
-        """Ends the run without saving: the weights may already hold NaNs (or a spike's update)."""
+        """Ends the run without saving: the weights hold the spike's update (NaNs, maybe), so the
+        model in memory goes back to the latest checkpoint where there is one, and the message
+        says which weights it holds (research code may go on using it)."""
         self._summaries.close()
-        raise NonFiniteLossError(
-            stop_message(
-                spike, self.spike_options, self._latest_checkpoint(), rolled_back=self.rollback is not None
-            )
+        message = stop_message(
+            spike, self.spike_options, self._latest_checkpoint(), rolled_back=self.rollback is not None
         )
+        restored = self.checkpointer.restore() if self.checkpointer is not None else None
+        if restored is not None:
+            held = f"the model in memory is back at {restored} (step {self.step})"
+        else:
+            held = "the model in memory holds the spike's update (no checkpoint to go back to)"
+        raise NonFiniteLossError(f"{message}; {held}")
 
     def _end_on_exhausted_data(self, target: int, last_saved: int, logs: Mapping[str, float]) -> None:
         """Saves at the last completed step, then stops the run: training on

@@ -44,8 +44,13 @@ def test_stop_names_the_step_and_keeps_the_last_good_checkpoint(mirrored, tmp_pa
         checkpoint_every=4,
         model_dir=str(tmp_path),
     )
-    with pytest.raises(NonFiniteLossError, match=r"non-finite loss at step 7; .*ckpt-4"):
+    with pytest.raises(NonFiniteLossError, match=r"non-finite loss at step 7; .*ckpt-4") as raised:
         trainer.train(12)
+    # The model in memory is the checkpoint's again, not the spike's update: research code goes on with it.
+    assert str(raised.value).endswith(
+        "the model in memory is back at " + str(tmp_path / "checkpoints" / "ckpt-4") + " (step 4)"
+    )
+    assert trainer.step == 4
     state = tf.train.get_checkpoint_state(str(tmp_path / "checkpoints"))
     assert state.model_checkpoint_path.endswith("ckpt-4")
     assert len(state.all_model_checkpoint_paths) == 1
@@ -54,6 +59,10 @@ def test_stop_names_the_step_and_keeps_the_last_good_checkpoint(mirrored, tmp_pa
         value = reader.get_tensor(name)
         if np.issubdtype(np.asarray(value).dtype, np.floating):
             assert np.all(np.isfinite(value)), name
+    fresh, _ = make_model(mirrored, seed=9)
+    tf.train.Checkpoint(model=fresh).read(state.model_checkpoint_path).expect_partial()
+    for held, saved in zip(model.get_weights(), fresh.get_weights(), strict=True):
+        np.testing.assert_array_equal(held, saved)
 
 
 ONE_REPLICA = pytest.param(slice(0, 1), marks=pytest.mark.slow)  # The fast tier: the whole batch's case.
