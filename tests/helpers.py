@@ -35,7 +35,13 @@ REPO = Path(__file__).resolve().parents[1]
 def python_env(**extra: str) -> dict[str, str]:
     """The environment of a subprocess that imports this checkout's packages."""
     # PYTHONFAULTHANDLER: a process that crashes in native code prints its Python stack.
-    return dict(os.environ, PYTHONPATH=str(REPO), TF_CPP_MIN_LOG_LEVEL="2", PYTHONFAULTHANDLER="1", **extra)
+    return {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "TF_CPP_MIN_LOG_LEVEL": "2",
+        "PYTHONFAULTHANDLER": "1",
+        **extra,
+    }
 
 
 # ------------------------------------------------------------------ the command line
@@ -165,12 +171,12 @@ def in_background(function, *args, **kwargs) -> concurrent.futures.Future:
     return future
 
 
-def popen_main(*flags: str) -> subprocess.Popen:
+def popen_main(*flags: str, env: dict[str, str] | None = None) -> subprocess.Popen:
     """`engine.main` in its own process group (so `stop` ends whatever it started)."""
     return subprocess.Popen(
         [sys.executable, "-m", "engine.main", *flags],
         cwd=REPO,
-        env=python_env(),
+        env=python_env(**(env or {})),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 from helpers import (
+    REPO,
     copy_of,
     in_background,
     latest_step,
@@ -267,3 +268,93 @@ def test_kill_9_around_a_best_checkpoint_save_never_leaves_best_json_naming_what
     for name in reference_best.get_variable_to_shape_map():
         if "save_counter" not in name:
             np.testing.assert_array_equal(reference_best.get_tensor(name), resumed_best.get_tensor(name), name)
+
+
+REAL_MODELS = """
+import keras
+
+
+def dropout_cnn(input_shape, num_outputs):
+    return keras.Sequential(
+        [
+            keras.Input(input_shape),
+            keras.layers.Conv2D(8, 3, activation="relu"),
+            keras.layers.SpatialDropout2D(0.2),
+            keras.layers.Flatten(),
+            keras.layers.Dropout(0.3),
+            keras.layers.Dense(num_outputs),
+        ]
+    )
+
+
+def gru_tagger(input_shape, num_outputs):
+    tokens = keras.Input(input_shape)
+    hidden = keras.layers.Embedding(40, 8, mask_zero=True)(tokens)
+    hidden = keras.layers.GRU(8, return_sequences=True, dropout=0.1)(hidden)
+    return keras.Model(tokens, keras.layers.Dense(num_outputs)(hidden))
+
+
+def two_headed(input_shape, num_outputs):
+    images = keras.Input(input_shape)
+    hidden = keras.layers.Dense(32, activation="relu")(keras.layers.Flatten()(images))
+    hidden = keras.layers.Dropout(0.2)(hidden)
+    heads = [keras.layers.Dense(num_outputs)(hidden), keras.layers.Dense(num_outputs)(hidden)]
+    return keras.Model(images, heads)
+"""
+
+
+def padded_tags(path: Path) -> None:
+    """Sequences of token ids padded with 0 to 10, a tag (0..4) for each token."""
+    rng = np.random.default_rng(5)
+    tokens = rng.integers(1, 40, size=(600, 10))
+    for row, length in enumerate(rng.integers(2, 11, size=600)):
+        tokens[row, length:] = 0
+    np.savez(path, x_train=tokens.astype(np.int32), y_train=(tokens % 5).astype(np.int32))
+
+
+@pytest.mark.process
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize(
+    "model, data",
+    [
+        ("dropout_cnn", ["--dataset=digits"]),
+        ("gru_tagger", ["--dataset=TAGS", "--loss=sparse_categorical_crossentropy"]),
+        ("two_headed", ["--dataset=digits"]),
+    ],
+)
+def test_real_models_from_the_command_line_resume_bitwise_after_kill_9(tmp_path, model, data):
+    """A Dropout CNN, a masked GRU tagger and a model of two heads (issue 28), each the user's
+    --model on two replicas, killed with SIGKILL after a checkpoint and run again: the end is
+    bitwise the uninterrupted run's, random state and optimizer slots included."""
+    (tmp_path / "real_models.py").write_text(REAL_MODELS)
+    padded_tags(tmp_path / "tags.npz")
+    env = {"PYTHONPATH": f"{tmp_path}{os.pathsep}{REPO}"}  # The user's module beside this checkout.
+    flags = [
+        f"--model=real_models:{model}",
+        *(flag.replace("TAGS", str(tmp_path / "tags.npz")) for flag in data),
+        "--strategy=mirrored",
+        "--cpu_devices=2",
+        "--global_batch_size=32",
+        "--optimizer=adam",
+        "--train_steps=400",
+        "--checkpoint_every=20",
+        "--steps_per_loop=10",
+        "--eval_every=0",
+        "--deterministic",
+    ]
+    whole, killed = tmp_path / "whole", tmp_path / "killed"
+    uninterrupted = in_background(run_main, *flags, f"--model_dir={whole}", env=env, timeout=400)
+    process = popen_main(*flags, f"--model_dir={killed}", env=env)
+    try:
+        wait_for_checkpoint(killed, process)
+        assert process.poll() is None, "the run ended before the kill"
+    finally:
+        stop(process)  # SIGKILL: no handler runs
+    finished = run_main(*flags, f"--model_dir={killed}", env=env, timeout=400)
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    assert uninterrupted.result().returncode == 0
+    resumed_from = int(re.search(r"steps=(\d+)->400", finished.stderr).group(1))
+    assert 0 < resumed_from < 400, resumed_from
+    state = final_state(killed)
+    assert any("random_state" in name for name in state)  # The dropout masks' seeds were saved.
+    assert_bitwise_equal(final_state(whole), state)
