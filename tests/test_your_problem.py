@@ -370,6 +370,38 @@ def test_npz_arrays_of_the_wrong_shape_or_kind_are_one_line_before_anything_is_w
         assert f"--dataset={path}: {message}" in line, (name, line)
 
 
+USER_FUNCTIONS_THAT_EXIT = """
+import sys
+
+
+def data():
+    sys.exit(0)
+
+
+def task():
+    sys.exit(0)
+
+
+def model(input_shape, num_outputs):
+    sys.exit()
+"""
+
+
+@pytest.mark.parametrize(
+    "flag, said",
+    [
+        ("--dataset=exits:data", "--dataset=exits:data"),
+        ("--task=exits:task", "--task=exits:task"),
+        ("--model=exits:model", "--model=exits:model"),
+    ],
+)
+def test_a_user_function_that_calls_sys_exit_is_one_line_not_a_silent_success(tmp_path, flag, said):
+    (tmp_path / "exits.py").write_text(USER_FUNCTIONS_THAT_EXIT)
+    line = _refused(tmp_path, flag, cwd=tmp_path)
+    assert line.startswith(f"engine.main: error: {said}") and "called sys.exit(" in line, line
+    assert "instead of returning" in line, line
+
+
 TASKS = """
 import keras
 import numpy as np
