@@ -41,13 +41,49 @@ _CHECKPOINT_INDEX = re.compile(r"^ckpt-(\d+)\.index$")
 
 def check_name(model_dir: str, argument: str = "model_dir") -> None:
     """Refuses names TensorFlow would read as glob patterns: with them, checkpoint
-    rotation and discovery reach files outside the directory."""
+    rotation and discovery reach files outside the directory. And names no file
+    system takes (`check_path_length`)."""
     bad = sorted({c for c in model_dir if c in GLOB_CHARACTERS})
     if bad:
         raise UserError(
             f"`{argument}={model_dir!r}` contains {''.join(bad)!r}, which TensorFlow matches as a file "
             "pattern (checkpoint rotation could delete files of other directories); "
             "use a path without * ? [ ] \\"
+        )
+    check_path_length(model_dir, argument)
+
+
+# What Linux file systems take when `pathconf` cannot say: NAME_MAX and PATH_MAX.
+_NAME_MAX, _PATH_MAX = 255, 4096
+# The longest name the engine adds under a model_dir ("checkpoints/ckpt-N_temp/part-...").
+_ENGINE_SUFFIX = 96
+
+
+def check_path_length(path: str, argument: str) -> None:
+    """Refuses a local path with a component longer than its file system allows (a
+    traceback from deep inside TensorFlow's makedirs once the run was under way), or
+    one too long as a whole to hold what the engine writes under it."""
+    if not path or is_remote(path):
+        return
+    existing = os.path.abspath(path)
+    while not os.path.isdir(existing) and os.path.dirname(existing) != existing:
+        existing = os.path.dirname(existing)
+    name_max, path_max = _NAME_MAX, _PATH_MAX
+    with contextlib.suppress(OSError, ValueError):
+        name_max = os.pathconf(existing, "PC_NAME_MAX")
+        path_max = os.pathconf(existing, "PC_PATH_MAX")
+    for component in path.split(os.sep):
+        size = len(os.fsencode(component))
+        if size > name_max:
+            raise UserError(
+                f"`{argument}=...` has a path component of {size} bytes ({component[:40]!r}...), longer than "
+                f"the {name_max} its file system allows; use shorter names"
+            )
+    size = len(os.fsencode(os.path.abspath(path)))
+    if size + _ENGINE_SUFFIX > path_max:
+        raise UserError(
+            f"`{argument}=...` is {size} bytes long; with what the run writes under it that is more than the "
+            f"{path_max} its file system allows for a path; use a shorter path"
         )
 
 

@@ -749,6 +749,24 @@ def test_trainer_refuses_a_model_dir_with_pattern_characters(tmp_path):
 
 
 @pytest.mark.cli
+@pytest.mark.parametrize("flag", ["model_dir", "export_dir"])
+def test_a_path_component_longer_than_the_file_system_allows_is_one_line_writing_nothing(tmp_path, flag):
+    long = tmp_path / ("a" * 300) / "run"
+    paths = {"model_dir": str(tmp_path / "run"), flag: str(long)}
+    result = main_in_process("--model=mlp", "--train_steps=2", *(f"--{name}={p}" for name, p in paths.items()))
+    line = one_error_line(result)
+    assert f"--{flag}=... has a path component of 300 bytes ('aaaa" in line, line
+    assert "longer than the 255 its file system allows" in line, line
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_trainer_refuses_a_model_dir_path_component_longer_than_the_file_system_allows(tmp_path):
+    with pytest.raises(UserError, match=r"`model_dir=\.\.\.` has a path component of 300 bytes"):
+        small_trainer(tmp_path / ("b" * 300))
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.cli
 @pytest.mark.slow
 def test_checkpoint_files_the_state_does_not_list_are_moved_aside_not_overwritten(trained, tmp_path):
     import tensorflow as tf

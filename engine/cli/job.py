@@ -70,6 +70,8 @@ def run(config: RunConfig, *, started_at: float | None = None) -> dict[str, Any]
 
 
 def _run(config: RunConfig, started_at: float) -> dict[str, Any]:
+    for flag in ("export_dir", "predict_output"):  # --model_dir's: RunConfig's check of its name.
+        model_dir_lib.check_path_length(getattr(config, flag) or "", flag)
     if config.mode == "predict":  # Reads a trained model_dir, writes the --predict_output file only.
         return predictor.run(config)
     evaluation_mode = evaluator.evaluation_mode(config)
