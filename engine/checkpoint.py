@@ -227,6 +227,7 @@ class Checkpointer:
         set_aside_unreadable(model_dir, fallback=options.restore_fallback)
         self.options = options
         self.model = model
+        self.model_dir = model_dir
         self._checkpoint = checkpoint
         self._copy: HostCopy | None = None
         self._writer: BackgroundWriter | None = None
@@ -306,7 +307,8 @@ class Checkpointer:
             self._writer.start(step)
             return os.path.join(directory, f"ckpt-{step}")
         try:
-            path = self.manager.save(checkpoint_number=step)
+            with model_dir_lib.partial_removed_on_error(os.path.join(directory, f"ckpt-{step}")):
+                path = self.manager.save(checkpoint_number=step)
         except (tf.errors.OpError, OSError) as error:
             full = self._disk_full(step, error)
             if full is None:
@@ -336,7 +338,7 @@ class Checkpointer:
         message = model_dir_lib.disk_full_message(directory, error)
         if message is None:
             return None
-        model_dir_lib.remove_orphan_temps(directory)  # This save's ckpt-N_temp.
+        model_dir_lib.remove_partial_checkpoints(self.model_dir)  # Any other write's the disk cut short.
         return UserError(
             f"checkpoint at step {step} not saved: {message}; the latest checkpoint "
             f"({self.manager.latest_checkpoint or 'none'}) is kept"

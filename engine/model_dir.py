@@ -243,7 +243,8 @@ def writer_lock(model_dir: str) -> Iterator[None]:
             "no other run writes to it",
             model_dir,
         )
-        yield
+        with _held_here(model_dir):
+            yield
         return
     path = os.path.join(model_dir, LOCK_FILE)
     created = False
@@ -285,9 +286,28 @@ def writer_lock(model_dir: str) -> Iterator[None]:
         _release(model_dir, path, fd, created)
         raise
     try:
-        yield
+        with _held_here(model_dir):
+            yield
     finally:
         _release(model_dir, path, fd, created)
+
+
+# The model_dirs whose writer lock this process holds (`writer_lock`), by `_lock_key`.
+_held: set[str] = set()
+
+
+def _lock_key(model_dir: str) -> str:
+    return model_dir if is_remote(model_dir) else os.path.realpath(model_dir)
+
+
+@contextlib.contextmanager
+def _held_here(model_dir: str) -> Iterator[None]:
+    key = _lock_key(model_dir)
+    _held.add(key)
+    try:
+        yield
+    finally:
+        _held.discard(key)
 
 
 def _release(model_dir: str, path: str, fd: int, created: bool) -> None:
@@ -484,21 +504,132 @@ def set_aside_unlisted(directory: str, number: int, *, listed: list[str]) -> Non
     )
 
 
-def remove_orphan_temps(directory: str) -> None:
-    """Removes `*_temp` directories that a save cut short (kill -9, full disk) left.
+# ------------------------------------------------- checkpoint writes cut short
 
-    TensorFlow writes a checkpoint into `ckpt-N_temp/` and moves the files
-    out when complete, so these hold no complete checkpoint. Call under the
-    writer lock only: a live run's save in progress looks the same.
+# The directories of a model_dir that hold checkpoints: the rolling ones and the best one.
+CHECKPOINT_SUBDIRECTORIES = ("checkpoints", "best")
+# TensorFlow writes `ckpt-N` as `ckpt-N_temp/part-<i>-of-<n>.{index,data-...}` (each file first
+# as `<name>.tempstate<random>`), then merges the parts into `ckpt-N.*` and removes the folder:
+# a folder left is a write cut short (kill -9, a full disk) and holds no complete checkpoint.
+_PARTIAL_CHECKPOINT = re.compile(r"^ckpt-\d+_temp$")
+_PARTIAL_PART = re.compile(r"^part-\d+-of-\d+\.(index|data-\d+-of-\d+)(\.tempstate\d+)?$")
+# The partial folders of background writes under way in this process (a Trainer made while
+# another one's write runs must not remove it).
+_writes_under_way: set[str] = set()
+
+
+def partial_name(prefix: str) -> str:
+    """The folder TensorFlow writes the checkpoint `prefix` (a path) into before merging it."""
+    return prefix.rstrip("/") + "_temp"
+
+
+@contextlib.contextmanager
+def partial_removed_on_error(prefix: str) -> Iterator[None]:
+    """A checkpoint write to `prefix` in the block: its partial folder is this process's while
+    the block runs, and is removed if the block raises (a full disk, an unwritable directory),
+    so a failed save leaves nothing behind."""
+    folder = partial_name(prefix)
+    key = _lock_key(folder)
+    _writes_under_way.add(key)
+    try:
+        yield
+    except BaseException:
+        _writes_under_way.discard(key)
+        _remove_partial(folder)
+        raise
+    finally:
+        _writes_under_way.discard(key)
+
+
+def partial_checkpoints(model_dir: str) -> list[str]:
+    """The partial folders (`ckpt-N_temp`) in the model_dir's checkpoint directories that no
+    state file names and no write of this process is filling, found by listing (never a
+    pattern: the name may hold pattern characters)."""
+    found = []
+    for subdirectory in CHECKPOINT_SUBDIRECTORIES:
+        directory = os.path.join(model_dir, subdirectory)
+        if not tf.io.gfile.isdir(directory):
+            continue
+        state = checkpoint_state(directory)
+        named = set() if state is None else {os.path.basename(p) for p in state.all_model_checkpoint_paths}
+        if state is not None:
+            named.add(os.path.basename(state.model_checkpoint_path))
+        for name in sorted(tf.io.gfile.listdir(directory)):
+            name = name.rstrip("/")
+            path = os.path.join(directory, name)
+            under_way = _lock_key(path) in _writes_under_way
+            if _PARTIAL_CHECKPOINT.match(name) and name not in named and not under_way:
+                found.append(path)
+    return found
+
+
+def remove_partial_checkpoints(model_dir: str) -> None:
+    """Removes the partial folders that checkpoint writes cut short (kill -9, a full disk)
+    left in the model_dir (`partial_checkpoints`): at every start.
+
+    Only under the model_dir's writer lock, where a live run's write in progress looks the
+    same: this process's own (`writer_lock`: the command line), else taken for the moment of
+    the removal (the library's Trainer holds none); when another run holds it, nothing is
+    removed. Only the engine's own names: a folder holding anything but TensorFlow's part
+    files, or a symbolic link, is left with a warning.
     """
-    if not tf.io.gfile.isdir(directory):
+    found = partial_checkpoints(model_dir)
+    if not found:
         return
-    for name in tf.io.gfile.listdir(directory):
-        name = name.rstrip("/")
-        path = os.path.join(directory, name)
-        if name.endswith("_temp") and tf.io.gfile.isdir(path):
-            logging.warning("removing %s, left by a checkpoint write that did not finish", path)
-            tf.io.gfile.rmtree(path)
+    if _lock_key(model_dir) in _held:
+        for path in found:
+            _remove_partial(path, warn=True)
+        return
+    if is_remote(model_dir):  # No lock to take: a live run's writes look the same.
+        logging.warning(
+            "left %s: `model_dir=%r` has no writer lock to tell a write cut short from one under way",
+            ", ".join(found),
+            model_dir,
+        )
+        return
+    lock = writer_lock(model_dir)
+    try:
+        lock.__enter__()
+    except UserError as busy:
+        logging.warning("left %s, which may be the write of a run under way: %s", ", ".join(found), busy)
+        return
+    try:
+        for path in partial_checkpoints(model_dir):  # Again: the other run may have ended a write.
+            _remove_partial(path, warn=True)
+    finally:
+        lock.__exit__(None, None, None)
+
+
+def _remove_partial(path: str, *, warn: bool = False) -> None:
+    """Removes the partial folder `path` if it holds only TensorFlow's part files (and is not a link)."""
+    if is_remote(path):
+        if not tf.io.gfile.isdir(path):
+            return
+        names = [name.rstrip("/") for name in tf.io.gfile.listdir(path)]
+    else:
+        try:
+            if not stat.S_ISDIR(os.lstat(path).st_mode):  # A symbolic link (to anywhere) is not ours.
+                if warn:
+                    logging.warning("left %s: it is not a directory the engine wrote", path)
+                return
+            names = os.listdir(path)
+        except FileNotFoundError:
+            return
+    foreign = [name for name in names if not _PARTIAL_PART.match(name)]
+    if foreign:
+        if warn:
+            logging.warning(
+                "left %s, a checkpoint write cut short: it also holds %s, which the engine does not write",
+                path,
+                ", ".join(sorted(foreign)[:3]),
+            )
+        return
+    if warn:
+        logging.warning("removing %s, left by a checkpoint write that did not finish", path)
+    if is_remote(path):
+        remove_tree(path)
+    else:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def is_remote(path: str) -> bool:

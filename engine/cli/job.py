@@ -196,9 +196,7 @@ def _train_and_evaluate(
         )
         return finished
     repairs.keep()  # Everything is checked: the repairs stay, the first bytes are written.
-    if write_dir == model_dir:
-        for directory in ("checkpoints", "best"):  # Saves cut short by kill -9 or a full disk.
-            model_dir_lib.remove_orphan_temps(os.path.join(model_dir, directory))
+    # (The Trainer removed the partial folders of saves cut short by kill -9 or a full disk.)
     if strategy.extended.should_checkpoint:
         write_hparams(model_dir, dataclasses.asdict(config))
         checkpoint_lib.record_settings(model_dir, _optimizer_settings(config))
@@ -332,6 +330,9 @@ def _train_with_clean_errors(
                 f"bad data in --dataset={config.dataset} --data_dir={config.data_dir}: {text}; "
                 f"fix or remove that file; {_what_is_kept(trainer)}"
             ) from None
+        except Exception:
+            _end_background_write(trainer)
+            raise
     # The goodput scalars and line, after the final evaluation; metrics.json takes the same (last_goodput).
     trainer.report_goodput(restarts_from_environment())
     trainer.close()
@@ -349,6 +350,19 @@ def _train_with_clean_errors(
         )
         return signal_record.exit_status or STOPPED_BY_PEER_EXIT
     return train_logs, eval_logs
+
+
+def _end_background_write(trainer: Trainer) -> None:
+    """On the way out with an error: waits for a checkpoint still being written, so that its own
+    failure (most often the same full disk) is not reported a second time, at exit."""
+    if trainer.checkpointer is None:
+        return
+    try:
+        trainer.checkpointer.wait()
+    except UserError:
+        pass  # The same cause as the error under way, whose one line says it.
+    except Exception as error:  # Another failure: said once, beside the error under way.
+        logging.warning("the checkpoint written in the background failed too: %s", one_line(error, 200))
 
 
 def _what_is_kept(trainer: Trainer) -> str:
