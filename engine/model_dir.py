@@ -632,6 +632,69 @@ def _remove_partial(path: str, *, warn: bool = False) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
+# ------------------------------------------------------ a model_dir lost mid-run
+
+
+class DirectoryWatch:
+    """Notices that directories a run writes to were removed, replaced or made unwritable
+    while it ran: TensorFlow's writes make a removed directory again without a word (a new,
+    empty model_dir: the checkpoints, config and lock gone), or fail with a traceback from
+    deep inside a save.
+
+    Each directory is known by its identity (device and inode) from when it is first seen;
+    `problem()` says what became of them. Remote directories (gs://, ...) are not watched.
+    """
+
+    def __init__(self, *paths: str):
+        self.paths = [path for path in paths if not is_remote(path)]
+        self._identities: dict[str, tuple[int, int]] = {}
+        self.note()
+
+    def note(self) -> None:
+        """Takes the identity of each directory that exists now and has none yet."""
+        for path in self.paths:
+            if path not in self._identities:
+                with contextlib.suppress(OSError):
+                    status = os.stat(path)
+                    if stat.S_ISDIR(status.st_mode):
+                        self._identities[path] = (status.st_dev, status.st_ino)
+
+    def problem(self, error: BaseException | None = None) -> str | None:
+        """What became of the first watched directory that is not as it was ("... was
+        removed during the run", "... was replaced by ...", "... is not writable
+        anymore"), or None. `error`, what a write met, counts a denied permission."""
+        for path in self.paths:
+            known = self._identities.get(path)
+            if known is None:
+                continue
+            try:
+                status = os.lstat(path)
+            except FileNotFoundError:
+                return f"{path} was removed during the run"
+            except OSError as failed:  # A parent made unreadable, or removed and replaced.
+                return f"{path} cannot be reached anymore ({failed.strerror})"
+            if stat.S_ISLNK(status.st_mode):
+                with contextlib.suppress(OSError):
+                    status = os.stat(path)
+            if not stat.S_ISDIR(status.st_mode):
+                kind = "a regular file" if stat.S_ISREG(status.st_mode) else _file_kind(status.st_mode)
+                return f"{path} was replaced by {kind} during the run"
+            if (status.st_dev, status.st_ino) != known:
+                return f"{path} was removed during the run (and made again since)"
+        for path in self.paths:
+            if path in self._identities and (not os.access(path, os.W_OK | os.X_OK) or _denied(error)):
+                return f"{path} is not writable anymore"
+        return None
+
+
+def _denied(error: BaseException | None) -> bool:
+    """Whether a write failed for a permission or a read-only file system."""
+    if isinstance(error, OSError):
+        return error.errno in (errno.EACCES, errno.EPERM, errno.EROFS)
+    text = str(error) if error is not None else ""
+    return isinstance(error, tf.errors.PermissionDeniedError) or "Read-only file system" in text
+
+
 def is_remote(path: str) -> bool:
     """A path that only TensorFlow's file systems reach (gs://, ram://, ...), not `os`."""
     return "://" in path
@@ -705,6 +768,36 @@ def disk_full_is_a_user_error(model_dir: str) -> Iterator[None]:
         if message is None or not (full or "No space left on device" in str(error)):
             raise
         raise UserError(message) from None
+
+
+@contextlib.contextmanager
+def lost_directory_is_a_user_error(model_dir: str) -> Iterator[DirectoryWatch]:
+    """A write in the block that fails because the model_dir was removed, replaced or made
+    unwritable since the block began becomes one line saying so, not a traceback; the
+    watch it yields tells the block itself (`check_still_there`) before a last write."""
+    watch = DirectoryWatch(model_dir)
+    try:
+        yield watch
+    except (OSError, tf.errors.OpError):
+        problem = watch.problem()  # Not the error's denied permission: a data file may have met it.
+        if problem is None:
+            raise
+        raise UserError(lost_message(problem)) from None
+
+
+def check_still_there(watch: DirectoryWatch) -> None:
+    """Refuses to write into a model_dir that is not the one the run began with (a removed
+    one would be made again, holding only what is written now)."""
+    problem = watch.problem()
+    if problem is not None:
+        raise UserError(lost_message(problem))
+
+
+def lost_message(problem: str) -> str:
+    return (
+        f"{problem}; the run stopped: put the `model_dir` back as it was and rerun to continue, "
+        "or pass another `model_dir`"
+    )
 
 
 def disk_full_message(path: str, error: BaseException) -> str | None:

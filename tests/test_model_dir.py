@@ -740,6 +740,43 @@ def test_full_disk_under_a_background_write_and_the_best_checkpoint_leaves_no_pa
         subprocess.run(["umount", "--lazy", str(disk)], check=False)
 
 
+@pytest.mark.process
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_model_dir_made_read_only_mid_run_is_one_line_and_the_latest_checkpoint_stays(tmp_path):
+    """Root writes through permissions: the run drops the capabilities that let it (setpriv)."""
+    import shutil
+
+    import tensorflow as tf
+
+    if os.geteuid() != 0 or shutil.which("setpriv") is None:
+        pytest.skip("needs root and setpriv to run without the capabilities that override permissions")
+    model_dir = tmp_path / "run"
+    drop = ["setpriv", "--bounding-set", "-dac_override,-dac_read_search,-fowner", "--"]
+    flags = ["--model=mlp", "--dataset=synthetic", "--steps_per_loop=10", "--checkpoint_every=20"]
+    process = subprocess.Popen(
+        [*drop, sys.executable, "-m", "engine.main", *flags, "--train_steps=100000", f"--model_dir={model_dir}"],
+        cwd=REPO,
+        env=python_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        wait_for_checkpoint(model_dir, process)
+        subprocess.run(["chmod", "-R", "a-w", str(model_dir)], check=True)
+        _, stderr = process.communicate(timeout=120)
+    finally:
+        stop(process)
+        subprocess.run(["chmod", "-R", "u+w", str(model_dir)], check=False)
+    line = one_error_line(subprocess.CompletedProcess(process.args, process.returncode, "", stderr))
+    assert f"{model_dir} is not writable anymore" in line, line
+    latest = tf.train.latest_checkpoint(str(model_dir / "checkpoints"))
+    assert f"the latest checkpoint ({latest}) is kept" in line, line
+    assert model_dir_lib.read_problem(latest) is None
+
+
 # ------------------------------------------------------------- Trainer API
 
 

@@ -105,9 +105,14 @@ def _run(config: RunConfig, started_at: float) -> dict[str, Any]:
     # One writer per model_dir (the chief); readers such as an evaluator take no lock.
     lock = model_dir_lib.writer_lock(model_dir) if write_dir == model_dir else contextlib.nullcontext()
     # Repairs of on-disk state made while checking are undone if a later check refuses the run.
-    with model_dir_lib.disk_full_is_a_user_error(model_dir), lock, repairs.undone_on_error():
+    with (
+        model_dir_lib.disk_full_is_a_user_error(model_dir),
+        lock,
+        model_dir_lib.lost_directory_is_a_user_error(model_dir) as watch,
+        repairs.undone_on_error(),
+    ):
         return _train_and_evaluate(
-            config, strategy, cluster, task, model_dir, write_dir, total_steps, started_at
+            config, strategy, cluster, task, model_dir, write_dir, total_steps, started_at, watch
         )
 
 
@@ -138,10 +143,19 @@ def check_batch_fits_memory(global_batch_size: int, num_workers: int, feature_sh
 
 
 def _train_and_evaluate(
-    config, strategy, cluster, task: RunTask, model_dir: str, write_dir: str, total_steps: int, started_at: float
+    config,
+    strategy,
+    cluster,
+    task: RunTask,
+    model_dir: str,
+    write_dir: str,
+    total_steps: int,
+    started_at: float,
+    watch: model_dir_lib.DirectoryWatch,
 ) -> dict[str, Any]:
     """The part of `run` that reads and writes model_dir: under the writer lock
-    on the chief. Everything is checked before the first byte is written."""
+    on the chief. Everything is checked before the first byte is written; `watch`
+    tells whether the model_dir is still the one the run began with."""
     metrics_path = record_path(model_dir)
     if write_dir == model_dir:
         if tf.io.gfile.isdir(metrics_path):
@@ -237,6 +251,7 @@ def _train_and_evaluate(
     if config.on_nonfinite == "rollback" or trainer.rollbacks:  # Loss spikes survived (engine.rollback).
         result["rollbacks"] = trainer.rollbacks
     if write_dir == model_dir:
+        model_dir_lib.check_still_there(watch)  # Not a new model_dir holding only metrics.json.
         result = record_training(model_dir, result, mode=config.mode)
     logging.info(
         "done: step %d, eval %s, %.0f examples/s; wrote %s%s",
