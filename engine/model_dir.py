@@ -518,23 +518,17 @@ _PARTIAL_PART = re.compile(r"^part-\d+-of-\d+\.(index|data-\d+-of-\d+)(\.tempsta
 _writes_under_way: set[str] = set()
 
 
-def partial_name(prefix: str) -> str:
-    """The folder TensorFlow writes the checkpoint `prefix` (a path) into before merging it."""
-    return prefix.rstrip("/") + "_temp"
-
-
 @contextlib.contextmanager
 def partial_removed_on_error(prefix: str) -> Iterator[None]:
-    """A checkpoint write to `prefix` in the block: its partial folder is this process's while
-    the block runs, and is removed if the block raises (a full disk, an unwritable directory),
-    so a failed save leaves nothing behind."""
-    folder = partial_name(prefix)
+    """A checkpoint write to `prefix` (a path) in the block: its partial folder (`<prefix>_temp`)
+    is this process's while the block runs, and is removed if the block raises (a full disk, an
+    unwritable directory), so a failed save leaves nothing behind."""
+    folder = prefix.rstrip("/") + "_temp"
     key = _lock_key(folder)
     _writes_under_way.add(key)
     try:
         yield
     except BaseException:
-        _writes_under_way.discard(key)
         _remove_partial(folder)
         raise
     finally:
@@ -587,17 +581,14 @@ def remove_partial_checkpoints(model_dir: str) -> None:
             model_dir,
         )
         return
-    lock = writer_lock(model_dir)
-    try:
-        lock.__enter__()
-    except UserError as busy:
-        logging.warning("left %s, which may be the write of a run under way: %s", ", ".join(found), busy)
-        return
-    try:
+    with contextlib.ExitStack() as held:
+        try:
+            held.enter_context(writer_lock(model_dir))
+        except UserError as busy:
+            logging.warning("left %s, which may be the write of a run under way: %s", ", ".join(found), busy)
+            return
         for path in partial_checkpoints(model_dir):  # Again: the other run may have ended a write.
             _remove_partial(path, warn=True)
-    finally:
-        lock.__exit__(None, None, None)
 
 
 def _remove_partial(path: str, *, warn: bool = False) -> None:
