@@ -884,15 +884,20 @@ def test_removing_partial_folders_never_reaches_a_sibling_a_pattern_would_match(
 
 
 @pytest.mark.cli
-@pytest.mark.parametrize("flag", ["model_dir", "export_dir"])
+@pytest.mark.parametrize("flag", ["model_dir", "export_dir", "predict_output"])
 def test_a_path_component_longer_than_the_file_system_allows_is_one_line_writing_nothing(tmp_path, flag):
-    long = tmp_path / ("a" * 300) / "run"
-    paths = {"model_dir": str(tmp_path / "run"), flag: str(long)}
-    result = main_in_process("--model=mlp", "--train_steps=2", *(f"--{name}={p}" for name, p in paths.items()))
+    examples = tmp_path / "examples.npz"
+    np.savez(examples, x=np.zeros((2, 8), np.float32))
+    before = snapshot(tmp_path)
+    predicting = flag == "predict_output"
+    long = "a" * 300 + (".npy" if predicting else "")
+    paths = {"model_dir": str(tmp_path / "run"), flag: str(tmp_path / long)}
+    flags = ["--mode=predict", f"--predict_input={examples}"] if predicting else ["--train_steps=2"]
+    result = main_in_process("--model=mlp", *flags, *(f"--{name}={p}" for name, p in paths.items()))
     line = one_error_line(result)
-    assert f"--{flag}=... has a path component of 300 bytes ('aaaa" in line, line
+    assert f"--{flag}=... has a path component of {len(long)} bytes ('aaaa" in line, line
     assert "longer than the 255 its file system allows" in line, line
-    assert list(tmp_path.iterdir()) == []
+    assert snapshot(tmp_path) == before and sorted(p.name for p in tmp_path.iterdir()) == ["examples.npz"]
 
 
 def test_the_trainer_refuses_a_model_dir_path_component_longer_than_the_file_system_allows(tmp_path):
