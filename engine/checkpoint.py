@@ -249,6 +249,9 @@ class Checkpointer:
         set_aside_unreadable(model_dir, fallback=options.restore_fallback)
         self.options = options
         self.model = model
+        self.model_dir = model_dir
+        # Removed, replaced or made unwritable mid-run: one line at the next save, not a new empty model_dir.
+        self._watch = model_dir_lib.DirectoryWatch(model_dir, checkpoint_dir(model_dir))
         self._checkpoint = checkpoint
         self._copy: HostCopy | None = None
         self._writer: BackgroundWriter | None = None
@@ -321,6 +324,7 @@ class Checkpointer:
                 f"({self.latest or 'none'}) is kept"
             )
         self.wait()  # The copy must not change under a write still under way.
+        self._check_directories(step)
         directory = self.manager.directory
         model_dir_lib.set_aside_unlisted(directory, step, listed=self.manager.checkpoints)
         if self._writer is not None and self._copy is not None:
@@ -328,12 +332,14 @@ class Checkpointer:
             self._writer.start(step)
             return os.path.join(directory, f"ckpt-{step}")
         try:
-            path = self.manager.save(checkpoint_number=step)
+            with model_dir_lib.partial_removed_on_error(os.path.join(directory, f"ckpt-{step}")):
+                path = self.manager.save(checkpoint_number=step)
         except (tf.errors.OpError, OSError) as error:
-            full = self._disk_full(step, error)
-            if full is None:
+            failed = self._write_failed(step, error)
+            if failed is None:
                 raise
-            raise full from None
+            raise failed from None
+        self._watch.note()  # The first save makes the directories.
         logger.info("Saved checkpoint %s", path)
         return path
 
@@ -346,23 +352,41 @@ class Checkpointer:
         if failed is None:
             return
         step, error = failed
-        full = self._disk_full(step, error) if isinstance(error, (tf.errors.OpError, OSError)) else None
-        if full is None:
+        written = self._write_failed(step, error) if isinstance(error, (tf.errors.OpError, OSError)) else None
+        if written is None:
             raise error
-        raise full from None
+        raise written from None
 
-    def _disk_full(self, step: int, error: BaseException) -> UserError | None:
-        """A write that failed for a full disk, as one line naming the latest checkpoint
-        (which stays the latest); None for any other error."""
+    def _write_failed(self, step: int, error: BaseException) -> UserError | None:
+        """A write that failed for a full disk, or because the model_dir was removed, replaced
+        or made unwritable, as one line naming the latest checkpoint (which stays the latest);
+        None for any other error. The write removed its own partial folder."""
         directory = self.manager.directory
         message = model_dir_lib.disk_full_message(directory, error)
         if message is None:
-            return None
-        model_dir_lib.remove_orphan_temps(directory)  # This save's ckpt-N_temp.
+            problem = self._watch.problem(error)
+            return None if problem is None else UserError(self._not_saved(step, problem))
+        model_dir_lib.remove_partial_checkpoints(self.model_dir)  # Any other write's the disk cut short.
         return UserError(
             f"checkpoint at step {step} not saved: {message}; the latest checkpoint "
             f"({self.manager.latest_checkpoint or 'none'}) is kept"
         )
+
+    def _check_directories(self, step: int) -> None:
+        """Refuses to save into a model_dir that was removed, replaced or made unwritable since
+        the run began (TensorFlow would make a new, empty one)."""
+        self._watch.note()
+        problem = self._watch.problem()
+        if problem is not None:
+            raise UserError(self._not_saved(step, problem))
+
+    def _not_saved(self, step: int, problem: str) -> str:
+        latest = self.manager.latest_checkpoint
+        if latest is not None and model_dir_lib.read_problem(latest) is None:
+            kept = f"the latest checkpoint ({latest}) is kept: rerun to continue from it"
+        else:
+            kept = "no checkpoint of the run is left there: rerun to start over, with a `model_dir` that stays"
+        return f"checkpoint at step {step} not saved: {problem}; {kept}"
 
 
 class CheckpointVanished(Exception):

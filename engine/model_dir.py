@@ -41,13 +41,49 @@ _CHECKPOINT_INDEX = re.compile(r"^ckpt-(\d+)\.index$")
 
 def check_name(model_dir: str, argument: str = "model_dir") -> None:
     """Refuses names TensorFlow would read as glob patterns: with them, checkpoint
-    rotation and discovery reach files outside the directory."""
+    rotation and discovery reach files outside the directory. And names no file
+    system takes (`check_path_length`)."""
     bad = sorted({c for c in model_dir if c in GLOB_CHARACTERS})
     if bad:
         raise UserError(
             f"`{argument}={model_dir!r}` contains {''.join(bad)!r}, which TensorFlow matches as a file "
             "pattern (checkpoint rotation could delete files of other directories); "
             "use a path without * ? [ ] \\"
+        )
+    check_path_length(model_dir, argument)
+
+
+# What Linux file systems take when `pathconf` cannot say: NAME_MAX and PATH_MAX.
+_NAME_MAX, _PATH_MAX = 255, 4096
+# The longest name the engine adds under a model_dir ("checkpoints/ckpt-N_temp/part-...").
+_ENGINE_SUFFIX = 96
+
+
+def check_path_length(path: str, argument: str) -> None:
+    """Refuses a local path with a component longer than its file system allows (a
+    traceback from deep inside TensorFlow's makedirs once the run was under way), or
+    one too long as a whole to hold what the engine writes under it."""
+    if not path or is_remote(path):
+        return
+    existing = os.path.abspath(path)
+    while not os.path.isdir(existing) and os.path.dirname(existing) != existing:
+        existing = os.path.dirname(existing)
+    name_max, path_max = _NAME_MAX, _PATH_MAX
+    with contextlib.suppress(OSError, ValueError):
+        name_max = os.pathconf(existing, "PC_NAME_MAX")
+        path_max = os.pathconf(existing, "PC_PATH_MAX")
+    for component in path.split(os.sep):
+        size = len(os.fsencode(component))
+        if size > name_max:
+            raise UserError(
+                f"`{argument}=...` has a path component of {size} bytes ({component[:40]!r}...), longer than "
+                f"the {name_max} its file system allows; use shorter names"
+            )
+    size = len(os.fsencode(os.path.abspath(path)))
+    if size + _ENGINE_SUFFIX > path_max:
+        raise UserError(
+            f"`{argument}=...` is {size} bytes long; with what the run writes under it that is more than the "
+            f"{path_max} its file system allows for a path; use a shorter path"
         )
 
 
@@ -207,7 +243,8 @@ def writer_lock(model_dir: str) -> Iterator[None]:
             "no other run writes to it",
             model_dir,
         )
-        yield
+        with _held_here(model_dir):
+            yield
         return
     path = os.path.join(model_dir, LOCK_FILE)
     created = False
@@ -249,9 +286,28 @@ def writer_lock(model_dir: str) -> Iterator[None]:
         _release(model_dir, path, fd, created)
         raise
     try:
-        yield
+        with _held_here(model_dir):
+            yield
     finally:
         _release(model_dir, path, fd, created)
+
+
+# The model_dirs whose writer lock this process holds (`writer_lock`), by `_lock_key`.
+_held: set[str] = set()
+
+
+def _lock_key(model_dir: str) -> str:
+    return model_dir if is_remote(model_dir) else os.path.realpath(model_dir)
+
+
+@contextlib.contextmanager
+def _held_here(model_dir: str) -> Iterator[None]:
+    key = _lock_key(model_dir)
+    _held.add(key)
+    try:
+        yield
+    finally:
+        _held.discard(key)
 
 
 def _release(model_dir: str, path: str, fd: int, created: bool) -> None:
@@ -448,21 +504,186 @@ def set_aside_unlisted(directory: str, number: int, *, listed: list[str]) -> Non
     )
 
 
-def remove_orphan_temps(directory: str) -> None:
-    """Removes `*_temp` directories that a save cut short (kill -9, full disk) left.
+# ------------------------------------------------- checkpoint writes cut short
 
-    TensorFlow writes a checkpoint into `ckpt-N_temp/` and moves the files
-    out when complete, so these hold no complete checkpoint. Call under the
-    writer lock only: a live run's save in progress looks the same.
+# The directories of a model_dir that hold checkpoints: the rolling ones and the best one.
+CHECKPOINT_SUBDIRECTORIES = ("checkpoints", "best")
+# TensorFlow writes `ckpt-N` as `ckpt-N_temp/part-<i>-of-<n>.{index,data-...}` (each file first
+# as `<name>.tempstate<random>`), then merges the parts into `ckpt-N.*` and removes the folder:
+# a folder left is a write cut short (kill -9, a full disk) and holds no complete checkpoint.
+_PARTIAL_CHECKPOINT = re.compile(r"^ckpt-\d+_temp$")
+_PARTIAL_PART = re.compile(r"^part-\d+-of-\d+\.(index|data-\d+-of-\d+)(\.tempstate\d+)?$")
+# The partial folders of background writes under way in this process (a Trainer made while
+# another one's write runs must not remove it).
+_writes_under_way: set[str] = set()
+
+
+@contextlib.contextmanager
+def partial_removed_on_error(prefix: str) -> Iterator[None]:
+    """A checkpoint write to `prefix` (a path) in the block: its partial folder (`<prefix>_temp`)
+    is this process's while the block runs, and is removed if the block raises (a full disk, an
+    unwritable directory), so a failed save leaves nothing behind."""
+    folder = prefix.rstrip("/") + "_temp"
+    key = _lock_key(folder)
+    _writes_under_way.add(key)
+    try:
+        yield
+    except BaseException:
+        _remove_partial(folder)
+        raise
+    finally:
+        _writes_under_way.discard(key)
+
+
+def partial_checkpoints(model_dir: str) -> list[str]:
+    """The partial folders (`ckpt-N_temp`) in the model_dir's checkpoint directories that no
+    state file names and no write of this process is filling, found by listing (never a
+    pattern: the name may hold pattern characters)."""
+    found = []
+    for subdirectory in CHECKPOINT_SUBDIRECTORIES:
+        directory = os.path.join(model_dir, subdirectory)
+        if not tf.io.gfile.isdir(directory):
+            continue
+        state = checkpoint_state(directory)
+        named = set() if state is None else {os.path.basename(p) for p in state.all_model_checkpoint_paths}
+        if state is not None:
+            named.add(os.path.basename(state.model_checkpoint_path))
+        for name in sorted(tf.io.gfile.listdir(directory)):
+            name = name.rstrip("/")
+            path = os.path.join(directory, name)
+            under_way = _lock_key(path) in _writes_under_way
+            if _PARTIAL_CHECKPOINT.match(name) and name not in named and not under_way:
+                found.append(path)
+    return found
+
+
+def remove_partial_checkpoints(model_dir: str) -> None:
+    """Removes the partial folders that checkpoint writes cut short (kill -9, a full disk)
+    left in the model_dir (`partial_checkpoints`): at every start.
+
+    Only under the model_dir's writer lock, where a live run's write in progress looks the
+    same: this process's own (`writer_lock`: the command line), else taken for the moment of
+    the removal (the library's Trainer holds none); when another run holds it, nothing is
+    removed. Only the engine's own names: a folder holding anything but TensorFlow's part
+    files, or a symbolic link, is left with a warning.
     """
-    if not tf.io.gfile.isdir(directory):
+    found = partial_checkpoints(model_dir)
+    if not found:
         return
-    for name in tf.io.gfile.listdir(directory):
-        name = name.rstrip("/")
-        path = os.path.join(directory, name)
-        if name.endswith("_temp") and tf.io.gfile.isdir(path):
-            logging.warning("removing %s, left by a checkpoint write that did not finish", path)
-            tf.io.gfile.rmtree(path)
+    if _lock_key(model_dir) in _held:
+        for path in found:
+            _remove_partial(path, warn=True)
+        return
+    if is_remote(model_dir):  # No lock to take: a live run's writes look the same.
+        logging.warning(
+            "left %s: `model_dir=%r` has no writer lock to tell a write cut short from one under way",
+            ", ".join(found),
+            model_dir,
+        )
+        return
+    with contextlib.ExitStack() as held:
+        try:
+            held.enter_context(writer_lock(model_dir))
+        except UserError as busy:
+            logging.warning("left %s, which may be the write of a run under way: %s", ", ".join(found), busy)
+            return
+        for path in partial_checkpoints(model_dir):  # Again: the other run may have ended a write.
+            _remove_partial(path, warn=True)
+
+
+def _remove_partial(path: str, *, warn: bool = False) -> None:
+    """Removes the partial folder `path` if it holds only TensorFlow's part files (and is not a link)."""
+    if is_remote(path):
+        if not tf.io.gfile.isdir(path):
+            return
+        names = [name.rstrip("/") for name in tf.io.gfile.listdir(path)]
+    else:
+        try:
+            if not stat.S_ISDIR(os.lstat(path).st_mode):  # A symbolic link (to anywhere) is not ours.
+                if warn:
+                    logging.warning("left %s: it is not a directory the engine wrote", path)
+                return
+            names = os.listdir(path)
+        except FileNotFoundError:
+            return
+    foreign = [name for name in names if not _PARTIAL_PART.match(name)]
+    if foreign:
+        if warn:
+            logging.warning(
+                "left %s, a checkpoint write cut short: it also holds %s, which the engine does not write",
+                path,
+                ", ".join(sorted(foreign)[:3]),
+            )
+        return
+    if warn:
+        logging.warning("removing %s, left by a checkpoint write that did not finish", path)
+    if is_remote(path):
+        remove_tree(path)
+    else:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+# ------------------------------------------------------ a model_dir lost mid-run
+
+
+class DirectoryWatch:
+    """Notices that directories a run writes to were removed, replaced or made unwritable
+    while it ran: TensorFlow's writes make a removed directory again without a word (a new,
+    empty model_dir: the checkpoints, config and lock gone), or fail with a traceback from
+    deep inside a save.
+
+    Each directory is known by its identity (device and inode) from when it is first seen;
+    `problem()` says what became of them. Remote directories (gs://, ...) are not watched.
+    """
+
+    def __init__(self, *paths: str):
+        self.paths = [path for path in paths if not is_remote(path)]
+        self._identities: dict[str, tuple[int, int]] = {}
+        self.note()
+
+    def note(self) -> None:
+        """Takes the identity of each directory that exists now and has none yet."""
+        for path in self.paths:
+            if path not in self._identities:
+                with contextlib.suppress(OSError):
+                    status = os.stat(path)
+                    if stat.S_ISDIR(status.st_mode):
+                        self._identities[path] = (status.st_dev, status.st_ino)
+
+    def problem(self, error: BaseException | None = None) -> str | None:
+        """What became of the first watched directory that is not as it was ("... was
+        removed during the run", "... was replaced by ...", "... is not writable
+        anymore"), or None. `error`, what a write met, counts a denied permission."""
+        for path in self.paths:
+            known = self._identities.get(path)
+            if known is None:
+                continue
+            try:
+                status = os.lstat(path)
+            except FileNotFoundError:
+                return f"{path} was removed during the run"
+            except OSError as failed:  # A parent made unreadable, or removed and replaced.
+                return f"{path} cannot be reached anymore ({failed.strerror})"
+            if stat.S_ISLNK(status.st_mode):
+                with contextlib.suppress(OSError):
+                    status = os.stat(path)
+            if not stat.S_ISDIR(status.st_mode):
+                kind = "a regular file" if stat.S_ISREG(status.st_mode) else _file_kind(status.st_mode)
+                return f"{path} was replaced by {kind} during the run"
+            if (status.st_dev, status.st_ino) != known:
+                return f"{path} was removed during the run (and made again since)"
+        for path in self.paths:
+            if path in self._identities and (not os.access(path, os.W_OK | os.X_OK) or _denied(error)):
+                return f"{path} is not writable anymore"
+        return None
+
+
+def _denied(error: BaseException | None) -> bool:
+    """Whether a write failed for a permission or a read-only file system."""
+    if isinstance(error, OSError):
+        return error.errno in (errno.EACCES, errno.EPERM, errno.EROFS)
+    text = str(error) if error is not None else ""
+    return isinstance(error, tf.errors.PermissionDeniedError) or "Read-only file system" in text
 
 
 def is_remote(path: str) -> bool:
@@ -538,6 +759,36 @@ def disk_full_is_a_user_error(model_dir: str) -> Iterator[None]:
         if message is None or not (full or "No space left on device" in str(error)):
             raise
         raise UserError(message) from None
+
+
+@contextlib.contextmanager
+def lost_directory_is_a_user_error(model_dir: str) -> Iterator[DirectoryWatch]:
+    """A write in the block that fails because the model_dir was removed, replaced or made
+    unwritable since the block began becomes one line saying so, not a traceback; the
+    watch it yields tells the block itself (`check_still_there`) before a last write."""
+    watch = DirectoryWatch(model_dir)
+    try:
+        yield watch
+    except (OSError, tf.errors.OpError):
+        problem = watch.problem()  # Not the error's denied permission: a data file may have met it.
+        if problem is None:
+            raise
+        raise UserError(lost_message(problem)) from None
+
+
+def check_still_there(watch: DirectoryWatch) -> None:
+    """Refuses to write into a model_dir that is not the one the run began with (a removed
+    one would be made again, holding only what is written now)."""
+    problem = watch.problem()
+    if problem is not None:
+        raise UserError(lost_message(problem))
+
+
+def lost_message(problem: str) -> str:
+    return (
+        f"{problem}; the run stopped: put the `model_dir` back as it was and rerun to continue, "
+        "or pass another `model_dir`"
+    )
 
 
 def disk_full_message(path: str, error: BaseException) -> str | None:

@@ -18,6 +18,7 @@ from typing import Any, NoReturn, TypeAlias
 import keras
 import tensorflow as tf
 
+from engine import model_dir as model_dir_lib
 from engine.callbacks import CallbackLike, as_callbacks
 from engine.callbacks.progress import Progress, format_logs
 from engine.checkpoint import Checkpointer, checkpoint_of
@@ -283,6 +284,8 @@ class Trainer:
             )
         for callback in self.callbacks:  # Their own state on disk, now that the step is known.
             callback.restore_state(self)
+        if model_dir is not None:  # Every check passed: the partial folders of writes cut short go.
+            model_dir_lib.remove_partial_checkpoints(model_dir)
 
     def _standard_step(self, metrics: list[Any], weighted_metrics: list[Any]) -> ReplicaStep:
         assert self.objective is not None, "checked: loss_fn or step_fn"

@@ -58,3 +58,9 @@ def first_line(error: BaseException) -> str:
         text = object.__repr__(error)
     lines = text.strip().splitlines()
     return lines[0][:300] if lines else ""
+
+
+def exited(error: SystemExit, returns: str) -> str:
+    """What a user's function did that called sys.exit() (or `exit()`) while the engine called it
+    for `returns` ("its data"): said as one line instead of ending the run in silence, status 0."""
+    return f"called sys.exit({error.code!r}) instead of returning {returns}; return it, or raise an exception"

@@ -24,8 +24,15 @@ def as_features(features: np.ndarray, where: str) -> np.ndarray:
     features = np.asarray(features)
     if features.ndim < 2 or len(features) == 0:
         raise DataError(f"{where}: features must have shape (N, ...) with N >= 1, got {features.shape}")
+    if 0 in features.shape[1:]:  # Would abort the process inside oneDNN once the model runs.
+        raise DataError(f"{where}: features of shape {features.shape} hold no values an example")
     if features.dtype == np.uint8:
         return features
+    if np.iscomplexobj(features):  # float32 would keep the real part alone, silently.
+        raise DataError(
+            f"{where}: features are complex ({features.dtype}); store the real and imaginary parts as "
+            "separate values"
+        )
     if not (np.issubdtype(features.dtype, np.number) or features.dtype == np.bool_):
         raise DataError(f"{where}: features must be numbers, got {features.dtype}")
     features = features.astype(np.float32)

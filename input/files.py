@@ -39,6 +39,9 @@ def load_npz(
         )
     if ("x_test" in arrays) != ("y_test" in arrays):
         raise DataError(f"--dataset={path} has only one of x_test and y_test; give both or neither")
+    for features, labels in (("x_train", "y_train"), ("x_test", "y_test")):
+        if features in arrays:  # Before anything indexes them (the eval split is taken by index).
+            _check_npz_pair(path, features, arrays[features], labels, arrays[labels])
     train = (arrays["x_train"], arrays["y_train"])
     if "x_test" in arrays:
         eval_split: tuple[np.ndarray, np.ndarray] | None = (arrays["x_test"], arrays["y_test"])
@@ -49,6 +52,40 @@ def load_npz(
     )
 
 
+_NOT_NUMBERS = {"U": "strings", "S": "byte strings", "O": "Python objects", "M": "dates", "m": "time spans"}
+
+
+def _check_npz_pair(path: str, x: str, features: np.ndarray, y: str, labels: np.ndarray) -> None:
+    """One split's arrays as the engine reads them, named in the message: numbers (not complex,
+    not strings), features (N, ...) and labels (N,) or (N, k), one label an example, and
+    examples that hold values (an (N, 0) array aborted the process inside oneDNN)."""
+    for name, array in ((x, features), (y, labels)):
+        kind = array.dtype.kind
+        if kind == "c":
+            raise DataError(
+                f"--dataset={path}: {name} holds complex numbers ({array.dtype}), which would train as their "
+                f"real part alone; store the real and imaginary parts as separate values "
+                f"(np.stack([{name}.real, {name}.imag], axis=-1))"
+            )
+        if kind not in "biuf":
+            what = _NOT_NUMBERS.get(kind, "values")
+            raise DataError(f"--dataset={path}: {name} holds {what} ({array.dtype}), not numbers; store numbers")
+    if features.ndim < 2:
+        hint = f" (one value an example: {x}[:, None])" if features.ndim == 1 else ""
+        raise DataError(
+            f"--dataset={path}: {x} has shape {features.shape}; it must be (N, ...), one example a row{hint}"
+        )
+    if labels.ndim not in (1, 2):
+        raise DataError(f"--dataset={path}: {y} has shape {labels.shape}; labels must be (N,) or (N, k)")
+    if len(features) != len(labels):
+        raise DataError(
+            f"--dataset={path}: {x} holds {len(features)} examples but {y} {len(labels)} labels; give one each"
+        )
+    for name, array in ((x, features), (y, labels)):
+        if 0 in array.shape[1:]:
+            raise DataError(f"--dataset={path}: {name} has shape {array.shape}: its examples hold no values")
+
+
 def _read_npz(path: str) -> dict[str, np.ndarray]:
     if not os.path.isfile(path):
         raise DataError(f"--dataset={path} does not exist or is not a file")
@@ -56,7 +93,21 @@ def _read_npz(path: str) -> dict[str, np.ndarray]:
         with np.load(path, allow_pickle=False) as data:
             if not hasattr(data, "files"):
                 raise DataError(f"--dataset={path} is a single .npy array, not an .npz of named arrays")
-            return {key: data[key] for key in data.files if key in NPZ_KEYS}
+            arrays = {}
+            for key in data.files:
+                if key in NPZ_KEYS:
+                    try:
+                        arrays[key] = data[key]
+                    except ValueError as error:
+                        if "allow_pickle" not in str(error):
+                            raise
+                        raise DataError(
+                            f"--dataset={path}: {key} holds Python objects (dtype object), which are never "
+                            "loaded (that could run code); store numbers"
+                        ) from None
+            return arrays
+    except DataError:
+        raise
     except (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error) as error:
         raise DataError(
             f"cannot read --dataset={path}: {type(error).__name__}: {error}; write it with "

@@ -73,8 +73,10 @@ def infer_labels(labels: np.ndarray, where: str, *, num_classes: int | None = No
         labels = labels[:, 0]
     if labels.ndim not in (1, 2) or len(labels) == 0:
         raise DataError(f"{where}: labels must have shape (N,) or (N, k), got {labels.shape}")
-    if not (np.issubdtype(labels.dtype, np.number) or labels.dtype == np.bool_):
-        raise DataError(f"{where}: labels must be numbers, got {labels.dtype}")
+    if labels.ndim == 2 and labels.shape[1] == 0:
+        raise DataError(f"{where}: labels of shape {labels.shape} hold no value an example")
+    if np.iscomplexobj(labels) or not (np.issubdtype(labels.dtype, np.number) or labels.dtype == np.bool_):
+        raise DataError(f"{where}: labels must be real numbers, got {labels.dtype}")
     if not np.isfinite(labels.astype(np.float64)).all():
         raise DataError(f"{where}: labels hold NaN or Inf values; remove those examples")
     integral = labels.dtype == np.bool_ or np.issubdtype(labels.dtype, np.integer)

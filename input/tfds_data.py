@@ -16,8 +16,10 @@ engine shuffles, shards and resumes them exactly.
 
 from __future__ import annotations
 
+import json
 import math
 import os
+import re
 from types import ModuleType
 from typing import Any
 
@@ -104,7 +106,25 @@ def _prepared_builder(tfds: ModuleType, name: str, data_dir: str | None) -> Any:
             f'{shown_dir}; see {CATALOG} or python -c "import tensorflow_datasets as tfds; '
             'print(tfds.list_builders())" for the names'
         ) from None
-    except (ValueError, AssertionError) as error:  # An unknown config or version of a known set.
+    except Exception as error:  # noqa: BLE001 - what a damaged file of the set makes tfds raise varies
+        damaged = _damaged_files(shown_dir, parsed.name)
+        if damaged:
+            raise DataError(_damaged_message(where, damaged)) from None
+        text = str(error).strip().splitlines()[0][:200] if str(error).strip() else ""
+        variant = "BuilderConfig" in text or "version" in text  # A config or version it does not know.
+        # Files that parse, yet tensorflow-datasets cannot use:
+        if not (variant and isinstance(error, (ValueError, AssertionError))) and _prepared_variants(
+            shown_dir, parsed.name
+        ):
+            files = os.path.join(shown_dir, parsed.name)
+            raise DataError(
+                f"{where}: tensorflow-datasets cannot read the files prepared in {files} "
+                f"({type(error).__name__}: {text}); their dataset_info.json or features.json is damaged: "
+                "prepare the set again (tfds build) or copy it again from the machine that prepared it"
+            ) from None
+        if not isinstance(error, (ValueError, AssertionError)):
+            raise
+        # An unknown config or version of a known set:
         # 'Failed to construct dataset "mnist", builder_kwargs "{...}": BuilderConfig x not found ...'
         message = str(error).strip().splitlines()[0].split('}": ', 1)[-1].split(" Here are ")[0].rstrip(". ")
         raise DataError(f"{where}: {message}{_configs_hint(tfds, parsed.name)}") from None
@@ -116,6 +136,51 @@ def _prepared_builder(tfds: ModuleType, name: str, data_dir: str | None) -> Any:
             f"tfds.builder('{name}', data_dir='{root}').download_and_prepare()\") and copy {root} here"
         )
     return builder
+
+
+_VERSION = re.compile(r"^\d+\.\d+\.\d+$")
+
+
+def _damaged_files(data_dir: str, name: str) -> list[tuple[str, str]]:
+    """(path, what is wrong) for each dataset_info.json or features.json of `name`'s prepared
+    variants in `data_dir` that is not what tensorflow-datasets writes: not JSON, not an
+    object, or a DatasetInfo without its name, version or a list of splits."""
+    damaged = []
+    for directory, subdirectories, files in os.walk(os.path.join(data_dir, name)):
+        subdirectories[:] = [d for d in subdirectories if not d.startswith("incomplete.")]
+        for file in ("dataset_info.json", "features.json"):
+            if file in files:
+                path = os.path.join(directory, file)
+                problem = _json_problem(path, info=file == "dataset_info.json")
+                if problem is not None:
+                    damaged.append((path, problem))
+    return damaged
+
+
+def _json_problem(path: str, *, info: bool) -> str | None:
+    try:
+        with open(path, encoding="utf-8") as handle:
+            value = json.load(handle)
+    except (OSError, ValueError) as error:  # UnicodeDecodeError and JSONDecodeError are ValueErrors.
+        return f"{type(error).__name__}: {str(error).splitlines()[0][:120] if str(error) else ''}"
+    if not isinstance(value, dict) or not value:
+        return f"not a JSON object of its fields but {type(value).__name__} {str(value)[:40]}"
+    if info:
+        if not isinstance(value.get("name"), str) or not _VERSION.match(str(value.get("version", ""))):
+            return "no name or no x.y.z version"
+        splits = value.get("splits", [])
+        if not isinstance(splits, list) or not all(isinstance(split, dict) for split in splits):
+            return "its splits are not a list of objects"
+    return None
+
+
+def _damaged_message(where: str, damaged: list[tuple[str, str]]) -> str:
+    path, problem = damaged[0]
+    more = f" (and {len(damaged) - 1} more such file(s))" if len(damaged) > 1 else ""
+    return (
+        f"{where}: {path} is damaged ({problem}){more}; prepare the set again (tfds build) or copy it again "
+        "from the machine that prepared it"
+    )
 
 
 def _prepared_variants(data_dir: str, name: str) -> list[str]:
@@ -172,7 +237,16 @@ def _read_split(tfds: ModuleType, builder: Any, split: str, where: str) -> tuple
     import tensorflow as tf
 
     where = f"{where} split {split!r}"
-    dataset = builder.as_dataset(split=split, as_supervised=True, shuffle_files=False)
+    try:
+        dataset = builder.as_dataset(split=split, as_supervised=True, shuffle_files=False)
+    except (ValueError, KeyError, TypeError, AssertionError) as error:  # What its DatasetInfo says is wrong.
+        detail = str(error).splitlines()[0][:160] if str(error) else ""
+        info = os.path.join(builder.data_dir, "dataset_info.json")
+        raise DataError(
+            f"{where}: tensorflow-datasets cannot read it as {info} describes it ({type(error).__name__}: "
+            f"{detail}); that file is damaged: prepare the set again (tfds build) or copy it again from the "
+            "machine that prepared it"
+        ) from None
     spec = dataset.element_spec
     if not (isinstance(spec, tuple) and len(spec) == 2 and all(isinstance(s, tf.TensorSpec) for s in spec)):
         raise DataError(

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from engine.user_code import UserCodeError, first_line, import_callable
+from engine.user_code import UserCodeError, exited, first_line, import_callable
 from input.arrays import source_from_arrays
 from input.errors import DataError
 from input.source import DataSource
@@ -41,6 +41,8 @@ def as_data_source(data: Any, options, *, name: str, where: str) -> DataSource:
     if callable(data) and not isinstance(data, (DataSource, tf.data.Dataset)):
         try:
             data = data()
+        except SystemExit as error:  # It ended nothing: the run ends with one line instead.
+            raise DataError(f"{where} {exited(error, 'its data')}") from None
         except Exception as error:  # Whatever the user's function raises.
             raise DataError(f"{where} raised {type(error).__name__}: {first_line(error)}") from None
     if isinstance(data, DataSource):

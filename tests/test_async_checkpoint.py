@@ -171,6 +171,31 @@ def test_a_disk_full_during_a_write_is_the_sync_line_and_the_previous_checkpoint
     trainer.close()
 
 
+def test_a_failed_background_write_removes_its_own_partial_folder_at_once(tmp_path, monkeypatch):
+    """The run may end before anything claims the write's error (a full disk fails the best
+    checkpoint's save first, and the process exits): its folder must not wait for that."""
+    trainer = small_trainer(tmp_path)
+    trainer.train(2)
+    save = tf.train.CheckpointManager.save
+
+    def cut_short(self, checkpoint_number):
+        partial = os.path.join(self.directory, f"ckpt-{checkpoint_number}_temp")
+        os.makedirs(partial)  # What TensorFlow's write leaves when the disk fills.
+        with open(os.path.join(partial, "part-00000-of-00001.data-00000-of-00001.tempstate1"), "wb") as handle:
+            handle.write(b"half")
+        raise tf.errors.ResourceExhaustedError(None, None, f"{partial}/part-00000; No space left on device")
+
+    monkeypatch.setattr(tf.train.CheckpointManager, "save", cut_short)
+    trainer.global_step.assign(4)
+    trainer.save()
+    trainer.checkpointer._writer._thread.join()  # The write ended; nothing has asked for its result.
+    assert not (tmp_path / "checkpoints" / "ckpt-4_temp").exists()
+    with pytest.raises(UserError, match=r"checkpoint at step 4 not saved: the disk holding .* is full"):
+        trainer.close()
+    monkeypatch.setattr(tf.train.CheckpointManager, "save", save)
+    assert _state_names(tmp_path) == "ckpt-2"
+
+
 def test_async_checkpoint_off_saves_in_the_loop(tmp_path):
     trainer = small_trainer(tmp_path, async_checkpoint=False)
     assert not trainer.checkpointer.writes_in_background
@@ -284,3 +309,91 @@ def _latest(model_dir: Path) -> int:
     """The step of the latest checkpoint, -1 without one."""
     path = tf.train.latest_checkpoint(str(model_dir / "checkpoints"))
     return -1 if path is None else int(path.rsplit("-", 1)[1])
+
+
+# Research code (README "Embedding the loop"): the library's Trainer, no command line, no writer
+# lock of its own; a small model beside a 64 MiB weight, so that each write takes a while.
+RESEARCH_SCRIPT = """
+import sys
+
+import engine
+import keras
+import numpy as np
+import tensorflow as tf
+
+model_dir, steps = sys.argv[1], int(sys.argv[2])
+strategy = tf.distribute.get_strategy()
+inputs = keras.Input(shape=(8,))
+model = keras.Model(inputs, keras.layers.Dense(2)(inputs))
+model.ballast = model.add_weight(shape=(4096, 4096), initializer="ones", trainable=False, name="ballast")
+x = np.random.default_rng(0).normal(size=(256, 8)).astype("float32")
+data = tf.data.Dataset.from_tensor_slices((x, (x[:, 0] > 0).astype("int32"))).repeat().batch(32)
+trainer = engine.Trainer(
+    strategy=strategy,
+    model=model,
+    optimizer=keras.optimizers.SGD(0.1),
+    train_data=data,
+    global_batch_size=32,
+    loss_fn=lambda labels, logits: tf.nn.sparse_softmax_cross_entropy_with_logits(labels, logits),
+    model_dir=model_dir,
+    steps_per_loop=5,
+    checkpoint_every=5,
+)
+print("restored step", trainer.step, flush=True)
+trainer.train(steps)
+trainer.close()
+"""
+
+
+@pytest.mark.process
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_kill_9_during_a_background_write_then_a_library_restart_leaves_no_partial_folder(tmp_path):
+    script = tmp_path / "research.py"
+    script.write_text(RESEARCH_SCRIPT)
+    model_dir, checkpoints = tmp_path / "run", tmp_path / "run" / "checkpoints"
+    partial: list[str] = []
+    for _ in range(5):  # A write may end between the look and the kill: try again.
+        process = subprocess.Popen(
+            [sys.executable, str(script), str(model_dir), "100000"],
+            env=python_env(),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+        )
+        try:
+            waited = time.monotonic() + 120
+            # A write after the first checkpoint: the kill must leave that one the latest, readable.
+            while "checkpoint" not in _listed(checkpoints) or not (
+                partial := [n for n in _listed(checkpoints) if n.endswith("_temp")]
+            ):
+                assert process.poll() is None, process.communicate(timeout=30)[1][-3000:]
+                assert time.monotonic() < waited, "no checkpoint write began in 120 s"
+                time.sleep(0.001)
+        finally:
+            stop(process)  # SIGKILL to the group: no handler, no atexit.
+        if [n for n in _listed(checkpoints) if n.endswith("_temp")]:
+            break
+    assert partial and (checkpoints / partial[0]).is_dir(), "no kill landed during a write"
+    latest = tf.train.latest_checkpoint(str(checkpoints))
+    assert latest is not None
+
+    restart = subprocess.run(
+        [sys.executable, str(script), str(model_dir), "0"],
+        env=python_env(),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+
+    assert restart.returncode == 0, restart.stderr[-3000:]
+    assert f"restored step {int(latest.rsplit('-', 1)[1])}" in restart.stdout
+    assert not [path for path in model_dir.rglob("*_temp")], sorted(_listed(checkpoints))
+    assert model_dir_lib.read_problem(latest) is None
+
+
+def _listed(directory: Path) -> list[str]:
+    try:
+        return os.listdir(directory)
+    except FileNotFoundError:
+        return []

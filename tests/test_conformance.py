@@ -123,14 +123,21 @@ def engine_run(name: str, replicas: int, grad_accum_steps: int = 1) -> tuple[eng
 
 
 @functools.cache
-def keras_reference(name: str, replicas: int) -> keras.Model:
-    """A Keras model on one replica holding the engine's trained weights: what evaluate and
-    predict of those weights give."""
+def keras_clone(name: str) -> keras.Model:
+    """The form's Keras model on one replica, compiled: one per form (its evaluate and predict
+    functions traced once), given the weights to check before each use."""
     form = forms.BY_NAME[name]
-    trainer, _ = engine_run(name, replicas)
     with engine.build_strategy("default").scope():
         model = form.model()
         compile_like(model, form)
+    return model
+
+
+def keras_reference(name: str, replicas: int) -> keras.Model:
+    """A Keras model on one replica holding the engine's trained weights: what evaluate and
+    predict of those weights give."""
+    trainer, _ = engine_run(name, replicas)
+    model = keras_clone(name)
     model.set_weights([replica_mean(w) for w in trainer.model.weights])
     return model
 

@@ -1,7 +1,8 @@
 """Errors that only show once training runs, after every up-front check passed: a TFRecord
-record whose bytes fail their checksum (the framing is checked at start-up, the data is not)
-and an allocation that does not fit in the compiled step. Each is one line naming what to
-change, exit 2, and nothing saved after it: the checkpoint before it stays the latest."""
+record whose bytes fail their checksum (the framing is checked at start-up, the data is not),
+an allocation that does not fit in the compiled step, and a model_dir removed, replaced or made
+unwritable under the run. Each is one line naming what to change, exit 2, and nothing saved
+after it: the checkpoint before it stays the latest (where it is still there)."""
 
 from __future__ import annotations
 
@@ -120,3 +121,63 @@ def test_an_out_of_memory_in_the_compiled_step_is_one_line_naming_the_batch(copy
     monkeypatch.setattr(TrainRunner, "_call", _fails_on_the_second_loop(full))
     line = one_error_line(main_in_process(*flags, f"--model_dir={copy / 'run'}"))
     assert "is full" in line and "out of memory" not in line, line
+
+
+def _model_dir_lost(run, how: str):
+    """The compiled loop as it runs, except that before its second call the model_dir is removed
+    or replaced by a file (`how`), as another user or tool might."""
+    real = TrainRunner._call
+    calls = []
+
+    def run_train_loop(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            shutil.rmtree(run)
+            if how == "file":
+                run.write_text("not a model_dir")
+        return real(self, *args, **kwargs)
+
+    return run_train_loop
+
+
+@pytest.mark.cli
+@pytest.mark.parametrize(
+    "how, said",
+    [("removed", "was removed during the run"), ("file", "was replaced by a regular file during the run")],
+)
+def test_a_model_dir_removed_or_replaced_mid_run_is_one_line(copy, monkeypatch, how, said):
+    run = copy / "run"
+    monkeypatch.setattr(TrainRunner, "_call", _model_dir_lost(run, how))
+    flags = [*FLAGS, f"--data_dir={copy / 'data'}", "--train_steps=8", "--checkpoint_every=2"]
+
+    line = one_error_line(main_in_process(*flags, f"--model_dir={run}"))
+
+    assert f"{run} {said}" in line, line
+    if how == "file":
+        assert run.read_text() == "not a model_dir"  # Left as it is.
+    else:  # TensorFlow's writes make it again (ckpt-4's, if still under way): nothing saved after that.
+        assert not list(run.glob("checkpoints/ckpt-[68]*")), line
+
+
+@pytest.mark.cli
+def test_a_model_dir_made_unwritable_mid_run_is_one_line_and_the_latest_checkpoint_stays(copy, monkeypatch):
+    """Injected: as root (the suite's machines) permissions do not stop a write; the error is
+    TensorFlow's for a directory made read-only (the real one: tests/test_model_dir.py)."""
+    save = tf.train.CheckpointManager.save
+
+    def denied(self, checkpoint_number=None, **kwargs):
+        if checkpoint_number == 6:
+            raise tf.errors.PermissionDeniedError(None, None, f"{self.directory}/ckpt-6_temp; Permission denied")
+        return save(self, checkpoint_number=checkpoint_number, **kwargs)
+
+    monkeypatch.setattr(tf.train.CheckpointManager, "save", denied)
+    run = copy / "run"
+    flags = [*FLAGS, f"--data_dir={copy / 'data'}", "--train_steps=8", "--checkpoint_every=2"]
+
+    line = one_error_line(main_in_process(*flags, f"--model_dir={run}"))
+
+    latest = run / "checkpoints" / "ckpt-4"
+    assert f"checkpoint at step 6 not saved: {run} is not writable anymore" in line, line
+    assert f"the latest checkpoint ({latest}) is kept" in line, line
+    assert tf.train.latest_checkpoint(str(run / "checkpoints")) == str(latest)
+    assert not list((run / "checkpoints").glob("*_temp"))

@@ -315,6 +315,24 @@ def test_best_checkpoint_and_best_json_agree_after_a_crash_around_the_record(
     assert (hook.best_step, hook.best) == (int(expected[0][5:]), expected[1])
 
 
+def test_a_best_checkpoint_save_that_fails_leaves_no_partial_folder(default, tmp_path, monkeypatch):
+    trainer = scripted_trainer(default, tmp_path, [0.5, 0.7], [BestCheckpoint("score", mode="max")])
+    trainer.train(2)  # 0.5 at step 2: the best so far.
+
+    def disk_full_write(self, prefix, options=None):
+        partial = f"{prefix}_temp"  # What TensorFlow's write leaves when the disk fills.
+        tf.io.gfile.makedirs(partial)
+        with open(f"{partial}/part-00000-of-00001.data-00000-of-00001.tempstate7", "wb") as handle:
+            handle.write(b"half")
+        raise tf.errors.ResourceExhaustedError(None, None, f"{partial}/part-00000; No space left on device")
+
+    monkeypatch.setattr(tf.train.Checkpoint, "write", disk_full_write)
+    with pytest.raises(tf.errors.ResourceExhaustedError):
+        trainer.train(4)  # 0.7 at step 4: a new best, whose save fails.
+    assert not (tmp_path / "best" / "ckpt-4_temp").exists()
+    assert best_pair(tmp_path / "best") == ("ckpt-2", 0.5)
+
+
 def _older_versions_mismatch(model_dir, *, rolling_kept: bool):
     """What an older version left when killed between writing best.json (naming ckpt-4)
     and saving ckpt-4 into best/: best/ still holds ckpt-2."""

@@ -189,6 +189,26 @@ def test_eval_split_is_independent_of_train_stream(digits: DataSource) -> None:
 # --- mnist ------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize(
+    "features, labels, said",
+    [
+        (np.zeros((4, 0), np.float32), np.arange(4) % 2, "features of shape (4, 0) hold no values an example"),
+        (np.ones((4, 2), np.complex64), np.arange(4) % 2, "features are complex (complex64)"),
+        (np.ones((4, 2), np.float32), np.zeros((4, 0), np.float32), "labels of shape (4, 0) hold no value"),
+        (np.ones((4, 2), np.float32), np.ones(4, np.complex64), "labels must be real numbers, got complex64"),
+    ],
+    ids=["no feature values", "complex features", "no label values", "complex labels"],
+)
+def test_arrays_of_any_source_without_values_or_of_complex_numbers_are_refused(features, labels, said) -> None:
+    """What every in-memory source goes through (a data function's datasets, tfds, files):
+    (N, 0) features aborted the process inside oneDNN, complex ones trained as their real part."""
+    from input.arrays import source_from_arrays
+
+    with pytest.raises(DataError) as refused:
+        source_from_arrays("mine", (features, labels), None)
+    assert said in str(refused.value) and "\n" not in str(refused.value)
+
+
 def test_mnist_missing_offline_names_the_alternatives(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("HOME", str(tmp_path))
     monkeypatch.delenv("KERAS_HOME", raising=False)

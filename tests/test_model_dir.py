@@ -706,6 +706,77 @@ def test_full_disk_is_one_line_and_the_previous_checkpoint_stays_latest(tmp_path
         )  # Lazy: files the test process still holds open
 
 
+@pytest.mark.process
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_full_disk_under_a_background_write_and_the_best_checkpoint_leaves_no_partial_folder(tmp_path):
+    """The best checkpoint's save (synchronous, at an evaluation) meets the full disk while the
+    rolling checkpoint's background write fails on it too: the run ends on the first, and the
+    second is never asked for its error. Neither may leave its ckpt-N_temp, nor a second line."""
+    import tensorflow as tf
+
+    disk = tmp_path / "disk"
+    if os.geteuid() != 0 or not _mount_tmpfs(disk, "4m"):
+        pytest.skip("needs root and `mount -t tmpfs` to make a small disk")
+    try:
+        model_dir = disk / "run"
+        flags = [
+            "--model=mlp",
+            "--steps_per_loop=2",
+            "--checkpoint_every=2",
+            "--eval_every=4",
+            "--best_checkpoint_metric=accuracy",
+            "--train_steps=40",
+            f"--model_dir={model_dir}",
+        ]
+        result = run_main(*flags)
+        line = one_error_line(result)
+        assert "is full" in line and str(model_dir) in line, line
+        assert "error" not in result.stderr.replace(line, ""), result.stderr[-3000:]  # Not a second time.
+        assert not list(model_dir.rglob("*_temp")), sorted(model_dir.rglob("*"))
+        latest = tf.train.latest_checkpoint(str(model_dir / "checkpoints"))
+        assert latest is not None and model_dir_lib.read_problem(latest) is None
+    finally:
+        subprocess.run(["umount", "--lazy", str(disk)], check=False)
+
+
+@pytest.mark.process
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_model_dir_made_read_only_mid_run_is_one_line_and_the_latest_checkpoint_stays(tmp_path):
+    """Root writes through permissions: the run drops the capabilities that let it (setpriv)."""
+    import shutil
+
+    import tensorflow as tf
+
+    if os.geteuid() != 0 or shutil.which("setpriv") is None:
+        pytest.skip("needs root and setpriv to run without the capabilities that override permissions")
+    model_dir = tmp_path / "run"
+    drop = ["setpriv", "--bounding-set", "-dac_override,-dac_read_search,-fowner", "--"]
+    flags = ["--model=mlp", "--dataset=synthetic", "--steps_per_loop=10", "--checkpoint_every=20"]
+    process = subprocess.Popen(
+        [*drop, sys.executable, "-m", "engine.main", *flags, "--train_steps=100000", f"--model_dir={model_dir}"],
+        cwd=REPO,
+        env=python_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        wait_for_checkpoint(model_dir, process)
+        subprocess.run(["chmod", "-R", "a-w", str(model_dir)], check=True)
+        _, stderr = process.communicate(timeout=120)
+    finally:
+        stop(process)
+        subprocess.run(["chmod", "-R", "u+w", str(model_dir)], check=False)
+    line = one_error_line(subprocess.CompletedProcess(process.args, process.returncode, "", stderr))
+    assert f"{model_dir} is not writable anymore" in line, line
+    latest = tf.train.latest_checkpoint(str(model_dir / "checkpoints"))
+    assert f"the latest checkpoint ({latest}) is kept" in line, line
+    assert model_dir_lib.read_problem(latest) is None
+
+
 # ------------------------------------------------------------- Trainer API
 
 
@@ -745,6 +816,93 @@ def test_trainer_refuses_a_model_dir_with_pattern_characters(tmp_path):
             loss_fn=loss_fn(),
             model_dir=str(tmp_path / "run[0]"),
         )
+    assert list(tmp_path.iterdir()) == []
+
+
+# ------------------------------------------------ partial folders of writes cut short
+
+PART_FILES = ("part-00000-of-00001.index", "part-00000-of-00001.data-00000-of-00001.tempstate123")
+
+
+def _partial(folder: Path, *extra: str) -> Path:
+    """What a checkpoint write cut short leaves: a folder of TensorFlow's part files (and `extra`)."""
+    folder.mkdir(parents=True)
+    for name in (*PART_FILES, *extra):
+        (folder / name).write_bytes(b"half a checkpoint")
+    return folder
+
+
+def test_a_library_start_removes_partial_checkpoint_folders_and_nothing_else(tmp_path, caplog):
+    rolling = _partial(tmp_path / "checkpoints" / "ckpt-7_temp")
+    best = _partial(tmp_path / "best" / "ckpt-3_temp")
+    outside = _partial(tmp_path.parent / f"{tmp_path.name}-outside")
+    kept = [
+        _partial(tmp_path / "checkpoints" / "notes_temp"),  # Not the engine's name.
+        _partial(tmp_path / "checkpoints" / "ckpt-8_temp", "mine.txt"),  # Holds a file the engine never writes.
+        tmp_path / "checkpoints" / "ckpt-10_temp",  # A file, not a folder.
+        tmp_path / "checkpoints" / "ckpt-9_temp",  # A link, to files outside the model_dir.
+    ]
+    kept[2].write_text("a user's file")
+    kept[3].symlink_to(outside, target_is_directory=True)
+    outside_before = snapshot(outside)
+
+    trainer = small_trainer(tmp_path)  # Research code: no writer lock of its own.
+
+    assert not rolling.exists() and not best.exists()
+    assert all(path.exists() or path.is_symlink() for path in kept)
+    assert snapshot(outside) == outside_before
+    assert not (tmp_path / model_dir_lib.LOCK_FILE).exists()  # Taken for the removal, released.
+    assert f"removing {rolling}, left by a checkpoint write that did not finish" in caplog.text
+    assert f"left {kept[1]}" in caplog.text and "mine.txt" in caplog.text
+    trainer.close()
+
+
+def test_partial_folders_stay_while_another_run_holds_the_writer_lock(tmp_path, caplog):
+    import fcntl
+
+    partial = _partial(tmp_path / "checkpoints" / "ckpt-7_temp")
+    # Another process's lock: a lock of another open file is refused within a process too.
+    fd = os.open(tmp_path / model_dir_lib.LOCK_FILE, os.O_RDWR | os.O_CREAT)
+    try:
+        os.write(fd, json.dumps({"host": "h", "pid": 1, "since": "then"}).encode())
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        small_trainer(tmp_path).close()
+        assert partial.exists(), "may be the write of the run under way"
+        assert "which may be the write of a run under way" in caplog.text and "in use by pid 1" in caplog.text
+    finally:
+        os.close(fd)
+    small_trainer(tmp_path).close()  # Its lock free again: the next start removes it.
+    assert not partial.exists()
+
+
+@pytest.mark.parametrize("name", ["run[1]", "run*", "run?"])
+def test_removing_partial_folders_never_reaches_a_sibling_a_pattern_would_match(tmp_path, name):
+    sibling = _partial(tmp_path / "run1" / "checkpoints" / "ckpt-5_temp")
+    own = _partial(tmp_path / name / "checkpoints" / "ckpt-5_temp")
+    model_dir_lib.remove_partial_checkpoints(str(tmp_path / name))
+    assert not own.exists() and sorted(p.name for p in sibling.iterdir()) == sorted(PART_FILES)
+
+
+@pytest.mark.cli
+@pytest.mark.parametrize("flag", ["model_dir", "export_dir", "predict_output"])
+def test_a_path_component_longer_than_the_file_system_allows_is_one_line_writing_nothing(tmp_path, flag):
+    examples = tmp_path / "examples.npz"
+    np.savez(examples, x=np.zeros((2, 8), np.float32))
+    before = snapshot(tmp_path)
+    predicting = flag == "predict_output"
+    long = "a" * 300 + (".npy" if predicting else "")
+    paths = {"model_dir": str(tmp_path / "run"), flag: str(tmp_path / long)}
+    flags = ["--mode=predict", f"--predict_input={examples}"] if predicting else ["--train_steps=2"]
+    result = main_in_process("--model=mlp", *flags, *(f"--{name}={p}" for name, p in paths.items()))
+    line = one_error_line(result)
+    assert f"--{flag}=... has a path component of {len(long)} bytes ('aaaa" in line, line
+    assert "longer than the 255 its file system allows" in line, line
+    assert snapshot(tmp_path) == before and sorted(p.name for p in tmp_path.iterdir()) == ["examples.npz"]
+
+
+def test_the_trainer_refuses_a_model_dir_path_component_longer_than_the_file_system_allows(tmp_path):
+    with pytest.raises(UserError, match=r"`model_dir=\.\.\.` has a path component of 300 bytes"):
+        small_trainer(tmp_path / ("b" * 300))
     assert list(tmp_path.iterdir()) == []
 
 

@@ -310,6 +310,62 @@ def test_a_split_larger_than_memory_allows_is_refused_before_reading(data_dir, m
     assert "input.DataSource" in message
 
 
+def _with_info(info: dict, **changes) -> str:
+    return json.dumps({**info, **changes})
+
+
+def _supervised_by(key: str) -> dict:
+    return {"tuple": {"items": [{"featureKey": key}, {"featureKey": "label"}]}}
+
+
+# (the file, its new text from the prepared one's JSON, what the one line says)
+DAMAGE = {
+    "garbage": ("dataset_info.json", lambda info: "garbage{{{", "dataset_info.json is damaged (JSONDecodeError"),
+    "truncated": ("dataset_info.json", lambda info: json.dumps(info)[:200], "dataset_info.json is damaged ("),
+    "empty": ("dataset_info.json", lambda info: "", "dataset_info.json is damaged (JSONDecodeError"),
+    "a list": ("dataset_info.json", lambda info: "[]", "dataset_info.json is damaged (not a JSON object"),
+    "no version": (
+        "dataset_info.json",
+        lambda info: json.dumps({k: v for k, v in info.items() if k != "version"}),
+        "dataset_info.json is damaged (no name or no x.y.z version)",
+    ),
+    "splits": ("dataset_info.json", lambda info: _with_info(info, splits="x"), "its splits are not a list"),
+    "shard lengths": (
+        "dataset_info.json",
+        lambda info: _with_info(info, splits=[{**info["splits"][0], "shardLengths": ["abc"]}]),
+        "tensorflow-datasets cannot read the files prepared in",
+    ),
+    "negative count": (
+        "dataset_info.json",
+        lambda info: _with_info(info, splits=[{**info["splits"][0], "shardLengths": ["-5"]}]),
+        "dataset_info.json describes it (ValueError",
+    ),
+    "a missing label feature": (
+        "dataset_info.json",
+        lambda info: _with_info(info, supervisedKeys=_supervised_by("nope")),
+        "dataset_info.json describes it (KeyError: 'nope')",
+    ),
+    "features": ("features.json", lambda info: "garbage", "features.json is damaged (JSONDecodeError"),
+}
+
+
+@pytest.mark.parametrize("damage", DAMAGE)
+def test_a_damaged_dataset_info_or_features_file_is_one_line_naming_it(data_dir, tmp_path, damage) -> None:
+    import shutil
+
+    copy = tmp_path / "data"
+    shutil.copytree(data_dir, copy)
+    version = copy / "engine_tfds_images" / "1.0.0"
+    file, text, said = DAMAGE[damage]
+    info = json.loads((version / "dataset_info.json").read_text())
+    (version / file).write_text(text(info))
+    message = _error("tfds:engine_tfds_images", str(copy))
+    assert message.startswith("--dataset=tfds:engine_tfds_images"), message
+    assert said in message and "prepare the set again" in message, message
+    if "cannot read the files" not in said:
+        assert str(version / file) in message, message
+
+
 def test_without_tensorflow_datasets_installed_it_says_how_to_install_it(monkeypatch, tmp_path) -> None:
     monkeypatch.setitem(sys.modules, "tensorflow_datasets", None)  # `import` raises ImportError
     message = _error("tfds:mnist", str(tmp_path))
@@ -355,6 +411,25 @@ def test_the_command_line_refuses_an_unprepared_set_in_one_line_writing_nothing(
     line = one_error_line(result)
     assert f"--dataset=tfds:mnist is not prepared in {empty}" in line
     assert snapshot(model_dir) == before
+
+
+@pytest.mark.cli
+def test_the_command_line_refuses_a_damaged_dataset_info_in_one_line_writing_nothing(data_dir, tmp_path) -> None:
+    import shutil
+
+    copy = tmp_path / "data"
+    shutil.copytree(data_dir, copy)
+    (copy / "engine_tfds_images" / "1.0.0" / "dataset_info.json").write_text("{")
+    result = main_in_process(
+        "--dataset=tfds:engine_tfds_images",
+        f"--data_dir={copy}",
+        "--model=mlp",
+        "--train_steps=4",
+        f"--model_dir={tmp_path / 'run'}",
+    )
+    line = one_error_line(result)
+    assert "dataset_info.json is damaged" in line, line
+    assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.process  # a fresh interpreter: this one has imported tensorflow_datasets

@@ -349,6 +349,62 @@ def test_bad_data_is_one_line_before_anything_is_written(tmp_path, monkeypatch):
         assert message in line, (flags, line)
 
 
+def test_npz_arrays_of_the_wrong_shape_or_kind_are_one_line_before_anything_is_written(tmp_path):
+    x, y = np.zeros((10, 3), np.float32), np.arange(10) % 2
+    cases = {
+        "lengths": ({"x_train": x, "y_train": y[:9]}, "x_train holds 10 examples but y_train 9 labels"),
+        "scalar x": ({"x_train": np.float32(3.0), "y_train": y}, "x_train has shape (); it must be (N, ...)"),
+        "scalar y": ({"x_train": x, "y_train": np.int64(1)}, "y_train has shape (); labels must be (N,)"),
+        # (N, 0) aborted the process inside oneDNN, after the model_dir was written.
+        "empty x": ({"x_train": np.zeros((10, 0), np.float32), "y_train": y}, "x_train has shape (10, 0)"),
+        "empty test": (
+            {"x_train": x, "y_train": y, "x_test": np.zeros((4, 0), np.float32), "y_test": y[:4]},
+            "x_test has shape (4, 0): its examples hold no values",
+        ),
+        # Complex features trained as zeros (their real part), in silence.
+        "complex": ({"x_train": x + 1j, "y_train": y}, "x_train holds complex numbers (complex64)"),
+        "strings": ({"x_train": np.array([["a", "b"]] * 10), "y_train": y}, "x_train holds strings (<U1)"),
+        "objects": ({"x_train": np.array([[1, "a"]] * 10, dtype=object), "y_train": y}, "x_train holds Python"),
+    }
+    for name, (arrays, message) in cases.items():
+        path = tmp_path / f"{name.replace(' ', '_')}.npz"
+        np.savez(path, **arrays)
+        line = _refused(tmp_path, f"--dataset={path}", "--model=mlp", "--global_batch_size=2")
+        assert f"--dataset={path}: {message}" in line, (name, line)
+
+
+USER_FUNCTIONS_THAT_EXIT = """
+import sys
+
+
+def data():
+    sys.exit(0)
+
+
+def task():
+    sys.exit(0)
+
+
+def model(input_shape, num_outputs):
+    sys.exit()
+"""
+
+
+@pytest.mark.parametrize(
+    "flag, said",
+    [
+        ("--dataset=exits:data", "--dataset=exits:data"),
+        ("--task=exits:task", "--task=exits:task"),
+        ("--model=exits:model", "--model=exits:model"),
+    ],
+)
+def test_a_user_function_that_calls_sys_exit_is_one_line_not_a_silent_success(tmp_path, flag, said):
+    (tmp_path / "exits.py").write_text(USER_FUNCTIONS_THAT_EXIT)
+    line = _refused(tmp_path, flag, cwd=tmp_path)
+    assert line.startswith(f"engine.main: error: {said}") and "called sys.exit(" in line, line
+    assert "instead of returning" in line, line
+
+
 TASKS = """
 import keras
 import numpy as np

@@ -70,6 +70,8 @@ def run(config: RunConfig, *, started_at: float | None = None) -> dict[str, Any]
 
 
 def _run(config: RunConfig, started_at: float) -> dict[str, Any]:
+    for flag in ("export_dir", "predict_output"):  # --model_dir's: RunConfig's check of its name.
+        model_dir_lib.check_path_length(getattr(config, flag) or "", flag)
     if config.mode == "predict":  # Reads a trained model_dir, writes the --predict_output file only.
         return predictor.run(config)
     evaluation_mode = evaluator.evaluation_mode(config)
@@ -103,9 +105,14 @@ def _run(config: RunConfig, started_at: float) -> dict[str, Any]:
     # One writer per model_dir (the chief); readers such as an evaluator take no lock.
     lock = model_dir_lib.writer_lock(model_dir) if write_dir == model_dir else contextlib.nullcontext()
     # Repairs of on-disk state made while checking are undone if a later check refuses the run.
-    with model_dir_lib.disk_full_is_a_user_error(model_dir), lock, repairs.undone_on_error():
+    with (
+        model_dir_lib.disk_full_is_a_user_error(model_dir),
+        lock,
+        model_dir_lib.lost_directory_is_a_user_error(model_dir) as watch,
+        repairs.undone_on_error(),
+    ):
         return _train_and_evaluate(
-            config, strategy, cluster, task, model_dir, write_dir, total_steps, started_at
+            config, strategy, cluster, task, model_dir, write_dir, total_steps, started_at, watch
         )
 
 
@@ -136,10 +143,19 @@ def check_batch_fits_memory(global_batch_size: int, num_workers: int, feature_sh
 
 
 def _train_and_evaluate(
-    config, strategy, cluster, task: RunTask, model_dir: str, write_dir: str, total_steps: int, started_at: float
+    config,
+    strategy,
+    cluster,
+    task: RunTask,
+    model_dir: str,
+    write_dir: str,
+    total_steps: int,
+    started_at: float,
+    watch: model_dir_lib.DirectoryWatch,
 ) -> dict[str, Any]:
     """The part of `run` that reads and writes model_dir: under the writer lock
-    on the chief. Everything is checked before the first byte is written."""
+    on the chief. Everything is checked before the first byte is written; `watch`
+    tells whether the model_dir is still the one the run began with."""
     metrics_path = record_path(model_dir)
     if write_dir == model_dir:
         if tf.io.gfile.isdir(metrics_path):
@@ -195,9 +211,7 @@ def _train_and_evaluate(
         )
         return finished
     repairs.keep()  # Everything is checked: the repairs stay, the first bytes are written.
-    if write_dir == model_dir:
-        for directory in ("checkpoints", "best"):  # Saves cut short by kill -9 or a full disk.
-            model_dir_lib.remove_orphan_temps(os.path.join(model_dir, directory))
+    # (The Trainer removed the partial folders of saves cut short by kill -9 or a full disk.)
     if strategy.extended.should_checkpoint:
         write_hparams(model_dir, dataclasses.asdict(config))
         checkpoint_lib.record_settings(model_dir, _optimizer_settings(config))
@@ -239,6 +253,7 @@ def _train_and_evaluate(
     if config.on_nonfinite == "rollback" or trainer.rollbacks:  # Loss spikes survived (engine.rollback).
         result["rollbacks"] = trainer.rollbacks
     if write_dir == model_dir:
+        model_dir_lib.check_still_there(watch)  # Not a new model_dir holding only metrics.json.
         result = record_training(model_dir, result, mode=config.mode)
     logging.info(
         "done: step %d, eval %s, %.0f examples/s; wrote %s%s",
@@ -332,6 +347,9 @@ def _train_with_clean_errors(
                 f"bad data in --dataset={config.dataset} --data_dir={config.data_dir}: {text}; "
                 f"fix or remove that file; {_what_is_kept(trainer)}"
             ) from None
+        except Exception:
+            _end_background_write(trainer)
+            raise
     # The goodput scalars and line, after the final evaluation; metrics.json takes the same (last_goodput).
     trainer.report_goodput(restarts_from_environment())
     trainer.close()
@@ -349,6 +367,19 @@ def _train_with_clean_errors(
         )
         return signal_record.exit_status or STOPPED_BY_PEER_EXIT
     return train_logs, eval_logs
+
+
+def _end_background_write(trainer: Trainer) -> None:
+    """On the way out with an error: waits for a checkpoint still being written, so that its own
+    failure (most often the same full disk) is not reported a second time, at exit."""
+    if trainer.checkpointer is None:
+        return
+    try:
+        trainer.checkpointer.wait()
+    except UserError:
+        pass  # The same cause as the error under way, whose one line says it.
+    except Exception as error:  # Another failure: said once, beside the error under way.
+        logging.warning("the checkpoint written in the background failed too: %s", one_line(error, 200))
 
 
 def _what_is_kept(trainer: Trainer) -> str:

@@ -24,7 +24,7 @@ from engine.errors import UserError
 from engine.losses import LossFn, SameLabels
 from engine.steps import EvalStep, ReplicaStep
 from engine.task import Task
-from engine.user_code import UserCodeError, first_line, import_callable, signature_text
+from engine.user_code import UserCodeError, exited, first_line, import_callable, signature_text
 
 # The built-in image sets are served at the model's input shape; every other form at its own.
 IMAGE_SETS_AT_MODEL_SHAPE = ("digits", "mnist", "synthetic")
@@ -81,6 +81,9 @@ class RunTask:
         try:
             try:
                 model = self.build(self.input_shape, self.num_outputs)
+            except SystemExit as error:  # It ended nothing: the run ends with one line instead.
+                named = self.model_name if self.model_name.startswith("--") else f"--model={self.model_name}"
+                raise UserError(f"{named} {exited(error, 'a keras.Model')}") from None
             except (ValueError, TypeError) as error:  # What Keras raises for layers that cannot take the shape.
                 hint = "; --model=mlp takes any shape" if len(self.input_shape) != 3 else ""
                 raise UserError(
@@ -126,6 +129,8 @@ def user_task(config: RunConfig) -> Task:
         pass
     try:
         task = function(**params)
+    except SystemExit as error:  # It ended nothing: the run ends with one line instead.
+        raise UserError(f"--task={config.task} ({where}) {exited(error, 'an engine.Task')}") from None
     except UserError:
         raise
     except Exception as error:  # Whatever the user's function raises.

@@ -88,8 +88,10 @@ class BestCheckpoint(Callback):
             name = f"ckpt-{step}"
             _remove_checkpoint(self._directory, name)  # Never committed (the reconcile at start removes it too).
             # With a moving average the model is saved holding the averages it was judged by.
-            with trainer.averaged_weights():
-                trainer.checkpoint.write(os.path.join(self._directory, name))
+            prefix = os.path.join(self._directory, name)
+            # A save that fails (a full disk) removes its partial folder, best/ckpt-N_temp.
+            with trainer.averaged_weights(), model_dir_lib.partial_removed_on_error(prefix):
+                trainer.checkpoint.write(prefix)
             record = {
                 "metric": self.metric,
                 "mode": self.watch.mode,
