@@ -352,7 +352,7 @@ def _global_norm(gradients) -> tf.Tensor:
     context = tf.distribute.get_replica_context()
     if context.num_replicas_in_sync > 1:
         gradients = context.all_reduce(tf.distribute.ReduceOp.SUM, gradients)
-    return tf.linalg.global_norm(gradients)
+    return tf.linalg.global_norm([combined_rows(g) for g in gradients])
 
 
 def _clip_global_norm(gradients, clip_norm, optimizer, uses_loss_scale):
@@ -364,7 +364,8 @@ def _clip_global_norm(gradients, clip_norm, optimizer, uses_loss_scale):
     """
     context = tf.distribute.get_replica_context()
     num_replicas = context.num_replicas_in_sync
-    total = context.all_reduce(tf.distribute.ReduceOp.SUM, gradients)
+    # IndexedSlices rows of one index added up first: the norm of the gradient, not of its pieces.
+    total = [combined_rows(g) for g in context.all_reduce(tf.distribute.ReduceOp.SUM, gradients)]
     threshold = clip_norm
     if uses_loss_scale:  # The gradients are still multiplied by the loss scale.
         threshold = clip_norm * tf.cast(optimizer.dynamic_scale, tf.float32)
@@ -372,6 +373,17 @@ def _clip_global_norm(gradients, clip_norm, optimizer, uses_loss_scale):
     if uses_loss_scale:
         norm = norm / tf.cast(optimizer.dynamic_scale, norm.dtype)
     return [scale_gradient(g, 1.0 / num_replicas) for g in clipped], norm
+
+
+def combined_rows(gradient: Any) -> Any:
+    """IndexedSlices with each index once, its rows added up (an Embedding's gradient holds a row
+    per occurrence of a token; the replicas' sum and accumulation concatenate more): their norm
+    is then the gradient's norm, which the rows' own norm over-counts. Dense gradients as they are."""
+    if not isinstance(gradient, tf.IndexedSlices):
+        return gradient
+    indices, positions = tf.unique(gradient.indices)
+    values = tf.math.unsorted_segment_sum(gradient.values, positions, tf.shape(indices)[0])
+    return tf.IndexedSlices(values, indices, gradient.dense_shape)
 
 
 def _split_examples(tensor: tf.Tensor, parts: int) -> list[tf.Tensor]:

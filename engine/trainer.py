@@ -584,9 +584,12 @@ class Trainer:
         message = stop_message(
             spike, self.spike_options, self._latest_checkpoint(), rolled_back=self.rollback is not None
         )
-        restored = self.checkpointer.restore() if self.checkpointer is not None else None
-        if restored is not None:
-            held = f"the model in memory is back at {restored} (step {self.step})"
+        latest = self._latest_checkpoint()
+        if latest is not None:
+            # Model, step, optimizer(s) and random state; not the data position, which a run that
+            # wrote the checkpoint without rollback does not hold.
+            checkpoint_of(self.model, self.global_step, self.optimizers).read(latest).expect_partial()
+            held = f"the model in memory is back at {latest} (step {self.step})"
         else:
             held = "the model in memory holds the spike's update (no checkpoint to go back to)"
         raise NonFiniteLossError(f"{message}; {held}")

@@ -175,7 +175,7 @@ def test_predict_reads_a_csv_by_column_name_without_the_training_csv(csv_trained
     assert first.returncode == 0 and second.returncode == 0, (first.stderr[-2000:], second.stderr[-2000:])
     assert "columns not read (not features): id" in second.stderr
     np.testing.assert_array_equal(np.load(tmp_path / "first.npy"), np.load(tmp_path / "second.npy"))
-    assert np.load(tmp_path / "first.npy").shape == (64, 2)
+    assert np.load(tmp_path / "first.npy").shape == (64, 1)  # A 0/1 label column: one binary logit.
     assert snapshot(model_dir) == before
 
 
