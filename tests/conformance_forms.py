@@ -403,9 +403,12 @@ FORMS = [
 BY_NAME = {form.name: form for form in FORMS}
 
 
-# The forms whose state a resume must carry: random state, replica-local statistics,
-# masks with sparse gradients and momentum, several outputs, Adam's slots.
-RESUMED = ("dropout", "augmentation", "batch_norm", "masked_gru", "two_outputs_dict", "conv")
+# The forms whose state a resume must carry: random state (augmentation), replica-local
+# statistics (batch_norm), masks with an Embedding's sparse gradients and momentum
+# (masked_attention), several outputs as a dict. Dropout, a masked GRU and two heads as a
+# list resume after kill -9 from the command line (test_fault_tolerance); plain weights and
+# Adam's slots in the resume tests of test_fault_tolerance and test_keras_parity.
+RESUMED = ("augmentation", "batch_norm", "masked_attention", "two_outputs_dict")
 
 
 def trained_weights(form: Form, strategy: Any, steps: int, model_dir: str | None) -> list[np.ndarray]:
