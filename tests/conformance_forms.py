@@ -87,6 +87,7 @@ class Form:
     note: str = ""
     learning_rate: float = 0.1
     optimizer: str = "sgd"
+    train_steps: int = TRAIN_STEPS  # Fewer where later steps are chaotic (the reason in `note`).
     slow: bool = False
     extra: dict = field(default_factory=dict)
 
@@ -395,9 +396,14 @@ FORMS = [
         small_images,
         sce,
         accumulates=False,
-        note=f"{BATCH_STATS}; Dropout",
+        note=(
+            f"{BATCH_STATS}; Dropout. One step: on two replicas a BatchNormalization over 4 examples of 1x1 "
+            "maps (the last blocks at 32x32) multiplies rounding differences ~30x a step; after step 1 the "
+            "weights equal fit's to 1e-6, after step 2 they differ at 4e-5, after step 4 at 0.1"
+        ),
         slow=True,
         learning_rate=0.01,
+        train_steps=1,
     ),
 ]
 BY_NAME = {form.name: form for form in FORMS}

@@ -6,7 +6,8 @@ several inputs and outputs as lists and dicts with per-output losses and weights
 layers, a keras.applications model, a custom metric) is trained by the engine and by Keras
 `fit` from the same weights on the same batches, and compared:
 
-- training: every weight after TRAIN_STEPS steps, and the loss and metrics fit reports;
+- training: every weight after TRAIN_STEPS steps (fewer where a form says why), and the loss
+  and metrics fit reports;
 - evaluation: loss, metrics and the exact example count against `evaluate` of the engine's
   weights on one batch holding the whole eval set (the mean over all its real elements);
   the eval set ends with a batch of one example, which leaves replica 1 empty;
@@ -59,7 +60,7 @@ def batches(arrays: tuple, batch: int) -> tf.data.Dataset:
 
 
 def train_arrays(form: forms.Form) -> tuple:
-    return form.data(forms.NUM_TRAIN, forms.SEED)
+    return form.data(forms.GLOBAL_BATCH * form.train_steps, forms.SEED)
 
 
 def eval_arrays(form: forms.Form) -> tuple:
@@ -87,7 +88,7 @@ def compile_like(model: keras.Model, form: forms.Form) -> None:
 
 @functools.cache
 def keras_fit(name: str, replicas: int) -> tuple[list[np.ndarray], dict[str, float]]:
-    """The weights and the reported logs of Keras fit over the TRAIN_STEPS batches."""
+    """The weights and the reported logs of Keras fit over the form's training batches."""
     form = forms.BY_NAME[name]
     strategy = strategy_of(replicas)
     with strategy.scope():
@@ -115,10 +116,10 @@ def engine_run(name: str, replicas: int, grad_accum_steps: int = 1) -> tuple[eng
         loss_weights=form.loss_weights,
         metrics=form.metrics(),
         weighted_metrics=form.weighted_metrics(),
-        steps_per_loop=forms.TRAIN_STEPS,
+        steps_per_loop=form.train_steps,
         grad_accum_steps=grad_accum_steps,
     )
-    logs = trainer.train(forms.TRAIN_STEPS)
+    logs = trainer.train(form.train_steps)
     return trainer, logs
 
 
