@@ -229,13 +229,12 @@ def make_train_step(
                 counts.append(num_examples * float(term.per_example))
         return counts
 
-    def compute_gradients(features, labels, sample_weight, num_examples):
+    def compute_gradients(features, labels, sample_weight, num_examples, counts=None):
         gradients = None
         data_loss = tf.constant(0.0)
         reg_loss = tf.constant(0.0)
         all_outputs = []
         parts = list(zip(split(features), split(labels), split(sample_weight), strict=True))
-        counts = None
         for index, (part_features, part_labels, part_weight) in enumerate(parts):
             with tf.GradientTape() as tape:
                 outputs = call_model(model, part_features, training=True)
@@ -262,8 +261,41 @@ def make_train_step(
         num_replicas = tf.distribute.get_replica_context().num_replicas_in_sync
         return gradients, num_replicas * data_loss + reg_loss, concat_outputs(all_outputs)
 
+    def counted_terms(features, labels, sample_weight) -> bool:
+        """Whether a loss term's count is counted (a mask, a dynamic shape) rather than known
+        from the example count: found by tracing the forward pass in a graph of its own (never
+        run), so the step's graph gains nothing where every count is known."""
+        found: list[bool] = []
+
+        def probe(part_features, part_labels, part_weight):
+            outputs = call_model(model, part_features, training=False)
+            found.extend(term.per_example is None for term in objective.terms(part_labels, outputs, part_weight))
+            return tf.constant(0)
+
+        specs = [
+            None if part is None else tf.nest.map_structure(tf.TensorSpec.from_tensor, part)
+            for part in (features, labels, sample_weight)
+        ]
+        tf.function(probe).get_concrete_function(*specs)
+        return any(found)
+
+    def counts_outside_xla(features, labels, sample_weight, num_examples):
+        """Under XLA the counts' all-reduce cannot run inside the compiled pass: where a count
+        must be counted, every micro-batch runs forward once more here (without gradients)
+        and the counts go into the pass; None where every count is known."""
+        parts = list(zip(split(features), split(labels), split(sample_weight), strict=True))
+        if not counted_terms(*parts[0]):
+            return None
+        part_features, part_labels, part_weight = parts[0]
+        first = objective.terms(part_labels, call_model(model, part_features, training=False), part_weight)
+        return step_counts(first, parts[1:], num_examples)
+
     if jit_compile:
-        compute_gradients = tf.function(compute_gradients, jit_compile=True)
+        compiled_gradients = tf.function(compute_gradients, jit_compile=True)
+
+        def compute_gradients(features, labels, sample_weight, num_examples):  # noqa: F811
+            counts = counts_outside_xla(features, labels, sample_weight, num_examples)
+            return compiled_gradients(features, labels, sample_weight, num_examples, counts)
 
     def train_step(batch: Batch) -> dict[str, tf.Tensor]:
         features, labels, sample_weight = unpack_batch(batch)

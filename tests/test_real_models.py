@@ -237,3 +237,27 @@ def test_a_partial_last_batch_counts_the_examples_it_holds_in_examples_per_secon
     full, partial = seen
     assert full["examples_per_second"] == pytest.approx(8 * full["steps_per_second"], rel=1e-6)
     assert partial["examples_per_second"] == pytest.approx(3 * partial["steps_per_second"], rel=1e-6)
+
+
+def test_xla_with_masked_outputs_counts_the_tokens_outside_the_compiled_pass(mirrored):
+    """The token count's all-reduce cannot run inside XLA: under jit_compile it is taken before
+    the compiled pass, and the update equals the one without XLA."""
+    x, y, _ = token_data(4 * BATCH, seed=3)
+
+    def weights_after(jit_compile: bool) -> list[np.ndarray]:
+        model, optimizer = embedding_model(mirrored)
+        trainer = engine.Trainer(
+            strategy=mirrored,
+            model=model,
+            optimizer=optimizer,
+            train_data=tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH),
+            global_batch_size=BATCH,
+            loss_fn=keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None),
+            grad_accum_steps=2,
+            jit_compile=jit_compile,
+        )
+        trainer.train(4)
+        return [w.numpy() for w in model.weights]
+
+    for compiled, plain in zip(weights_after(True), weights_after(False), strict=True):
+        np.testing.assert_allclose(compiled, plain, rtol=1e-5, atol=1e-7)
