@@ -290,17 +290,18 @@ def make_train_step(
         first = objective.terms(part_labels, call_model(model, part_features, training=False), part_weight)
         return step_counts(first, parts[1:], num_examples)
 
+    gradients_of = compute_gradients
     if jit_compile:
         compiled_gradients = tf.function(compute_gradients, jit_compile=True)
 
-        def compute_gradients(features, labels, sample_weight, num_examples):  # noqa: F811
+        def gradients_of(features, labels, sample_weight, num_examples, counts=None):
             counts = counts_outside_xla(features, labels, sample_weight, num_examples)
             return compiled_gradients(features, labels, sample_weight, num_examples, counts)
 
     def train_step(batch: Batch) -> dict[str, tf.Tensor]:
         features, labels, sample_weight = unpack_batch(batch)
         num_examples = examples_in_step(labels, global_batch_size)
-        gradients, loss, outputs = compute_gradients(features, labels, sample_weight, num_examples)
+        gradients, loss, outputs = gradients_of(features, labels, sample_weight, num_examples)
         result = {"loss": loss, STEP_EXAMPLES: num_examples}
         if clip_norm is not None:
             gradients, norm = _clip_global_norm(gradients, clip_norm, optimizer, uses_loss_scale)
