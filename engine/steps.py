@@ -290,13 +290,13 @@ def make_train_step(
         first = objective.terms(part_labels, call_model(model, part_features, training=False), part_weight)
         return step_counts(first, parts[1:], num_examples)
 
-    gradients_of = compute_gradients
-    if jit_compile:
-        compiled_gradients = tf.function(compute_gradients, jit_compile=True)
+    compiled_gradients = tf.function(compute_gradients, jit_compile=True) if jit_compile else None
 
-        def gradients_of(features, labels, sample_weight, num_examples, counts=None):
-            counts = counts_outside_xla(features, labels, sample_weight, num_examples)
-            return compiled_gradients(features, labels, sample_weight, num_examples, counts)
+    def gradients_of(features, labels, sample_weight, num_examples):
+        if compiled_gradients is None:
+            return compute_gradients(features, labels, sample_weight, num_examples)
+        counts = counts_outside_xla(features, labels, sample_weight, num_examples)
+        return compiled_gradients(features, labels, sample_weight, num_examples, counts)
 
     def train_step(batch: Batch) -> dict[str, tf.Tensor]:
         features, labels, sample_weight = unpack_batch(batch)
