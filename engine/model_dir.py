@@ -110,7 +110,7 @@ def check_kinds(model_dir: str) -> None:
         if not is_remote(path):
             with contextlib.suppress(OSError):
                 status = os.lstat(path)
-                kind = "a regular file" if stat.S_ISREG(status.st_mode) else file_kind(status.st_mode)
+                kind = "a regular file" if stat.S_ISREG(status.st_mode) else _file_kind(status.st_mode)
         raise UserError(
             f"{path} is {kind}, not a directory: the run keeps its {what} there; move it away "
             "or pass another `model_dir`"
@@ -145,12 +145,11 @@ _LOCK_RECORD_BYTES = 4096  # A record is ~100 bytes; a larger file is not the en
 _LOCK_OPEN_TRIES = 100
 
 
-def file_kind(mode: int) -> str:
-    """What a file that is not a regular file is (`os.lstat`'s mode), for messages."""
+def _file_kind(mode: int) -> str:
     kinds = [
         (stat.S_ISDIR, "a directory"),
         (stat.S_ISLNK, "a symbolic link"),
-        (stat.S_ISFIFO, "a FIFO (named pipe)"),
+        (stat.S_ISFIFO, "a FIFO"),
         (stat.S_ISSOCK, "a socket"),
         (stat.S_ISCHR, "a character device"),
         (stat.S_ISBLK, "a block device"),
@@ -184,7 +183,7 @@ def _open_lock_file(model_dir: str, path: str) -> tuple[int, bool]:
             continue  # The model_dir went away with its previous holder: make it again.
         except OSError as error:
             try:
-                kind = file_kind(os.lstat(path).st_mode)
+                kind = _file_kind(os.lstat(path).st_mode)
             except OSError:
                 kind = "unknown"
             if error.errno in (errno.ELOOP, errno.EISDIR, errno.ENXIO, errno.EOPNOTSUPP):
@@ -199,7 +198,7 @@ def _open_lock_file(model_dir: str, path: str) -> tuple[int, bool]:
         if not stat.S_ISREG(status.st_mode) or status.st_nlink > 1:
             os.close(fd)
             what = (
-                file_kind(status.st_mode)
+                _file_kind(status.st_mode)
                 if not stat.S_ISREG(status.st_mode)
                 else (f"a file with {status.st_nlink} hard links")
             )
@@ -669,7 +668,7 @@ class DirectoryWatch:
                 with contextlib.suppress(OSError):
                     status = os.stat(path)
             if not stat.S_ISDIR(status.st_mode):
-                kind = "a regular file" if stat.S_ISREG(status.st_mode) else file_kind(status.st_mode)
+                kind = "a regular file" if stat.S_ISREG(status.st_mode) else _file_kind(status.st_mode)
                 return f"{path} was replaced by {kind} during the run"
             if (status.st_dev, status.st_ino) != known:
                 return f"{path} was removed during the run (and made again since)"

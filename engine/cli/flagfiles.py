@@ -15,9 +15,8 @@ import os
 import stat
 from collections.abc import Iterator, Sequence
 
-from engine.cli.small_files import is_shell_pipe, read_small_file
+from engine.cli.small_files import file_kind, is_shell_pipe, read_small_file
 from engine.errors import UserError
-from engine.model_dir import file_kind
 
 _DIRECTIVES = ("--flagfile=", "-flagfile=")
 

@@ -17,11 +17,22 @@ import os
 import stat
 
 from engine.errors import UserError, one_line
-from engine.model_dir import file_kind
 
 # A config file holds settings; a megabyte is thousands of times what one needs.
 MAX_SETTINGS_FILE_BYTES = 2**20
 _OPEN_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | getattr(os, "O_CLOEXEC", 0)
+
+
+def file_kind(mode: int) -> str:
+    """What a file that is not a regular file is, for messages."""
+    kinds = [
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISFIFO, "a FIFO (named pipe)"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+    ]
+    return next((name for test, name in kinds if test(mode)), "not a regular file")
 
 
 def read_small_file(path: str, where: str, *, fix: str, limit: int = MAX_SETTINGS_FILE_BYTES) -> bytes:
