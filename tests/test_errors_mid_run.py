@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import shutil
 import struct
+import time
 
 import numpy as np
 import pytest
@@ -132,7 +133,14 @@ def _model_dir_lost(run, how: str):
     def run_train_loop(self, *args, **kwargs):
         calls.append(1)
         if len(calls) == 2:
-            shutil.rmtree(run)
+            # A background write of the last checkpoint may still be adding files while the tree is
+            # removed (rmtree then finds a folder not empty): remove until it is gone, as a user would.
+            for _ in range(200):
+                shutil.rmtree(run, ignore_errors=True)
+                if not run.exists():
+                    break
+                time.sleep(0.05)
+            assert not run.exists(), f"{run} could not be removed"
             if how == "file":
                 run.write_text("not a model_dir")
         return real(self, *args, **kwargs)
