@@ -247,6 +247,10 @@ class EvalLoss(keras.metrics.Metric):
         self.regularization.assign_add(tf.cast(regularization, tf.float32) * examples)
         self.examples.assign_add(examples)
 
+    def examples_seen(self) -> tf.Tensor:
+        """The examples counted so far, over every replica (the evaluation's `num_examples`)."""
+        return tf.convert_to_tensor(self.examples)
+
     def result(self) -> tf.Tensor:
         weights = tf.constant(self.loss_weights, tf.float32)
         data = tf.reduce_sum(weights * tf.math.divide_no_nan(self.totals, self.counts))

@@ -193,7 +193,6 @@ class EvalRunner:
             unweighted = [fresh_copy(m, model) for m in metrics]
             weighted = [fresh_copy(m, model) for m in weighted_metrics]
             self.loss = EvalLoss(objective)
-            self.count = keras.metrics.Sum(name="num_examples")
         self.metrics = [*unweighted, *weighted]
         self.loop = make_eval_loop(
             strategy,
@@ -201,7 +200,6 @@ class EvalRunner:
                 model=model,
                 objective=objective,
                 loss_metric=self.loss,
-                count_metric=self.count,
                 metrics=unweighted,
                 weighted_metrics=weighted,
                 eval_step_fn=eval_step_fn,
@@ -211,13 +209,13 @@ class EvalRunner:
     def run(self, stop_requested: Callable[[], bool] = lambda: False) -> dict[str, float] | None:
         """`{"loss", <metric>..., "num_examples"}` over the whole set; None when
         `stop_requested()` turned True between two calls and cut it short."""
-        for metric in (self.loss, self.count, *self.metrics):
+        for metric in (self.loss, *self.metrics):
             metric.reset_state()
         if not self._run_calls(stop_requested):
             return None
         logs = {"loss": float(self.loss.result())}
         logs.update({m.name: float(m.result()) for m in self.metrics})
-        logs["num_examples"] = int(round(float(self.count.result())))
+        logs["num_examples"] = int(round(float(self.loss.examples_seen())))
         return logs
 
     def _run_calls(self, stop_requested: Callable[[], bool]) -> bool:

@@ -476,7 +476,6 @@ def make_eval_step(
     model: Any,
     objective: Objective,
     loss_metric: EvalLoss,
-    count_metric: keras.metrics.Sum,
     metrics: Sequence[keras.metrics.Metric] = (),
     weighted_metrics: Sequence[keras.metrics.Metric] = (),
     eval_step_fn: EvalStep | None = None,
@@ -506,7 +505,6 @@ def make_eval_step(
         loss_metric.update_state(
             objective.terms(labels, outputs, sample_weight), regularization_loss(model), examples
         )
-        count_metric.update_state(examples)
         for metric in metrics:
             metric.update_state(labels, outputs)
         for metric in weighted_metrics:
