@@ -97,7 +97,7 @@ class Objective:
             tf.nest.assert_same_structure(self.loss_fn, loss_weights)
         except (ValueError, TypeError):
             raise UserError(
-                f"loss_weights={loss_weights!r} must be nested like loss_fn ({_structure(self.loss_fn)})"
+                f"loss_weights={loss_weights!r} must be nested like loss_fn ({describe_structure(self.loss_fn)})"
             ) from None
         weights = [float(w) for w in tf.nest.flatten(loss_weights)]
         bad = [w for w in weights if not math.isfinite(w) or w < 0]
@@ -213,12 +213,13 @@ def _flatten_like(structure: Any, values: Any, what: str) -> list[Any]:
         return tf.nest.flatten(values)
     except (ValueError, TypeError):
         raise UserError(
-            f"the {what} ({_structure(values)}) are not nested like loss_fn ({_structure(structure)}): give "
-            f"one loss per output, keyed or ordered as the model's outputs"
+            f"the {what} ({describe_structure(values)}) are not nested like loss_fn "
+            f"({describe_structure(structure)}): give one loss per output, keyed or ordered as the outputs"
         ) from None
 
 
-def _structure(value: Any) -> str:
+def describe_structure(value: Any) -> str:
+    """How a batch, its labels or outputs are nested, for messages."""
     if isinstance(value, Mapping):
         return f"a dict with keys {sorted(value)}"
     if isinstance(value, (list, tuple)):

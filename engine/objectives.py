@@ -84,7 +84,8 @@ def _loss_name(name: str) -> str:
 
 
 class PerExampleLoss:
-    """A Keras loss by name as the Trainer's `loss_fn(labels, outputs) -> (batch,)`, labels
+    """A Keras loss by name as the Trainer's `loss_fn(labels, outputs) -> (batch, ...)` (one loss
+    an example, or an element: a tag per token), labels
     brought to what it reads: one-hot for categorical_crossentropy, the outputs' shape and
     dtype for the binary and value losses."""
 

@@ -23,7 +23,7 @@ import tensorflow as tf
 
 from engine.compat import keras_mask, set_keras_mask
 from engine.errors import UserError
-from engine.losses import EvalLoss, LossTerm, Objective
+from engine.losses import EvalLoss, LossTerm, Objective, describe_structure
 from engine.variables import regularization_losses, trainable_variables
 
 Batch = Any
@@ -51,15 +51,7 @@ def unpack_batch(batch: Batch, *, what: str = "step_fn") -> tuple[Any, tf.Tensor
     if isinstance(batch, (tuple, list)) and len(batch) in (2, 3):
         features, labels, *rest = batch
         return features, labels, (rest[0] if rest else None)
-    shape = (
-        f"a dict with keys {sorted(batch)}"
-        if isinstance(batch, Mapping)
-        else (
-            f"a {type(batch).__name__} of {len(batch)}"
-            if isinstance(batch, (tuple, list))
-            else f"a {type(batch).__name__}"
-        )
-    )
+    shape = describe_structure(batch)
     raise UserError(
         f"the standard step takes batches of (features, labels) or (features, labels, sample_weight), "
         f"got {shape}; map the dataset to that structure, or pass {what}= to take this batch yourself"

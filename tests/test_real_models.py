@@ -261,3 +261,24 @@ def test_xla_with_masked_outputs_counts_the_tokens_outside_the_compiled_pass(mir
 
     for compiled, plain in zip(weights_after(True), weights_after(False), strict=True):
         np.testing.assert_allclose(compiled, plain, rtol=1e-5, atol=1e-7)
+
+
+def test_losses_nested_unlike_the_outputs_or_reduced_to_one_number_are_one_line():
+    """engine.losses refuses, naming both structures, what would otherwise pair a loss with the
+    wrong output or average an average."""
+    from engine.losses import Objective
+
+    sce = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
+    with pytest.raises(engine.UserError, match=r"loss_weights=\[1.0\] must be nested like loss_fn \(a dict"):
+        Objective({"a": sce, "b": sce}, [1.0])
+    with pytest.raises(engine.UserError, match="must be finite and not negative"):
+        Objective([sce, sce], [1.0, float("nan")])
+    with pytest.raises(engine.UserError, match=r"reduces the batch to one number"):
+        Objective(keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    labels, logits = tf.constant([0, 1]), tf.zeros((2, 3))
+    with pytest.raises(
+        engine.UserError, match=r"the outputs \(one tensor\) are not nested like loss_fn \(a dict"
+    ):
+        Objective({"a": sce, "b": sce}).terms({"a": labels, "b": labels}, logits)
+    with pytest.raises(engine.UserError, match="returned one number for the batch"):
+        Objective(lambda y, p: tf.reduce_mean(sce(y, p))).terms(labels, logits)
