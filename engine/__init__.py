@@ -54,9 +54,9 @@ _LAZY = {
     "TrainerView": "engine.callbacks",
     "build_strategy": "engine.strategy",
     "configure_cpu_devices": "engine.strategy",
-    "call_model": "engine.steps",
-    "make_eval_step": "engine.steps",
-    "make_train_step": "engine.steps",
+    "call_model": "engine.loop.steps",
+    "make_eval_step": "engine.loop.steps",
+    "make_train_step": "engine.loop.steps",
 }
 
 __all__ = [

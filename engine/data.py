@@ -24,7 +24,7 @@ forms are declared, not guessed:
 
 What the forms are positioned at is the stream POSITION, not the step: the
 global step plus the `DataPosition` offset, the batches that rollbacks
-skipped (`engine.rollback`; 0 in a run without one). Every form above can
+skipped (`engine.loop.rollback`; 0 in a run without one). Every form above can
 start at any position, so skipping is as exact as resuming.
 
 Plain values are read as the form they can only be: a `tf.data.Dataset` is
@@ -87,7 +87,7 @@ class DataPosition(tf.Module):
 
     Global step k (the (k+1)-th update) trains on stream position `k + offset`:
     `offset` counts the batches skipped after loss spikes, `rollbacks` the
-    rollbacks that skipped them (`engine.rollback`). Both are part of the
+    rollbacks that skipped them (`engine.loop.rollback`). Both are part of the
     checkpoint, so a resume after a rollback reads the same batches.
     """
 

@@ -15,7 +15,7 @@ import keras
 import tensorflow as tf
 from absl import logging
 
-from engine.steps import call_model
+from engine.loop.steps import call_model
 
 SERVING_SIGNATURE = "serving_default"
 INPUT_NAME = "features"

@@ -18,7 +18,7 @@ STRATEGY_NAMES = SINGLE_HOST_STRATEGIES + MULTI_HOST_STRATEGIES
 PRECISION_POLICIES = {"float32": "float32", "float16": "mixed_float16", "bfloat16": "mixed_bfloat16"}
 SCHEDULE_NAMES = ("constant", "cosine", "step", "warmup_cosine")
 # A NaN/Inf (or above `max_loss`) loss: stop, skip the update, or restore the last good
-# checkpoint and skip the batches that led to it (engine.rollback).
+# checkpoint and skip the batches that led to it (engine.loop.rollback).
 NONFINITE_POLICIES = ("stop", "skip", "rollback")
 DEFAULT_MAX_ROLLBACKS = 3
 # Each rollback restores a checkpoint and trains again from it: a run whose loss spikes at every step
@@ -36,7 +36,7 @@ DEFAULT_HEARTBEAT_TIMEOUT = 10.0
 
 
 class StepArguments(TypedDict):
-    """`StepOptions` as `engine.steps.make_train_step` takes them."""
+    """`StepOptions` as `engine.loop.steps.make_train_step` takes them."""
 
     clip_norm: float | None
     grad_accum_steps: int
@@ -52,7 +52,7 @@ class StepOptions:
     clip_norm: float | None = None  # Clip the global gradient norm to this.
     grad_accum_steps: int = 1  # Micro-batches per update.
     jit_compile: bool = False  # XLA-compile the replica step.
-    # A NaN/Inf loss or gradient: "stop" the run, "skip" the update, or "rollback" (engine.rollback).
+    # A NaN/Inf loss or gradient: "stop" the run, "skip" the update, or "rollback" (engine.loop.rollback).
     on_nonfinite: str = "stop"
 
     def step_arguments(self) -> StepArguments:
@@ -81,7 +81,7 @@ class SpikeOptions:
 
     A step is a spike when its loss or gradient is not finite, or its loss (the step's
     "loss" output, averaged over replicas) is above `max_loss`. `rollback_skip_batches`
-    more batches than those since the restored checkpoint are skipped (engine.rollback);
+    more batches than those since the restored checkpoint are skipped (engine.loop.rollback);
     after `max_rollbacks` rollbacks the next spike stops the run.
     """
 

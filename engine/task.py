@@ -16,8 +16,8 @@ from typing import Any
 
 import keras
 
+from engine.loop.steps import EvalStep, ReplicaStep
 from engine.losses import LossFn
-from engine.steps import EvalStep, ReplicaStep
 
 
 @dataclass(frozen=True)

@@ -3,9 +3,9 @@
 The Trainer decides how many steps the next compiled call runs (never
 past the next evaluation, checkpoint or the target step: `Cadence`) and
 what happens between calls. What one call does is the runners'
-(`engine.runners`: a `TrainRunner`, an `EvalRunner`), saving and
+(`engine.loop.runners`: a `TrainRunner`, an `EvalRunner`), saving and
 restoring the `Checkpointer`'s (`engine.checkpoint`), the compiled
-functions `loop.py`'s. Everything here runs once per loop, not per step.
+functions `engine.loop.compiled`'s. Everything here runs once per loop, not per step.
 """
 
 from __future__ import annotations
@@ -29,6 +29,10 @@ from engine.ema import WeightAverages, averages_swapped_in, weight_averages
 from engine.errors import DataExhaustedError, NonFiniteLossError, UserError
 from engine.goodput import GoodputClock, ModelFlops, TimedFunction, breakdown_line, scalars
 from engine.logger import logger
+from engine.loop.replica_state import replica_local_state
+from engine.loop.rollback import CHECKPOINT_KEY, Rollback, Spike, check_options, holds_position, stop_message
+from engine.loop.runners import EvalRunner, PredictRunner, TrainRunner, as_prediction_batches, fresh_copy
+from engine.loop.steps import STEP_EXAMPLES, EvalStep, ReplicaStep, make_train_step
 from engine.losses import LossFn, Objective
 from engine.options import (
     DEFAULT_MAX_ROLLBACKS,
@@ -39,12 +43,8 @@ from engine.options import (
     SpikeOptions,
     StepOptions,
 )
-from engine.replica_state import replica_local_state
 from engine.resident import ResidentData, keeps_on_devices
-from engine.rollback import CHECKPOINT_KEY, Rollback, Spike, check_options, holds_position, stop_message
-from engine.runners import EvalRunner, PredictRunner, TrainRunner, as_prediction_batches, fresh_copy
 from engine.schedules import is_scheduled
-from engine.steps import STEP_EXAMPLES, EvalStep, ReplicaStep, make_train_step
 from engine.summaries import SummaryWriters
 from engine.variables import check_regularizers_visible, require_trainable_variables
 
@@ -125,7 +125,7 @@ class Trainer:
         above `max_loss`): "stop" the run saving nothing, "skip" its update, or
         "rollback": restore the last good checkpoint and skip the batches that
         led to it plus `rollback_skip_batches` more, at most `max_rollbacks`
-        times (`engine.rollback`).
+        times (`engine.loop.rollback`).
       max_loss: a finite loss above it is a spike too (with "stop" or "rollback").
 
     Raises:
@@ -302,7 +302,7 @@ class Trainer:
 
     def _checkpoint_object(self) -> tf.train.Checkpoint:
         """What a checkpoint holds (`engine.checkpoint.checkpoint_of`; with rollback, the data
-        position joins it: `engine.rollback`)."""
+        position joins it: `engine.loop.rollback`)."""
         return checkpoint_of(self.model, self.global_step, self.optimizers)
 
     def _make_checkpointer(self, model_dir: str, options: CheckpointOptions) -> Checkpointer:

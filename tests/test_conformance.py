@@ -19,7 +19,7 @@ layers, a keras.applications model, a custom metric) is trained by the engine an
 Where Keras is not the same across replicas and the engine is, the form says why and the
 engine is compared with fit on one replica (`Form.fit_replicas`); BatchNormalization's
 moving statistics, which each of fit's replicas keeps for itself, are compared with the
-mean of fit's replica copies, which is what the engine keeps (`engine.replica_state`).
+mean of fit's replica copies, which is what the engine keeps (`engine.loop.replica_state`).
 Tolerances: 1e-5 relative (and 1e-6 absolute, for values near 0) unless a form says why.
 """
 

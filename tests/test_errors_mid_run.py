@@ -15,7 +15,7 @@ import pytest
 import tensorflow as tf
 from helpers import main_in_process, one_error_line, snapshot
 
-from engine.runners import TrainRunner
+from engine.loop.runners import TrainRunner
 from input import write_tfrecords
 
 FLAGS = ["--model=mlp", "--dataset=tfrecord", "--global_batch_size=4", "--mode=train", "--steps_per_loop=2"]
@@ -90,7 +90,7 @@ def _fails_on_the_second_loop(error: Exception):
 
 OOM = (
     "Graph execution error:\n\nDetected at node sequential/dense/MatMul defined at (most recent call last):\n"
-    '  File "engine/steps.py", line 1, in step\n\n'
+    '  File "engine/loop/steps.py", line 1, in step\n\n'
     "OOM when allocating tensor with shape[4,784] and type float on /job:localhost/replica:0/task:0/"
     "device:GPU:0 by allocator GPU_0_bfc\n\t [[{{node sequential/dense/MatMul}}]]\n"
     "Hint: If you want to see a list of allocated tensors when OOM happens, add "

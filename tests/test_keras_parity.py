@@ -586,7 +586,7 @@ def test_an_error_found_while_tracing_reaches_the_user_as_one_line(mirrored):
 
 
 def test_a_step_fn_output_named_like_a_loop_count_is_logged_as_it_is(mirrored):
-    """The loop's own counts travel apart from the step's outputs (`engine.loop.LoopResult`)."""
+    """The loop's own counts travel apart from the step's outputs (`engine.loop.compiled.LoopResult`)."""
     x, y = make_arrays(32)
     model, optimizer = make_model(mirrored)
     trainer = engine.Trainer(

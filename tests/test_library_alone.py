@@ -12,7 +12,7 @@ import sys
 import engine
 for name in engine.__all__:
     getattr(engine, name)
-import engine.coordinator, engine.callbacks.keras_adapter, engine.cluster.multi_host, engine.checkpoint
+import engine.loop.ps_runners, engine.callbacks.keras_adapter, engine.cluster.multi_host, engine.checkpoint
 import engine.hooks, engine.export, engine.model_dir, engine.ema, engine.summaries
 from absl import flags
 commands = ("engine.main", "engine.launch", "engine.server")

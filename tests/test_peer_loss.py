@@ -11,7 +11,7 @@ from engine.errors import PEER_LOST_EXIT
 UNHEALTHY = (
     "Graph execution error:\n\nDetected at node while/sgd/CollectiveReduceV2 defined at "
     "(most recent call last):\n"
-    '  File "engine/loop.py", line 95, in run_step\n'
+    '  File "engine/loop/compiled.py", line 95, in run_step\n'
     "Collective ops is aborted by: Error reported from /job:worker/task:1: The following tasks are "
     "unhealthy (stopped sending heartbeats):\n/job:worker/replica:0/task:1\n"
     "The tasks have crashed. Check the task logs for an earlier error.\n"

@@ -104,7 +104,7 @@ import tensorflow as tf
 import keras
 sys.path.insert(0, "tests")
 import engine
-from engine.coordinator import CoordinatedTrainer
+from engine.loop.ps_runners import CoordinatedTrainer
 from helpers import NUM_FEATURES, loss_fn, make_arrays
 
 ports = [int(p) for p in sys.argv[1:]]

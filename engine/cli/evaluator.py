@@ -4,7 +4,7 @@ The evaluator only reads the model_dir's checkpoints. It builds the model
 and optimizer as the training job does, restores each checkpoint with a
 plain `tf.train.Checkpoint.read` (no `CheckpointManager`, which could
 rotate or set aside the trainer's files, and no writer lock), and runs the
-training's own compiled eval loop (`engine.runners.EvalRunner`) over the whole
+training's own compiled eval loop (`engine.loop.runners.EvalRunner`) over the whole
 eval set. It writes only
 its eval summaries (at the checkpoint's step, to the `eval` run) and
 `metrics.json`, the latter in `--mode=eval` or once training has finished.
@@ -37,9 +37,9 @@ from engine.data import as_eval_form
 from engine.errors import UserError
 from engine.hooks.best_checkpoint import BestCheckpoint
 from engine.logger import logger
+from engine.loop.runners import EvalRunner
 from engine.losses import Objective
 from engine.model_dir import latest_checkpoint
-from engine.runners import EvalRunner
 from engine.summaries import SummaryWriters
 
 POLL_SECONDS = 1.0

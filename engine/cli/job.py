@@ -177,7 +177,7 @@ def _train_and_evaluate(
         model_dir_lib.remove_tree(write_dir)
     trainer_class = Trainer
     if config.strategy == "parameter_server":
-        from engine.coordinator import CoordinatedTrainer as trainer_class
+        from engine.loop.ps_runners import CoordinatedTrainer as trainer_class
     trainer = trainer_class(
         strategy=strategy,
         model=model,
@@ -250,7 +250,7 @@ def _train_and_evaluate(
         "goodput": trainer.last_goodput,
         "model_dir": model_dir,
     }
-    if config.on_nonfinite == "rollback" or trainer.rollbacks:  # Loss spikes survived (engine.rollback).
+    if config.on_nonfinite == "rollback" or trainer.rollbacks:  # Loss spikes survived (engine.loop.rollback).
         result["rollbacks"] = trainer.rollbacks
     if write_dir == model_dir:
         model_dir_lib.check_still_there(watch)  # Not a new model_dir holding only metrics.json.

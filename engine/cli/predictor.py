@@ -38,8 +38,8 @@ from engine.cli import inputs_record
 from engine.cli.assembly import CheckpointedModel
 from engine.cli.settings import RunConfig
 from engine.errors import UserError
+from engine.loop.runners import PredictRunner, as_prediction_batches
 from engine.model_dir import latest_checkpoint
-from engine.runners import PredictRunner, as_prediction_batches
 
 
 def run(config: RunConfig) -> dict[str, Any]:

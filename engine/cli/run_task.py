@@ -21,8 +21,8 @@ from engine import objectives
 from engine.cli.own_packages import own_package  # The engine's, beside a user's models.py/input.py.
 from engine.cli.settings import RunConfig
 from engine.errors import UserError
+from engine.loop.steps import EvalStep, ReplicaStep
 from engine.losses import LossFn, SameLabels
-from engine.steps import EvalStep, ReplicaStep
 from engine.task import Task
 from engine.user_code import UserCodeError, exited, first_line, import_callable, signature_text
 

@@ -15,9 +15,9 @@ from typing import Any
 import tensorflow as tf
 
 from engine.errors import UserError
-from engine.replica_state import average_over_replicas
+from engine.loop.replica_state import average_over_replicas
+from engine.loop.steps import STEP_FINITE, Batch, ReplicaStep
 from engine.resident import ResidentData
-from engine.steps import STEP_FINITE, Batch, ReplicaStep
 
 # loop(where the batches come from: an iterator, or resident tensors and a start step; num_steps).
 TrainLoop = Callable[..., dict]
@@ -187,7 +187,7 @@ def make_train_loop(
     returns `steps_run=0` and the offending size as `first_batch_size`
     (where the shape is static, tracing raises `BatchSizeMismatch`).
 
-    `replica_state` (`engine.replica_state`): variables each replica updates on
+    `replica_state` (`engine.loop.replica_state`): variables each replica updates on
     its own, averaged over the replicas after the loop's last step.
 
     With `global_step=None` the loop does not count steps: the

@@ -5,7 +5,7 @@ PaLM's authors restarted about 100 steps before a spike and skipped the
 200-500 batches around it; a bad update cannot be undone, but the data that
 caused it can be left out. A step is a spike when its loss or gradient is
 not finite, or its loss is above `max_loss` (`engine.options.SpikeOptions`).
-The loop reports the first spike of each compiled call (`engine.loop`), and
+The loop reports the first spike of each compiled call (`engine.loop.compiled`), and
 between calls the Trainer hands it to `Rollback.recover`, which:
 
 1. restores the last good state: the newest checkpoint this Trainer's

@@ -3,7 +3,7 @@
 The chief process is the coordinator. Variables live on the ps tasks (made
 in `strategy.scope()` as usual); each worker gets its own input pipeline
 through `ClusterCoordinator.create_per_worker_dataset`; every compiled loop
-is the SAME `loop.make_train_loop` function as on one host, scheduled on
+is the SAME `compiled.make_train_loop` function as on one host, scheduled on
 whichever worker is free. A worker that dies takes its closure with it and
 the coordinator reschedules it on another worker, so training goes on.
 
@@ -32,11 +32,11 @@ import tensorflow as tf
 from engine.compat import num_workers
 from engine.data import Data, DataForm, as_train_form, eval_dataset_on_one_replica, pipeline_at
 from engine.errors import UserError
-from engine.loop import CHECK_NONE, LoopResult, make_train_loop
+from engine.loop.compiled import CHECK_NONE, LoopResult, make_train_loop
+from engine.loop.runners import EvalRunner, PredictRunner, TrainRunner
+from engine.loop.steps import ReplicaStep
 from engine.losses import Objective
 from engine.resident import ResidentData
-from engine.runners import EvalRunner, PredictRunner, TrainRunner
-from engine.steps import ReplicaStep
 from engine.trainer import Trainer
 
 

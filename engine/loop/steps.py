@@ -1,7 +1,7 @@
 """What one replica does for one batch: the per-replica train and eval steps.
 
 A replica step maps a batch to a dict of scalar tensors (what the loop
-averages over replicas and steps and then logs). `loop.py` runs these with
+averages over replicas and steps and then logs). `compiled.py` runs these with
 `strategy.run`; nothing here knows about loops, iterators or devices.
 
 The loss arithmetic is the part custom loops most often get wrong:

@@ -6,7 +6,7 @@ the data stands, an `EvalRunner` one pass over the whole eval set, and a
 `PredictRunner` the model's outputs for every example of a data set.
 The checkpoint evaluator (`engine.cli.evaluator`) uses an `EvalRunner`
 alone: it never trains. The parameter-server forms of both live in
-`engine.coordinator`.
+`engine.loop.ps_runners`.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from engine.data import (
     yields_global_batches,
 )
 from engine.errors import UserError, one_line
-from engine.loop import (
+from engine.loop.compiled import (
     CHECK_EXACT,
     CHECK_NONE,
     CHECK_NOT_LARGER,
@@ -37,9 +37,9 @@ from engine.loop import (
     make_resident_train_loop,
     make_train_loop,
 )
+from engine.loop.steps import EvalStep, ReplicaStep, inference_outputs, make_eval_step
 from engine.losses import EvalLoss, Objective
 from engine.resident import ResidentData, place_on_replicas
-from engine.steps import EvalStep, ReplicaStep, inference_outputs, make_eval_step
 
 
 class TrainRunner:
@@ -53,9 +53,9 @@ class TrainRunner:
       global_batch_size: examples per step over all replicas.
       position: the offset of the stream position from the global step (batches skipped
         by rollbacks); None: none, the position is the step.
-      max_loss: a step whose loss is above it counts as non-finite (`engine.loop`).
+      max_loss: a step whose loss is above it counts as non-finite (`engine.loop.compiled`).
       replica_state: variables each replica updates on its own, averaged after every call
-        (`engine.replica_state`).
+        (`engine.loop.replica_state`).
     """
 
     def __init__(
