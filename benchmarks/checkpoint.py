@@ -4,7 +4,7 @@ asynchronous (`--async_checkpoint`), and the end-to-end slowdown of frequent sav
     python -m benchmarks.checkpoint --model=resnet50 --json=benchmarks/out/checkpoint.json
 
 One process, one model and Adam, one compiled training loop (`engine.Trainer` on the
-synthetic data, no eval), two `engine.checkpoint.Checkpointer`s on the same variables
+synthetic data, no eval), two `engine.checkpointing.checkpointer.Checkpointer`s on the same variables
 (one synchronous, one asynchronous), each in its own directory of `--model_dir`:
 
 - blocking: `--saves` saves of each kind, interleaved (sync, async, sync, ...), with
@@ -143,7 +143,7 @@ def _checkpointer(trainer, directory: str, *, background: bool):
     """A Checkpointer of the trainer's model, step and optimizer, as the Trainer makes its own."""
     import tensorflow as tf
 
-    from engine.checkpoint import Checkpointer
+    from engine.checkpointing.checkpointer import Checkpointer
     from engine.options import CheckpointOptions
 
     return Checkpointer(

@@ -124,7 +124,7 @@ class CheckpointOptions:
     restore_dir: str | None = None
     reset_optimizer: bool = False  # Restore the weights and step, not the optimizer's slots.
     # Write checkpoints in the background: a save waits only for a copy of the variables in host
-    # memory (`engine.checkpoint_writer`); the Trainer turns it off where the strategy is not verified.
+    # memory (`engine.checkpointing.background`); the Trainer turns it off where the strategy is not verified.
     async_checkpoint: bool = True
 
 

@@ -4,7 +4,7 @@ The Trainer decides how many steps the next compiled call runs (never
 past the next evaluation, checkpoint or the target step: `Cadence`) and
 what happens between calls. What one call does is the runners'
 (`engine.loop.runners`: a `TrainRunner`, an `EvalRunner`), saving and
-restoring the `Checkpointer`'s (`engine.checkpoint`), the compiled
+restoring the `Checkpointer`'s (`engine.checkpointing.checkpointer`), the compiled
 functions `engine.loop.compiled`'s. Everything here runs once per loop, not per step.
 """
 
@@ -18,11 +18,11 @@ from typing import Any, NoReturn, TypeAlias
 import keras
 import tensorflow as tf
 
-from engine import model_dir as model_dir_lib
 from engine.callbacks import CallbackLike, as_callbacks
 from engine.callbacks.progress import Progress, format_logs
-from engine.checkpoint import Checkpointer, checkpoint_of
-from engine.checkpoint_writer import writes_in_background
+from engine.checkpointing import discovery
+from engine.checkpointing.background import writes_in_background
+from engine.checkpointing.checkpointer import Checkpointer, checkpoint_of
 from engine.compat import num_workers
 from engine.data import Data, DataForm, DataPosition, as_eval_form, as_train_form
 from engine.ema import WeightAverages, averages_swapped_in, weight_averages
@@ -115,7 +115,7 @@ class Trainer:
         `use_ema=True` gets the same without it (`engine.ema`).
       async_checkpoint: a save waits only for a copy of the variables; the files are
         written in the background, and the end of `train()` and `close()` wait for them
-        (`engine.checkpoint_writer`). Synchronous under multi-worker, parameter-server and TPU
+        (`engine.checkpointing.background`). Synchronous under multi-worker, parameter-server and TPU
         strategies.
       flops_per_example: the model's forward-pass FLOPs per example (e.g.
         `models.flops_per_example(model)`): the progress lines and TensorBoard
@@ -285,7 +285,7 @@ class Trainer:
         for callback in self.callbacks:  # Their own state on disk, now that the step is known.
             callback.restore_state(self)
         if model_dir is not None:  # Every check passed: the partial folders of writes cut short go.
-            model_dir_lib.remove_partial_checkpoints(model_dir)
+            discovery.remove_partial_checkpoints(model_dir)
 
     def _standard_step(self, metrics: list[Any], weighted_metrics: list[Any]) -> ReplicaStep:
         assert self.objective is not None, "checked: loss_fn or step_fn"
@@ -301,7 +301,7 @@ class Trainer:
         )
 
     def _checkpoint_object(self) -> tf.train.Checkpoint:
-        """What a checkpoint holds (`engine.checkpoint.checkpoint_of`; with rollback, the data
+        """What a checkpoint holds (`engine.checkpointing.checkpointer.checkpoint_of`; with rollback, the data
         position joins it: `engine.loop.rollback`)."""
         return checkpoint_of(self.model, self.global_step, self.optimizers)
 

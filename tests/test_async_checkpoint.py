@@ -24,8 +24,8 @@ import pytest
 import tensorflow as tf
 from helpers import python_env, run_main, small_trainer, stop
 
-from engine import model_dir as model_dir_lib
-from engine.checkpoint_writer import BackgroundWriter
+from engine.checkpointing import discovery
+from engine.checkpointing.background import BackgroundWriter
 from engine.errors import UserError
 
 
@@ -99,7 +99,7 @@ def test_the_state_file_names_a_checkpoint_only_once_its_files_are_complete(tmp_
 
     def checked_record_state():
         latest = manager.latest_checkpoint
-        assert model_dir_lib.read_problem(latest) is None, f"{latest} named before its files are complete"
+        assert discovery.read_problem(latest) is None, f"{latest} named before its files are complete"
         assert not list((tmp_path / "checkpoints").glob("*_temp")), "the state file is written before the merge"
         checked.append((threading.current_thread().name, os.path.basename(latest)))
         record_state()
@@ -123,7 +123,7 @@ def test_the_end_of_train_and_close_wait_for_the_write(tmp_path, monkeypatch):
     trainer = small_trainer(tmp_path)
     trainer.train(4)
     assert _state_names(tmp_path) == "ckpt-4"
-    assert model_dir_lib.read_problem(str(tmp_path / "checkpoints" / "ckpt-4")) is None
+    assert discovery.read_problem(str(tmp_path / "checkpoints" / "ckpt-4")) is None
     assert not [t for t in threading.enumerate() if t.name.startswith("checkpoint-")]
     trainer.save()  # The same step again, then close(): it ends complete too.
     trainer.close()
@@ -166,7 +166,7 @@ def test_a_disk_full_during_a_write_is_the_sync_line_and_the_previous_checkpoint
         message,
     ), message
     assert _state_names(tmp_path) == "ckpt-2"
-    assert model_dir_lib.read_problem(str(tmp_path / "checkpoints" / "ckpt-2")) is None
+    assert discovery.read_problem(str(tmp_path / "checkpoints" / "ckpt-2")) is None
     assert not list((tmp_path / "checkpoints").glob("*_temp"))
     trainer.close()
 
@@ -292,7 +292,7 @@ def test_kill_9_during_background_writes_then_resume_bitwise_equal(tmp_path):
         kills += 1
         latest = tf.train.latest_checkpoint(str(killed / "checkpoints"))
         if latest is not None:
-            assert model_dir_lib.read_problem(latest) is None, f"kill {kills}: {latest} cannot be read"
+            assert discovery.read_problem(latest) is None, f"kill {kills}: {latest} cannot be read"
     assert kills >= 3, f"only {kills} kills landed before the run ended"
     assert (_latest(killed) or 0) < target
     finished = run_main(*flags, f"--model_dir={killed}", cwd=project, timeout=400)
@@ -389,7 +389,7 @@ def test_kill_9_during_a_background_write_then_a_library_restart_leaves_no_parti
     assert restart.returncode == 0, restart.stderr[-3000:]
     assert f"restored step {int(latest.rsplit('-', 1)[1])}" in restart.stdout
     assert not [path for path in model_dir.rglob("*_temp")], sorted(_listed(checkpoints))
-    assert model_dir_lib.read_problem(latest) is None
+    assert discovery.read_problem(latest) is None
 
 
 def _listed(directory: Path) -> list[str]:

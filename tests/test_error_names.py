@@ -140,7 +140,7 @@ def test_multi_host_options_name_their_fields():
 
 
 def test_changed_settings_are_named_as_settings(tmp_path):
-    from engine import checkpoint as checkpoint_lib
+    from engine.checkpointing import checkpointer as checkpoint_lib
 
     small_trainer(tmp_path).train(2)
     checkpoint_lib.record_settings(str(tmp_path), {"optimizer": "adam"})

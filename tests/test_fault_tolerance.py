@@ -239,7 +239,7 @@ def test_kill_9_around_a_best_checkpoint_save_never_leaves_best_json_naming_what
     """Killed 0-30 ms after the evaluation that makes a new best is logged (inside the
     best checkpoint's save); each rerun continues from there and is killed at the next
     new best; the last one finishes with the uninterrupted run's best."""
-    from engine import model_dir as model_dir_lib
+    from engine.checkpointing import discovery
 
     reference = tmp_path / "reference"
     done = run_main(*BEST_FLAGS, f"--model_dir={reference}")
@@ -257,7 +257,7 @@ def test_kill_9_around_a_best_checkpoint_save_never_leaves_best_json_naming_what
         record = _best_record(model_dir)
         assert record is not None  # An earlier best was committed.
         named = model_dir / "best" / record["checkpoint"]
-        assert model_dir_lib.read_problem(str(named)) is None, (delay_ms, record, os.listdir(named.parent))
+        assert discovery.read_problem(str(named)) is None, (delay_ms, record, os.listdir(named.parent))
     finished = run_main(*BEST_FLAGS, f"--model_dir={model_dir}")
     assert finished.returncode == 0, finished.stderr[-3000:]
     assert _best_record(model_dir) == _best_record(reference)

@@ -273,11 +273,11 @@ def test_flags_build_the_hooks_and_refuse_bad_combinations():
 def best_pair(best) -> tuple[str, float]:
     """(the checkpoint, the value) best.json records, after checking that best/ holds that
     checkpoint alone, readable, and that its state file names it."""
-    from engine import model_dir as model_dir_lib
+    from engine.checkpointing import discovery
 
     record = json.loads((best / "best.json").read_text())
     assert sorted(p.name for p in best.glob("ckpt-*.index")) == [record["checkpoint"] + ".index"]
-    assert model_dir_lib.read_problem(str(best / record["checkpoint"])) is None
+    assert discovery.read_problem(str(best / record["checkpoint"])) is None
     state = tf.train.get_checkpoint_state(str(best))
     assert state is not None and state.model_checkpoint_path.endswith("/" + record["checkpoint"])
     return record["checkpoint"], record["value"]

@@ -33,6 +33,7 @@ from helpers import (
 )
 
 from engine import model_dir as model_dir_lib
+from engine.checkpointing import discovery
 from engine.errors import UserError
 
 MLP = ["--model=mlp", "--checkpoint_every=10", "--eval_every=0"]
@@ -698,7 +699,7 @@ def test_full_disk_is_one_line_and_the_previous_checkpoint_stays_latest(tmp_path
         line = one_error_line(run_main(*flags))
         assert "is full" in line and str(model_dir) in line, line
         latest = tf.train.latest_checkpoint(str(model_dir / "checkpoints"))
-        assert latest is not None and model_dir_lib.read_problem(latest) is None
+        assert latest is not None and discovery.read_problem(latest) is None
         assert not list((model_dir / "checkpoints").glob("*_temp"))
     finally:
         subprocess.run(
@@ -735,7 +736,7 @@ def test_full_disk_under_a_background_write_and_the_best_checkpoint_leaves_no_pa
         assert "error" not in result.stderr.replace(line, ""), result.stderr[-3000:]  # Not a second time.
         assert not list(model_dir.rglob("*_temp")), sorted(model_dir.rglob("*"))
         latest = tf.train.latest_checkpoint(str(model_dir / "checkpoints"))
-        assert latest is not None and model_dir_lib.read_problem(latest) is None
+        assert latest is not None and discovery.read_problem(latest) is None
     finally:
         subprocess.run(["umount", "--lazy", str(disk)], check=False)
 
@@ -774,7 +775,7 @@ def test_a_model_dir_made_read_only_mid_run_is_one_line_and_the_latest_checkpoin
     assert f"{model_dir} is not writable anymore" in line, line
     latest = tf.train.latest_checkpoint(str(model_dir / "checkpoints"))
     assert f"the latest checkpoint ({latest}) is kept" in line, line
-    assert model_dir_lib.read_problem(latest) is None
+    assert discovery.read_problem(latest) is None
 
 
 # ------------------------------------------------------------- Trainer API
@@ -879,7 +880,7 @@ def test_partial_folders_stay_while_another_run_holds_the_writer_lock(tmp_path, 
 def test_removing_partial_folders_never_reaches_a_sibling_a_pattern_would_match(tmp_path, name):
     sibling = _partial(tmp_path / "run1" / "checkpoints" / "ckpt-5_temp")
     own = _partial(tmp_path / name / "checkpoints" / "ckpt-5_temp")
-    model_dir_lib.remove_partial_checkpoints(str(tmp_path / name))
+    discovery.remove_partial_checkpoints(str(tmp_path / name))
     assert not own.exists() and sorted(p.name for p in sibling.iterdir()) == sorted(PART_FILES)
 
 
@@ -967,7 +968,7 @@ def test_copied_and_moved_model_dirs_resume_from_their_own_checkpoints(tmp_path,
     # What the evaluator reads, too (it never rewrites the state file).
     for model_dir in (copy, moved):
         latest = str(model_dir / "checkpoints" / "ckpt-6")
-        assert model_dir_lib.latest_checkpoint(str(model_dir / "checkpoints")) == latest
+        assert discovery.latest_checkpoint(str(model_dir / "checkpoints")) == latest
 
 
 @pytest.mark.cli
@@ -1100,7 +1101,7 @@ def _latest_is_readable(model_dir: Path, step: int) -> None:
 
     latest = tf.train.latest_checkpoint(str(model_dir / "checkpoints"))
     assert latest is not None and latest.endswith(f"ckpt-{step}"), latest
-    assert model_dir_lib.read_problem(latest) is None
+    assert discovery.read_problem(latest) is None
 
 
 @pytest.mark.cli
@@ -1165,5 +1166,5 @@ def test_a_disk_full_during_the_best_checkpoint_save_keeps_the_old_best_pair(sma
     best = json.loads((model_dir / "best" / "best.json").read_text())
     assert best["checkpoint"] == "ckpt-10"  # The old pair: the record and the checkpoint it names.
     assert sorted(p.name for p in (model_dir / "best").glob("ckpt-*.index")) == ["ckpt-10.index"]
-    assert model_dir_lib.read_problem(str(model_dir / "best" / "ckpt-10")) is None
+    assert discovery.read_problem(str(model_dir / "best" / "ckpt-10")) is None
     _latest_is_readable(model_dir, 10)  # The evaluation at 20 comes before its checkpoint.

@@ -13,7 +13,7 @@ import keras
 import tensorflow as tf
 from absl import logging
 
-from engine.checkpoint import CheckpointReader, checkpoint_of, recorded_settings
+from engine.checkpointing.checkpointer import CheckpointReader, checkpoint_of, recorded_settings
 from engine.cli.environment import seed_everything, set_precision
 from engine.cli.run_task import RunTask, resolve_task
 from engine.cli.settings import RunConfig

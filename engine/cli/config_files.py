@@ -31,8 +31,9 @@ from typing import Any
 import tensorflow as tf
 import yaml
 
-from engine import checkpoint as checkpoint_lib
 from engine import model_dir as model_dir_lib
+from engine.checkpointing import checkpointer as checkpoint_lib
+from engine.checkpointing import discovery
 from engine.cli.settings import (
     ALTERNATIVE_SETTINGS,
     COMMAND_LINE_ONLY_SETTINGS,
@@ -224,7 +225,7 @@ def check_model_and_data(values: Mapping[str, Any], stored: Layer, layers: list[
     """Refuses a model or data setting that differs from the one a model_dir's checkpoints were
     trained with (their config.yaml), naming the setting, both values and the file: the
     checkpoints would not restore, or would restore into another model."""
-    if not model_dir_lib.scan_checkpoints(checkpoint_lib.checkpoint_dir(model_dir)):
+    if not discovery.scan_checkpoints(checkpoint_lib.checkpoint_dir(model_dir)):
         return  # Nothing trained yet: the new settings are the run's.
     for name in MODEL_AND_DATA_SETTINGS:
         if name not in stored.values or values[name] == stored.values[name]:

@@ -25,10 +25,11 @@ from typing import Any
 import tensorflow as tf
 from absl import logging
 
-from engine import checkpoint as checkpoint_lib
 from engine import model_dir as model_dir_lib
 from engine.callbacks.progress import format_logs
-from engine.checkpoint import CheckpointVanished, files_gone
+from engine.checkpointing import checkpointer as checkpoint_lib
+from engine.checkpointing.checkpointer import CheckpointVanished, files_gone
+from engine.checkpointing.discovery import latest_checkpoint
 from engine.cli.assembly import CheckpointedModel
 from engine.cli.run_record import read_record, record_evaluations, record_path
 from engine.cli.run_task import check_reported
@@ -39,7 +40,6 @@ from engine.hooks.best_checkpoint import BestCheckpoint
 from engine.logger import logger
 from engine.loop.runners import EvalRunner
 from engine.losses import Objective
-from engine.model_dir import latest_checkpoint
 from engine.summaries import SummaryWriters
 
 POLL_SECONDS = 1.0

@@ -20,10 +20,10 @@ from typing import Any
 import tensorflow as tf
 from absl import logging
 
-from engine import checkpoint as checkpoint_lib
 from engine import model_dir as model_dir_lib
-from engine import repairs
 from engine.callbacks.progress import format_logs
+from engine.checkpointing import checkpointer as checkpoint_lib
+from engine.checkpointing import discovery, repairs
 from engine.cli import evaluator, host_memory, inputs_record, predictor
 from engine.cli.assembly import build_model_and_optimizer, prepare_process
 from engine.cli.config_files import check_stored_config_writable, write_stored_config
@@ -163,7 +163,7 @@ def _train_and_evaluate(
         read_record(model_dir)  # Damaged: refused now, not after training.
         check_stored_config_writable(model_dir)
         inputs_record.check_writable(model_dir)
-        model_dir_lib.recover_state(checkpoint_lib.checkpoint_dir(model_dir))
+        discovery.recover_state(checkpoint_lib.checkpoint_dir(model_dir))
         checkpoint_lib.check_settings(
             model_dir, _optimizer_settings(config), flags_may_change=config.reset_optimizer
         )

@@ -33,13 +33,13 @@ from typing import Any
 import numpy as np
 from absl import logging
 
-from engine import checkpoint as checkpoint_lib
+from engine.checkpointing import checkpointer as checkpoint_lib
+from engine.checkpointing.discovery import latest_checkpoint
 from engine.cli import inputs_record
 from engine.cli.assembly import CheckpointedModel
 from engine.cli.settings import RunConfig
 from engine.errors import UserError
 from engine.loop.runners import PredictRunner, as_prediction_batches
-from engine.model_dir import latest_checkpoint
 
 
 def run(config: RunConfig) -> dict[str, Any]:

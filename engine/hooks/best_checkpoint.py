@@ -29,10 +29,10 @@ from typing import Any
 import tensorflow as tf
 from absl import logging
 
-from engine import checkpoint as checkpoint_lib
 from engine import model_dir as model_dir_lib
-from engine import repairs
 from engine.callbacks import Callback, TrainerView
+from engine.checkpointing import checkpointer as checkpoint_lib
+from engine.checkpointing import discovery, repairs
 from engine.errors import UserError
 from engine.hooks.metric_watch import MetricWatch, metric_value
 
@@ -90,7 +90,7 @@ class BestCheckpoint(Callback):
             # With a moving average the model is saved holding the averages it was judged by.
             prefix = os.path.join(self._directory, name)
             # A save that fails (a full disk) removes its partial folder, best/ckpt-N_temp.
-            with trainer.averaged_weights(), model_dir_lib.partial_removed_on_error(prefix):
+            with trainer.averaged_weights(), discovery.partial_removed_on_error(prefix):
                 trainer.checkpoint.write(prefix)
             record = {
                 "metric": self.metric,
@@ -108,7 +108,7 @@ class BestCheckpoint(Callback):
     def _load(self, model_dir: str, directory: str) -> None:
         path = os.path.join(directory, BEST_FILE)
         state = model_dir_lib.read_json(path, what="the value of the best checkpoint")
-        kept = model_dir_lib.scan_checkpoints(directory)
+        kept = discovery.scan_checkpoints(directory)
         if state is None:
             committed = _committed(directory)
             if committed:
@@ -159,12 +159,12 @@ _CHECKPOINT_NAME = re.compile(r"^ckpt-\d+$")
 
 
 def _readable(prefix: str) -> bool:
-    return tf.io.gfile.exists(prefix + ".index") and model_dir_lib.read_problem(prefix) is None
+    return tf.io.gfile.exists(prefix + ".index") and discovery.read_problem(prefix) is None
 
 
 def _committed(directory: str) -> str | None:
     """The checkpoint best/'s state file names: written only after `best.json` named it."""
-    state = model_dir_lib.checkpoint_state(directory)
+    state = discovery.checkpoint_state(directory)
     if state is None or not state.model_checkpoint_path:
         return None
     return os.path.basename(state.model_checkpoint_path)
@@ -184,9 +184,9 @@ def _remove_checkpoint(directory: str, name: str) -> None:
 def _keep_only(directory: str, name: str) -> None:
     """Makes best/'s state file name `name` alone (relative: the model_dir may move),
     then removes every other checkpoint there: the end of a save, finished."""
-    if _committed(directory) != name or len(model_dir_lib.scan_checkpoints(directory)) > 1:
-        model_dir_lib.write_state(directory, name, [name])
-    for other in model_dir_lib.scan_checkpoints(directory):
+    if _committed(directory) != name or len(discovery.scan_checkpoints(directory)) > 1:
+        discovery.write_state(directory, name, [name])
+    for other in discovery.scan_checkpoints(directory):
         if os.path.basename(other) != name:
             _remove_checkpoint(directory, os.path.basename(other))
 

@@ -38,7 +38,7 @@ from typing import NamedTuple
 
 import tensorflow as tf
 
-from engine.checkpoint import Checkpointer, restore_latest
+from engine.checkpointing.checkpointer import Checkpointer, restore_latest
 from engine.data import DataPosition
 from engine.errors import UserError
 from engine.logger import logger

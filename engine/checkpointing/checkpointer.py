@@ -20,8 +20,8 @@ import tensorflow as tf
 from absl import logging
 
 from engine import model_dir as model_dir_lib
-from engine import repairs
-from engine.checkpoint_writer import BackgroundWriter, HostCopy
+from engine.checkpointing import discovery, repairs
+from engine.checkpointing.background import BackgroundWriter, HostCopy
 from engine.errors import UserError, one_line
 from engine.logger import logger
 from engine.options import CheckpointOptions
@@ -80,18 +80,18 @@ def set_aside_unreadable(model_dir: str, *, fallback: bool) -> None:
     the directory holds it (a state file naming only missing checkpoints).
     """
     directory = checkpoint_dir(model_dir)
-    model_dir_lib.recover_state(directory)
-    state = model_dir_lib.checkpoint_state(directory)
+    discovery.recover_state(directory)
+    state = discovery.checkpoint_state(directory)
     if state is None or not state.model_checkpoint_path:
         return
     paths = list(state.all_model_checkpoint_paths) or [state.model_checkpoint_path]
     if state.model_checkpoint_path not in paths:
         paths.append(state.model_checkpoint_path)
     if fallback:  # Every checkpoint there is, by step: the state file may list only missing ones.
-        paths = sorted(set(paths) | set(model_dir_lib.scan_checkpoints(directory)), key=_step_of)
+        paths = sorted(set(paths) | set(discovery.scan_checkpoints(directory)), key=_step_of)
     unreadable = []
     for path in reversed(paths):  # newest first
-        problem = model_dir_lib.read_problem(path)
+        problem = discovery.read_problem(path)
         if problem is None:
             break
         if not fallback:
@@ -112,7 +112,7 @@ def set_aside_unreadable(model_dir: str, *, fallback: bool) -> None:
     for name in tf.io.gfile.listdir(directory):  # Listed, not globbed: the name may hold pattern characters.
         if any(name.startswith(prefix) for prefix in prefixes):
             repairs.rename(os.path.join(directory, name), os.path.join(aside, name))
-    model_dir_lib.write_state(directory, readable[-1], readable)
+    discovery.write_state(directory, readable[-1], readable)
     logging.warning("restoring %s; unreadable checkpoints moved to %s", readable[-1], aside)
 
 
@@ -138,7 +138,7 @@ def restore_latest(
     if directory is None:
         path = manager.latest_checkpoint
     else:
-        path = model_dir_lib.latest_checkpoint(os.path.join(directory, CHECKPOINT_SUBDIR))
+        path = discovery.latest_checkpoint(os.path.join(directory, CHECKPOINT_SUBDIR))
     if path is None:
         return None
     checkpoint = manager.checkpoint
@@ -181,7 +181,7 @@ def check_settings(model_dir: str, settings: Mapping[str, str], *, flags_may_cha
     (older runs) is checked by the restore alone.
     """
     directory = checkpoint_dir(model_dir)
-    if flags_may_change or model_dir_lib.checkpoint_state(directory) is None:
+    if flags_may_change or discovery.checkpoint_state(directory) is None:
         return
     saved = model_dir_lib.read_json(
         os.path.join(directory, SETTINGS_FILE), what="the settings of the checkpoints"
@@ -302,7 +302,7 @@ class Checkpointer:
         """The checkpoint `restore()` would restore (of `options.restore_dir` if set), or None."""
         if self.options.restore_dir is None:
             return self.latest
-        return model_dir_lib.latest_checkpoint(os.path.join(self.options.restore_dir, CHECKPOINT_SUBDIR))
+        return discovery.latest_checkpoint(os.path.join(self.options.restore_dir, CHECKPOINT_SUBDIR))
 
     def restore(self) -> str | None:
         """Restores the newest checkpoint (of `options.restore_dir` if set); its path, or None."""
@@ -326,13 +326,13 @@ class Checkpointer:
         self.wait()  # The copy must not change under a write still under way.
         self._check_directories(step)
         directory = self.manager.directory
-        model_dir_lib.set_aside_unlisted(directory, step, listed=self.manager.checkpoints)
+        discovery.set_aside_unlisted(directory, step, listed=self.manager.checkpoints)
         if self._writer is not None and self._copy is not None:
             self._copy.take()
             self._writer.start(step)
             return os.path.join(directory, f"ckpt-{step}")
         try:
-            with model_dir_lib.partial_removed_on_error(os.path.join(directory, f"ckpt-{step}")):
+            with discovery.partial_removed_on_error(os.path.join(directory, f"ckpt-{step}")):
                 path = self.manager.save(checkpoint_number=step)
         except (tf.errors.OpError, OSError) as error:
             failed = self._write_failed(step, error)
@@ -366,7 +366,7 @@ class Checkpointer:
         if message is None:
             problem = self._watch.problem(error)
             return None if problem is None else UserError(self._not_saved(step, problem))
-        model_dir_lib.remove_partial_checkpoints(self.model_dir)  # Any other write's the disk cut short.
+        discovery.remove_partial_checkpoints(self.model_dir)  # Any other write's the disk cut short.
         return UserError(
             f"checkpoint at step {step} not saved: {message}; the latest checkpoint "
             f"({self.manager.latest_checkpoint or 'none'}) is kept"
@@ -382,7 +382,7 @@ class Checkpointer:
 
     def _not_saved(self, step: int, problem: str) -> str:
         latest = self.manager.latest_checkpoint
-        if latest is not None and model_dir_lib.read_problem(latest) is None:
+        if latest is not None and discovery.read_problem(latest) is None:
             kept = f"the latest checkpoint ({latest}) is kept: rerun to continue from it"
         else:
             kept = "no checkpoint of the run is left there: rerun to start over, with a `model_dir` that stays"

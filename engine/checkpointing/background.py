@@ -34,7 +34,7 @@ import keras
 import tensorflow as tf
 
 from engine import compat
-from engine import model_dir as model_dir_lib
+from engine.checkpointing import discovery
 from engine.logger import logger
 
 # Strategies whose saves stay synchronous: the background write was not verified there. (Under
@@ -129,7 +129,7 @@ class BackgroundWriter:
     def _write(self, step: int) -> None:
         try:
             # A failed write removes its own partial folder at once: the run may end before `result`.
-            with model_dir_lib.partial_removed_on_error(os.path.join(self.manager.directory, f"ckpt-{step}")):
+            with discovery.partial_removed_on_error(os.path.join(self.manager.directory, f"ckpt-{step}")):
                 path = self.manager.save(checkpoint_number=step)
         except BaseException as error:  # noqa: BLE001 - handed to the caller's thread by `result`
             self._failed = (step, error)
