@@ -13,9 +13,8 @@ from unittest import mock
 import pytest
 from absl import flags
 
-from engine.cli import launcher as launch
-from engine.cli import node_launcher
-from engine.cluster import rendezvous
+from engine.launch import launcher as launch
+from engine.launch import node_launcher, rendezvous
 
 ONE_LAUNCHER = f"one launcher starts at most {launch.MAX_TASKS}"
 CASES = [

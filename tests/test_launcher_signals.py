@@ -21,8 +21,9 @@ from unittest import mock
 import pytest
 from helpers import REPO, latest_step, python_env
 
-from engine.cli import preemption, task_processes
-from engine.cli.task_processes import Interrupted, Launcher, StopSignals, Task, make_tasks
+from engine.cli import preemption
+from engine.launch import task_processes
+from engine.launch.task_processes import Interrupted, Launcher, StopSignals, Task, make_tasks
 
 
 def test_a_launchers_first_signal_stops_its_tasks_and_a_second_ends_them_at_once():

@@ -1,6 +1,7 @@
 """The layout shows the architecture: no import circles in engine/, no module name twice,
-and the library never imports the command line (statically, including imports inside
-functions; test_library_alone checks the same at run time)."""
+the library never imports the command line, and only the commands import the launcher
+(statically, including imports inside functions; test_library_alone checks the same at
+run time)."""
 
 import ast
 from pathlib import Path
@@ -8,7 +9,17 @@ from pathlib import Path
 from helpers import REPO
 
 ENGINE = REPO / "engine"
-COMMANDS = {"engine.main", "engine.launch", "engine.server"}  # The entry points over engine.cli.
+COMMANDS = {"engine.main", "engine.server"}  # The entry points over engine.cli (and engine.launch's __main__).
+LAUNCHER = "engine.launch"  # A command package: `python -m engine.launch` and what it runs.
+
+
+def _in_package(name: str, package: str) -> bool:
+    return name == package or name.startswith(package + ".")
+
+
+def _command_line(name: str) -> bool:
+    """engine.cli, the commands over it and the launcher package."""
+    return _in_package(name, "engine.cli") or name in COMMANDS or _in_package(name, LAUNCHER)
 
 
 def _module_name(path: Path) -> str:
@@ -80,8 +91,19 @@ def test_no_module_name_twice_in_engine():
 
 def test_the_library_never_imports_the_command_line():
     graph = _imports()
-    library = [name for name in graph if not name.startswith("engine.cli") and name not in COMMANDS]
-    importing_cli = {
-        name: sorted(t for t in graph[name] if t.startswith("engine.cli") or t in COMMANDS) for name in library
-    }
+    library = [name for name in graph if not _command_line(name)]
+    importing_cli = {name: sorted(t for t in graph[name] if _command_line(t)) for name in library}
     assert {name: targets for name, targets in importing_cli.items() if targets} == {}
+
+
+def test_only_the_commands_import_the_launcher():
+    """engine.launch is a command package: the library and engine.cli's modules (its config
+    and run modules among them) never import it; engine.server runs its task_server."""
+    graph = _imports()
+    importers = {
+        name: sorted(t for t in targets if _in_package(t, LAUNCHER))
+        for name, targets in graph.items()
+        if not _in_package(name, LAUNCHER)
+    }
+    assert {name for name, targets in importers.items() if targets} <= COMMANDS, importers
+    assert {"engine.launch.__main__", "engine.launch.launcher", "engine.launch.task_server"} <= set(graph)

@@ -1,5 +1,5 @@
 """The library stands on its own: `import engine` and its public API never import the command
-line (the `engine.cli` package, `engine.main`, `engine.launch`, `engine.server`) nor define an absl flag."""
+line (the `engine.cli` and `engine.launch` packages, `engine.main`, `engine.server`) nor define an absl flag."""
 
 import subprocess
 import sys
@@ -16,8 +16,8 @@ import engine.loop.ps_runners, engine.callbacks.keras_adapter, engine.cluster.mu
 import engine.checkpointing.checkpointer, engine.checkpointing.background, engine.checkpointing.discovery
 import engine.hooks, engine.export, engine.model_dir, engine.ema, engine.summaries
 from absl import flags
-commands = ("engine.main", "engine.launch", "engine.server")
-cli = sorted(m for m in sys.modules if m.startswith("engine.cli") or m in commands)
+commands = ("engine.main", "engine.server")
+cli = sorted(m for m in sys.modules if m.startswith(("engine.cli", "engine.launch")) or m in commands)
 defined = [f for f in ("model_dir", "strategy", "steps_per_loop") if f in flags.FLAGS]
 print("cli modules:", cli, "flags:", defined)
 """

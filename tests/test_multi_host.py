@@ -93,7 +93,7 @@ def assert_equal_weights(model_dir, reference_dir, step: int) -> None:
 # thread, take rank 1 (and the cluster spec), or end the run with exit 0 having trained nothing.
 STRANGER = r"""
 import json, socket, sys, time
-from engine.cluster.rendezvous import PROTOCOL, RendezvousClient
+from engine.launch.rendezvous import PROTOCOL, RendezvousClient
 
 host, port = sys.argv[1], int(sys.argv[2])
 def frame(body):

@@ -70,7 +70,7 @@ class _Process:
 
 
 def test_the_launchers_restart_line_names_the_peer_that_stopped_answering():
-    from engine.cli.task_processes import Task, cause_of
+    from engine.launch.task_processes import Task, cause_of
 
     hosts = ["localhost:1111", "localhost:2222"]
     workers = [

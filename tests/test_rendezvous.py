@@ -1,4 +1,4 @@
-"""The multi-host launcher's rendezvous (engine.cluster.rendezvous), with clients in this process:
+"""The multi-host launcher's rendezvous (engine.launch.rendezvous), with clients in this process:
 who is in a round, when a round restarts, shrinks or ends, and the one line of each end; who
 gets in (the secret, both ways), what a connection may send, and how long a node waits."""
 
@@ -13,8 +13,8 @@ import time
 import pytest
 from helpers import free_ports
 
-from engine.cluster import rendezvous
-from engine.cluster.rendezvous import (
+from engine.launch import rendezvous
+from engine.launch.rendezvous import (
     RendezvousClient,
     RendezvousServer,
     parse_address,
@@ -350,7 +350,7 @@ def fake_node_0(listener: socket.socket, *, answer: bool) -> None:
 
 @pytest.mark.parametrize("answer", [False, True], ids=["silent", "without-the-secret"])
 def test_a_node_gives_up_on_a_server_that_never_proves_itself_within_the_startup_timeout_in_all(answer, capsys):
-    from engine.cli import node_launcher
+    from engine.launch import node_launcher
 
     listener = socket.create_server(("127.0.0.1", 0))
     threading.Thread(target=fake_node_0, args=(listener,), kwargs={"answer": answer}, daemon=True).start()

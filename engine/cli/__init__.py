@@ -6,8 +6,10 @@
   export), `evaluator` (`--mode=eval` / `continuous_eval`),
   `hooks_from_flags`, `hparams`, `model_summary`, `host_memory`;
 - `preemption` (signals), `environment` (seeds, precision), `own_packages`
-  (the repository's `models`/`input` beside a user's modules of those names);
-- `launcher` (`python -m engine.launch`), `task_server` (`python -m engine.server`).
+  (the repository's `models`/`input` beside a user's modules of those names).
+
+The launcher (`python -m engine.launch`, `python -m engine.server`'s task) is a command
+package of its own beside this one: `engine.launch`.
 
 Research code never needs this package: `import engine` does not import it.
 Its `__init__` imports nothing: each command imports what it needs.

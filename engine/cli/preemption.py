@@ -33,7 +33,7 @@ from collections.abc import Iterator
 from absl import logging
 
 HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
-STOP_SIGNALS = HANDLED_SIGNALS  # The launchers take the same ones (engine.cli.task_processes).
+STOP_SIGNALS = HANDLED_SIGNALS  # The launchers take the same ones (engine.launch.task_processes).
 # Set by engine.launch in each task's environment: its pid, whose signals pass on a stop.
 LAUNCHER_PID_ENV = "ENGINE_LAUNCHER_PID"
 

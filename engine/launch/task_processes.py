@@ -1,7 +1,7 @@
 """The processes of one node's tasks: start each with its TF_CONFIG, relay its output with
 the task's prefix, watch them, restart them as the local launcher's rules say, stop them.
 
-`engine.cli.launcher` (a whole cluster on this machine) and `engine.cli.node_launcher`
+`engine.launch.launcher` (a whole cluster on this machine) and `engine.launch.node_launcher`
 (this machine's part of a cluster of several) both run their tasks through `Launcher`.
 """
 
@@ -21,9 +21,9 @@ from collections.abc import Callable, Sequence
 
 from engine.cli.preemption import LAUNCHER_PID_ENV, STOP_SIGNALS, leave_a_closed_terminal
 from engine.cluster import Cluster
-from engine.cluster.rendezvous import SECRET_ENV
 from engine.errors import PEER_LOST_EXIT, USER_ERROR_EXIT
 from engine.goodput import RESTARTS_ENV, RESTARTS_LOST_ENV
+from engine.launch.rendezvous import SECRET_ENV
 
 POLL_SECONDS = 0.2
 STOP_GRACE_SECONDS = 10.0

@@ -1,11 +1,11 @@
-"""`python -m engine.launch` (entry point `engine/launch.py`): a whole cluster here, one process a task.
+"""`python -m engine.launch` (entry point `engine/launch/__main__.py`): a whole cluster here, one process a task.
 
     python -m engine.launch --num_workers=2 -- --strategy=multi_worker_mirrored ...
     python -m engine.launch --num_workers=2 --num_ps=1 -- --strategy=parameter_server ...
     python -m engine.launch --nnodes=2 --node_rank=I --rendezvous=HOST0:29400 -- --strategy=multi_worker_mirrored
 
 With --nnodes > 1 it is one machine's part of a cluster of several: run it
-on every host with its own --node_rank (see `engine.cli.node_launcher`).
+on every host with its own --node_rank (see `engine.launch.node_launcher`).
 
 Every task gets free localhost ports and its own TF_CONFIG, exactly what it
 would get on separate machines. Without ps tasks every worker runs
@@ -49,7 +49,9 @@ from typing import Any
 from absl import flags
 
 from engine.cli.flag_names import in_flag_terms
-from engine.cli.task_processes import (
+from engine.cluster import security_warning
+from engine.errors import USER_ERROR_EXIT, UserError, one_line
+from engine.launch.task_processes import (
     FILES_PER_TASK,
     MAX_RESTARTS,
     MAX_TASKS,
@@ -64,8 +66,6 @@ from engine.cli.task_processes import (
     say,
     stopping_line,
 )
-from engine.cluster import security_warning
-from engine.errors import USER_ERROR_EXIT, UserError, one_line
 
 flags.DEFINE_integer("num_workers", 2, "Worker tasks.")
 flags.DEFINE_integer("num_ps", 0, "Parameter-server tasks; > 0 adds a chief (the coordinator).")
@@ -159,7 +159,7 @@ def run_settings() -> dict[str, str | None]:
     --config_file by its path and its contents' digest), less `NODE_OWN_SETTINGS`, and the
     launcher's `SHARED_LAUNCH_FLAGS`. No TensorFlow: the launcher compares, engine.main reads."""
     from engine.cli.settings import flag_settings
-    from engine.cluster.rendezvous import LAUNCH_SETTING
+    from engine.launch.rendezvous import LAUNCH_SETTING
 
     settings: dict[str, str | None] = {}
     for name in flag_settings():
@@ -305,9 +305,9 @@ def main(argv: list[str]) -> int:
 
 
 def _run_node(main_flags: list[str]) -> int:
-    """This machine's part of a multi-host cluster (`engine.cli.node_launcher`)."""
-    from engine.cli.node_launcher import NodeLauncher, NodeOptions, check_node_options
-    from engine.cluster.rendezvous import parse_address, read_secret, secret_problem
+    """This machine's part of a multi-host cluster (`engine.launch.node_launcher`)."""
+    from engine.launch.node_launcher import NodeLauncher, NodeOptions, check_node_options
+    from engine.launch.rendezvous import parse_address, read_secret, secret_problem
 
     problem = None
     if FLAGS.num_ps or FLAGS.evaluator:

@@ -2,7 +2,7 @@
 cluster of several machines (run the same command on each, with its own --node_rank).
 
 Each node's launcher picks free ports there, learns every task's address
-through the rendezvous that node 0 serves (`engine.cluster.rendezvous`),
+through the rendezvous that node 0 serves (`engine.launch.rendezvous`),
 and runs its `--workers_per_node` training tasks (`engine.main` under
 multi_worker_mirrored, TF_CONFIG set) exactly as the local launcher does:
 output prefixed by task, no child left behind. A task that dies makes
@@ -28,7 +28,17 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from engine.cli.task_processes import (
+from engine.cluster import security_warning
+from engine.errors import PEER_LOST_EXIT, USER_ERROR_EXIT
+from engine.launch.rendezvous import (
+    SECRET_ENV,
+    SECRET_FLAG,
+    RendezvousClient,
+    RendezvousServer,
+    settings_digest,
+    valid_host,
+)
+from engine.launch.task_processes import (
     SAVE_GRACE_SECONDS,
     STOP_GRACE_SECONDS,
     STOP_SIGNALS,
@@ -44,16 +54,6 @@ from engine.cli.task_processes import (
     stopping_line,
     write_line,
 )
-from engine.cluster import security_warning
-from engine.cluster.rendezvous import (
-    SECRET_ENV,
-    SECRET_FLAG,
-    RendezvousClient,
-    RendezvousServer,
-    settings_digest,
-    valid_host,
-)
-from engine.errors import PEER_LOST_EXIT, USER_ERROR_EXIT
 
 POLL_SECONDS = 0.2
 RESTART_GRACE_SECONDS = 2.0
