@@ -111,7 +111,7 @@ def _build_trainer(config: BenchConfig):
     import tensorflow as tf
 
     from engine import Trainer
-    from engine.cli.environment import seed_everything
+    from engine.cli.process.environment import seed_everything
     from input import get_data_source
     from models import get_model_spec
 

@@ -75,7 +75,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from absl import app, flags  # noqa: E402
 
-from engine.cli.settings import PRECISION_POLICIES  # noqa: E402  (pure Python: no TensorFlow yet)
+from engine.cli.config.settings import PRECISION_POLICIES  # noqa: E402  (pure Python: no TensorFlow yet)
 
 RUNNER_KINDS = ("engine", "fit", "raw", "tfdata")
 DEFAULT_RUNNERS = ("engine", "fit", "raw")
@@ -230,7 +230,7 @@ class Runner:
         """A fresh model and Adam, same seed, under this runner's precision."""
         import keras
 
-        from engine.cli.environment import seed_everything, set_precision
+        from engine.cli.process.environment import seed_everything, set_precision
 
         set_precision(self.spec.mixed_precision)
         seed_everything(self.config.seed)
@@ -261,13 +261,13 @@ class EngineRunner(Runner):
         import keras
 
         from engine import Trainer
-        from engine.cli.job import resident_train_data
-        from engine.cli.settings import DEFAULT_DEVICE_DATA_MB
+        from engine.cli.config.settings import DEFAULT_DEVICE_DATA_MB
+        from engine.cli.run.job import resident_train_data
 
         model, optimizer = self._build()
         config, source = self.config, self.source
 
-        # The CLI's input paths (engine/cli/job.py): an in-memory split kept on the
+        # The CLI's input paths (engine/cli/run/job.py): an in-memory split kept on the
         # devices by default, the per-replica tf.data pipeline with `_stream`.
         def streamed(input_context, start_step):
             return source.train_dataset(
@@ -726,7 +726,7 @@ def _measure(
     """Sets up the runners, times their interleaved windows, measures the peak."""
     import tensorflow as tf
 
-    from engine.cli.environment import set_precision
+    from engine.cli.process.environment import set_precision
     from models import flops_per_example
 
     specs = [parse_runner(token, config) for token in config.runners]

@@ -10,7 +10,7 @@ imported here with its C++ start-up lines held back, as the command line
 does (`engine.native_logs`; `TF_CPP_MIN_LOG_LEVEL=0` shows them). The
 command line itself (`python -m engine.<module>`) imports TensorFlow later,
 so that it can block SIGTERM/SIGINT for its signal watcher before
-TensorFlow starts its threads (see `engine.cli.preemption`); the rest of the
+TensorFlow starts its threads (see `engine.cli.process.preemption`); the rest of the
 API is imported on first use (PEP 562).
 """
 

@@ -1,7 +1,7 @@
 """The choices and defaults the library itself accepts, in one TF-free module.
 
 The library (`Trainer`, strategies, schedules, hooks) and the command line
-(`engine.cli.settings`, which builds its flags from them) share these names, so
+(`engine.cli.config.settings`, which builds its flags from them) share these names, so
 they live below both: the library never imports the command line, and
 `--help` lists them without importing TensorFlow. The option groups the
 Trainer takes apart (`StepOptions`, `CheckpointOptions`, `Cadence`) are

@@ -4,7 +4,7 @@ import sys
 
 from absl import app, flags
 
-from engine.cli import cluster_flags
+from engine.cli.config import cluster_flags
 from engine.launch import task_server
 
 flags.adopt_module_key_flags(cluster_flags)  # --help shows the cluster flags.

@@ -115,7 +115,7 @@ def _imports_from(directory: Path):
     """Imports as in a process started in `directory`: it is the working directory and first
     on sys.path, the top-level modules it holds hide this process's of the same name, and
     whatever was imported from it is forgotten afterwards (the next test's files differ)."""
-    from engine.cli import own_packages
+    from engine.cli.process import own_packages
 
     directory = Path(directory).resolve()
     names = {p.stem for p in directory.glob("*.py")} | {p.parent.name for p in directory.glob("*/__init__.py")}
@@ -143,8 +143,8 @@ def run_config(*flags: str, env: dict[str, str] | None = None):
     from absl import flags as absl_flags
 
     from engine.cli import main_command as cli  # noqa: F401  (defines the flags)
-    from engine.cli.config_files import config_from_flags  # over --config_file and <model_dir>/config.yaml
-    from engine.cli.flag_names import errors_in_flag_terms
+    from engine.cli.config.config_files import config_from_flags  # over --config_file, <model_dir>/config.yaml
+    from engine.cli.config.flag_names import errors_in_flag_terms
 
     with mock.patch.dict(os.environ, env or {}), errors_in_flag_terms():
         try:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.cli.lean_imports import HIDDEN_WHILE_KERAS_STARTS as HIDDEN
+from engine.cli.process.lean_imports import HIDDEN_WHILE_KERAS_STARTS as HIDDEN
 from engine.native_logs import kept_lines
 
 REPO = Path(__file__).resolve().parents[1]
@@ -126,7 +126,7 @@ def test_a_launched_cluster_prints_no_native_start_up_lines(tmp_path):
 @pytest.mark.timeout(240)
 def test_a_run_imports_none_of_the_optional_libraries_keras_would_pull_in(tmp_path):
     """scikit-learn, IPython and matplotlib cost each engine.main about 1.3 s of CPU at Keras's
-    import (engine.cli.lean_imports); a run that needs none of them imports none."""
+    import (engine.cli.process.lean_imports); a run that needs none of them imports none."""
     result = python(
         "-X",
         "importtime",

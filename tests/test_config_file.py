@@ -1,4 +1,4 @@
-"""Settings from files (`engine.cli.config_files`): `--config_file` (YAML, JSON), `--params_override`,
+"""Settings from files (`engine.cli.config.config_files`): `--config_file` (YAML, JSON), `--params_override`,
 `task_params` and the `config.yaml` a training run keeps in its model_dir.
 
 The precedence and each refusal are checked in-process on `--print_config` or a refused run
@@ -14,8 +14,8 @@ import pytest
 import yaml
 from helpers import copy_of, in_background, main_in_process, one_error_line, snapshot
 
-from engine.cli.config_files import parse_overrides
-from engine.cli.settings import CLUSTER_SETTINGS, MODEL_AND_DATA_SETTINGS, PER_INVOCATION_SETTINGS
+from engine.cli.config.config_files import parse_overrides
+from engine.cli.config.settings import CLUSTER_SETTINGS, MODEL_AND_DATA_SETTINGS, PER_INVOCATION_SETTINGS
 from engine.errors import UserError
 
 TINY = {"train_steps": 4, "eval_every": 0, "steps_per_loop": 2, "global_batch_size": 32}
@@ -358,8 +358,8 @@ def test_a_damaged_stored_config_is_one_line_naming_it_and_nothing_is_written(tm
 
 
 def test_stored_settings_keep_the_task_and_its_params_but_not_per_invocation_ones():
-    from engine.cli.config_files import stored_settings
-    from engine.cli.settings import RunConfig
+    from engine.cli.config.config_files import stored_settings
+    from engine.cli.config.settings import RunConfig
 
     config = RunConfig(task="my_tasks:build", task_params={"units": 8, "encoder": {"depth": 2}}, mode="eval")
     settings = stored_settings(config)

@@ -1,4 +1,4 @@
-"""What `engine.main` prints (engine.cli.console, engine.cli.summary, engine.status_line): a line
+"""What `engine.main` prints (engine.cli.process.console, engine.cli.run.summary, engine.status_line): a line
 is its message unless --log_prefix asks for absl's prefix; the progress bar on a terminal never
 shares a line with a log line; a summary table with metrics.json's figures ends a run; in a
 cluster only the chief prints INFO lines and every worker its done line."""
@@ -21,8 +21,8 @@ import time
 import pytest
 from helpers import REPO, SMALL, main_in_process, python_env
 
-from engine.cli.console import Console, configured
-from engine.cli.settings import RunConfig
+from engine.cli.config.settings import RunConfig
+from engine.cli.process.console import Console, configured
 from engine.cluster import Cluster
 from engine.logger import EVERY_TASK
 from engine.status_line import StatusLine

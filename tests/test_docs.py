@@ -11,8 +11,8 @@ import pytest
 from helpers import REPO
 from test_readme import readme_example
 
-from engine.cli import flag_reference
-from engine.cli.settings import RunConfig
+from engine.cli.config import flag_reference
+from engine.cli.config.settings import RunConfig
 
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 
@@ -21,7 +21,7 @@ def test_docs_flags_md_is_what_run_config_renders():
     page = REPO / "docs" / "flags.md"
     assert page.exists(), f"docs/flags.md is missing; write it with `{flag_reference.COMMAND}`"
     assert page.read_text() == flag_reference.render(), (
-        f"docs/flags.md is not what engine/cli/settings.py's RunConfig says; regenerate it with "
+        f"docs/flags.md is not what engine/cli/config/settings.py's RunConfig says; regenerate it with "
         f"`{flag_reference.COMMAND}`"
     )
 
@@ -106,7 +106,7 @@ def test_every_example_block_is_found_once():
 @pytest.mark.timeout(60)
 def test_the_regenerate_command_prints_the_page_without_tensorflow():
     result = subprocess.run(
-        [sys.executable, "-X", "importtime", "-m", "engine.cli.flag_reference"],
+        [sys.executable, "-X", "importtime", "-m", "engine.cli.config.flag_reference"],
         cwd=REPO,
         env=dict(os.environ, PYTHONPATH=str(REPO)),
         capture_output=True,
@@ -116,3 +116,21 @@ def test_the_regenerate_command_prints_the_page_without_tensorflow():
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout == (REPO / "docs" / "flags.md").read_text()
     assert "tensorflow" not in result.stderr  # -X importtime lists every import
+
+
+def test_the_readme_code_map_names_every_module_and_package_of_engine():
+    """The README's table of the code is the layout: every flat module and package of engine/
+    and engine/cli/ by its path, and every module of the packages by its name."""
+    text = (REPO / "README.md").read_text()
+    table = text[text.index("## The code") : text.index("## Flags")]
+    engine = REPO / "engine"
+    entries = [*engine.iterdir(), *(engine / "cli").iterdir()]
+    paths = [
+        str(path.relative_to(REPO)) + ("/" if path.is_dir() else "")
+        for path in entries
+        if path.name != "__init__.py" and (path.suffix == ".py" or (path / "__init__.py").exists())
+    ]
+    assert [path for path in paths if f"`{path}`" not in table] == []
+    packages = ["loop", "checkpointing", "cluster", "launch", "callbacks", "cli/config", "cli/run"]
+    modules = [path.stem for package in [*packages, "cli/process"] for path in (engine / package).glob("*.py")]
+    assert [name for name in modules if name != "__init__" and f"`{name}`" not in table] == []

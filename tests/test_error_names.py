@@ -1,6 +1,6 @@
 """Library errors name the library's arguments, in backticks as Python code
 (`restore_fallback=True`); the command line prints the same errors with its
-flags (--restore_fallback), translated by `engine.cli.flag_names`."""
+flags (--restore_fallback), translated by `engine.cli.config.flag_names`."""
 
 from pathlib import Path
 
@@ -13,7 +13,7 @@ from helpers import (
 )
 
 import engine
-from engine.cli.flag_names import (
+from engine.cli.config.flag_names import (
     QUALIFIED,
     RENAMED,
     FlagTermsFilter,

@@ -174,8 +174,8 @@ def test_continuous_eval_gives_up_after_eval_timeout_and_ends_on_sigterm(tmp_pat
 def test_a_checkpoint_deleted_while_read_is_skipped_not_fatal(two_checkpoints, tmp_path, monkeypatch, deleted):
     import shutil
 
-    from engine.cli import evaluator as evaluator_lib
-    from engine.cli.settings import RunConfig
+    from engine.cli.config.settings import RunConfig
+    from engine.cli.run import evaluator as evaluator_lib
 
     shutil.copytree(two_checkpoints, tmp_path, dirs_exist_ok=True)
     rotated = tmp_path / "checkpoints" / "ckpt-10"
@@ -222,8 +222,8 @@ def test_a_checkpoint_deleted_while_read_is_skipped_not_fatal(two_checkpoints, t
     ],
 )
 def test_bad_mode_flags_are_one_line_user_errors(tmp_path, flags, message):
-    from engine.cli.flag_names import errors_in_flag_terms
-    from engine.cli.settings import RunConfig
+    from engine.cli.config.flag_names import errors_in_flag_terms
+    from engine.cli.config.settings import RunConfig
     from engine.errors import UserError
 
     settings = dict(model="mlp", model_dir=str(tmp_path / "m"), strategy="multi_worker_mirrored") | flags
@@ -235,8 +235,8 @@ def test_bad_mode_flags_are_one_line_user_errors(tmp_path, flags, message):
 
 def _trained_in_process(model_dir, **settings):
     """An mlp model_dir with a checkpoint every 10 steps, trained in-process (--mode=train)."""
-    from engine.cli import job
-    from engine.cli.settings import RunConfig
+    from engine.cli.config.settings import RunConfig
+    from engine.cli.run import job
 
     config = RunConfig(
         **{**ROTATION_SETTINGS, **settings}, mode="train", checkpoint_every=10, model_dir=str(model_dir)
@@ -279,8 +279,8 @@ def test_rotation_deleting_a_checkpoint_at_any_moment_of_its_read_never_stops_th
 
     import tensorflow as tf
 
-    from engine.cli import evaluator as evaluator_lib
-    from engine.cli.settings import RunConfig
+    from engine.cli.config.settings import RunConfig
+    from engine.cli.run import evaluator as evaluator_lib
 
     model_dir = tmp_path / "run"
     shutil.copytree(three_checkpoints, model_dir)

@@ -282,8 +282,8 @@ KUBERNETES = REPO / "examples" / "kubernetes"
 
 def test_kubernetes_manifest_gives_each_pod_its_task_in_one_cluster():
     yaml = pytest.importorskip("yaml")
-    from engine.cli import flags as engine_flags
-    from engine.cli.settings import RunConfig
+    from engine.cli.config import flags as engine_flags
+    from engine.cli.config.settings import RunConfig
 
     documents = list(yaml.safe_load_all((KUBERNETES / "train.yaml").read_text()))
     by_kind = {(d["kind"], d["metadata"]["name"]): d for d in documents}

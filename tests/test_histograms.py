@@ -10,8 +10,8 @@ import tensorflow as tf
 from helpers import global_batches, loss_fn, main_in_process, make_arrays, make_model
 
 import engine
-from engine.cli.hooks_from_flags import hooks_from_config
-from engine.cli.settings import RunConfig
+from engine.cli.config.settings import RunConfig
+from engine.cli.run.hooks_from_flags import hooks_from_config
 from engine.hooks import WeightHistograms
 
 

@@ -240,8 +240,8 @@ def test_two_real_workers_take_the_same_early_stopping_decision(tmp_path):
 
 
 def test_flags_build_the_hooks_and_refuse_bad_combinations():
-    from engine.cli.hooks_from_flags import hooks_from_config
-    from engine.cli.settings import RunConfig
+    from engine.cli.config.settings import RunConfig
+    from engine.cli.run.hooks_from_flags import hooks_from_config
 
     config = RunConfig(
         early_stop_metric="accuracy",

@@ -21,7 +21,7 @@ from unittest import mock
 import pytest
 from helpers import REPO, latest_step, python_env
 
-from engine.cli import preemption
+from engine.cli.process import preemption
 from engine.launch import task_processes
 from engine.launch.task_processes import Interrupted, Launcher, StopSignals, Task, make_tasks
 

@@ -987,8 +987,8 @@ def test_a_refused_run_after_state_damage_leaves_the_model_dir_byte_identical(
 ):
     """The state file is recovered (rewritten, the damaged one kept beside) to check the
     run; a check that refuses it afterwards takes every repair back."""
-    from engine.cli import job
-    from engine.cli.settings import RunConfig
+    from engine.cli.config.settings import RunConfig
+    from engine.cli.run import job
 
     model_dir = copy_of(trained, tmp_path / "run")
     state = model_dir / "checkpoints" / model_dir_lib.STATE_FILE
@@ -1034,9 +1034,9 @@ def test_restore_fallback_finds_the_newest_readable_checkpoint_when_the_state_na
 
 
 def _run_in_process(model_dir: Path, **settings):
-    """engine.cli.job.run on a RunConfig (what engine.main runs after parsing flags)."""
-    from engine.cli import job
-    from engine.cli.settings import RunConfig
+    """engine.cli.run.job.run on a RunConfig (what engine.main runs after parsing flags)."""
+    from engine.cli.config.settings import RunConfig
+    from engine.cli.run import job
 
     config = RunConfig(**{"model": "mlp", "eval_every": 0, "model_dir": str(model_dir), **settings})
     config.validate()

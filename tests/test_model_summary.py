@@ -5,7 +5,7 @@ import re
 import keras
 import tensorflow as tf
 
-from engine.cli.model_summary import model_summary
+from engine.cli.run.model_summary import model_summary
 from models import get_model_spec
 
 

@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 from helpers import main_in_process, one_error_line, run_config, snapshot
 
-from engine.cli.settings import CLUSTER_SETTINGS, RunConfig
+from engine.cli.config.settings import CLUSTER_SETTINGS, RunConfig
 from engine.errors import UserError
 
 NUMERIC = [f.name for f in dataclasses.fields(RunConfig) if str(f.type).split(" |")[0] in ("int", "float")]

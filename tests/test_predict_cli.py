@@ -210,7 +210,7 @@ def test_a_bad_csv_or_array_to_predict_is_one_line_and_writes_nothing(csv_traine
 
 
 def test_an_output_that_appears_while_predicting_is_never_replaced(tmp_path, monkeypatch):
-    from engine.cli import predictor
+    from engine.cli.run import predictor
     from engine.errors import UserError
 
     outputs = np.arange(6, dtype=np.float32).reshape(3, 2)
@@ -234,7 +234,7 @@ def test_an_output_that_appears_while_predicting_is_never_replaced(tmp_path, mon
 
 
 def test_a_full_disk_under_the_output_is_one_line_and_leaves_nothing(tmp_path, monkeypatch):
-    from engine.cli import predictor
+    from engine.cli.run import predictor
     from engine.errors import UserError
 
     def full(*args, **kwargs):

@@ -495,8 +495,8 @@ def test_a_stop_stays_in_force_until_cleared_and_reaching_the_target_says_so(mir
 def test_one_steps_per_loop_default_for_the_trainer_and_the_cli():
     import inspect
 
-    from engine.cli import flags as engine_flags
-    from engine.cli.settings import DEFAULT_STEPS_PER_LOOP, RunConfig
+    from engine.cli.config import flags as engine_flags
+    from engine.cli.config.settings import DEFAULT_STEPS_PER_LOOP, RunConfig
 
     trainer_default = inspect.signature(engine.Trainer).parameters["steps_per_loop"].default
     assert trainer_default == RunConfig().steps_per_loop == DEFAULT_STEPS_PER_LOOP

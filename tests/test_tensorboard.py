@@ -189,7 +189,7 @@ def test_profiler_window_and_hooks_cost_nothing_in_the_compiled_step(mirrored, t
 
 
 def test_bad_profile_steps_are_refused():
-    from engine.cli.settings import RunConfig
+    from engine.cli.config.settings import RunConfig
 
     for value in ("5", "8,4", "a,b", "-1,3"):
         with pytest.raises(engine.UserError, match=f"--profile_steps={value} must be START,END"):

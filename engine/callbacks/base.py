@@ -34,7 +34,7 @@ Logs = Mapping[str, Any]
 class TrainerView(Protocol):
     """What a hook may use of the trainer that calls it, and nothing else.
 
-    `engine.Trainer` is one; so is the view `engine.cli.evaluator` gives
+    `engine.Trainer` is one; so is the view `engine.cli.run.evaluator` gives
     `BestCheckpoint`. Anything else on the trainer is internal and may change.
     """
 

@@ -3,7 +3,7 @@
 User errors (bad flags, data, model_dir, checkpoints) end the process with
 one line on stderr and exit status 2; anything else is a bug and keeps its
 traceback. How the log lines look and which tasks print them:
-`engine.cli.console`; the table at the end: `engine.cli.summary`.
+`engine.cli.process.console`; the table at the end: `engine.cli.run.summary`.
 """
 
 import sys
@@ -11,9 +11,9 @@ import time
 
 from absl import app, flags, logging
 
-from engine.cli import console
-from engine.cli import flags as engine_flags
-from engine.cli.flag_names import FlagTermsFilter, in_flag_terms
+from engine.cli.config import flags as engine_flags
+from engine.cli.config.flag_names import FlagTermsFilter, in_flag_terms
+from engine.cli.process import console
 from engine.errors import USER_ERROR_EXIT, UserError, one_line
 from engine.status_line import status_line
 
@@ -29,19 +29,19 @@ def main(argv: list[str]) -> int:
     started_at = _process_started or time.time()
     if len(argv) > 1:
         raise UserError(f"unexpected arguments {argv[1:]}; every setting is a --flag")
-    from engine.cli.lean_imports import optional_libraries_hidden
+    from engine.cli.process.lean_imports import optional_libraries_hidden
     from engine.native_logs import import_tensorflow_quietly
 
     with optional_libraries_hidden():  # Keras's scikit-learn, IPython and matplotlib: 1 s of CPU.
         import_tensorflow_quietly()  # The first import of TensorFlow (the flags do not import it).
-    from engine.cli.config_files import as_yaml, config_from_flags, printed_settings
-    from engine.cli.job import run
+    from engine.cli.config.config_files import as_yaml, config_from_flags, printed_settings
+    from engine.cli.run.job import run
 
     config = config_from_flags(engine_flags.FLAGS)  # Over --config_file and <model_dir>/config.yaml.
     if config.print_config:  # Checked, printed as a --config_file, nothing run or written.
         print(as_yaml(printed_settings(config)), end="")
         return 0
-    from engine.cli.summary import summary_table
+    from engine.cli.run.summary import summary_table
 
     this_console = console.Console.for_run(config, config.multi_host_options().cluster)
     with console.configured(this_console):
@@ -65,7 +65,7 @@ def main_with_clean_errors(argv: list[str]) -> int:
 def parse_flags(argv: list[str]) -> list[str]:
     """absl's parsing, with its errors (unknown flag, bad value, missing --flagfile)
     as one line and exit 2 like every other user error, instead of exit 1."""
-    from engine.cli.flagfiles import check_flagfiles
+    from engine.cli.config.flagfiles import check_flagfiles
 
     try:
         check_flagfiles(argv[1:])

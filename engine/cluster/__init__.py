@@ -8,7 +8,7 @@ strategies, and what a lost peer looks like.
 
 Starting the processes of a cluster (`python -m engine.launch`, `python -m engine.server`,
 the multi-host rendezvous) is the launcher's: the `engine.launch` package. The cluster
-flags are the command line's: `engine.cli.cluster_flags`.
+flags are the command line's: `engine.cli.config.cluster_flags`.
 
 Importing this package imports only `resolve` (no TensorFlow, no flags).
 """

@@ -31,7 +31,7 @@ from engine.options import (
     DEFAULT_STARTUP_TIMEOUT,
 )
 
-_STARTUP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # engine.cli.preemption's
+_STARTUP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # engine.cli.process.preemption's
 WATCHDOG_GRACE_SECONDS = 3.0
 
 

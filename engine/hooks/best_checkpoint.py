@@ -58,7 +58,7 @@ class BestCheckpoint(Callback):
 
     def restore_state(self, trainer: TrainerView) -> None:
         """Reads `best/` (once) and finishes or undoes a save a crash cut short;
-        raises UserError when it cannot be trusted. `engine.cli.job` calls it before
+        raises UserError when it cannot be trusted. `engine.cli.run.job` calls it before
         writing anything else to the model_dir."""
         if self._directory is not None:
             return

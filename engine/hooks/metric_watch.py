@@ -104,7 +104,7 @@ class PatienceHook(Callback):
 
     def restore_state(self, trainer: TrainerView) -> None:
         """Reads `hooks/<name>.json` (once); a damaged file is a UserError.
-        `engine.cli.job` calls it before writing anything to the model_dir."""
+        `engine.cli.run.job` calls it before writing anything to the model_dir."""
         model_dir = trainer.model_dir
         if model_dir and self._path is None:
             self._path = os.path.join(model_dir, STATE_SUBDIR, f"{self.name}.json")

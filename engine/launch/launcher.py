@@ -48,7 +48,7 @@ from typing import Any
 
 from absl import flags
 
-from engine.cli.flag_names import in_flag_terms
+from engine.cli.config.flag_names import in_flag_terms
 from engine.cluster import security_warning
 from engine.errors import USER_ERROR_EXIT, UserError, one_line
 from engine.launch.task_processes import (
@@ -125,8 +125,8 @@ PROGRAM = "engine.launch"
 def check_main_flags(main_flags: Sequence[str]) -> str | None:
     """The error engine.main would die of in every task, found before any task starts:
     its flag parsing, and numbers it cannot count (nan, inf, a timeout past 1e9 s, a port)."""
-    from engine.cli import flags as engine_flags  # noqa: F401  (defines engine.main's flags)
-    from engine.cli.settings import RunConfig, flag_settings
+    from engine.cli.config import flags as engine_flags  # noqa: F401  (defines engine.main's flags)
+    from engine.cli.config.settings import RunConfig, flag_settings
 
     try:
         FLAGS(["engine.main", *main_flags])
@@ -158,7 +158,7 @@ def run_settings() -> dict[str, str | None]:
     after -- as `check_main_flags` parsed them (defaults and --flagfile resolved; a
     --config_file by its path and its contents' digest), less `NODE_OWN_SETTINGS`, and the
     launcher's `SHARED_LAUNCH_FLAGS`. No TensorFlow: the launcher compares, engine.main reads."""
-    from engine.cli.settings import flag_settings
+    from engine.cli.config.settings import flag_settings
     from engine.launch.rendezvous import LAUNCH_SETTING
 
     settings: dict[str, str | None] = {}

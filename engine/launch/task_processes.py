@@ -19,7 +19,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-from engine.cli.preemption import LAUNCHER_PID_ENV, STOP_SIGNALS, leave_a_closed_terminal
+from engine.cli.process.preemption import LAUNCHER_PID_ENV, STOP_SIGNALS, leave_a_closed_terminal
 from engine.cluster import Cluster
 from engine.errors import PEER_LOST_EXIT, USER_ERROR_EXIT
 from engine.goodput import RESTARTS_ENV, RESTARTS_LOST_ENV
@@ -171,7 +171,8 @@ class Launcher:
 
     def start(self, task: Task) -> None:
         env = dict(os.environ, TF_CONFIG=task.cluster.tf_config(), PYTHONUNBUFFERED="1")
-        env[LAUNCHER_PID_ENV] = str(os.getpid())  # Its stop signals are this one's (engine.cli.preemption).
+        # Its stop signals are this one's (engine.cli.process.preemption).
+        env[LAUNCHER_PID_ENV] = str(os.getpid())
         env.pop(SECRET_ENV, None)  # The rendezvous is the launcher's: no task needs its secret.
         if self.parameter_server:  # Workers' RPCs fail fast, so the coordinator reschedules.
             env.setdefault("GRPC_FAIL_FAST", "use_caller")
@@ -199,7 +200,8 @@ class Launcher:
             line = raw.decode(errors="replace").rstrip("\n")
             if line.strip():
                 task.last_line = line.removeprefix(prefix)
-            with self._print_lock:  # A task that is not the chief prefixes its own lines (engine.cli.console).
+            # A task that is not the chief prefixes its own lines (engine.cli.process.console).
+            with self._print_lock:
                 write_line(line if line.startswith(prefix) else prefix + line, sys.stdout)
         process.stdout.close()  # Read to the end even with nowhere to print: a task never blocks on a full pipe.
 
@@ -293,7 +295,7 @@ class Launcher:
         loop) and the ps tasks (which hold the variables) still running.
         A task that got the same stop from elsewhere too (a terminal's Ctrl-C
         reaches the launcher's whole process group) does not count this one
-        as a second signal: it comes from its launcher (engine.cli.preemption).
+        as a second signal: it comes from its launcher (engine.cli.process.preemption).
         """
         deadline = time.monotonic() + grace  # for the whole stop, not per task
         first = [t for t in self.tasks if self.parameter_server and t.cluster.task_type == "chief"]

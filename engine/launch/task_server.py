@@ -20,9 +20,9 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 # Fail RPCs to a dead peer at once so the coordinator can reschedule its work.
 os.environ.setdefault("GRPC_FAIL_FAST", "use_caller")
 
-from engine.cli import cluster_flags  # noqa: E402  (defines the cluster flags)
-from engine.cli.flag_names import in_flag_terms  # noqa: E402
-from engine.cli.preemption import HANDLED_SIGNALS, launcher_pid  # noqa: E402
+from engine.cli.config import cluster_flags  # noqa: E402  (defines the cluster flags)
+from engine.cli.config.flag_names import in_flag_terms  # noqa: E402
+from engine.cli.process.preemption import HANDLED_SIGNALS, launcher_pid  # noqa: E402
 from engine.cluster import security_warning  # noqa: E402
 from engine.errors import USER_ERROR_EXIT, UserError, one_line  # noqa: E402
 
@@ -42,7 +42,7 @@ def serve(wait: Callable[[], None] | None = None) -> None:
             f"engine.server runs worker or ps tasks, not {cluster.task_type!r}; "
             "the chief runs `python -m engine.main --strategy=parameter_server`"
         )
-    from engine.cli.lean_imports import optional_libraries_hidden
+    from engine.cli.process.lean_imports import optional_libraries_hidden
     from engine.native_logs import import_tensorflow_quietly
 
     with optional_libraries_hidden():  # As engine.main: Keras's optional libraries unimported.

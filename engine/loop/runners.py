@@ -4,7 +4,7 @@ The `Trainer` (the outer loop) decides when to train, evaluate and save;
 a `TrainRunner` runs one compiled call of N training steps from wherever
 the data stands, an `EvalRunner` one pass over the whole eval set, and a
 `PredictRunner` the model's outputs for every example of a data set.
-The checkpoint evaluator (`engine.cli.evaluator`) uses an `EvalRunner`
+The checkpoint evaluator (`engine.cli.run.evaluator`) uses an `EvalRunner`
 alone: it never trains. The parameter-server forms of both live in
 `engine.loop.ps_runners`.
 """

@@ -15,7 +15,7 @@ import os
 import stat
 from collections.abc import Iterator, Sequence
 
-from engine.cli.small_files import file_kind, is_shell_pipe, read_small_file
+from engine.cli.config.small_files import file_kind, is_shell_pipe, read_small_file
 from engine.errors import UserError
 
 _DIRECTIVES = ("--flagfile=", "-flagfile=")

@@ -1,9 +1,9 @@
 """`RunConfig`: the validated settings of one run of `engine.main`, and the one
 place each setting is defined.
 
-Each field carries its default, help and choices (`setting`); `engine.cli.flags`
-and `engine.cli.cluster_flags` define the command-line flags from them
-(`define_flags`), and `engine.cli.config_files` reads the same names from config
+Each field carries its default, help and choices (`setting`); `engine.cli.config.flags`
+and `engine.cli.config.cluster_flags` define the command-line flags from them
+(`define_flags`), and `engine.cli.config.config_files` reads the same names from config
 files (`--config_file`, `--params_override`, `<model_dir>/config.yaml`), so a new
 setting is one field here. Every user mistake in
 the flags is caught here, before anything is written, as a `UserError`
@@ -64,7 +64,8 @@ TIMEOUTS = ("collective_timeout", "startup_timeout", "heartbeat_timeout", "eval_
 # Logical CPU devices to split the host into: each is a replica with its own copy of the model.
 MAX_CPU_DEVICES = 1024
 
-# The settings `engine.cli.cluster_flags` defines for `engine.server` too; `engine.cli.flags` defines the rest.
+# The settings `engine.cli.config.cluster_flags` defines for `engine.server` too;
+# `engine.cli.config.flags` defines the rest.
 CLUSTER_SETTINGS = (
     "worker_hosts",
     "ps_hosts",
@@ -75,7 +76,7 @@ CLUSTER_SETTINGS = (
     "slurm_port_base",
 )
 # The settings that belong to one invocation: a rerun on a model_dir never inherits them from the
-# `config.yaml` stored there (engine.cli.config_files), and that file does not hold them.
+# `config.yaml` stored there (engine.cli.config.config_files), and that file does not hold them.
 PER_INVOCATION_SETTINGS = (
     "mode",
     "print_config",
@@ -138,7 +139,7 @@ def settings_of(values: Any, names: tuple[str, ...]) -> dict[str, Any]:
 
 
 def setting(default: Any, help: str, *, choices: tuple[str, ...] | None = None, flag: bool = True) -> Any:
-    """A `RunConfig` field and its command-line flag: `engine.cli.flags` defines `--NAME` from
+    """A `RunConfig` field and its command-line flag: `engine.cli.config.flags` defines `--NAME` from
     the default, this help and, with `choices`, as an enum that `--help` lists. `flag=False`: a
     setting of config files and --params_override only (a mapping has no flag syntax); a dict
     default is copied for each config."""
@@ -195,7 +196,7 @@ class RunConfig:
         None,
         "--strategy=tpu: `local` (TPU VM) or grpc://HOST:PORT; without a reachable TPU the run fails at once.",
     )
-    # Several machines (engine.cluster): these are defined by engine.cli.cluster_flags.
+    # Several machines (engine.cluster): these are defined by engine.cli.config.cluster_flags.
     worker_hosts: list[str] | None = setting(
         None,
         "Comma-separated host:port of every worker task; the host flags build TF_CONFIG (an existing TF_CONFIG "
@@ -494,7 +495,7 @@ class RunConfig:
 
     def validate(self) -> None:
         """Raises UserError for the first bad setting; touches nothing on disk."""
-        from engine.cli.own_packages import own_package  # Imports TensorFlow: only when validating.
+        from engine.cli.process.own_packages import own_package  # Imports TensorFlow: only when validating.
 
         input_lib, models = own_package("input"), own_package("models")
         _choose("strategy", self.strategy, STRATEGY_NAMES)
@@ -564,7 +565,7 @@ class RunConfig:
         if not 0 <= self.seed < 2**32:
             raise UserError(f"--seed={self.seed} must be between 0 and {2**32 - 1}")
         # The library's checks name its arguments; the command line's boundary (main_command,
-        # job.run, the launcher) prints them as flags (engine.cli.flag_names).
+        # job.run, the launcher) prints them as flags (engine.cli.config.flag_names).
         self.multi_host_options().check(self.strategy)
         if self.model_dir:
             from engine.model_dir import check_name
@@ -719,7 +720,7 @@ class RunConfig:
     def multi_host_options(self):
         """The cluster (from the flags, TF_CONFIG or Slurm) and multi-host settings;
         no cluster for the single-host strategies unless flags name one."""
-        from engine.cli.preemption import signals_left_pending
+        from engine.cli.process.preemption import signals_left_pending
         from engine.cluster import resolve_cluster
         from engine.cluster.multi_host import MultiHostOptions
 

@@ -25,7 +25,7 @@ import logging
 import re
 from collections.abc import Iterator
 
-from engine.cli.settings import flag_settings
+from engine.cli.config.settings import flag_settings
 from engine.errors import UserError
 
 # Library argument names that differ from the flag they back.

@@ -1,10 +1,10 @@
 """The flags that say which cluster a process is in: shared by `engine.main`
-(through `engine.cli.flags`) and `engine.server`, resolved by `engine.cluster.resolve`.
-Their defaults and help are `RunConfig` fields (`engine.cli.settings.CLUSTER_SETTINGS`)."""
+(through `engine.cli.config.flags`) and `engine.server`, resolved by `engine.cluster.resolve`.
+Their defaults and help are `RunConfig` fields (`engine.cli.config.settings.CLUSTER_SETTINGS`)."""
 
 from absl import flags
 
-from engine.cli.settings import CLUSTER_SETTINGS, define_flags, settings_of
+from engine.cli.config.settings import CLUSTER_SETTINGS, define_flags, settings_of
 
 define_flags(CLUSTER_SETTINGS, module_name=__name__)
 

@@ -25,10 +25,10 @@ from typing import Any
 import tensorflow as tf
 
 from engine import model_dir as model_dir_lib
-from engine.cli.own_packages import own_package
-from engine.cli.run_task import RunTask
-from engine.cli.settings import INT32_MAX, INT64_MAX
-from engine.cli.small_files import read_small_file
+from engine.cli.config.settings import INT32_MAX, INT64_MAX
+from engine.cli.config.small_files import read_small_file
+from engine.cli.process.own_packages import own_package
+from engine.cli.run.run_task import RunTask
 from engine.errors import UserError
 
 INPUTS_FILE = "inputs.json"

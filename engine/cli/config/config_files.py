@@ -34,7 +34,7 @@ import yaml
 from engine import model_dir as model_dir_lib
 from engine.checkpointing import checkpointer as checkpoint_lib
 from engine.checkpointing import discovery
-from engine.cli.settings import (
+from engine.cli.config.settings import (
     ALTERNATIVE_SETTINGS,
     COMMAND_LINE_ONLY_SETTINGS,
     MODEL_AND_DATA_SETTINGS,
@@ -44,7 +44,7 @@ from engine.cli.settings import (
     field_default,
     flag_settings,
 )
-from engine.cli.small_files import check_model_dir_entries, read_small_file
+from engine.cli.config.small_files import check_model_dir_entries, read_small_file
 from engine.errors import UserError, one_line
 
 STORED_CONFIG = "config.yaml"

@@ -13,7 +13,7 @@ from engine.hooks.plateau import ReduceLROnPlateau
 from engine.hooks.profiler import ProfileWindow
 
 if TYPE_CHECKING:
-    from engine.cli.settings import RunConfig
+    from engine.cli.config.settings import RunConfig
 
 
 def hooks_from_config(config: RunConfig) -> list[Callback]:

@@ -24,17 +24,18 @@ from engine import model_dir as model_dir_lib
 from engine.callbacks.progress import format_logs
 from engine.checkpointing import checkpointer as checkpoint_lib
 from engine.checkpointing import discovery, repairs
-from engine.cli import evaluator, host_memory, inputs_record, predictor
-from engine.cli.assembly import build_model_and_optimizer, prepare_process
-from engine.cli.config_files import check_stored_config_writable, write_stored_config
-from engine.cli.hooks_from_flags import hooks_from_config
-from engine.cli.hparams import write_hparams
-from engine.cli.model_summary import model_summary
-from engine.cli.own_packages import own_package
-from engine.cli.preemption import stop_on_signals
-from engine.cli.run_record import read_record, record_path, record_training
-from engine.cli.run_task import RunTask, check_reported, resolve_task
-from engine.cli.settings import TRAINER_SETTINGS, RunConfig, settings_of
+from engine.cli.config.config_files import check_stored_config_writable, write_stored_config
+from engine.cli.config.settings import TRAINER_SETTINGS, RunConfig, settings_of
+from engine.cli.process import host_memory
+from engine.cli.process.own_packages import own_package
+from engine.cli.process.preemption import stop_on_signals
+from engine.cli.run import evaluator, inputs_record, predictor
+from engine.cli.run.assembly import build_model_and_optimizer, prepare_process
+from engine.cli.run.hooks_from_flags import hooks_from_config
+from engine.cli.run.hparams import write_hparams
+from engine.cli.run.model_summary import model_summary
+from engine.cli.run.run_record import read_record, record_path, record_training
+from engine.cli.run.run_task import RunTask, check_reported, resolve_task
 from engine.cluster import task_model_dir
 from engine.cluster.peer_loss import PEER_LOST_ERRORS, peer_lost_message
 from engine.errors import PeerLostError, UserError, one_line
@@ -60,9 +61,9 @@ def run(config: RunConfig, *, started_at: float | None = None) -> dict[str, Any]
     75 on the other workers of a multi-worker run, which stop with it).
 
     Its UserErrors name flags: those of the library it calls (which name the
-    library's arguments) are translated (`engine.cli.flag_names`).
+    library's arguments) are translated (`engine.cli.config.flag_names`).
     """
-    from engine.cli.flag_names import errors_in_flag_terms
+    from engine.cli.config.flag_names import errors_in_flag_terms
 
     started_at = time.time() if started_at is None else started_at
     with errors_in_flag_terms():

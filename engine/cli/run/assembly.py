@@ -14,9 +14,9 @@ import tensorflow as tf
 from absl import logging
 
 from engine.checkpointing.checkpointer import CheckpointReader, checkpoint_of, recorded_settings
-from engine.cli.environment import seed_everything, set_precision
-from engine.cli.run_task import RunTask, resolve_task
-from engine.cli.settings import RunConfig
+from engine.cli.config.settings import RunConfig
+from engine.cli.process.environment import seed_everything, set_precision
+from engine.cli.run.run_task import RunTask, resolve_task
 from engine.ema import averages_swapped_in, weight_averages
 from engine.schedules import LearningRate, learning_rate_schedule
 from engine.strategy import build_strategy, configure_cpu_devices

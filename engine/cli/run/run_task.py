@@ -18,8 +18,8 @@ from typing import Any
 import keras
 
 from engine import objectives
-from engine.cli.own_packages import own_package  # The engine's, beside a user's models.py/input.py.
-from engine.cli.settings import RunConfig
+from engine.cli.config.settings import RunConfig
+from engine.cli.process.own_packages import own_package  # The engine's, beside a user's models.py/input.py.
 from engine.errors import UserError
 from engine.loop.steps import EvalStep, ReplicaStep
 from engine.losses import LossFn, SameLabels

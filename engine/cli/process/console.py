@@ -12,7 +12,7 @@ them, and the summary table at the end of a run.
   everything.
 - Every line is printed above the progress bar, never on it (`engine.status_line`).
 
-The table at the end of a run is `engine.cli.summary`'s. This module imports no
+The table at the end of a run is `engine.cli.run.summary`'s. This module imports no
 TensorFlow: `engine.main` sets it up before TensorFlow's first import.
 """
 
@@ -25,7 +25,7 @@ from collections.abc import Iterator
 
 from absl import logging as absl_logging
 
-from engine.cli.settings import RunConfig
+from engine.cli.config.settings import RunConfig
 from engine.cluster import Cluster
 from engine.status_line import status_line
 

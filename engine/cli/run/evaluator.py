@@ -30,10 +30,10 @@ from engine.callbacks.progress import format_logs
 from engine.checkpointing import checkpointer as checkpoint_lib
 from engine.checkpointing.checkpointer import CheckpointVanished, files_gone
 from engine.checkpointing.discovery import latest_checkpoint
-from engine.cli.assembly import CheckpointedModel
-from engine.cli.run_record import read_record, record_evaluations, record_path
-from engine.cli.run_task import check_reported
-from engine.cli.settings import RunConfig
+from engine.cli.config.settings import RunConfig
+from engine.cli.run.assembly import CheckpointedModel
+from engine.cli.run.run_record import read_record, record_evaluations, record_path
+from engine.cli.run.run_task import check_reported
 from engine.data import as_eval_form
 from engine.errors import UserError
 from engine.hooks.best_checkpoint import BestCheckpoint

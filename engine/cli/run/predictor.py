@@ -8,7 +8,7 @@ the model restored read-only from `--model_dir` (its moving averages with
 the input's order, to a new `--predict_output` (.npy or .csv). The model_dir
 is only read.
 
-The model is rebuilt from `<model_dir>/inputs.json` (engine.cli.inputs_record), not from
+The model is rebuilt from `<model_dir>/inputs.json` (engine.cli.run.inputs_record), not from
 the training's data, which need not exist any more; a CSV's columns are read by the
 names the model was trained on, in that order (its label column and any other column
 are not read), so a file with its columns in another order predicts the same. A
@@ -35,9 +35,9 @@ from absl import logging
 
 from engine.checkpointing import checkpointer as checkpoint_lib
 from engine.checkpointing.discovery import latest_checkpoint
-from engine.cli import inputs_record
-from engine.cli.assembly import CheckpointedModel
-from engine.cli.settings import RunConfig
+from engine.cli.config.settings import RunConfig
+from engine.cli.run import inputs_record
+from engine.cli.run.assembly import CheckpointedModel
 from engine.errors import UserError
 from engine.loop.runners import PredictRunner, as_prediction_batches
 
@@ -125,7 +125,7 @@ def read_examples(
 
 
 def _read_csv(path: str, label_column: str | None, columns: tuple[str, ...] | None) -> np.ndarray:
-    from engine.cli.own_packages import own_package
+    from engine.cli.process.own_packages import own_package
 
     files = own_package("input").files
     try:

@@ -1,7 +1,7 @@
 """`docs/flags.md`, rendered from the one settings source: `RunConfig`'s fields
-(`engine/cli/settings.py`), whose default, help and choices also define the flags.
+(`engine/cli/config/settings.py`), whose default, help and choices also define the flags.
 
-    python -m engine.cli.flag_reference > docs/flags.md
+    python -m engine.cli.config.flag_reference > docs/flags.md
 
 `tests/test_docs.py` fails when docs/flags.md is not what `render()` returns.
 Imports no TensorFlow (as `python -m engine.main --help` does not).
@@ -12,9 +12,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from engine.cli.settings import CLUSTER_SETTINGS, DEFAULT_EPOCHS, RunConfig, field_default
+from engine.cli.config.settings import CLUSTER_SETTINGS, DEFAULT_EPOCHS, RunConfig, field_default
 
-COMMAND = "python -m engine.cli.flag_reference > docs/flags.md"
+COMMAND = "python -m engine.cli.config.flag_reference > docs/flags.md"
 
 # Where the docs say more about a flag (relative to docs/); tests/test_docs.py checks each link.
 SEE_ALSO = {
@@ -44,14 +44,14 @@ SEE_ALSO = {
 HEADER = f"""\
 # Flags
 
-<!-- Generated from engine/cli/settings.py (RunConfig) by `{COMMAND}`; do not edit. -->
+<!-- Generated from engine/cli/config/settings.py (RunConfig) by `{COMMAND}`; do not edit. -->
 
 Every flag of `python -m engine.main`, from `RunConfig` in
-[`engine/cli/settings.py`](../engine/cli/settings.py), the one place each setting is defined
+[`engine/cli/config/settings.py`](../engine/cli/config/settings.py), the one place each setting is defined
 (its default, help and choices; `python -m engine.main --help` prints the same
 help). The cluster flags (marked *also `engine.server`*) are defined by
-`engine/cli/cluster_flags.py` and taken by `python -m engine.server` too; the rest by
-`engine/cli/flags.py`. A flag with choices refuses any other value with one line.
+`engine/cli/config/cluster_flags.py` and taken by `python -m engine.server` too; the rest by
+`engine/cli/config/flags.py`. A flag with choices refuses any other value with one line.
 `--flagfile=FILE` reads flags from a file, as in absl; `--config_file=FILE` reads
 settings from a YAML or JSON file, and a trained model_dir's `config.yaml` gives its
 settings to the next command on it ([Config files](command-line.md#config-files)).

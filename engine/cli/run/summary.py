@@ -22,8 +22,8 @@ from typing import Any
 
 from engine import model_dir as model_dir_lib
 from engine.callbacks.progress import format_logs
-from engine.cli.run_record import read_record, record_path
-from engine.cli.settings import RunConfig
+from engine.cli.config.settings import RunConfig
+from engine.cli.run.run_record import read_record, record_path
 from engine.goodput import breakdown_line
 from engine.hooks.best_checkpoint import BEST_FILE, BEST_SUBDIR
 
