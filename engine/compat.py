@@ -4,7 +4,9 @@ Each is a thing the public API does not offer (said at each function), and
 each has a fast test in `tests/test_compat.py` that fails naming the TF and
 Keras versions when a release moves it, so an upgrade breaks here, in the
 fast tier, not somewhere only a slow multi-process test reaches. Code
-elsewhere in the engine calls these functions, never the private names.
+elsewhere (the engine, `models`, `input`) calls these functions, never the
+private names: ruff's SLF001 (private member access) is off for this module
+alone, and `keras.src` is imported nowhere else (tests/test_layout.py).
 """
 
 from __future__ import annotations
@@ -27,24 +29,24 @@ def module_leaves(module: tf.Module, predicate: Callable[[Any], bool]) -> list[A
     """The values under a `tf.Module`'s attributes (lists and dicts of them too) that match
     `predicate`, not descending into a match: the walk `tf.Module.variables` itself makes,
     which is the only one that stops at Keras layers (they answer for their own variables)."""
-    return list(module._flatten(predicate=predicate, expand_composites=False))  # noqa: SLF001
+    return list(module._flatten(predicate=predicate, expand_composites=False))
 
 
 def keras_sublayers(layer: keras.layers.Layer) -> list[keras.layers.Layer]:
     """Every Keras sublayer of `layer`, recursively: what `Layer.losses` walks (Keras 3 has
     no public recursive listing)."""
-    return list(layer._flatten_layers(include_self=False))  # noqa: SLF001
+    return list(layer._flatten_layers(include_self=False))
 
 
 def optimizer_variables(optimizer: keras.optimizers.Optimizer) -> list[Any]:
     """The variables an optimizer was built on, in its order: Keras pairs its moving averages
     with them by position (what Keras's own `apply` passes; no public accessor)."""
-    return list(optimizer._trainable_variables)  # noqa: SLF001
+    return list(optimizer._trainable_variables)
 
 
 def optimizer_averages(optimizer: keras.optimizers.Optimizer) -> Sequence[Any]:
     """The moving averages of an optimizer built with `use_ema=True` (no public accessor)."""
-    return optimizer._model_variables_moving_average  # noqa: SLF001
+    return optimizer._model_variables_moving_average
 
 
 def keras_mask(tensor: Any) -> Any:
@@ -76,16 +78,24 @@ def build_metric(metric: Any, y_true_shape: Sequence[int | None], y_pred_shape: 
     they fail it ("You must feed a value for placeholder tensor")."""
     import inspect
 
-    build = metric._build  # noqa: SLF001
+    build = metric._build
     if len(inspect.signature(build).parameters) == 1:
         build(list(y_pred_shape))
     else:
         build(list(y_true_shape), list(y_pred_shape))
 
 
+def is_functional(model: keras.Model) -> bool:
+    """Whether `model` is a graph of layers (`keras.Model(inputs, outputs)`), not a subclass
+    with a `call` of its own: Keras's `Functional` class, which is not public."""
+    from keras.src.models.functional import Functional
+
+    return isinstance(model, Functional) and type(model).call is Functional.call
+
+
 def num_workers(strategy: tf.distribute.Strategy) -> int:
     """The worker count of a multi-worker or parameter-server strategy (no public count)."""
-    return int(strategy.extended._num_workers)  # noqa: SLF001
+    return int(strategy.extended._num_workers)
 
 
 def configure_coordination_service(
@@ -142,10 +152,10 @@ def copy_to_host(trackable: Any, object_map: Any) -> None:
     new tf.Variable on every call, which fails inside a tf.function from the second save on."""
     if isinstance(trackable, keras.Variable):
         inner = trackable.value
-        inner._copy_trackable_to_cpu(object_map)  # noqa: SLF001
+        inner._copy_trackable_to_cpu(object_map)
         object_map[trackable] = object_map[inner]
     else:
-        trackable._copy_trackable_to_cpu(object_map)  # noqa: SLF001
+        trackable._copy_trackable_to_cpu(object_map)
 
 
 def has_own_state(trackable: Any) -> bool:
@@ -160,7 +170,13 @@ def has_own_state(trackable: Any) -> bool:
     )
 
 
+def save_counter(checkpoint: tf.train.Checkpoint) -> tf.Variable | None:
+    """The variable `checkpoint` numbers its saves with, or None while it has none: without
+    making it, which the public `save_counter` property does on first read."""
+    return checkpoint._save_counter
+
+
 def save_from(checkpoint: tf.train.Checkpoint, object_map: Any) -> None:
     """Makes `checkpoint`'s saves write each object's stand-in in `object_map` instead of the
     object (`TrackableSaver._object_map`, the hook TF's async checkpoint helper sets)."""
-    checkpoint._saver._object_map = object_map  # noqa: SLF001
+    checkpoint._saver._object_map = object_map

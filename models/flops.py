@@ -9,6 +9,8 @@ from typing import cast
 import keras
 from keras import layers
 
+from engine import compat
+
 _TRANSPOSED_CONVS = (layers.Conv1DTranspose, layers.Conv2DTranspose, layers.Conv3DTranspose)
 _SEPARABLE_CONVS = (layers.SeparableConv1D, layers.SeparableConv2D)
 _DEPTHWISE_CONVS = (layers.DepthwiseConv1D, layers.DepthwiseConv2D)
@@ -170,7 +172,7 @@ def known_flops_per_example(model: keras.Model) -> int | None:
     """
     if not isinstance(model, keras.Model) or not model.built:
         return None
-    if type(model) is not keras.Sequential and not _is_functional(model):
+    if type(model) is not keras.Sequential and not compat.is_functional(model):
         return None
     if _uncounted_layer(model) is not None:
         return None
@@ -179,10 +181,3 @@ def known_flops_per_example(model: keras.Model) -> int | None:
     except (ValueError, TypeError, AttributeError):  # A layer called twice, an unknown shape.
         return None
     return flops or None
-
-
-def _is_functional(model: keras.Model) -> bool:
-    """A graph of layers (keras.Model(inputs, outputs)), not a subclass with its own call()."""
-    from keras.src.models.functional import Functional
-
-    return isinstance(model, Functional) and type(model).call is Functional.call

@@ -104,3 +104,28 @@ def test_a_host_copy_of_keras_and_tf_variables_is_what_a_twin_checkpoint_writes(
     reader = tf.train.load_checkpoint(path)
     assert reader.get_tensor("kernel/.ATTRIBUTES/VARIABLE_VALUE").tolist() == [[1.0, 1.0], [1.0, 1.0]]
     assert reader.get_tensor("step/.ATTRIBUTES/VARIABLE_VALUE") == 3
+
+
+def test_save_counter_is_none_until_the_public_property_makes_it():
+    checkpoint = tf.train.Checkpoint(step=tf.Variable(1))
+    with private_api("tf.train.Checkpoint._save_counter"):
+        assert compat.save_counter(checkpoint) is None
+        counter = checkpoint.save_counter  # The public property makes it.
+        assert compat.save_counter(checkpoint) is counter
+
+
+class _OwnCall(keras.Model):
+    def __init__(self):
+        super().__init__()
+        self.dense = keras.layers.Dense(1)
+
+    def call(self, inputs):
+        return self.dense(inputs)
+
+
+def test_is_functional_tells_a_graph_of_layers_from_a_subclass():
+    inputs = keras.Input((3,))
+    functional = keras.Model(inputs, keras.layers.Dense(1)(inputs))
+    with private_api("keras.src.models.functional.Functional"):
+        assert compat.is_functional(functional)
+        assert not compat.is_functional(_OwnCall())

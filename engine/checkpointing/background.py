@@ -105,7 +105,7 @@ class HostCopy:
     def _saved(self) -> list[Any]:
         """What the twin's save writes values of: every object with state of its own but
         the save counter (the writer's, numbering saves, written as it is)."""
-        counter = getattr(self.twin, "_save_counter", None)
+        counter = compat.save_counter(self.twin)
         return [
             obj
             for obj in tf.train.TrackableView(self.twin).descendants()

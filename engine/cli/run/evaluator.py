@@ -117,7 +117,7 @@ class Evaluator:
             eval_step_fn=task.get("eval_step_fn"),
             batches_per_call=config.steps_per_loop,
         )
-        self._summaries = SummaryWriters(config.model_dir)
+        self.summaries = SummaryWriters(config.model_dir)
         self._best = self._best_checkpoint(config)
 
     @property
@@ -152,7 +152,7 @@ class Evaluator:
                 logs = self.runner.run()
             assert logs is not None, "nothing requests a stop during an evaluator's evaluation"
             logger.info("eval at step %d  %s", step, format_logs(logs))
-            self._summaries.write("eval", step, logs)
+            self.summaries.write("eval", step, logs)
             if self._best is not None:
                 self._best.on_eval_end(self._view(), step, logs)
         except tf.errors.OpError as error:  # A restoration deferred until now read the files.
@@ -182,7 +182,7 @@ class Evaluator:
             evaluations.append(last)
             if last[0] >= self.final_step:
                 break
-        self._summaries.close()
+        self.summaries.close()
         if self._stop.signum is not None:  # Like a stopped training run: 128 + the signal.
             return {"global_step": last and last[0], "exit_status": 128 + self._stop.signum}
         if last is None:
@@ -262,7 +262,7 @@ class _EvaluatorView:
     def __init__(self, evaluator: Evaluator):
         self.model, self.optimizer = evaluator.model, evaluator.optimizer
         self.optimizers = {"optimizer": evaluator.optimizer}
-        self.strategy, self.summaries = evaluator.strategy, evaluator._summaries
+        self.strategy, self.summaries = evaluator.strategy, evaluator.summaries
         self.checkpoint, self.model_dir = evaluator.reader.checkpoint, evaluator.model_dir
         self.target_step: int | None = None
         self.stop_training = False
