@@ -45,11 +45,16 @@ if "tensorflow" not in sys.modules and not _started_as_engine_command():
 
 _SUBMODULES = ("callbacks", "data", "export", "hooks", "objectives", "schedules", "variables")
 _LAZY = {
+    "Cadence": "engine.options",
     "Callback": "engine.callbacks",
+    "CheckpointOptions": "engine.options",
     "GlobalBatches": "engine.data",
     "PerReplicaBatches": "engine.data",
     "ResidentData": "engine.resident",
+    "SpikeOptions": "engine.options",
+    "StepOptions": "engine.options",
     "Task": "engine.task",
+    "ThroughputOptions": "engine.options",
     "Trainer": "engine.trainer",
     "TrainerView": "engine.callbacks",
     "build_strategy": "engine.strategy",
@@ -60,13 +65,18 @@ _LAZY = {
 }
 
 __all__ = [
+    "Cadence",
     "Callback",
+    "CheckpointOptions",
     "DataExhaustedError",
     "GlobalBatches",
     "NonFiniteLossError",
     "PerReplicaBatches",
     "ResidentData",
+    "SpikeOptions",
+    "StepOptions",
     "Task",
+    "ThroughputOptions",
     "Trainer",
     "TrainerView",
     "UserError",
