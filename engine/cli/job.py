@@ -34,7 +34,7 @@ from engine.cli.own_packages import own_package
 from engine.cli.preemption import stop_on_signals
 from engine.cli.run_record import read_record, record_path, record_training
 from engine.cli.run_task import RunTask, check_reported, resolve_task
-from engine.cli.settings import TRAINER_SETTINGS, RunConfig, settings_of
+from engine.cli.settings import RunConfig, trainer_options
 from engine.cluster import task_model_dir
 from engine.cluster.peer_loss import PEER_LOST_ERRORS, peer_lost_message
 from engine.errors import PeerLostError, UserError, one_line
@@ -186,13 +186,15 @@ def _train_and_evaluate(
         eval_data=eval_data,
         global_batch_size=batch,
         model_dir=write_dir,
-        restore_dir=model_dir if write_dir != model_dir else None,
         callbacks=hooks_from_config(config),
-        steps_per_epoch=max(1, source.num_train_examples // batch) if source.num_train_examples else None,
         ema_decay=config.ema_decay or None,
-        flops_per_example=own_package("models").known_flops_per_example(model),  # None: not counted.
         **task.trainer_arguments(model),
-        **settings_of(config, TRAINER_SETTINGS),
+        **trainer_options(  # The option groups, from the settings of their options' names.
+            config,
+            restore_dir=model_dir if write_dir != model_dir else None,
+            steps_per_epoch=max(1, source.num_train_examples // batch) if source.num_train_examples else None,
+            flops_per_example=own_package("models").known_flops_per_example(model),  # None: not counted.
+        ),
     )
     trainer.goodput_clock.start_from(started_at)  # Start-up counts from the process's start.
     trainer.reports_goodput = False  # Once, after the final evaluation (_train_with_clean_errors).
