@@ -1,7 +1,9 @@
 """A distributed training engine for TensorFlow 2 custom loops.
 
 The public API for research code: build a strategy, create your model and
-optimizer in its scope, hand them to a `Trainer`. The submodules a user
+optimizer in its scope, hand them to a `Trainer`, with its options in groups
+(`engine.StepOptions`, `Cadence`, `CheckpointOptions`, `SpikeOptions`,
+`ThroughputOptions`: `engine.options`). The submodules a user
 reaches for (`engine.callbacks`, `engine.hooks`, `engine.schedules`,
 `engine.export`, `engine.variables`) are importable as attributes.
 
