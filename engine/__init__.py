@@ -1,7 +1,9 @@
 """A distributed training engine for TensorFlow 2 custom loops.
 
 The public API for research code: build a strategy, create your model and
-optimizer in its scope, hand them to a `Trainer`. The submodules a user
+optimizer in its scope, hand them to a `Trainer`, with its options in groups
+(`engine.StepOptions`, `Cadence`, `CheckpointOptions`, `SpikeOptions`,
+`ThroughputOptions`: `engine.options`). The submodules a user
 reaches for (`engine.callbacks`, `engine.hooks`, `engine.schedules`,
 `engine.export`, `engine.variables`) are importable as attributes.
 
@@ -45,11 +47,16 @@ if "tensorflow" not in sys.modules and not _started_as_engine_command():
 
 _SUBMODULES = ("callbacks", "data", "export", "hooks", "objectives", "schedules", "variables")
 _LAZY = {
+    "Cadence": "engine.options",
     "Callback": "engine.callbacks",
+    "CheckpointOptions": "engine.options",
     "GlobalBatches": "engine.data",
     "PerReplicaBatches": "engine.data",
     "ResidentData": "engine.resident",
+    "SpikeOptions": "engine.options",
+    "StepOptions": "engine.options",
     "Task": "engine.task",
+    "ThroughputOptions": "engine.options",
     "Trainer": "engine.trainer",
     "TrainerView": "engine.callbacks",
     "build_strategy": "engine.strategy",
@@ -60,13 +67,18 @@ _LAZY = {
 }
 
 __all__ = [
+    "Cadence",
     "Callback",
+    "CheckpointOptions",
     "DataExhaustedError",
     "GlobalBatches",
     "NonFiniteLossError",
     "PerReplicaBatches",
     "ResidentData",
+    "SpikeOptions",
+    "StepOptions",
     "Task",
+    "ThroughputOptions",
     "Trainer",
     "TrainerView",
     "UserError",

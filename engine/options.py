@@ -3,13 +3,26 @@
 The library (`Trainer`, strategies, schedules, hooks) and the command line
 (`engine.cli.config.settings`, which builds its flags from them) share these names, so
 they live below both: the library never imports the command line, and
-`--help` lists them without importing TensorFlow. The option groups the
-Trainer takes apart (`StepOptions`, `CheckpointOptions`, `Cadence`) are
-frozen dataclasses: one definition of each group and its defaults.
+`--help` lists them without importing TensorFlow.
+
+The Trainer's options come in groups, frozen dataclasses it takes as keyword
+arguments (`TRAINER_GROUPS`): `step=StepOptions(...)`, `cadence=Cadence(...)`,
+`checkpoint=CheckpointOptions(...)`, `spikes=SpikeOptions(...)` and
+`throughput=ThroughputOptions(...)`. Each field is one option, defined once:
+its default, its help text (`help_of`: the field's `metadata["help"]`, which
+the command line's flag of the same name takes where it would say the same)
+and its check (a group refuses a bad value when it is made, in one line
+naming it). The command line builds the same groups from its settings
+(`options_from`, `engine.cli.config.settings.trainer_options`), so a new option is a
+field of its group and, where the command line offers it, a flag.
 """
 
 import dataclasses
-from typing import TypedDict
+import math
+from collections.abc import Collection, Mapping
+from typing import Any, TypedDict, TypeVar
+
+from engine.errors import UserError
 
 SINGLE_HOST_STRATEGIES = ("default", "one_device", "mirrored")
 MULTI_HOST_STRATEGIES = ("multi_worker_mirrored", "parameter_server", "tpu")
@@ -44,16 +57,65 @@ class StepArguments(TypedDict):
     skip_nonfinite: bool
 
 
+def option(default: Any, help: str) -> Any:
+    """A field of an option group: its default and its help text (`help_of`)."""
+    return dataclasses.field(default=default, metadata={"help": help})
+
+
+def help_of(group: type, name: str) -> str:
+    """The help text of the option `name` of `group` (a class of `TRAINER_GROUPS`)."""
+    return _field(group, name).metadata["help"]
+
+
+def default_of(group: type, name: str) -> Any:
+    """The default of the option `name` of `group`."""
+    return _field(group, name).default
+
+
+def _field(group: type, name: str) -> dataclasses.Field:
+    fields = {field.name: field for field in dataclasses.fields(group)}
+    if name not in fields:
+        raise KeyError(f"{group.__name__} has no option {name!r}")
+    return fields[name]
+
+
+def _at_least(name: str, value: int, minimum: int) -> None:
+    if value < minimum:
+        raise UserError(f"`{name}={value}` must be at least {minimum}")
+
+
+def _not_negative(name: str, value: float | None, meaning: str) -> None:
+    """`value` is None or a finite number >= 0 (`meaning` says what None and 0 mean)."""
+    if value is not None and not 0 <= value < math.inf:  # Also refuses NaN.
+        raise UserError(f"`{name}={value}` must not be negative ({meaning})")
+
+
 @dataclasses.dataclass(frozen=True)
 class StepOptions:
     """How the standard step turns a batch into an update. A `step_fn` replaces that
     step, so the Trainer refuses any of these that differs from its default."""
 
-    clip_norm: float | None = None  # Clip the global gradient norm to this.
-    grad_accum_steps: int = 1  # Micro-batches per update.
-    jit_compile: bool = False  # XLA-compile the replica step.
-    # A NaN/Inf loss or gradient: "stop" the run, "skip" the update, or "rollback" (engine.loop.rollback).
-    on_nonfinite: str = "stop"
+    clip_norm: float | None = option(None, "Clip the global (all-reduced) gradient norm to this value.")
+    grad_accum_steps: int = option(
+        1,
+        "Split each replica's batch into this many micro-batches and accumulate their gradients "
+        "(summed before one update).",
+    )
+    jit_compile: bool = option(False, "Compile the per-replica step (forward and backward pass) with XLA.")
+    on_nonfinite: str = option(
+        "stop",
+        "A step whose loss or gradient is NaN/Inf (or whose loss is above max_loss): stop the run saving "
+        "nothing, skip its update, or roll back: restore the last good checkpoint and skip the batches "
+        "that led to it (engine.loop.rollback). One of: " + ", ".join(NONFINITE_POLICIES) + ".",
+    )
+
+    def __post_init__(self) -> None:
+        if self.clip_norm is not None and not 0 < self.clip_norm < math.inf:  # Also refuses NaN.
+            raise UserError(f"`clip_norm={self.clip_norm}` must be positive and finite (None: no clipping)")
+        _at_least("grad_accum_steps", self.grad_accum_steps, 1)
+        if self.on_nonfinite not in NONFINITE_POLICIES:
+            choices = ", ".join(NONFINITE_POLICIES)
+            raise UserError(f"`on_nonfinite={self.on_nonfinite!r}` must be one of: {choices}")
 
     def step_arguments(self) -> StepArguments:
         return StepArguments(
@@ -76,71 +138,48 @@ class StepOptions:
 
 
 @dataclasses.dataclass(frozen=True)
-class SpikeOptions:
-    """What counts as a loss spike besides a NaN/Inf, and how `on_nonfinite="rollback"` recovers.
-
-    A step is a spike when its loss or gradient is not finite, or its loss (the step's
-    "loss" output, averaged over replicas) is above `max_loss`. `rollback_skip_batches`
-    more batches than those since the restored checkpoint are skipped (engine.loop.rollback);
-    after `max_rollbacks` rollbacks the next spike stops the run.
-    """
-
-    max_loss: float | None = None
-    rollback_skip_batches: int = 0
-    max_rollbacks: int = DEFAULT_MAX_ROLLBACKS
-
-    def problem(self, on_nonfinite: str) -> str | None:
-        """What is wrong with these options under `on_nonfinite`, in the library's terms; None: fine."""
-        if self.max_loss is not None and not (self.max_loss > 0 and self.max_loss < float("inf")):
-            return f"`max_loss={self.max_loss}` must be a positive, finite loss"
-        if self.max_loss is not None and on_nonfinite == "skip":
-            return (
-                f"`max_loss={self.max_loss}` stops or rolls back on a spike; it cannot skip the update "
-                "(the step has applied it when the loop sees the loss): pass `on_nonfinite='stop'` or "
-                "`on_nonfinite='rollback'`"
-            )
-        if self.rollback_skip_batches < 0:
-            return f"`rollback_skip_batches={self.rollback_skip_batches}` must be >= 0"
-        if self.max_rollbacks < 1:
-            return f"`max_rollbacks={self.max_rollbacks}` must be at least 1"
-        if self.max_rollbacks > MAX_ROLLBACKS:
-            return (
-                f"`max_rollbacks={self.max_rollbacks}` must be at most {MAX_ROLLBACKS} (each rollback trains "
-                "again from a checkpoint; a run that spikes that often needs a lower learning rate or clipping)"
-            )
-        return None
-
-
-@dataclasses.dataclass(frozen=True)
-class CheckpointOptions:
-    """What the Checkpointer keeps, how it restores and how it writes."""
-
-    max_checkpoints: int = 3  # Checkpoints kept in <model_dir>/checkpoints; older ones are deleted.
-    # An unreadable latest checkpoint: set it aside and restore the newest readable one
-    # (instead of refusing to start).
-    restore_fallback: bool = False
-    # Restore from this model_dir instead of the one written (a non-chief worker writes
-    # to a private model_dir but resumes from the chief's).
-    restore_dir: str | None = None
-    reset_optimizer: bool = False  # Restore the weights and step, not the optimizer's slots.
-    # Write checkpoints in the background: a save waits only for a copy of the variables in host
-    # memory (`engine.checkpointing.background`); the Trainer turns it off where the strategy is not verified.
-    async_checkpoint: bool = True
-
-
-@dataclasses.dataclass(frozen=True)
 class Cadence:
-    """When things happen between compiled calls, in global steps (None: never).
+    """When things happen between compiled calls, in global steps (None or 0: never).
 
     The outer loop asks it how long the next compiled call may run, so that
     no call runs past an evaluation, a checkpoint or the target step, and
-    whether an evaluation or a checkpoint is due after a call.
+    whether an evaluation or a checkpoint is due after a call. A 0 is kept as
+    None: `Cadence(eval_every=0) == Cadence()`.
     """
 
-    steps_per_loop: int = DEFAULT_STEPS_PER_LOOP  # The most steps one compiled call runs.
-    eval_every: int | None = None
-    checkpoint_every: int | None = None
-    log_every: int | None = None  # Progress lines; None: after every loop.
+    steps_per_loop: int = option(
+        DEFAULT_STEPS_PER_LOOP,
+        "The most steps one compiled call runs; loops are cut shorter at evaluations, checkpoints, progress "
+        "lines and where a callback asks.",
+    )
+    eval_every: int | None = option(
+        None, "Evaluate every N steps during train(); None or 0: no evaluation there (call evaluate())."
+    )
+    checkpoint_every: int | None = option(
+        None, "Save a checkpoint every N steps; train() also saves at its end. None or 0: only at the end."
+    )
+    log_every: int | None = option(
+        None, "A progress line every N steps (loops are cut to match); None or 0: one after every loop."
+    )
+    steps_per_epoch: int | None = option(
+        None,
+        "Steps of one epoch, for Keras callbacks (engine.callbacks.keras_adapter), which act at epoch ends: "
+        "loops are cut there. None: no epochs (Keras callbacks are refused).",
+    )
+
+    def __post_init__(self) -> None:
+        _at_least("steps_per_loop", self.steps_per_loop, 1)
+        for name, meaning in (
+            ("eval_every", "None or 0: no evaluation during train()"),
+            ("checkpoint_every", "None or 0: only at the end of train()"),
+            ("log_every", "0 logs after every loop"),
+        ):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise UserError(f"`{name}={value}` must not be negative ({meaning})")
+            object.__setattr__(self, name, value or None)  # 0 is None: never.
+        if self.steps_per_epoch is not None:
+            _at_least("steps_per_epoch", self.steps_per_epoch, 1)
 
     def loop_length(self, start: int, target: int) -> int:
         """Steps the call starting at `start` may run toward `target`."""
@@ -155,3 +194,146 @@ class Cadence:
 
     def checkpoints_after(self, step: int) -> bool:
         return bool(self.checkpoint_every and step % self.checkpoint_every == 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointOptions:
+    """What the Checkpointer keeps, how it restores and how it writes."""
+
+    max_checkpoints: int = option(
+        3, "Checkpoints to keep in <model_dir>/checkpoints: the newest N; older ones are deleted."
+    )
+    restore_fallback: bool = option(
+        False,
+        "If the latest checkpoint cannot be read, restore the newest older one that can "
+        "(the unreadable one is moved to checkpoints/unreadable/).",
+    )
+    restore_dir: str | None = option(
+        None,
+        "Restore from this model_dir instead of the one written (a non-chief worker writes to a private "
+        "model_dir but resumes from the chief's).",
+    )
+    reset_optimizer: bool = option(
+        False,
+        "Restore the weights and the step of the checkpoints with fresh optimizer state, so that the "
+        "optimizer may change.",
+    )
+    async_checkpoint: bool = option(
+        True,
+        "Write checkpoints in the background: a save waits only for a copy of the variables in memory, "
+        "and the checkpoint state file names a checkpoint once its files are complete. Off (synchronous) "
+        "under the multi_worker_mirrored, parameter_server and tpu strategies, where it is not verified.",
+    )
+
+    def __post_init__(self) -> None:
+        _at_least("max_checkpoints", self.max_checkpoints, 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class SpikeOptions:
+    """What counts as a loss spike besides a NaN/Inf, and how `on_nonfinite="rollback"` recovers.
+
+    A step is a spike when its loss or gradient is not finite, or its loss (the step's
+    "loss" output, averaged over replicas) is above `max_loss`. `rollback_skip_batches`
+    more batches than those since the restored checkpoint are skipped (engine.loop.rollback);
+    after `max_rollbacks` rollbacks the next spike stops the run.
+    """
+
+    max_loss: float | None = option(
+        None, 'A finite loss above this is a spike too: on_nonfinite="stop" stops, "rollback" rolls back.'
+    )
+    rollback_skip_batches: int = option(
+        0,
+        'With on_nonfinite="rollback": skip this many batches more than those from the restored checkpoint '
+        "up to and including the spike's.",
+    )
+    max_rollbacks: int = option(
+        DEFAULT_MAX_ROLLBACKS,
+        f'With on_nonfinite="rollback": after this many rollbacks (at most {MAX_ROLLBACKS}) the next spike '
+        "stops the run (nothing saved).",
+    )
+
+    def __post_init__(self) -> None:
+        if self.max_loss is not None and not (self.max_loss > 0 and self.max_loss < float("inf")):
+            raise UserError(f"`max_loss={self.max_loss}` must be a positive, finite loss")
+        if self.rollback_skip_batches < 0:
+            raise UserError(f"`rollback_skip_batches={self.rollback_skip_batches}` must be >= 0")
+        _at_least("max_rollbacks", self.max_rollbacks, 1)
+        if self.max_rollbacks > MAX_ROLLBACKS:
+            raise UserError(
+                f"`max_rollbacks={self.max_rollbacks}` must be at most {MAX_ROLLBACKS} (each rollback trains "
+                "again from a checkpoint; a run that spikes that often needs a lower learning rate or clipping)"
+            )
+
+    def problem(self, on_nonfinite: str) -> str | None:
+        """What is wrong with these options under `on_nonfinite`, in the library's terms; None: fine
+        (each option on its own was checked when the group was made)."""
+        if self.max_loss is not None and on_nonfinite == "skip":
+            return (
+                f"`max_loss={self.max_loss}` stops or rolls back on a spike; it cannot skip the update "
+                "(the step has applied it when the loop sees the loss): pass `on_nonfinite='stop'` or "
+                "`on_nonfinite='rollback'`"
+            )
+        return None
+
+
+@dataclasses.dataclass(frozen=True)
+class ThroughputOptions:
+    """What the progress lines and TensorBoard need to show the training TFLOP/s and MFU."""
+
+    flops_per_example: int | None = option(
+        None,
+        "The model's forward-pass FLOPs per example (e.g. models.flops_per_example(model)): the logs then "
+        "show the training TFLOP/s (3x forward). None or 0: unknown, not shown.",
+    )
+    peak_tflops: float | None = option(
+        None,
+        "The devices' peak TFLOP/s (all replicas together, at the compute precision): with "
+        "flops_per_example the logs then show MFU, the training TFLOP/s over it. None or 0: unknown.",
+    )
+
+    def __post_init__(self) -> None:
+        _not_negative("flops_per_example", self.flops_per_example, "None or 0: unknown")
+        _not_negative("peak_tflops", self.peak_tflops, "None or 0: unknown")
+
+
+# The Trainer's keyword argument of each option group, in its signature's order.
+TRAINER_GROUPS: dict[str, type] = {
+    "step": StepOptions,
+    "cadence": Cadence,
+    "checkpoint": CheckpointOptions,
+    "spikes": SpikeOptions,
+    "throughput": ThroughputOptions,
+}
+
+Group = TypeVar("Group")
+
+
+def options_from(group: type[Group], values: Mapping[str, Any]) -> Group:
+    """`group` made from `values` (option name -> value): each of its options that `values`
+    names takes that value, the others their defaults; names of other options are ignored."""
+    fields = dataclasses.fields(group)  # type: ignore[arg-type]
+    return group(**{field.name: values[field.name] for field in fields if field.name in values})
+
+
+def group_options(arguments: Mapping[str, Any], aliases: Collection[str]) -> dict[str, Any]:
+    """Keyword arguments with the flat `aliases` of the option groups (`clip_norm=` for
+    `step=StepOptions(clip_norm=)`) made into their groups (`TRAINER_GROUPS`). A group
+    given together with one of its aliases is refused in one line naming both."""
+    arguments = dict(arguments)
+    for keyword, group in TRAINER_GROUPS.items():
+        flat = {
+            field.name: arguments.pop(field.name)
+            for field in dataclasses.fields(group)
+            if field.name in aliases and field.name in arguments
+        }
+        if not flat:
+            continue
+        if arguments.get(keyword) is not None:
+            name = next(iter(flat))
+            raise UserError(
+                f"`{keyword}={group.__name__}(...)` and its flat alias `{name}={flat[name]!r}` were both "
+                f"given; pass `{name}` in the group, or only flat names"
+            )
+        arguments[keyword] = group(**flat)
+    return arguments

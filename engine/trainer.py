@@ -11,8 +11,11 @@ functions `engine.loop.compiled`'s. Everything here runs once per loop, not per 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
+import inspect
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NoReturn, TypeAlias
 
 import keras
@@ -37,11 +40,13 @@ from engine.losses import LossFn, Objective
 from engine.options import (
     DEFAULT_MAX_ROLLBACKS,
     DEFAULT_STEPS_PER_LOOP,
-    NONFINITE_POLICIES,
+    TRAINER_GROUPS,
     Cadence,
     CheckpointOptions,
     SpikeOptions,
     StepOptions,
+    ThroughputOptions,
+    group_options,
 )
 from engine.resident import ResidentData, keeps_on_devices
 from engine.schedules import is_scheduled
@@ -51,6 +56,21 @@ from engine.variables import check_regularizers_visible, require_trainable_varia
 __all__ = ["DataExhaustedError", "NonFiniteLossError", "Trainer"]  # The errors live in engine.errors.
 
 Optimizers: TypeAlias = keras.optimizers.Optimizer | Mapping[str, keras.optimizers.Optimizer]
+
+
+def _with_flat_aliases(init: Callable[..., None]) -> Callable[..., None]:
+    """`Trainer.__init__` that also takes each option group's fields as flat keyword arguments,
+    its parameters named like them (`clip_norm=1.0` for `step=StepOptions(clip_norm=1.0)`): they
+    become their group before `init` runs (`engine.options.group_options`), which refuses a group
+    given with one of its aliases. A field added to a group later is no alias: only the group takes it."""
+    fields = {field.name for group in TRAINER_GROUPS.values() for field in dataclasses.fields(group)}
+    aliases = frozenset(inspect.signature(init).parameters) & fields
+
+    @functools.wraps(init)  # inspect.signature and help() show `init`'s parameters, the aliases among them.
+    def init_with_groups(self: Any, **arguments: Any) -> None:
+        init(self, **group_options(arguments, aliases))
+
+    return init_with_groups
 
 
 class Trainer:
@@ -106,32 +126,49 @@ class Trainer:
       eval_step_fn: `fn(batch) -> (labels, predictions[, sample_weight])`
         for eval batches of another structure (e.g. dicts); evaluation then
         applies `loss_fn` and `metrics` to what it returns.
-      steps_per_loop: the most steps one compiled call runs (shared default
-        with the CLI: `engine.options.DEFAULT_STEPS_PER_LOOP`).
+      callbacks: hooks (`engine.Callback`) and Keras callbacks (these act at
+        the epoch ends of `Cadence.steps_per_epoch`).
       ema_decay: keep an exponential moving average of the weights with this
         decay (Keras's `use_ema`, set on the one optimizer before it is
         built); training is unchanged, evaluation, the best checkpoint and
         `averaged_weights()` use the averages. An optimizer created with
         `use_ema=True` gets the same without it (`engine.ema`).
-      async_checkpoint: a save waits only for a copy of the variables; the files are
-        written in the background, and the end of `train()` and `close()` wait for them
-        (`engine.checkpointing.background`). Synchronous under multi-worker, parameter-server and TPU
-        strategies.
-      flops_per_example: the model's forward-pass FLOPs per example (e.g.
+      step: `engine.StepOptions(clip_norm=, grad_accum_steps=, jit_compile=,
+        on_nonfinite=)`: how the standard step makes an update, and what a
+        NaN/Inf loss or gradient (or a loss above `max_loss`) does: "stop" the
+        run saving nothing, "skip" its update, or "rollback": restore the last
+        good checkpoint and skip the batches that led to it (`engine.loop.rollback`).
+      cadence: `engine.Cadence(steps_per_loop=, eval_every=, checkpoint_every=,
+        log_every=, steps_per_epoch=)`: the most steps one compiled call runs
+        (shared default with the CLI: `engine.options.DEFAULT_STEPS_PER_LOOP`),
+        and every how many steps `train()` evaluates, saves and logs.
+      checkpoint: `engine.CheckpointOptions(max_checkpoints=, restore_fallback=,
+        restore_dir=, reset_optimizer=, async_checkpoint=)`: what is kept and
+        restored. With `async_checkpoint` a save waits only for a copy of the
+        variables; the files are written in the background, and the end of
+        `train()` and `close()` wait for them (`engine.checkpointing.background`).
+        Synchronous under multi-worker, parameter-server and TPU strategies.
+      spikes: `engine.SpikeOptions(max_loss=, rollback_skip_batches=,
+        max_rollbacks=)`: a finite loss above `max_loss` is a spike too (with
+        "stop" or "rollback"); a rollback skips `rollback_skip_batches` more
+        batches, at most `max_rollbacks` times.
+      throughput: `engine.ThroughputOptions(flops_per_example=, peak_tflops=)`:
+        the model's forward-pass FLOPs per example (e.g.
         `models.flops_per_example(model)`): the progress lines and TensorBoard
         then show the training TFLOP/s (3x forward), and with `peak_tflops`
         the MFU (achieved / peak). Unknown (None): neither is shown.
-      on_nonfinite: a step whose loss or gradient is NaN/Inf (or whose loss is
-        above `max_loss`): "stop" the run saving nothing, "skip" its update, or
-        "rollback": restore the last good checkpoint and skip the batches that
-        led to it plus `rollback_skip_batches` more, at most `max_rollbacks`
-        times (`engine.loop.rollback`).
-      max_loss: a finite loss above it is a spike too (with "stop" or "rollback").
+
+    Each group's fields (`engine.options`) carry their defaults and help, and a
+    group refuses a bad value when it is made. The fields are also keyword
+    arguments of their own, for one more release: aliases of their group
+    (`clip_norm=1.0` is `step=engine.StepOptions(clip_norm=1.0)`), with the
+    same defaults; a group given with one of its aliases is refused.
 
     Raises:
       UserError: a bad argument, naming it, before anything is written.
     """
 
+    @_with_flat_aliases
     def __init__(
         self,
         *,
@@ -148,6 +185,15 @@ class Trainer:
         weighted_metrics: Sequence[keras.metrics.Metric] = (),
         eval_data: Data | None = None,
         model_dir: str | None = None,
+        callbacks: Sequence[CallbackLike] = (),
+        ema_decay: float | None = None,
+        step: StepOptions | None = None,
+        cadence: Cadence | None = None,
+        checkpoint: CheckpointOptions | None = None,
+        spikes: SpikeOptions | None = None,
+        throughput: ThroughputOptions | None = None,
+        # The flat aliases of the groups' fields (one more release): `_with_flat_aliases` makes them into
+        # their groups before this body runs, so here they always hold their defaults, the groups' own.
         steps_per_loop: int = DEFAULT_STEPS_PER_LOOP,
         eval_every: int | None = None,
         checkpoint_every: int | None = None,
@@ -155,14 +201,12 @@ class Trainer:
         clip_norm: float | None = None,
         grad_accum_steps: int = 1,
         jit_compile: bool = False,
-        callbacks: Sequence[CallbackLike] = (),
         steps_per_epoch: int | None = None,
         log_every: int | None = None,
         on_nonfinite: str = "stop",
         restore_fallback: bool = False,
         restore_dir: str | None = None,
         reset_optimizer: bool = False,
-        ema_decay: float | None = None,
         async_checkpoint: bool = True,
         flops_per_example: int | None = None,
         peak_tflops: float | None = None,
@@ -171,36 +215,20 @@ class Trainer:
         max_rollbacks: int = DEFAULT_MAX_ROLLBACKS,
     ):
         self.goodput_clock = GoodputClock()  # Research code's run starts here (`goodput()`).
-        self.model_flops = ModelFlops.from_forward(flops_per_example, peak_tflops)
-        step_options = StepOptions(
-            clip_norm=clip_norm,
-            grad_accum_steps=grad_accum_steps,
-            jit_compile=jit_compile,
-            on_nonfinite=on_nonfinite,
+        step_options = StepOptions() if step is None else step
+        self.cadence = Cadence() if cadence is None else cadence
+        checkpoint = CheckpointOptions() if checkpoint is None else checkpoint
+        checkpoint_options = dataclasses.replace(
+            checkpoint, async_checkpoint=writes_in_background(strategy, checkpoint.async_checkpoint)
         )
-        self.cadence = Cadence(
-            steps_per_loop=steps_per_loop,
-            eval_every=eval_every or None,
-            checkpoint_every=checkpoint_every or None,
-            log_every=log_every,
-        )
-        checkpoint_options = CheckpointOptions(
-            max_checkpoints=max_checkpoints,
-            restore_fallback=restore_fallback,
-            restore_dir=restore_dir,
-            reset_optimizer=reset_optimizer,
-            async_checkpoint=writes_in_background(strategy, async_checkpoint),
-        )
+        self.spike_options = SpikeOptions() if spikes is None else spikes
+        throughput = ThroughputOptions() if throughput is None else throughput
+        self.model_flops = ModelFlops.from_forward(throughput.flops_per_example, throughput.peak_tflops)
         _check_arguments(
             strategy, loss_fn, step_fn, metrics, weighted_metrics, eval_data, global_batch_size, step_options
         )
         self.objective = Objective(loss_fn, loss_weights) if loss_fn is not None else None
-        if steps_per_loop < 1:
-            raise UserError(f"`steps_per_loop={steps_per_loop}` must be at least 1")
-        self.spike_options = SpikeOptions(
-            max_loss=max_loss, rollback_skip_batches=rollback_skip_batches, max_rollbacks=max_rollbacks
-        )
-        check_options(strategy, on_nonfinite, self.spike_options)
+        check_options(strategy, step_options.on_nonfinite, self.spike_options)
         self.step_options = step_options
         self.optimizers = _named_optimizers(optimizer)
         if step_fn is None and len(self.optimizers) > 1:
@@ -227,7 +255,10 @@ class Trainer:
         self._compiled_once = False
         self.last_eval: tuple[int, dict[str, float]] | None = None  # (step, logs)
         # Progress lines every `log_every` steps (every loop when None) come first.
-        self.callbacks = [Progress(log_every), *as_callbacks(callbacks, steps_per_epoch=steps_per_epoch)]
+        self.callbacks = [
+            Progress(self.cadence.log_every),
+            *as_callbacks(callbacks, steps_per_epoch=self.cadence.steps_per_epoch),
+        ]
         # Both stay in force for later train() calls until clear_stop():
         self.stop_training = False  # Set by a callback (early stopping): stop after this loop.
         self._stop_requested = False  # Set by request_stop() (a signal, a peer worker).
@@ -268,7 +299,7 @@ class Trainer:
             with self.goodput_clock.phase("restore"):
                 self._restore()
         self.rollback: Rollback | None = None
-        if on_nonfinite == "rollback":
+        if step_options.on_nonfinite == "rollback":
             if self.checkpointer is None:
                 checkpoint = self._checkpoint_object()
                 setattr(checkpoint, CHECKPOINT_KEY, self.data_position)
@@ -771,10 +802,6 @@ def _check_arguments(
     if eval_data is not None and loss_fn is None:
         raise UserError("evaluation needs loss_fn (per-example losses) besides step_fn")
     _check_batch(global_batch_size, strategy.num_replicas_in_sync, step_options.grad_accum_steps)
-    if step_options.on_nonfinite not in NONFINITE_POLICIES:
-        raise UserError(
-            f"`on_nonfinite={step_options.on_nonfinite!r}` must be one of: {', '.join(NONFINITE_POLICIES)}"
-        )
     ignored = step_options.changed()
     if step_fn is not None and ignored:  # A step_fn replaces the step these options shape.
         raise UserError(
@@ -839,8 +866,6 @@ def _check_metric_names(metrics: Sequence[Any], weighted_metrics: Sequence[Any])
 def _check_batch(global_batch_size: int, num_replicas: int, grad_accum_steps: int) -> None:
     if global_batch_size < 1:
         raise UserError(f"global batch size {global_batch_size} must be positive")
-    if grad_accum_steps < 1:
-        raise UserError(f"`grad_accum_steps={grad_accum_steps}` must be at least 1")
     if global_batch_size % (num_replicas * grad_accum_steps):
         raise UserError(
             f"global batch size {global_batch_size} is not divisible by "

@@ -46,6 +46,7 @@ from engine.cli.config.settings import (
 )
 from engine.cli.config.small_files import check_model_dir_entries, read_small_file
 from engine.errors import UserError, one_line
+from engine.options import TRAINER_GROUPS
 
 STORED_CONFIG = "config.yaml"
 # Modes that only read a model_dir; they build their model on this host alone (CheckpointedModel).
@@ -256,12 +257,38 @@ def read_config_file(path: str) -> Layer:
             "(the flags' names, e.g. model: mlp)"
         )
     values = {}
-    for key, value in data.items():
+    for key, value in _ungrouped(data, where).items():
         name = setting_name(key, where, fix="use the flags' names (docs/flags.md) or task_params")
         if name in COMMAND_LINE_ONLY_SETTINGS:
             raise UserError(f"{where}: {name} is a setting of the command line only; pass --{name} there")
         values[name] = typed(name, value, where, example=lambda name, value: f"write {name}: {value}")
     return Layer("file", path, values)
+
+
+def _ungrouped(data: dict[Any, Any], where: str) -> dict[Any, Any]:
+    """A config file's mapping with each Trainer option group spelled as one (its keyword over its
+    options: `checkpoint: {max_checkpoints: 5}`, `engine.options.TRAINER_GROUPS`) as the settings
+    of its options' names (`max_checkpoints: 5`); an option set both ways is refused."""
+    flat = {key: value for key, value in data.items() if key not in TRAINER_GROUPS or key in _FIELDS}
+    for key, group in TRAINER_GROUPS.items():
+        if key not in data or key in _FIELDS:
+            continue
+        options = [field.name for field in dataclasses.fields(group) if field.name in _FIELDS]
+        if not isinstance(data[key], dict):
+            raise UserError(
+                f"{where}: {key} holds {_kind_of(data[key])}, not a mapping of its options; write e.g. "
+                f"{key}: {{{options[0]}: {plain_text(field_default(_FIELDS[options[0]]))}}}"
+            )
+        for name, value in data[key].items():
+            if name not in options:
+                raise UserError(
+                    f"{where}: {key}.{name} is not an option of {key} that the command line sets; "
+                    f"{key} holds {', '.join(options)}"
+                )
+            if name in flat:
+                raise UserError(f"{where} sets {name} twice, as {name} and as {key}.{name}; keep one")
+            flat[name] = value
+    return flat
 
 
 def parse_overrides(text: str | None) -> Layer:

@@ -5,10 +5,14 @@ Each field carries its default, help and choices (`setting`); `engine.cli.config
 and `engine.cli.config.cluster_flags` define the command-line flags from them
 (`define_flags`), and `engine.cli.config.config_files` reads the same names from config
 files (`--config_file`, `--params_override`, `<model_dir>/config.yaml`), so a new
-setting is one field here. Every user mistake in
-the flags is caught here, before anything is written, as a `UserError`
-naming the bad value. This module imports no TensorFlow (flag parsing and
-`--help` stay fast); `validate` imports the model and data packages.
+setting is one field here. A setting named like an option of the Trainer's
+groups (`engine.options`: `max_checkpoints` of `CheckpointOptions`) is that
+option: it takes the option's default and, unless the command line says it
+otherwise, its help (`option_setting`), and `trainer_options` builds the groups
+from the settings. Every user mistake in the flags is caught here, before
+anything is written, as a `UserError` naming the bad value. This module
+imports no TensorFlow (flag parsing and `--help` stay fast); `validate`
+imports the model and data packages.
 """
 
 from __future__ import annotations
@@ -38,7 +42,14 @@ from engine.options import (  # noqa: F401 (re-exported: the command line's name
     SCHEDULE_NAMES,
     SINGLE_HOST_STRATEGIES,
     STRATEGY_NAMES,
+    TRAINER_GROUPS,
+    Cadence,
+    CheckpointOptions,
     SpikeOptions,
+    StepOptions,
+    default_of,
+    help_of,
+    options_from,
 )
 
 # The library's own choices and defaults (engine.options); the command line's below.
@@ -112,30 +123,34 @@ MODEL_AND_DATA_SETTINGS = (
 # Settings that are alternatives to each other: a config layer that sets one of them (a flag over a
 # stored config.yaml, a later file over an earlier one) unsets the others it does not set itself.
 ALTERNATIVE_SETTINGS = (("train_steps", "epochs"),)
-# The settings that are `engine.Trainer` arguments of the same name and meaning.
-TRAINER_SETTINGS = (
-    "steps_per_loop",
-    "eval_every",
-    "checkpoint_every",
-    "max_checkpoints",
-    "clip_norm",
-    "grad_accum_steps",
-    "jit_compile",
-    "on_nonfinite",
-    "max_loss",
-    "rollback_skip_batches",
-    "max_rollbacks",
-    "restore_fallback",
-    "log_every",
-    "reset_optimizer",
-    "async_checkpoint",
-    "peak_tflops",
-)
+# The options of the Trainer's groups (`engine.options.TRAINER_GROUPS`) that no setting holds, and why;
+# every other option is the setting of its name (`trainer_options`). The job computes these.
+OPTIONS_WITHOUT_SETTINGS = {
+    "restore_dir": "a worker of a cluster writes to a private model_dir and restores from --model_dir",
+    "steps_per_epoch": "the train split's size over --global_batch_size, for Keras callbacks' epochs",
+    "flops_per_example": "counted from the model, where models.known_flops_per_example can",
+}
 
 
 def settings_of(values: Any, names: tuple[str, ...]) -> dict[str, Any]:
     """`{name: values.name}`: the named settings of a RunConfig, or of parsed absl flags."""
     return {name: getattr(values, name) for name in names}
+
+
+def trainer_options(config: RunConfig, **computed: Any) -> dict[str, Any]:
+    """The Trainer's option groups as its keyword arguments (`{"step": StepOptions(...), ...}`),
+    each option the setting of its name in `config` or, for those no setting
+    holds (`OPTIONS_WITHOUT_SETTINGS`), its value in `computed` (else its default)."""
+    not_computed = sorted(set(computed) - set(OPTIONS_WITHOUT_SETTINGS))
+    assert not not_computed, f"{not_computed} come from the settings of their names"
+    values = {**{field.name: getattr(config, field.name) for field in dataclasses.fields(RunConfig)}, **computed}
+    return {keyword: options_from(group, values) for keyword, group in TRAINER_GROUPS.items()}
+
+
+def option_setting(group: type, name: str, help: str | None = None, **options: Any) -> Any:
+    """The setting that is the Trainer's option `name` of `group` (`engine.options`): the option's
+    default and its help, unless the command line's differs (`help`, naming flags)."""
+    return setting(default_of(group, name), help_of(group, name) if help is None else help, **options)
 
 
 def setting(default: Any, help: str, *, choices: tuple[str, ...] | None = None, flag: bool = True) -> Any:
@@ -338,8 +353,9 @@ class RunConfig:
     epochs: float | None = setting(
         None, f"Epochs to train (alternative to --train_steps; default {DEFAULT_EPOCHS:g} when neither is set)."
     )
-    steps_per_loop: int = setting(
-        DEFAULT_STEPS_PER_LOOP,
+    steps_per_loop: int = option_setting(
+        Cadence,
+        "steps_per_loop",
         "Steps per compiled call (the longest; loops are cut at evaluations, checkpoints, --log_every and "
         "--profile_steps).",
     )
@@ -376,30 +392,30 @@ class RunConfig:
         choices=SCHEDULE_NAMES,
     )
     warmup_steps: int = setting(0, "Warmup steps of warmup_cosine (0: a tenth of the run).")
-    clip_norm: float | None = setting(None, "Clip the global (all-reduced) gradient norm to this value.")
-    grad_accum_steps: int = setting(
-        1,
-        "Split each replica's batch into this many micro-batches and accumulate their gradients "
-        "(summed before one update).",
-    )
-    on_nonfinite: str = setting(
-        "stop",
+    clip_norm: float | None = option_setting(StepOptions, "clip_norm")
+    grad_accum_steps: int = option_setting(StepOptions, "grad_accum_steps")
+    on_nonfinite: str = option_setting(
+        StepOptions,
+        "on_nonfinite",
         "On a NaN/Inf loss (or one above --max_loss): stop with an error (nothing saved), skip the update "
         "and count it in summaries, or roll back: restore the last good checkpoint and skip the batches "
         "since it, up to the spike's (docs/fault-tolerance.md#loss-spikes).",
         choices=NONFINITE_POLICIES,
     )
-    max_loss: float | None = setting(
-        None,
+    max_loss: float | None = option_setting(
+        SpikeOptions,
+        "max_loss",
         "A finite loss above this is a spike too: --on_nonfinite=stop stops, rollback rolls back.",
     )
-    rollback_skip_batches: int = setting(
-        0,
+    rollback_skip_batches: int = option_setting(
+        SpikeOptions,
+        "rollback_skip_batches",
         "--on_nonfinite=rollback: skip this many batches more than those from the restored checkpoint "
         "up to and including the spike's.",
     )
-    max_rollbacks: int = setting(
-        DEFAULT_MAX_ROLLBACKS,
+    max_rollbacks: int = option_setting(
+        SpikeOptions,
+        "max_rollbacks",
         f"--on_nonfinite=rollback: after this many rollbacks (at most {MAX_ROLLBACKS}) the next spike stops the "
         "run (nothing saved).",
     )
@@ -411,21 +427,12 @@ class RunConfig:
         "directory).",
     )
     checkpoint_every: int = setting(500, "Save every N steps (and always at the end).")
-    max_checkpoints: int = setting(3, "Checkpoints to keep: the newest N.")
-    async_checkpoint: bool = setting(
-        True,
-        "Write checkpoints in the background: a save waits only for a copy of the variables in "
-        "memory, and the checkpoint state file names a checkpoint once its files are complete. "
-        "Off (synchronous) under --strategy=multi_worker_mirrored, parameter_server and tpu, where it is not "
-        "verified.",
-    )
-    restore_fallback: bool = setting(
-        False,
-        "If the latest checkpoint cannot be read, restore the newest older one that can "
-        "(the unreadable one is moved to checkpoints/unreadable/).",
-    )
-    reset_optimizer: bool = setting(
-        False,
+    max_checkpoints: int = option_setting(CheckpointOptions, "max_checkpoints")
+    async_checkpoint: bool = option_setting(CheckpointOptions, "async_checkpoint")
+    restore_fallback: bool = option_setting(CheckpointOptions, "restore_fallback")
+    reset_optimizer: bool = option_setting(
+        CheckpointOptions,
+        "reset_optimizer",
         "Resume the weights and step of the checkpoints with fresh "
         "optimizer state, so that --optimizer, --lr_schedule or --mixed_precision "
         "may change.",
@@ -480,7 +487,7 @@ class RunConfig:
         "float16 and bfloat16 compute in that type with float32 weights; float16 with dynamic loss scaling.",
         choices=tuple(PRECISION_POLICIES),
     )
-    jit_compile: bool = setting(False, "Compile the per-replica step (forward and backward pass) with XLA.")
+    jit_compile: bool = option_setting(StepOptions, "jit_compile")
     peak_tflops: float = setting(
         0.0,
         "The devices' peak TFLOP/s (all replicas together, at the compute precision): progress lines and "

@@ -25,7 +25,7 @@ from engine.callbacks.progress import format_logs
 from engine.checkpointing import checkpointer as checkpoint_lib
 from engine.checkpointing import discovery, repairs
 from engine.cli.config.config_files import check_stored_config_writable, write_stored_config
-from engine.cli.config.settings import TRAINER_SETTINGS, RunConfig, settings_of
+from engine.cli.config.settings import RunConfig, trainer_options
 from engine.cli.process import host_memory
 from engine.cli.process.own_packages import own_package
 from engine.cli.process.preemption import stop_on_signals
@@ -187,13 +187,15 @@ def _train_and_evaluate(
         eval_data=eval_data,
         global_batch_size=batch,
         model_dir=write_dir,
-        restore_dir=model_dir if write_dir != model_dir else None,
         callbacks=hooks_from_config(config),
-        steps_per_epoch=max(1, source.num_train_examples // batch) if source.num_train_examples else None,
         ema_decay=config.ema_decay or None,
-        flops_per_example=own_package("models").known_flops_per_example(model),  # None: not counted.
         **task.trainer_arguments(model),
-        **settings_of(config, TRAINER_SETTINGS),
+        **trainer_options(  # The option groups, from the settings of their options' names.
+            config,
+            restore_dir=model_dir if write_dir != model_dir else None,
+            steps_per_epoch=max(1, source.num_train_examples // batch) if source.num_train_examples else None,
+            flops_per_example=own_package("models").known_flops_per_example(model),  # None: not counted.
+        ),
     )
     trainer.goodput_clock.start_from(started_at)  # Start-up counts from the process's start.
     trainer.reports_goodput = False  # Once, after the final evaluation (_train_with_clean_errors).
