@@ -1,12 +1,12 @@
 """Every private TensorFlow and Keras API the engine uses, in one place.
 
 Each is a thing the public API does not offer (said at each function), and
-each has a fast test in `tests/test_compat.py` that fails naming the TF and
+each has a fast test in `tests/unit/test_compat.py` that fails naming the TF and
 Keras versions when a release moves it, so an upgrade breaks here, in the
 fast tier, not somewhere only a slow multi-process test reaches. Code
 elsewhere (the engine, `models`, `input`) calls these functions, never the
 private names: ruff's SLF001 (private member access) is off for this module
-alone, and `keras.src` is imported nowhere else (tests/test_layout.py).
+alone, and `keras.src` is imported nowhere else (tests/unit/test_layout.py).
 """
 
 from __future__ import annotations

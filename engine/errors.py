@@ -23,7 +23,7 @@ class UserError(Exception):
 
     # Raised while a step is traced, it must reach the user as the one line it is: AutoGraph
     # leaves exceptions with this attribute alone (engine.compat.AUTOGRAPH_PASS_THROUGH, tested
-    # in tests/test_compat.py; this module imports no TensorFlow, so the name is spelled here).
+    # in tests/unit/test_compat.py; this module imports no TensorFlow, so the name is spelled here).
     ag_pass_through = True
 
 

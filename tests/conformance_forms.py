@@ -1,5 +1,5 @@
 """The catalogue of model forms the conformance suite runs through the engine and through
-Keras (tests/test_conformance.py), and the subprocess that resumes them (its `__main__`).
+Keras (tests/unit/loop/test_conformance.py), and the subprocess that resumes them (its `__main__`).
 
 Each form is what a user builds: the Keras model, its data (numpy, nested as the model
 takes it), the loss as `compile` takes it and as the engine takes it (the same Keras loss

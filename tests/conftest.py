@@ -20,14 +20,24 @@ _cpu = tf.config.list_physical_devices("CPU")[0]
 tf.config.set_logical_device_configuration(_cpu, [tf.config.LogicalDeviceConfiguration()] * TEST_CPU_DEVICES)
 
 
+from pathlib import Path  # noqa: E402
+
 import pytest  # noqa: E402
+
+TESTS = Path(__file__).resolve().parent
+FOLDER_TIERS = {"cli": "cli", "process": "process", "cluster": "cluster"}  # tests/unit: no tier marker.
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
 def pytest_collection_modifyitems(items):
-    """A test that starts processes (tier process or cluster, setup.cfg) is in the full suite only:
-    it is marked slow, so that -m "not slow" (the fast tier) starts none."""
+    """A test's tier (setup.cfg) is its folder's: tests/cli, tests/process and tests/cluster mark
+    theirs; tests/unit has none. A module not split yet marks its few heavier tests itself.
+    A test that starts processes (tier process or cluster) is in the full suite only: it is
+    marked slow, so that -m "not slow" (the fast tier) starts none."""
     for item in items:
+        folder = Path(str(item.path)).relative_to(TESTS).parts[0]
+        if folder in FOLDER_TIERS:
+            item.add_marker(FOLDER_TIERS[folder])
         if item.get_closest_marker("process") or item.get_closest_marker("cluster"):
             if not item.get_closest_marker("slow"):
                 item.add_marker(pytest.mark.slow)

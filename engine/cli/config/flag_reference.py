@@ -3,7 +3,7 @@
 
     python -m engine.cli.config.flag_reference > docs/flags.md
 
-`tests/test_docs.py` fails when docs/flags.md is not what `render()` returns.
+`tests/unit/test_docs.py` fails when docs/flags.md is not what `render()` returns.
 Imports no TensorFlow (as `python -m engine.main --help` does not).
 """
 
@@ -16,7 +16,7 @@ from engine.cli.config.settings import CLUSTER_SETTINGS, DEFAULT_EPOCHS, RunConf
 
 COMMAND = "python -m engine.cli.config.flag_reference > docs/flags.md"
 
-# Where the docs say more about a flag (relative to docs/); tests/test_docs.py checks each link.
+# Where the docs say more about a flag (relative to docs/); tests/unit/test_docs.py checks each link.
 SEE_ALSO = {
     "strategy": "several-machines.md",
     "tpu": "several-machines.md#on-real-hosts",

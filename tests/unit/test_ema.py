@@ -15,7 +15,7 @@ from helpers import python_env
 import engine
 from engine.errors import UserError
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]  # The repository, above tests/unit.
 FEATURES, CLASSES, BATCH, DECAY = 6, 3, 16, 0.8
 
 

@@ -17,8 +17,6 @@ import numpy as np
 import pytest
 from helpers import REPO, SMALL, free_ports, in_background, kill_group, model_weights, python_env, signal_group
 
-pytestmark = [pytest.mark.slow, pytest.mark.cluster]  # every test here starts cluster processes
-
 
 def run_single_process(*flags: str) -> subprocess.CompletedProcess:
     return subprocess.run(

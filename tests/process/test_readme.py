@@ -9,8 +9,6 @@ import sys
 import pytest
 from helpers import REPO, snapshot
 
-pytestmark = [pytest.mark.slow, pytest.mark.process]  # every test here starts processes
-
 
 def readme_example(name: str) -> str:
     """The example block `name`, from README.md or a page of docs/ (exactly one of them holds it)."""

@@ -23,8 +23,6 @@ import pytest
 from helpers import SMALL, free_ports, in_background, latest_step, model_weights, python_env, run_main
 from virtual_hosts import VirtualHosts
 
-pytestmark = [pytest.mark.slow, pytest.mark.cluster]
-
 WHY_NOT = VirtualHosts.unavailable()
 needs_hosts = pytest.mark.skipif(WHY_NOT is not None, reason=f"no virtual hosts: {WHY_NOT}")
 RENDEZVOUS_PORT = 29400

@@ -17,7 +17,6 @@ import helpers
 import pytest
 from helpers import REPO, python_env
 
-pytestmark = [pytest.mark.slow, pytest.mark.cluster]  # every test here starts cluster tasks
 FLAGS = ["--strategy=multi_worker_mirrored", "--model=mlp", "--dataset=synthetic", "--train_steps=4"]
 STARTUP_TIMEOUT = 3  # seconds: the wait the test sits through, as short as the bounds below allow
 

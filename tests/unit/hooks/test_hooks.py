@@ -259,7 +259,7 @@ def test_flags_build_the_hooks_and_refuse_bad_combinations():
     ]
     assert hooks[-1].watch.mode == "max" and hooks[1].watch.mode == "min"
     bad = [
-        # An unknown metric name is refused once the task says what it reports: tests/test_your_problem.py.
+        # An unknown metric name is refused once the task says what it reports: tests/cli/test_your_problem.py.
         (dict(reduce_lr_metric="loss", lr_schedule="cosine"), "cannot be combined with --lr_schedule=cosine"),
         (dict(early_stop_metric="loss", eval_every=0), "set --eval_every to a positive"),
         (dict(reduce_lr_factor=1.5), "--reduce_lr_factor=1.5 must be between 0 and 1"),

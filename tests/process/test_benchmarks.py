@@ -13,8 +13,6 @@ import sys
 import pytest
 from helpers import REPO, signal_group
 
-pytestmark = pytest.mark.slow  # every test here starts processes
-
 
 def _run(args, timeout):
     """Runs the script in its own process group, so that a timeout also ends

@@ -175,7 +175,7 @@ def test_print_config_shows_the_resolved_settings_and_writes_nothing(tmp_path):
         f"--flagfile={flagfile}", "--learning_rate=0.2", f"--model_dir={model_dir}", "--print_config"
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    settings = yaml.safe_load(result.stdout)  # YAML that --config_file reads back (tests/test_config_file.py).
+    settings = yaml.safe_load(result.stdout)  # What --config_file reads back (test_config_file.py).
     assert (settings["model"], settings["learning_rate"], settings["train_steps"]) == ("mlp", 0.2, 7)
     assert settings["global_batch_size"] == 64 and settings["model_dir"] == str(model_dir)  # Defaults too.
     assert "print_config" not in settings and "config_file" not in settings

@@ -1,5 +1,5 @@
 """A peer that stops answering mid-run: TF's errors become one line naming it, and the
-heartbeat bound reaches TF (the real frozen and partitioned peers: tests/test_multi_host.py)."""
+heartbeat bound reaches TF (the real frozen and partitioned peers: tests/cluster/test_multi_host.py)."""
 
 import tensorflow as tf
 
@@ -44,7 +44,7 @@ def test_a_dropped_connection_names_every_peer_and_other_errors_are_left_alone()
 def test_the_heartbeat_timeout_reaches_the_coordination_service(monkeypatch):
     """--heartbeat_timeout bounds the detection because it is what TF's coordination service
     is configured with (end to end, the frozen worker and partitioned host of
-    tests/test_multi_host.py are detected within it)."""
+    tests/cluster/test_multi_host.py are detected within it)."""
     from tensorflow.python.eager import context
 
     from engine.cluster import multi_host

@@ -18,8 +18,6 @@ import pytest
 import tensorflow as tf
 from helpers import main_in_process, one_error_line, snapshot
 
-pytestmark = pytest.mark.cli
-
 
 def write_csv(path: Path, header: list[str], rows) -> Path:
     with open(path, "w", newline="") as handle:

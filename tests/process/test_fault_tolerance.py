@@ -32,8 +32,6 @@ from helpers import (
     wait_for_checkpoint,
 )
 
-pytestmark = pytest.mark.slow  # processes, and the refusals on the model_dir trained for them
-
 RESUME_FLAGS = [
     "--model=mlp",
     "--deterministic",
@@ -156,7 +154,7 @@ def trained_mlp_dir(tmp_path_factory) -> Path:
 @pytest.mark.cli
 def test_checkpoint_of_another_model_is_refused_and_left_alone(trained_mlp_dir, tmp_path):
     model_dir = copy_of(trained_mlp_dir, tmp_path / "run")
-    # As an older run left it: without config.yaml, whose check (tests/test_config_file.py) comes first.
+    # As an older run left it: without config.yaml, whose check (tests/cli/test_config_file.py) comes first.
     (model_dir / "config.yaml").unlink()
     before = snapshot(model_dir)
     line = one_error_line(main_in_process("--model=cnn", "--train_steps=30", f"--model_dir={model_dir}"))

@@ -15,7 +15,6 @@ import pytest
 import tensorflow as tf
 from helpers import REPO, free_ports, signal_group
 
-pytestmark = [pytest.mark.slow, pytest.mark.cluster]  # every test here starts a cluster
 FLAGS = [
     "--strategy=multi_worker_mirrored",
     "--model=mlp",

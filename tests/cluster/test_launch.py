@@ -16,9 +16,6 @@ import numpy as np
 import pytest
 from helpers import REPO, SMALL, eval_steps, latest_step, model_weights
 
-pytestmark = [pytest.mark.slow, pytest.mark.cluster]  # every test here starts a cluster
-
-
 MWM = ["--strategy=multi_worker_mirrored", *SMALL, "--deterministic", "--steps_per_loop=4"]
 
 

@@ -15,7 +15,7 @@ import pytest
 from engine.cli.process.lean_imports import HIDDEN_WHILE_KERAS_STARTS as HIDDEN
 from engine.native_logs import kept_lines
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]  # The repository, above tests/process.
 START_UP_LINES = ("cuInit", "cpu_feature_guard", "cudart_stub", "InitializeLog", "oneDNN custom operations")
 # Under load (2 shared cores) Python alone starts in ~0.3 s; TensorFlow's import takes 5-10 s.
 HELP_SECONDS = 4.0
