@@ -470,25 +470,31 @@ def loss_fn():
     return keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
 
 
-def small_trainer(model_dir, **kwargs):
-    """A Trainer of the small model on repeated global batches of 16, in the current strategy's
-    scope, checkpointing every 2 steps into `model_dir`: for tests of what lands on disk."""
+def make_trainer(strategy=None, *, arrays=None, batch: int = 16, seed: int = 3, l2: float = 0.0, **overrides):
+    """The tests' Trainer: the small model (`make_model(strategy, seed, l2)`) on repeated global
+    batches of `batch` from `arrays` (64 examples of `make_arrays` by default), in `strategy`
+    (the current one by default). Any Trainer keyword in `overrides` replaces its default,
+    `model` and `optimizer` included."""
     import engine
 
-    strategy = tf.distribute.get_strategy()
-    model, optimizer = make_model(strategy)
-    return engine.Trainer(
-        strategy=strategy,
-        model=model,
-        optimizer=optimizer,
-        train_data=global_batches(*make_arrays(64), 16),
-        global_batch_size=16,
-        loss_fn=loss_fn(),
-        steps_per_loop=2,
-        checkpoint_every=2,
-        model_dir=str(model_dir),
-        **kwargs,
-    )
+    strategy = strategy or tf.distribute.get_strategy()
+    if "model" not in overrides:
+        overrides["model"], default_optimizer = make_model(strategy, seed=seed, l2=l2)
+        overrides.setdefault("optimizer", default_optimizer)
+    x, y = arrays if arrays is not None else make_arrays(64)
+    arguments = {
+        "strategy": strategy,
+        "train_data": global_batches(x, y, batch),
+        "global_batch_size": batch,
+        "loss_fn": loss_fn(),
+    }
+    return engine.Trainer(**{**arguments, **overrides})
+
+
+def small_trainer(model_dir, **overrides):
+    """`make_trainer` checkpointing every 2 steps into `model_dir`, in loops of 2: for tests of
+    what lands on disk."""
+    return make_trainer(**{"steps_per_loop": 2, "checkpoint_every": 2, "model_dir": str(model_dir), **overrides})
 
 
 def global_batches(x, y, batch):

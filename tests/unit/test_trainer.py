@@ -5,7 +5,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from helpers import NUM_CLASSES, NUM_FEATURES, global_batches, loss_fn, make_arrays, make_model
+from helpers import NUM_CLASSES, NUM_FEATURES, global_batches, loss_fn, make_arrays, make_model, make_trainer
 
 import engine
 
@@ -22,20 +22,10 @@ def per_replica_batches(x, y, batch):
 
 
 def train_weights(strategy, data, *, batch=16, steps=12, l2=0.0, **trainer_kwargs):
-    model, optimizer = make_model(strategy, l2=l2)
-    trainer = engine.Trainer(
-        strategy=strategy,
-        model=model,
-        optimizer=optimizer,
-        train_data=data,
-        global_batch_size=batch,
-        loss_fn=loss_fn(),
-        steps_per_loop=5,
-        **trainer_kwargs,
-    )
+    trainer = make_trainer(strategy, l2=l2, train_data=data, batch=batch, steps_per_loop=5, **trainer_kwargs)
     trainer.train(steps)
     assert trainer.step == steps
-    return model.get_weights()
+    return trainer.model.get_weights()
 
 
 # The fast tier trains the per-replica function form in the eval test below; here the global dataset.
@@ -230,14 +220,7 @@ def test_batch_not_divisible_by_replicas_is_refused(mirrored):
     x, y = make_arrays(16)
     model, optimizer = make_model(mirrored)
     with pytest.raises(engine.UserError, match="not divisible by 2 replica"):
-        engine.Trainer(
-            strategy=mirrored,
-            model=model,
-            optimizer=optimizer,
-            train_data=global_batches(x, y, 15),
-            global_batch_size=15,
-            loss_fn=loss_fn(),
-        )
+        make_trainer(mirrored, model=model, optimizer=optimizer, arrays=(x, y), batch=15)
 
 
 def test_xla_step_trains_to_the_same_weights(mirrored):
