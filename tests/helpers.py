@@ -499,3 +499,18 @@ def small_trainer(model_dir, **overrides):
 
 def global_batches(x, y, batch):
     return tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(batch, drop_remainder=True)
+
+
+# ------------------------------------------------------- the docs' examples
+
+
+def readme_example(name: str) -> str:
+    """The example block `name`, from README.md or a page of docs/ (exactly one of them holds it)."""
+    pattern = rf"<!-- example: {name} -->\s*```python\n(.*?)```"
+    found = [
+        match.group(1)
+        for page in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+        for match in re.finditer(pattern, page.read_text(), re.S)
+    ]
+    assert len(found) == 1, f"README.md and docs/*.md have {len(found)} example blocks {name!r}, not one"
+    return found[0]

@@ -7,19 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import REPO, snapshot
-
-
-def readme_example(name: str) -> str:
-    """The example block `name`, from README.md or a page of docs/ (exactly one of them holds it)."""
-    pattern = rf"<!-- example: {name} -->\s*```python\n(.*?)```"
-    found = [
-        match.group(1)
-        for page in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
-        for match in re.finditer(pattern, page.read_text(), re.S)
-    ]
-    assert len(found) == 1, f"README.md and docs/*.md have {len(found)} example blocks {name!r}, not one"
-    return found[0]
+from helpers import REPO, readme_example, snapshot
 
 
 @pytest.mark.timeout(600)

@@ -8,8 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import REPO
-from test_readme import readme_example
+from helpers import REPO, readme_example
 
 from engine.cli.config import flag_reference
 from engine.cli.config.settings import RunConfig
