@@ -196,7 +196,7 @@ def test_a_failed_background_write_removes_its_own_partial_folder_at_once(tmp_pa
     assert _state_names(tmp_path) == "ckpt-2"
 
 
-def test_background_off_saves_in_the_loop(tmp_path):
+def test_async_checkpoint_off_saves_in_the_loop(tmp_path):
     trainer = small_trainer(tmp_path, async_checkpoint=False)
     assert not trainer.checkpointer.writes_in_background
     trainer.train(2)
