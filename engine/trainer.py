@@ -16,7 +16,7 @@ import functools
 import inspect
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, NoReturn, TypeAlias
+from typing import Any, NoReturn
 
 import keras
 import tensorflow as tf
@@ -26,8 +26,7 @@ from engine.callbacks.progress import Progress, format_logs
 from engine.checkpointing import discovery
 from engine.checkpointing.background import writes_in_background
 from engine.checkpointing.checkpointer import Checkpointer, checkpoint_of
-from engine.compat import num_workers
-from engine.data import Data, DataForm, DataPosition, as_eval_form, as_train_form
+from engine.data import Data, DataForm, DataPosition, as_eval_form
 from engine.ema import WeightAverages, averages_swapped_in, weight_averages
 from engine.errors import DataExhaustedError, NonFiniteLossError, UserError
 from engine.goodput import GoodputClock, ModelFlops, TimedFunction, breakdown_line, scalars
@@ -48,14 +47,19 @@ from engine.options import (
     ThroughputOptions,
     group_options,
 )
-from engine.resident import ResidentData, keeps_on_devices
+from engine.resident import ResidentData
 from engine.schedules import is_scheduled
+from engine.stopping import StopAgreement
 from engine.summaries import SummaryWriters
-from engine.variables import check_regularizers_visible, require_trainable_variables
+from engine.trainer_checks import (
+    Optimizers,
+    check_arguments,
+    named_optimizers,
+    prepare_model_state,
+    train_data_form,
+)
 
 __all__ = ["DataExhaustedError", "NonFiniteLossError", "Trainer"]  # The errors live in engine.errors.
-
-Optimizers: TypeAlias = keras.optimizers.Optimizer | Mapping[str, keras.optimizers.Optimizer]
 
 
 def _with_flat_aliases(init: Callable[..., None]) -> Callable[..., None]:
@@ -224,19 +228,19 @@ class Trainer:
         self.spike_options = SpikeOptions() if spikes is None else spikes
         throughput = ThroughputOptions() if throughput is None else throughput
         self.model_flops = ModelFlops.from_forward(throughput.flops_per_example, throughput.peak_tflops)
-        _check_arguments(
+        check_arguments(
             strategy, loss_fn, step_fn, metrics, weighted_metrics, eval_data, global_batch_size, step_options
         )
         self.objective = Objective(loss_fn, loss_weights) if loss_fn is not None else None
         check_options(strategy, step_options.on_nonfinite, self.spike_options)
         self.step_options = step_options
-        self.optimizers = _named_optimizers(optimizer)
+        self.optimizers = named_optimizers(optimizer)
         if step_fn is None and len(self.optimizers) > 1:
             raise UserError(
                 f"the standard step applies one optimizer, got {len(self.optimizers)} "
                 f"({', '.join(self.optimizers)}); pass `step_fn` to apply several"
             )
-        train_form = _train_data_form(strategy, train_data, global_batch_size)
+        train_form = train_data_form(strategy, train_data, global_batch_size)
         eval_form = as_eval_form(eval_data) if eval_data is not None else None
         # Before the optimizer is built: Keras makes the averages when it builds it.
         self.weight_averages: WeightAverages | None = weight_averages(self.optimizers, ema_decay)
@@ -261,8 +265,7 @@ class Trainer:
         ]
         # Both stay in force for later train() calls until clear_stop():
         self.stop_training = False  # Set by a callback (early stopping): stop after this loop.
-        self._stop_requested = False  # Set by request_stop() (a signal, a peer worker).
-        self._agreed_stop = False  # Multi-worker: every worker agreed to stop (`stop_agreed`).
+        self.stopping = StopAgreement(strategy)  # request_stop() (a signal, a peer worker).
 
         self.global_step = prepare_model_state(strategy, model, self.optimizers)
         with strategy.scope():
@@ -274,7 +277,6 @@ class Trainer:
         # Step k trains on stream position k + offset (the batches rollbacks skipped).
         self.data_position = DataPosition()
         self.train_runner = self._make_train_runner(train_form, global_batch_size)
-        self._stop_agreement = _make_stop_agreement(strategy)
         self.eval_runner: EvalRunner | None = None
         if eval_form is not None:
             assert self.objective is not None, "checked above: eval_data needs loss_fn"
@@ -444,49 +446,29 @@ class Trainer:
         """Stops training after the current loop (with a checkpoint); safe to
         call from a signal handler or another thread. Like `stop_training`,
         it stays in force for later train() calls until `clear_stop()`."""
-        self._stop_requested = True
+        self.stopping.request()
 
     @property
     def stop_requested(self) -> bool:
         """Whether `request_stop()` was called (here or, multi-worker, on a peer)."""
-        return self._stop_requested
+        return self.stopping.requested
 
     @property
     def stop_agreed(self) -> bool:
         """Whether training stopped on a request every worker agreed to (one process: any
         request). What to do next (evaluate, or exit as stopped) must follow this, not
         `stop_requested`: a signal that lands after the last agreement reached one worker only."""
-        if self._stop_agreement is None:
-            return self._stop_requested
-        return self._agreed_stop
+        return self.stopping.agreed
 
     def clear_stop(self) -> None:
         """Lifts a stop (`request_stop()` or `stop_training`), so the next train() trains."""
-        self._stop_requested = self._agreed_stop = False
+        self.stopping.clear()
         self.stop_training = False
 
     def _should_stop(self) -> bool:
-        """Whether to stop before the next loop, agreed by every worker.
-
-        A signal reaches one process, but multi-worker training only ends
-        cleanly if all workers stop at the same step (otherwise the others
-        wait in their next all-reduce). So with several workers a stop
-        request is all-reduced once per loop, and a worker that learns of a
-        peer's request takes it as its own. Callbacks decide from all-reduced
-        metrics and so agree already.
-        """
-        if self.stop_training:
-            return True
-        if self._stop_agreement is not None:
-            # Only the agreed value decides: a request that lands after the all-reduce (a
-            # signal's watcher thread sets it any time) waits for the next loop's agreement,
-            # or this worker would stop a loop before its peers, who then lose it mid-collective.
-            wanted = tf.constant(1.0 if self._stop_requested else 0.0)
-            agreed = float(self._stop_agreement(wanted)) > 0
-            if agreed:
-                self._stop_requested = self._agreed_stop = True
-            return agreed
-        return self._stop_requested
+        """Whether to stop before the next loop, agreed by every worker (`engine.stopping`).
+        Callbacks decide from all-reduced metrics and so agree already."""
+        return self.stop_training or self.stopping.should_stop()
 
     def train(self, steps: int) -> dict[str, float]:
         """Trains until the global step reaches `steps`; returns the last loop's logs.
@@ -520,7 +502,7 @@ class Trainer:
         if self.step >= steps:
             logger.info("nothing to train: the global step %d is already at or past steps=%d", self.step, steps)
             return logs
-        if self.stop_training or self._stop_requested:
+        if self.stop_training or self.stopping.requested:
             logger.warning(
                 "not training: a stop is in force at step %d (trainer.clear_stop() lifts it)", self.step
             )
@@ -707,7 +689,7 @@ class Trainer:
             raise UserError("evaluate() needs eval_data and a loss_fn")
         with self.goodput_clock.phase("eval"), self.averaged_weights():
             # Several workers must run the same chunks (each batch is agreed by all-reduce).
-            result = self.eval_runner.run(lambda: self._stop_requested and self._stop_agreement is None)
+            result = self.eval_runner.run(lambda: self.stopping.requested and self.stopping.all_reduce is None)
         if result is None:
             logger.warning("evaluation at step %d stopped by a stop request; no eval results", self.step)
             return {}
@@ -750,191 +732,6 @@ class Trainer:
             self._summaries.close()
             if self.rollback is not None:
                 self.rollback.discard_start()
-
-
-def prepare_model_state(
-    strategy: tf.distribute.Strategy, model: Any, optimizers: Mapping[str, keras.optimizers.Optimizer]
-) -> tf.Variable:
-    """Checks the model and builds its optimizers in the strategy's scope; returns a new global step.
-
-    What a checkpoint of this model holds must exist before it is restored:
-    Keras 3 optimizers create their slots (and moving averages) when built,
-    which must also happen before the first traced step. Shared by the
-    Trainer and the checkpoint evaluator, which restores without training.
-    """
-    with strategy.scope():
-        variables = require_trainable_variables(model)
-        check_regularizers_visible(model)
-        _check_created_in_scope(strategy, variables, "the model's variables were")
-        for name, optimizer in optimizers.items():
-            _check_created_in_scope(
-                strategy, [optimizer.iterations], f"optimizer {name!r} ({type(optimizer).__name__}) was"
-            )
-        _build_optimizers(optimizers, model, variables)
-        return tf.Variable(
-            0,
-            dtype=tf.int64,
-            trainable=False,
-            name="global_step",
-            aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
-        )
-
-
-def _check_arguments(
-    strategy: tf.distribute.Strategy,
-    loss_fn: LossFn | None,
-    step_fn: ReplicaStep | None,
-    metrics: Sequence[Any],
-    weighted_metrics: Sequence[Any],
-    eval_data: Data | None,
-    global_batch_size: int,
-    step_options: StepOptions,
-) -> None:
-    """The Trainer's arguments on their own and together, before anything is built."""
-    if loss_fn is None and step_fn is None:
-        raise UserError("pass loss_fn, step_fn or both to Trainer")
-    _check_metric_names(metrics, weighted_metrics)
-    if isinstance(eval_data, ResidentData):
-        raise UserError(
-            "eval_data cannot be ResidentData, an endless shuffled training stream: pass the eval split "
-            "as a tf.data.Dataset of global batches (every example once) or fn(input_context)"
-        )
-    if eval_data is not None and loss_fn is None:
-        raise UserError("evaluation needs loss_fn (per-example losses) besides step_fn")
-    _check_batch(global_batch_size, strategy.num_replicas_in_sync, step_options.grad_accum_steps)
-    ignored = step_options.changed()
-    if step_fn is not None and ignored:  # A step_fn replaces the step these options shape.
-        raise UserError(
-            f"step_fn cannot honour {', '.join(ignored)}: those options shape the standard step; "
-            "do it in your step_fn, or drop step_fn and pass loss_fn"
-        )
-
-
-def _train_data_form(
-    strategy: tf.distribute.Strategy, data: Data, global_batch_size: int
-) -> DataForm | ResidentData:
-    """The declared form the train runner reads: `ResidentData` kept on the devices where the
-    strategy allows it, else a tf.data form (ResidentData's `host_data` on the others)."""
-    if isinstance(data, ResidentData):
-        if data.global_batch_size not in (None, global_batch_size):
-            raise UserError(
-                f"`train_data` (ResidentData) was made for `global_batch_size={data.global_batch_size}` "
-                f"but the Trainer has `global_batch_size={global_batch_size}`; make both the same"
-            )
-        host_form = as_train_form(data.host_data)  # Checked all the same.
-        _check_dataset_batch(host_form, global_batch_size)
-        if keeps_on_devices(strategy):
-            return data
-        logger.info("%s trains from ResidentData.host_data (tf.data)", type(strategy).__name__)
-        return host_form
-    form = as_train_form(data)
-    _check_dataset_batch(form, global_batch_size)
-    return form
-
-
-def _make_stop_agreement(strategy: tf.distribute.Strategy):
-    """A compiled `any(flag over all workers)` for multi-worker mirrored
-    training; None where one process decides alone."""
-    if not isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
-        return None
-    if num_workers(strategy) < 2:
-        return None
-
-    @tf.function
-    def any_worker(flag: tf.Tensor) -> tf.Tensor:
-        per_replica = strategy.run(tf.identity, args=(flag,))
-        return strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None)
-
-    return any_worker
-
-
-def _check_metric_names(metrics: Sequence[Any], weighted_metrics: Sequence[Any]) -> None:
-    names = [str(getattr(m, "name", "")) for m in (*metrics, *weighted_metrics)]
-    for metric in (*metrics, *weighted_metrics):
-        if not isinstance(metric, keras.metrics.Metric):
-            raise UserError(f"metrics take keras.metrics.Metric objects, got {type(metric).__name__}")
-    clashes = sorted(
-        {n for n in names if names.count(n) > 1} | {n for n in names if n in ("loss", "num_examples")}
-    )
-    if clashes:
-        raise UserError(
-            f"metric name(s) {', '.join(map(repr, clashes))} used twice (or taken by the loss or the example "
-            "count); give each metric its own name=, e.g. name='weighted_accuracy'"
-        )
-
-
-def _check_batch(global_batch_size: int, num_replicas: int, grad_accum_steps: int) -> None:
-    if global_batch_size < 1:
-        raise UserError(f"global batch size {global_batch_size} must be positive")
-    if global_batch_size % (num_replicas * grad_accum_steps):
-        raise UserError(
-            f"global batch size {global_batch_size} is not divisible by "
-            f"{num_replicas} replica(s) x {grad_accum_steps} accumulation step(s); "
-            f"use a multiple of {num_replicas * grad_accum_steps}"
-        )
-
-
-def _named_optimizers(optimizer: Optimizers) -> dict[str, keras.optimizers.Optimizer]:
-    if isinstance(optimizer, keras.optimizers.Optimizer):
-        return {"optimizer": optimizer}
-    if (
-        isinstance(optimizer, Mapping)
-        and optimizer
-        and all(isinstance(o, keras.optimizers.Optimizer) for o in optimizer.values())
-    ):
-        return dict(optimizer)
-    raise UserError(
-        f"optimizer={optimizer!r} must be a Keras optimizer or a non-empty dict of name -> Keras optimizer"
-    )
-
-
-def _build_optimizers(optimizers: Mapping[str, keras.optimizers.Optimizer], model: Any, variables: list) -> None:
-    """Builds each unbuilt optimizer on the variables it will update.
-
-    One optimizer updates the whole model. A named one (several) updates
-    `getattr(model, name)`; where the model has no such part the engine
-    cannot know its variables and says how to build it.
-    """
-    single = len(optimizers) == 1
-    for name, optimizer in optimizers.items():
-        if optimizer.built:
-            continue
-        if single:
-            optimizer.build(variables)
-            continue
-        part = getattr(model, name, None)
-        if part is None:
-            raise UserError(
-                f"optimizer {name!r} is not built and the model ({type(model).__name__}) has no "
-                f"attribute {name!r} to build it for: name it after the sub-model it trains, or call "
-                f"optimizer.build(<its variables>) inside strategy.scope() before creating the Trainer"
-            )
-        optimizer.build(require_trainable_variables(part))
-
-
-def _check_dataset_batch(form: DataForm, global_batch_size: int) -> None:
-    """A Dataset of global batches whose batch dimension is static is checked here, at once."""
-    dataset = getattr(form, "dataset", None)
-    if dataset is None:
-        return
-    leaves = tf.nest.flatten(dataset.element_spec)
-    size = leaves[0].shape[0] if leaves and leaves[0].shape.rank else None
-    if size is not None and size != global_batch_size:
-        raise UserError(
-            f"`train_data` yields batches of {size} examples but `global_batch_size={global_batch_size}`; "
-            f"batch the dataset (global batches) by {global_batch_size} or pass `global_batch_size={size}`"
-        )
-
-
-def _check_created_in_scope(strategy: tf.distribute.Strategy, variables: list, what: str) -> None:
-    for variable in variables[:1]:
-        if isinstance(variable, keras.Variable):
-            variable = variable.value  # The tf.Variable inside a Keras variable.
-        if not strategy.extended.variable_created_in_scope(variable):
-            raise UserError(
-                f"{what} created outside strategy.scope(); "
-                "build the model and optimizer inside `with strategy.scope():`"
-            )
 
 
 def _constant_learning_rate(optimizer: keras.optimizers.Optimizer) -> float | None:

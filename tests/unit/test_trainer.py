@@ -287,7 +287,7 @@ def test_a_stop_request_after_the_workers_agreement_waits_for_the_next_one(tmp_p
             trainer.request_stop()  # the signal lands while the first all-reduce runs
         return wanted + 0.0
 
-    trainer._stop_agreement = agreement
+    trainer.stopping.all_reduce = agreement
     trainer.train(8)
     assert calls == [0.0, 1.0]  # asked at the first agreement, agreed at the second
     assert trainer.step == 2 and trainer.stop_agreed  # one loop ran, as on the peer

@@ -20,7 +20,7 @@ from engine.cli.run.run_task import RunTask, resolve_task
 from engine.ema import averages_swapped_in, weight_averages
 from engine.schedules import LearningRate, learning_rate_schedule
 from engine.strategy import build_strategy, configure_cpu_devices
-from engine.trainer import prepare_model_state
+from engine.trainer_checks import prepare_model_state
 
 
 def prepare_process(config: RunConfig) -> None:
