@@ -291,6 +291,15 @@ def free_ports(count: int) -> list[int]:
 
 # ---------------------------------------------------------------- clusters on localhost
 
+# TensorFlow's C++ lines at import and first device listing, which engine.native_logs holds back.
+NATIVE_START_UP_LINES = (
+    "cuInit",
+    "cpu_feature_guard",
+    "cudart_stub",
+    "InitializeLog",
+    "oneDNN custom operations",
+)
+
 SMALL = [
     "--model=mlp",
     "--dataset=synthetic",

@@ -15,7 +15,17 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import REPO, SMALL, free_ports, in_background, kill_group, model_weights, python_env, signal_group
+from helpers import (
+    NATIVE_START_UP_LINES,
+    REPO,
+    SMALL,
+    free_ports,
+    in_background,
+    kill_group,
+    model_weights,
+    python_env,
+    signal_group,
+)
 
 
 def run_single_process(*flags: str) -> subprocess.CompletedProcess:
@@ -48,6 +58,14 @@ def test_two_mirrored_workers_equal_one_process_and_resume(tmp_path, launch):
     first.assert_nothing_left()
     digests = re.findall(r"\[worker:(\d)\].*done: step 12.*weights_digest=(\w+)", first.output)
     assert sorted(digests)[0][0] == "0" and len(digests) == 2 and digests[0][1] == digests[1][1], digests
+    # What the cluster prints (engine.cli.process.console): worker:0 alone its progress and summary,
+    # every worker its done line (above), each line prefixed once.
+    worker0 = [line for line in first.lines if line.startswith("[worker:0] ")]
+    worker1 = [line for line in first.lines if line.startswith("[worker:1] ")]
+    assert [line for line in worker0 if re.search(r"\] step \d+/12 ", line)], first.output[-4000:]
+    assert any(line.startswith("[worker:0] summary") for line in worker0), first.output[-4000:]
+    assert not [line for line in worker1 if re.search(r"step \d+/12 |strategy=|summary|Saved checkpoint", line)]
+    assert not [line for line in first.lines if line.startswith("[worker:1] [worker:1]")]
 
     assert single.result().returncode == 0, single.result().stderr[-3000:]
     multi, single = model_weights(tmp_path / "mw", 12), model_weights(tmp_path / "one", 12)
@@ -180,10 +198,14 @@ def test_parameter_server_cluster_trains_to_the_step_and_lowers_the_loss(tmp_pat
         "--train_steps=60",
         "--steps_per_loop=20",
         "--eval_every=0",
+        "--ema_decay=0.9",  # EMA runs under parameter servers; the evaluation uses the averages.
         f"--model_dir={tmp_path}",
     )
     assert run.wait(timeout=400) == 0, run.output[-4000:]
     run.assert_nothing_left()
+    # engine.server's ps and worker tasks hold TensorFlow's C++ start-up lines back too.
+    assert "[ps:0]" in run.output and "[worker:1]" in run.output and "eval at step 60" in run.output
+    assert [line for line in run.lines if any(s in line for s in NATIVE_START_UP_LINES)] == []
     losses = [float(loss) for loss in re.findall(r"\[chief:0\].*step \d+/60 +loss=([\d.]+)", run.output)]
     assert len(losses) == 3 and losses[-1] < losses[0] * 0.7, losses
     metrics = json.loads((tmp_path / "metrics.json").read_text())

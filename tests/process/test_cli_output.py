@@ -11,12 +11,12 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import NATIVE_START_UP_LINES
 
 from engine.cli.process.lean_imports import HIDDEN_WHILE_KERAS_STARTS as HIDDEN
 from engine.native_logs import kept_lines
 
 REPO = Path(__file__).resolve().parents[2]  # The repository, above tests/process.
-START_UP_LINES = ("cuInit", "cpu_feature_guard", "cudart_stub", "InitializeLog", "oneDNN custom operations")
 # Under load (2 shared cores) Python alone starts in ~0.3 s; TensorFlow's import takes 5-10 s.
 HELP_SECONDS = 4.0
 
@@ -55,7 +55,7 @@ def test_a_run_prints_no_native_start_up_lines_unless_asked():
     quiet = python(*flags)  # engine.main's default: TF_CPP_MIN_LOG_LEVEL=2
     assert quiet.returncode == 0, quiet.stderr[-3000:]
     assert "Total params" in quiet.stdout + quiet.stderr  # The engine's own start-up output is there.
-    leaked = [line for line in quiet.stderr.splitlines() if any(s in line for s in START_UP_LINES)]
+    leaked = [line for line in quiet.stderr.splitlines() if any(s in line for s in NATIVE_START_UP_LINES)]
     assert leaked == []
     assert "Saved checkpoint" in quiet.stderr and "Sharding callback duration" not in quiet.stderr
     assert "done: step 2, eval none, " in quiet.stderr  # --mode=train: no evaluation to report.
@@ -94,32 +94,6 @@ def test_the_launcher_checks_engine_main_flags_without_importing_tensorflow():
     assert "the flags after -- are not engine.main's" in result.stderr
     assert "tensorflow" not in result.stderr and "keras" not in result.stderr
     assert seconds < HELP_SECONDS, seconds
-
-
-@pytest.mark.cluster
-@pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_a_launched_cluster_prints_no_native_start_up_lines(tmp_path):
-    """engine.server's ps and worker tasks hold them back too (and EMA runs under parameter servers)."""
-    result = python(
-        "-m",
-        "engine.launch",
-        "--num_workers=1",
-        "--num_ps=1",
-        "--",
-        "--strategy=parameter_server",
-        "--model=mlp",
-        "--train_steps=20",
-        "--steps_per_loop=10",
-        "--eval_every=10",
-        "--ema_decay=0.9",
-        f"--model_dir={tmp_path}",
-        timeout=280,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    output = result.stdout + result.stderr
-    assert "[ps:0]" in output and "[worker:0]" in output and "eval at step 20" in output
-    assert [line for line in output.splitlines() if any(s in line for s in START_UP_LINES)] == []
 
 
 @pytest.mark.process
