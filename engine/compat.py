@@ -25,6 +25,32 @@ VERSIONS = f"TensorFlow {tf.__version__}, Keras {keras.__version__}"
 AUTOGRAPH_PASS_THROUGH = "ag_pass_through"
 
 
+def engine_graph_code(function: Callable) -> Callable:
+    """Marks `function` (the engine's own code run while a step is traced) as code AutoGraph
+    calls as written: converting it gains nothing (its control flow is TF ops or Python
+    over Python values) and cost every process about 200 conversions, some 3 s of CPU, before
+    the first step. The caller's AutoGraph status is left as it is, so `strategy.run` inside
+    still converts the function it runs, as it would from converted code. The public
+    `tf.autograph.experimental.do_not_convert` also turns AutoGraph off for the user code called
+    inside; this marker (impl.api.autograph_artifact) does not."""
+    from tensorflow.python.autograph.impl import api
+
+    return api.autograph_artifact(function)
+
+
+def user_code(function: Callable) -> Callable:
+    """`function` (a user's model, loss, metric or step) as AutoGraph would call it from
+    converted code: converted where it is the user's (a Python `if` on a tensor works), called
+    as it is where it is TensorFlow's or Keras's, and left alone where the tracing
+    `tf.function` turned AutoGraph off. For the calls from `engine_graph_code`."""
+    from tensorflow.python.autograph.impl import api
+
+    call = getattr(type(function), "__call__", None)  # noqa: B004 (the class's, not the object's)
+    if api.is_autograph_artifact(function) or api.is_autograph_artifact(call):
+        return function  # The engine's own (or an object whose __call__ is engine_graph_code).
+    return tf.__internal__.autograph.tf_convert(function, tf.__internal__.autograph.control_status_ctx())
+
+
 def module_leaves(module: tf.Module, predicate: Callable[[Any], bool]) -> list[Any]:
     """The values under a `tf.Module`'s attributes (lists and dicts of them too) that match
     `predicate`, not descending into a match: the walk `tf.Module.variables` itself makes,

@@ -33,7 +33,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from engine.compat import keras_mask
+from engine.compat import keras_mask, user_code
 from engine.errors import UserError
 
 PerElementLoss = Callable[[Any, Any], tf.Tensor]
@@ -159,7 +159,7 @@ def check_per_element(loss: Any) -> None:
 
 
 def _term(loss: PerElementLoss, labels: Any, outputs: Any, sample_weight: Any, mask: Any) -> LossTerm:
-    values = tf.cast(loss(labels, outputs), tf.float32)
+    values = tf.cast(user_code(loss)(labels, outputs), tf.float32)
     if values.shape.rank == 0:
         raise UserError(
             f"loss_fn returned one number for the batch ({getattr(loss, '__name__', type(loss).__name__)}); "

@@ -95,6 +95,7 @@ class PerExampleLoss:
         self.num_outputs = num_outputs
         self._loss = make()
 
+    @compat.engine_graph_code
     def __call__(self, labels: tf.Tensor, outputs: tf.Tensor) -> tf.Tensor:
         return self._loss(
             as_loss_labels(labels, outputs, self.kind, one_hot=self.name.startswith("categorical")), outputs
@@ -130,6 +131,7 @@ class OnProbabilities(keras.metrics.Metric):
             outputs = (None, num_outputs)
             compat.build_metric(metric, (None,) if kind == CLASSES else outputs, outputs)
 
+    @compat.engine_graph_code
     def update_state(self, y_true: Any, y_pred: Any, sample_weight: Any = None) -> Any:
         if tf.nest.is_nested(y_pred):  # A model of several outputs (an auxiliary head): the first.
             y_pred = tf.nest.flatten(y_pred)[0]

@@ -14,6 +14,7 @@ from typing import Any
 
 import tensorflow as tf
 
+from engine.compat import engine_graph_code, user_code
 from engine.errors import UserError
 from engine.loop.replica_state import average_over_replicas
 from engine.loop.steps import STEP_FINITE, Batch, ReplicaStep
@@ -78,6 +79,7 @@ def _check_outputs(outputs: Mapping[str, tf.Tensor]) -> None:
             )
 
 
+@engine_graph_code
 def run_step(
     strategy: tf.distribute.Strategy,
     replica_fn: Callable[..., Mapping[str, tf.Tensor]],
@@ -91,8 +93,9 @@ def run_step(
     (a finite spike counts as a non-finite step)."""
     names: list[str] = []
 
+    @engine_graph_code
     def stacked_step(*replica_args) -> tf.Tensor:
-        outputs = dict(replica_fn(*replica_args) or {})
+        outputs = dict(user_code(replica_fn)(*replica_args) or {})
         _check_outputs(outputs)
         if not names:  # Traced once per replica; every replica returns the same names.
             names.extend(outputs)
@@ -125,6 +128,7 @@ LoopState = tuple[dict[str, tf.Tensor], tf.Tensor, tf.Tensor, tf.Tensor, tf.Tens
 _NO_LOSS = 0.0
 
 
+@engine_graph_code
 def _accumulate(
     state: LoopState, index: tf.Tensor, outputs: dict[str, tf.Tensor], finite: tf.Tensor
 ) -> LoopState:
@@ -138,6 +142,7 @@ def _accumulate(
     return totals, count, bad + 1 - tf.cast(finite, tf.int32), first_bad, first_bad_loss
 
 
+@engine_graph_code
 def _first_state(outputs: dict[str, tf.Tensor], finite: tf.Tensor) -> LoopState:
     """The running state after the loop's first step (index 0)."""
     zeros = {name: tf.zeros_like(value) for name, value in outputs.items()}
@@ -145,6 +150,7 @@ def _first_state(outputs: dict[str, tf.Tensor], finite: tf.Tensor) -> LoopState:
     return _accumulate(empty, tf.constant(0), outputs, finite)
 
 
+@engine_graph_code
 def _loop_outputs(state: LoopState, steps_run: tf.Tensor) -> dict[str, tf.Tensor]:
     totals, count, bad, first_bad, first_bad_loss = state
     means = {name: total / tf.maximum(count, 1.0) for name, total in totals.items()}
@@ -195,6 +201,7 @@ def make_train_loop(
     closure retried after a worker failure may have run some steps twice.
     """
 
+    @engine_graph_code
     def one_step(step_fn: ReplicaStep, batch) -> tuple[dict[str, tf.Tensor], tf.Tensor]:
         reduced = run_step(strategy, step_fn, (batch,), max_loss=max_loss)
         if global_step is not None:
@@ -249,6 +256,7 @@ def make_train_loop(
             outputs["first_batch_size"] = first_size
         return outputs
 
+    @engine_graph_code
     def _mismatched_size(batch, *, exact: tf.Tensor) -> tf.Tensor:
         """The first replica batch size that is larger than `per_replica_batch_size` (or, where
         `exact`, other than it), or -1. Not `exact`: a smaller batch may be the data's last."""
@@ -290,12 +298,15 @@ def make_resident_train_loop(
     stream never ends, so `steps_run` is always `num_steps`.
     """
 
+    @engine_graph_code
     def loop_indices(first_step: tf.Tensor, num_steps: tf.Tensor) -> tf.Tensor:
         return data.replica_indices(first_step, num_steps, global_batch_size=global_batch_size)
 
+    @engine_graph_code
     def resident_step(replica_tensors, indices: tf.Tensor, index: tf.Tensor):
         return replica_step(data.gather(replica_tensors, indices[index]))
 
+    @engine_graph_code
     def one_step(replica_tensors, indices, index: tf.Tensor) -> tuple[dict[str, tf.Tensor], tf.Tensor]:
         reduced = run_step(strategy, resident_step, (replica_tensors, indices, index), max_loss=max_loss)
         global_step.assign_add(1)

@@ -20,6 +20,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
+from engine.compat import engine_graph_code
 from engine.variables import all_variables
 
 
@@ -46,12 +47,14 @@ def replica_local_state(strategy: tf.distribute.Strategy, model: Any) -> list[An
     return found
 
 
+@engine_graph_code
 def average_over_replicas(strategy: tf.distribute.Strategy, variables: list[Any]) -> None:
     """Sets every replica's copy of each variable to the mean of the copies (one all-reduce
     of them all). Called in cross-replica context, inside a compiled loop."""
     if not variables:
         return
 
+    @engine_graph_code
     def replica_fn() -> None:
         context = tf.distribute.get_replica_context()
         local = [tf.identity(variable) for variable in variables]  # This replica's copies.

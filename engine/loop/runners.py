@@ -243,6 +243,7 @@ class PredictRunner:
         self.strategy = strategy
         self.model = model
 
+        @compat.engine_graph_code
         def replica_outputs(batch: Any) -> Any:
             features, _, _ = keras.utils.unpack_x_y_sample_weight(batch)
             return inference_outputs(model, features)

@@ -21,7 +21,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from engine.compat import keras_mask, set_keras_mask
+from engine.compat import engine_graph_code, keras_mask, set_keras_mask, user_code
 from engine.errors import UserError
 from engine.losses import EvalLoss, LossTerm, Objective, describe_structure
 from engine.variables import regularization_losses, trainable_variables
@@ -62,8 +62,8 @@ def call_model(model: Any, inputs: tf.Tensor, *, training: bool) -> tf.Tensor:
     """Calls a Keras model or a plain `tf.Module`, passing `training` only
     where the call accepts it (a research model's `__call__` may not)."""
     if isinstance(model, keras.Model) or _accepts_training(model):
-        return model(inputs, training=training)
-    return model(inputs)
+        return user_code(model)(inputs, training=training)
+    return user_code(model)(inputs)
 
 
 def inference_outputs(model: Any, features: Any) -> Any:
@@ -221,6 +221,7 @@ def make_train_step(
                 counts.append(num_examples * float(term.per_example))
         return counts
 
+    @engine_graph_code
     def compute_gradients(features, labels, sample_weight, num_examples, counts=None):
         gradients = None
         data_loss = tf.constant(0.0)
@@ -259,6 +260,7 @@ def make_train_step(
         run), so the step's graph gains nothing where every count is known."""
         found: list[bool] = []
 
+        @engine_graph_code
         def probe(part_features, part_labels, part_weight):
             outputs = call_model(model, part_features, training=False)
             found.extend(term.per_example is None for term in objective.terms(part_labels, outputs, part_weight))
@@ -290,6 +292,7 @@ def make_train_step(
         counts = counts_outside_xla(features, labels, sample_weight, num_examples)
         return compiled_gradients(features, labels, sample_weight, num_examples, counts)
 
+    @engine_graph_code
     def train_step(batch: Batch) -> dict[str, tf.Tensor]:
         features, labels, sample_weight = unpack_batch(batch)
         num_examples = examples_in_step(labels, global_batch_size)
@@ -311,9 +314,9 @@ def make_train_step(
         # The loop counts a step with a non-finite gradient as it counts a non-finite loss.
         result[STEP_FINITE] = tf.cast(finite, tf.float32)
         for metric in metrics:
-            metric.update_state(labels, outputs)
+            user_code(metric.update_state)(labels, outputs)
         for metric in weighted_metrics:
-            metric.update_state(labels, outputs, sample_weight=sample_weight)
+            user_code(metric.update_state)(labels, outputs, sample_weight=sample_weight)
         return result
 
     return train_step
@@ -487,20 +490,21 @@ def make_eval_step(
     `weighted_metrics` get them, as in Keras `compile`.
     """
 
+    @engine_graph_code
     def eval_step(batch: Batch) -> None:
         if eval_step_fn is None:
             features, labels, sample_weight = unpack_batch(batch, what="eval_step_fn")
             outputs = inference_outputs(model, features)
         else:
-            labels, outputs, sample_weight = _eval_outputs(eval_step_fn(batch))
+            labels, outputs, sample_weight = _eval_outputs(user_code(eval_step_fn)(batch))
         examples = examples_in_batch(labels)
         loss_metric.update_state(
             objective.terms(labels, outputs, sample_weight), regularization_loss(model), examples
         )
         for metric in metrics:
-            metric.update_state(labels, outputs)
+            user_code(metric.update_state)(labels, outputs)
         for metric in weighted_metrics:
-            metric.update_state(labels, outputs, sample_weight=sample_weight)
+            user_code(metric.update_state)(labels, outputs, sample_weight=sample_weight)
 
     return eval_step
 

@@ -129,3 +129,27 @@ def test_is_functional_tells_a_graph_of_layers_from_a_subclass():
     with private_api("keras.src.models.functional.Functional"):
         assert compat.is_functional(functional)
         assert not compat.is_functional(_OwnCall())
+
+
+def test_engine_graph_code_is_traced_as_written_and_user_code_inside_it_is_converted():
+    def users(x):
+        if x > 0:  # Needs AutoGraph: a Python `if` on a tensor.
+            return x * 2
+        return x * 3
+
+    with private_api("AutoGraph's artifact marker (tensorflow/python/autograph/impl/api.py)"):
+
+        @compat.engine_graph_code
+        def engines(x):
+            return compat.user_code(users)(x) + 1
+
+        @compat.engine_graph_code
+        def engines_calling_plainly(x):
+            return users(x)
+
+        traced = tf.function(lambda x: engines(x))
+        assert int(traced(tf.constant(2))) == 5 and int(traced(tf.constant(-2))) == -5
+        # Marked code is not converted: a user function it calls plainly would fail.
+        with pytest.raises(TypeError, match="Python bool|tf.Tensor"):
+            tf.function(lambda x: engines_calling_plainly(x))(tf.constant(2))
+        assert compat.user_code(engines) is engines  # The engine's own code is never wrapped.
