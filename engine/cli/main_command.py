@@ -43,7 +43,7 @@ def main(argv: list[str]) -> int:
         return 0
     from engine.cli.run.summary import summary_table
 
-    this_console = console.Console.for_run(config, config.multi_host_options().cluster)
+    this_console = console.Console.for_run(config, config.multi_host.cluster)
     with console.configured(this_console):
         result = run(config, started_at=started_at)
         table = summary_table(config, result) if this_console.speaks_for_the_run else None

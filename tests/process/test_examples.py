@@ -311,7 +311,7 @@ def test_kubernetes_manifest_gives_each_pod_its_task_in_one_cluster():
         ]
         assert container["command"] == ["python", "-m", "engine.main"]
         config = parse_engine_flags(engine_flags.FLAGS, RunConfig, args)
-        cluster = config.multi_host_options().cluster
+        cluster = config.multi_host.cluster
         # Pod <job>-<index> of subdomain <service> resolves as <job>-<index>.<service>.
         assert cluster.address == f"{train['metadata']['name']}-{index}.{service['metadata']['name']}:{port}"
         assert (cluster.task_type, cluster.task_index, cluster.num_workers) == ("worker", index, workers)
@@ -320,7 +320,7 @@ def test_kubernetes_manifest_gives_each_pod_its_task_in_one_cluster():
 
     (evaluator,) = by_kind[("Job", "engine-eval")]["spec"]["template"]["spec"]["containers"]
     config = parse_engine_flags(engine_flags.FLAGS, RunConfig, evaluator["args"])
-    assert config.multi_host_options().cluster.is_evaluator
+    assert config.multi_host.cluster.is_evaluator
     assert config.model_dir == parse_engine_flags(engine_flags.FLAGS, RunConfig, args).model_dir
     assert config.train_steps == parse_engine_flags(engine_flags.FLAGS, RunConfig, args).train_steps
 

@@ -18,10 +18,11 @@ imports the model and data packages.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from absl import flags
 
@@ -174,6 +175,10 @@ def field_default(field: dataclasses.Field) -> Any:
     if field.default_factory is not dataclasses.MISSING:
         return field.default_factory()
     return field.default
+
+
+if TYPE_CHECKING:
+    from engine.cluster.multi_host import MultiHostOptions
 
 
 @dataclasses.dataclass(frozen=True)
@@ -573,7 +578,7 @@ class RunConfig:
             raise UserError(f"--seed={self.seed} must be between 0 and {2**32 - 1}")
         # The library's checks name its arguments; the command line's boundary (main_command,
         # job.run, the launcher) prints them as flags (engine.cli.config.flag_names).
-        self.multi_host_options().check(self.strategy)
+        self.multi_host.check(self.strategy)
         if self.model_dir:
             from engine.model_dir import check_name
 
@@ -724,9 +729,11 @@ class RunConfig:
             )
         return start, end
 
-    def multi_host_options(self):
+    @functools.cached_property
+    def multi_host(self) -> MultiHostOptions:
         """The cluster (from the flags, TF_CONFIG or Slurm) and multi-host settings;
-        no cluster for the single-host strategies unless flags name one."""
+        no cluster for the single-host strategies unless flags name one. Resolved once per
+        RunConfig: the checks, the console, the strategy and the error messages share it."""
         from engine.cli.process.preemption import signals_left_pending
         from engine.cluster import resolve_cluster
         from engine.cluster.multi_host import MultiHostOptions

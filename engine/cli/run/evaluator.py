@@ -52,7 +52,7 @@ def evaluation_mode(config: RunConfig) -> str | None:
     """ "eval" or "continuous_eval" when this process evaluates instead of training, else None."""
     if config.mode in ("eval", "continuous_eval"):
         return config.mode
-    cluster = config.multi_host_options().cluster
+    cluster = config.multi_host.cluster
     if cluster is not None and cluster.is_evaluator:
         return "continuous_eval"
     return None

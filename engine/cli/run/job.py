@@ -81,7 +81,7 @@ def _run(config: RunConfig, started_at: float) -> dict[str, Any]:
     prepare_process(config)
     if config.check_numerics:
         tf.debugging.enable_check_numerics()  # Names the first op that makes a NaN or Inf.
-    multi_host = config.multi_host_options()
+    multi_host = config.multi_host
     strategy = build_strategy(
         config.strategy, cpu_devices=config.cpu_devices, num_gpus=config.num_gpus, multi_host=multi_host
     )
@@ -331,7 +331,7 @@ def _train_with_clean_errors(
             trainer.close()
             raise UserError(message) from None
         except PEER_LOST_ERRORS as error:  # A frozen, partitioned or dead peer of the cluster.
-            options = config.multi_host_options()
+            options = config.multi_host
             message = peer_lost_message(
                 error, options.cluster, heartbeat_timeout=options.heartbeat_timeout, kept=_what_is_kept(trainer)
             )
