@@ -176,7 +176,14 @@ def _open_lock_file(model_dir: str, path: str) -> tuple[int, bool]:
     """
     for _ in range(_LOCK_OPEN_TRIES):
         created = not tf.io.gfile.exists(model_dir)
-        tf.io.gfile.makedirs(model_dir)
+        try:
+            tf.io.gfile.makedirs(model_dir)
+        except (tf.errors.FailedPreconditionError, tf.errors.NotFoundError):
+            # TensorFlow says "is not a directory" when a holder removes the directory while
+            # makedirs checks it; a file where the model_dir should be is still an error.
+            if tf.io.gfile.exists(model_dir) and not tf.io.gfile.isdir(model_dir):
+                raise
+            continue
         try:
             fd = os.open(path, _LOCK_OPEN_FLAGS, 0o644)
         except FileNotFoundError:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import tensorflow as tf
 from helpers import (
     REPO,
     copy_of,
@@ -92,6 +93,33 @@ def test_writer_lock_is_exclusive_and_leaves_nothing_behind(tmp_path):
     with model_dir_lib.writer_lock(str(model_dir)):
         pass
     assert list(model_dir.iterdir()) == []
+
+
+def test_a_model_dir_removed_while_makedirs_walks_it_is_made_again_and_a_file_there_is_refused(
+    tmp_path, monkeypatch
+):
+    """What a concurrent holder's release does to makedirs (tensorflow says the path "is not a
+    directory" when it vanishes mid-check): the lock is taken on the next try. A regular file
+    where the model_dir should be still fails."""
+    makedirs = tf.io.gfile.makedirs
+    calls = []
+
+    def vanishing_once(path):
+        calls.append(path)
+        if len(calls) == 1:
+            raise tf.errors.FailedPreconditionError(None, None, f"{path} is not a directory")
+        return makedirs(path)
+
+    monkeypatch.setattr(tf.io.gfile, "makedirs", vanishing_once)
+    model_dir = tmp_path / "new" / "run"
+    with model_dir_lib.writer_lock(str(model_dir)):
+        assert model_dir_lib.holder_pid(str(model_dir)) == os.getpid()
+    assert len(calls) == 2
+    monkeypatch.setattr(tf.io.gfile, "makedirs", makedirs)
+    (tmp_path / "file").write_text("not a directory")
+    with pytest.raises(tf.errors.FailedPreconditionError):
+        with model_dir_lib.writer_lock(str(tmp_path / "file")):
+            pass
 
 
 def _tree(directory: Path) -> dict[str, object]:
