@@ -23,6 +23,8 @@ from typing import Any
 
 import tensorflow as tf
 
+from engine.compat import user_code
+
 
 @dataclass(frozen=True)
 class ResidentData:
@@ -108,12 +110,12 @@ class ResidentData:
         positions = (steps * global_batch_size + replica * per_replica)[:, None] + tf.range(
             per_replica, dtype=tf.int64
         )
-        return tf.reshape(self.indices(tf.reshape(positions, [-1])), [-1, per_replica])
+        return tf.reshape(user_code(self.indices)(tf.reshape(positions, [-1])), [-1, per_replica])
 
     def gather(self, replica_tensors: Any, indices: tf.Tensor) -> Any:
         """The batch of the examples at `indices`, from this replica's copy, transformed."""
         batch = tf.nest.map_structure(lambda tensor: tf.gather(tensor, indices), replica_tensors)
-        return batch if self.transform is None else self.transform(batch)
+        return batch if self.transform is None else user_code(self.transform)(batch)
 
     def batch_at(self, replica_tensors: Any, step: tf.Tensor, *, global_batch_size: int) -> Any:
         """This replica's batch of global step `step`; called inside `strategy.run`."""

@@ -304,7 +304,7 @@ def make_resident_train_loop(
 
     @engine_graph_code
     def resident_step(replica_tensors, indices: tf.Tensor, index: tf.Tensor):
-        return replica_step(data.gather(replica_tensors, indices[index]))
+        return user_code(replica_step)(data.gather(replica_tensors, indices[index]))
 
     @engine_graph_code
     def one_step(replica_tensors, indices, index: tf.Tensor) -> tuple[dict[str, tf.Tensor], tf.Tensor]:

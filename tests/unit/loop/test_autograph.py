@@ -168,3 +168,45 @@ def test_the_engines_step_code_is_traced_as_written_and_only_its_loops_are_conve
     engine_functions = sorted(name for name in converted if name.startswith(("engine.", "input.")))
     loops = [name for name in engine_functions if name.endswith(("train_loop", "eval_loop", "predict_batch"))]
     assert loops and engine_functions == loops, engine_functions
+
+
+def test_resident_data_with_a_users_indices_transform_and_step_fn_that_branch_on_tensors(mirrored):
+    """The resident loop gathers each batch on the replicas through the user's `indices` and
+    `transform` and runs the user's `step_fn`: all three keep AutoGraph there too."""
+    x, y = make_arrays(BATCH * STEPS)
+    model, optimizer = make_model(mirrored)
+
+    def indices(positions):
+        if tf.reduce_min(positions) < 0:  # Never: positions count up from 0.
+            positions = -positions
+        return positions % (BATCH * STEPS)
+
+    def transform(batch):
+        features, labels = batch
+        if tf.reduce_max(features) > 1.0:  # Never: make_arrays draws from [0, 1).
+            features = features / 255.0
+        return features, labels
+
+    seen = []
+
+    def step_fn(batch):
+        features, labels = batch
+        seen.append(features.shape)
+        with tf.GradientTape() as tape:
+            per_example = branching_loss(labels, model(features, training=True))
+            loss = tf.nn.compute_average_loss(per_example, global_batch_size=BATCH)
+        gradients = tape.gradient(loss, model.trainable_variables)
+        scale = tf.constant(1.0)
+        if loss > 1e6:  # A tensor condition (never true here); an update inside one could not all-reduce.
+            scale = tf.constant(0.0)
+        optimizer.apply([g * scale for g in gradients], model.trainable_variables)
+        return {"loss": tf.reduce_mean(per_example)}
+
+    data = engine.ResidentData(
+        tensors=(x, y), indices=indices, host_data=global_batches(x, y, BATCH), transform=transform
+    )
+    before = [w.copy() for w in model.get_weights()]
+    trainer = make_trainer(mirrored, model=model, optimizer=optimizer, train_data=data, step_fn=step_fn)
+    logs = trainer.train(STEPS)
+    assert trainer.step == STEPS and np.isfinite(logs["loss"]) and seen
+    assert any(not np.array_equal(a, b) for a, b in zip(before, model.get_weights(), strict=True))
