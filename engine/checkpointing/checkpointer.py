@@ -369,7 +369,7 @@ class Checkpointer:
         discovery.remove_partial_checkpoints(self.model_dir)  # Any other write's the disk cut short.
         return UserError(
             f"checkpoint at step {step} not saved: {message}; the latest checkpoint "
-            f"({self.manager.latest_checkpoint or 'none'}) is kept"
+            f"({self._latest_on_disk() or 'none'}) is kept"
         )
 
     def _check_directories(self, step: int) -> None:
@@ -380,8 +380,14 @@ class Checkpointer:
         if problem is not None:
             raise UserError(self._not_saved(step, problem))
 
+    def _latest_on_disk(self) -> str | None:
+        """The checkpoint a rerun continues from: the one the state file names. After a write
+        that failed between a checkpoint's files and the state file (the model_dir made
+        read-only just then), the manager already counts the new checkpoint; a rerun does not."""
+        return discovery.latest_checkpoint(self.manager.directory)
+
     def _not_saved(self, step: int, problem: str) -> str:
-        latest = self.manager.latest_checkpoint
+        latest = self._latest_on_disk()
         if latest is not None and discovery.read_problem(latest) is None:
             kept = f"the latest checkpoint ({latest}) is kept: rerun to continue from it"
         else:

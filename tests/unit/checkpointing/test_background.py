@@ -171,6 +171,39 @@ def test_a_disk_full_during_a_write_is_the_sync_line_and_the_previous_checkpoint
     trainer.close()
 
 
+@pytest.mark.parametrize("background", [True, False], ids=["async", "sync"])
+def test_a_model_dir_made_read_only_between_the_files_and_the_state_file_names_what_a_rerun_resumes(
+    tmp_path, monkeypatch, background
+):
+    """`chmod -R a-w` can land after a checkpoint's files and before the state file: the
+    manager then counts the new checkpoint, but a rerun resumes from the one the state
+    file names, and that one is what the line must call kept (CI found it so)."""
+    save = tf.train.CheckpointManager.save
+    state_file = tmp_path / "checkpoints" / "checkpoint"
+    calls = []
+
+    def denied_state_write(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            return save(self, *args, **kwargs)
+        before = state_file.read_bytes()
+        save(self, *args, **kwargs)  # The files, then the state file as it was: the write denied.
+        state_file.write_bytes(before)
+        raise tf.errors.PermissionDeniedError(None, None, f"{state_file}.tmp; Permission denied")
+
+    monkeypatch.setattr(tf.train.CheckpointManager, "save", denied_state_write)
+    trainer = small_trainer(tmp_path, async_checkpoint=background)
+    with pytest.raises(UserError) as raised:
+        trainer.train(6)
+    kept = tmp_path / "checkpoints" / "ckpt-2"
+    assert str(raised.value) == (
+        f"checkpoint at step 4 not saved: {tmp_path} is not writable anymore; "
+        f"the latest checkpoint ({kept}) is kept: rerun to continue from it"
+    )
+    assert tf.train.latest_checkpoint(str(tmp_path / "checkpoints")) == str(kept)
+    trainer.close()
+
+
 def test_a_failed_background_write_removes_its_own_partial_folder_at_once(tmp_path, monkeypatch):
     """The run may end before anything claims the write's error (a full disk fails the best
     checkpoint's save first, and the process exits): its folder must not wait for that."""
