@@ -13,8 +13,8 @@ from typing import Any
 
 import keras
 import tensorflow as tf
-from absl import logging
 
+from engine.logger import logger
 from engine.loop.steps import call_model
 
 SERVING_SIGNATURE = "serving_default"
@@ -38,7 +38,7 @@ def export_saved_model(model: Any, export_dir: str, input_signature: Sequence[tf
             lambda inputs: call_model(model, inputs, training=False), input_signature=list(input_signature)
         )
         tf.saved_model.save(serving, export_dir, signatures={SERVING_SIGNATURE: serving.serve})
-    logging.info("Exported SavedModel to %s (signature %r)", export_dir, SERVING_SIGNATURE)
+    logger.info("Exported SavedModel to %s (signature %r)", export_dir, SERVING_SIGNATURE)
     return export_dir
 
 
@@ -68,7 +68,7 @@ def export_for_serving(
     spec = tf.TensorSpec([None, *input_shape], tf.dtypes.as_dtype(input_dtype), name=INPUT_NAME)
     archive.add_endpoint(name="serve", fn=serve, input_signature=[spec])
     archive.write_out(export_dir, verbose=False)
-    logging.info(
+    logger.info(
         "Exported SavedModel to %s (signature %r: %s %s %s -> %s)",
         export_dir,
         SERVING_SIGNATURE,

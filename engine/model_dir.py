@@ -25,9 +25,9 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import tensorflow as tf
-from absl import logging
 
 from engine.errors import UserError, one_line
+from engine.logger import logger
 
 LOCK_FILE = ".writer.lock"
 STATE_FILE = "checkpoint"  # What tf.train.CheckpointManager names its state file.
@@ -245,7 +245,7 @@ def writer_lock(model_dir: str) -> Iterator[None]:
     says so and the block runs unguarded.
     """
     if is_remote(model_dir):
-        logging.warning(
+        logger.warning(
             "`model_dir=%r` is not a local directory: it has no writer lock, so make sure "
             "no other run writes to it",
             model_dir,
@@ -280,7 +280,7 @@ def writer_lock(model_dir: str) -> Iterator[None]:
     previous = _read_record(fd).strip()
     if previous:
         holder = _describe_holder(previous)
-        logging.warning(
+        logger.warning(
             "took over the writer lock of %s in %s: that run ended without releasing it (killed?)",
             holder,
             model_dir,

@@ -17,7 +17,6 @@ from typing import Any
 
 import keras
 import tensorflow as tf
-from absl import logging
 
 from engine import model_dir as model_dir_lib
 from engine.checkpointing import discovery, repairs
@@ -99,7 +98,7 @@ def set_aside_unreadable(model_dir: str, *, fallback: bool) -> None:
                 f"checkpoint {path} cannot be read ({problem}); pass `restore_fallback=True` to "
                 "restore the newest older readable checkpoint, or use a new `model_dir`"
             )
-        logging.warning("checkpoint %s cannot be read (%s); falling back", path, problem)
+        logger.warning("checkpoint %s cannot be read (%s); falling back", path, problem)
         unreadable.append(path)
     if not unreadable:
         return
@@ -113,7 +112,7 @@ def set_aside_unreadable(model_dir: str, *, fallback: bool) -> None:
         if any(name.startswith(prefix) for prefix in prefixes):
             repairs.rename(os.path.join(directory, name), os.path.join(aside, name))
     discovery.write_state(directory, readable[-1], readable)
-    logging.warning("restoring %s; unreadable checkpoints moved to %s", readable[-1], aside)
+    logger.warning("restoring %s; unreadable checkpoints moved to %s", readable[-1], aside)
 
 
 def _step_of(path: str) -> int:

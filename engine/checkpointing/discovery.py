@@ -21,10 +21,10 @@ import time
 from collections.abc import Iterator
 
 import tensorflow as tf
-from absl import logging
 
 from engine.checkpointing import repairs
 from engine.errors import UserError, one_line
+from engine.logger import logger
 from engine.model_dir import (
     CHECKPOINT_SUBDIRECTORIES,
     DAMAGED_STATE_SUFFIX,
@@ -150,7 +150,7 @@ def recover_state(directory: str) -> str | None:
     if state is not None and state.model_checkpoint_path:
         if names_other_directories(directory):
             write_state(directory, state.model_checkpoint_path, list(state.all_model_checkpoint_paths))
-            logging.warning(
+            logger.warning(
                 "the checkpoint state file %s named checkpoints by absolute paths (an older version); "
                 "rewrote it to name the checkpoints of %s itself, wherever it is now",
                 state_path,
@@ -160,7 +160,7 @@ def recover_state(directory: str) -> str | None:
     if not found:
         if state is None and tf.io.gfile.exists(state_path):  # Names nothing: set aside, start afresh.
             repairs.rename(state_path, state_path + DAMAGED_STATE_SUFFIX)
-            logging.warning(
+            logger.warning(
                 "the checkpoint state file %s is damaged and there is no checkpoint; kept as %s",
                 state_path,
                 state_path + DAMAGED_STATE_SUFFIX,
@@ -182,7 +182,7 @@ def recover_state(directory: str) -> str | None:
         f"the checkpoint state file {state_path} was {what}; found {len(found)} checkpoint(s) "
         f"by listing the directory and continue from the newest readable, {readable[-1]}"
     )
-    logging.warning("%s", message)
+    logger.warning("%s", message)
     return message
 
 
@@ -201,7 +201,7 @@ def set_aside_unlisted(directory: str, number: int, *, listed: list[str]) -> Non
     for name in tf.io.gfile.listdir(directory):
         if name.startswith(prefix + "."):
             tf.io.gfile.rename(os.path.join(directory, name), os.path.join(aside, name))
-    logging.warning(
+    logger.warning(
         "%s existed but the checkpoint state did not list it; moved it to %s before saving a new %s",
         os.path.join(directory, prefix),
         aside,
@@ -278,7 +278,7 @@ def remove_partial_checkpoints(model_dir: str) -> None:
             _remove_partial(path, warn=True)
         return
     if is_remote(model_dir):  # No lock to take: a live run's writes look the same.
-        logging.warning(
+        logger.warning(
             "left %s: `model_dir=%r` has no writer lock to tell a write cut short from one under way",
             ", ".join(found),
             model_dir,
@@ -288,7 +288,7 @@ def remove_partial_checkpoints(model_dir: str) -> None:
         try:
             held.enter_context(writer_lock(model_dir))
         except UserError as busy:
-            logging.warning("left %s, which may be the write of a run under way: %s", ", ".join(found), busy)
+            logger.warning("left %s, which may be the write of a run under way: %s", ", ".join(found), busy)
             return
         for path in partial_checkpoints(model_dir):  # Again: the other run may have ended a write.
             _remove_partial(path, warn=True)
@@ -304,7 +304,7 @@ def _remove_partial(path: str, *, warn: bool = False) -> None:
         try:
             if not stat.S_ISDIR(os.lstat(path).st_mode):  # A symbolic link (to anywhere) is not ours.
                 if warn:
-                    logging.warning("left %s: it is not a directory the engine wrote", path)
+                    logger.warning("left %s: it is not a directory the engine wrote", path)
                 return
             names = os.listdir(path)
         except FileNotFoundError:
@@ -312,14 +312,14 @@ def _remove_partial(path: str, *, warn: bool = False) -> None:
     foreign = [name for name in names if not _PARTIAL_PART.match(name)]
     if foreign:
         if warn:
-            logging.warning(
+            logger.warning(
                 "left %s, a checkpoint write cut short: it also holds %s, which the engine does not write",
                 path,
                 ", ".join(sorted(foreign)[:3]),
             )
         return
     if warn:
-        logging.warning("removing %s, left by a checkpoint write that did not finish", path)
+        logger.warning("removing %s, left by a checkpoint write that did not finish", path)
     if is_remote(path):
         remove_tree(path)
     else:

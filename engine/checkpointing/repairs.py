@@ -15,9 +15,9 @@ import os
 from collections.abc import Callable, Iterator
 
 import tensorflow as tf
-from absl import logging
 
 from engine.errors import one_line
+from engine.logger import logger
 
 
 class _Repairs:
@@ -39,7 +39,7 @@ class _Repairs:
             try:
                 step()
             except (OSError, tf.errors.OpError) as error:  # Undo what can be: the rest is named.
-                logging.warning("could not undo a repair of the model_dir: %s", one_line(error, 200))
+                logger.warning("could not undo a repair of the model_dir: %s", one_line(error, 200))
         self.keep()
 
     def keep(self) -> None:

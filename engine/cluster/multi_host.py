@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import os
 import signal
 import socket
@@ -19,11 +20,10 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 
 import tensorflow as tf
-from absl import logging
 
 from engine.cluster import Cluster, check_strategy_cluster
 from engine.errors import UserError, one_line
-from engine.logger import EVERY_TASK
+from engine.logger import EVERY_TASK, logger
 from engine.options import (
     COMMUNICATIONS,
     DEFAULT_COLLECTIVE_TIMEOUT,
@@ -113,7 +113,7 @@ def bounded_startup(
     if cluster is None:
         yield
         return
-    logging.info(
+    logger.info(
         "%s:%d connecting to %s (`startup_timeout=%g`s)",
         cluster.task_type,
         cluster.task_index,
@@ -139,7 +139,7 @@ def bounded_startup(
         with guard():
             yield
     except (tf.errors.DeadlineExceededError, tf.errors.UnavailableError) as error:
-        logging.warning("start-up failed: %s", one_line(error, 500))
+        logger.warning("start-up failed: %s", one_line(error, 500))
         raise UserError(_startup_timeout_message(cluster, timeout)) from None
     finally:
         assert watchdog.stdin is not None, "started with stdin=PIPE"
@@ -207,13 +207,14 @@ def _parameter_server(options: MultiHostOptions) -> tf.distribute.Strategy:
     # it creates (GradientTape fails: 'ShardedVariable' object has no attribute 'handle').
     # Fail RPCs to a dead worker at once so the coordinator reschedules its closures.
     os.environ.setdefault("GRPC_FAIL_FAST", "use_caller")
-    verbosity = logging.get_verbosity()
-    logging.set_verbosity(logging.WARNING)  # It logs its whole session config at INFO.
+    tensorflow_logger = tf.get_logger()
+    level = tensorflow_logger.level
+    tensorflow_logger.setLevel(logging.WARNING)  # It logs its whole session config at INFO.
     assert options.cluster is not None, "options.check: parameter_server needs a cluster"
     try:
         return tf.distribute.experimental.ParameterServerStrategy(options.cluster.resolver())
     finally:
-        logging.set_verbosity(verbosity)
+        tensorflow_logger.setLevel(level)
 
 
 def _tpu(address: str) -> tf.distribute.Strategy:

@@ -27,7 +27,6 @@ from collections.abc import Mapping
 from typing import Any
 
 import tensorflow as tf
-from absl import logging
 
 from engine import model_dir as model_dir_lib
 from engine.callbacks import Callback, TrainerView
@@ -35,6 +34,7 @@ from engine.checkpointing import checkpointer as checkpoint_lib
 from engine.checkpointing import discovery, repairs
 from engine.errors import UserError
 from engine.hooks.metric_watch import MetricWatch, metric_value
+from engine.logger import logger
 
 BEST_SUBDIR = "best"
 BEST_FILE = "best.json"
@@ -73,7 +73,7 @@ class BestCheckpoint(Callback):
     def on_eval_end(self, trainer: TrainerView, step: int, logs: Mapping[str, Any]) -> None:
         value = metric_value(logs, self.metric)
         if not math.isfinite(value):
-            logging.warning(
+            logger.warning(
                 "eval %s=%s at step %d is not a number to keep a best checkpoint by; the best stays %s",
                 self.metric,
                 value,
@@ -101,7 +101,7 @@ class BestCheckpoint(Callback):
             }
             model_dir_lib.write_json(os.path.join(self._directory, BEST_FILE), record)  # The commit.
             _keep_only(self._directory, name)
-            logging.info("best eval %s=%.6g at step %d: saved %s", self.metric, value, step, name)
+            logger.info("best eval %s=%.6g at step %d: saved %s", self.metric, value, step, name)
         # Only now: a save that failed (a full disk, an evaluator's checkpoint rotated away) keeps the old best.
         self.watch.best, self.best_step = value, step
 
@@ -141,7 +141,7 @@ class BestCheckpoint(Callback):
             )
         if not _readable(os.path.join(directory, name)) and not _copy_from_elsewhere(model_dir, directory, name):
             aside = _set_aside(directory)
-            logging.warning(
+            logger.warning(
                 "%s names %s, which %s does not hold and the model_dir has nowhere else (left by a crash "
                 "of an older version); moved the record and the checkpoint beside it to %s: the next "
                 "evaluation sets a new best",
@@ -207,7 +207,7 @@ def _copy_from_elsewhere(model_dir: str, directory: str, name: str) -> bool:
         _remove_checkpoint(directory, name)  # A damaged copy of an older version's.
         for file in _files_of(root, name):
             repairs.copy(os.path.join(root, file), os.path.join(directory, file))
-        logging.warning(
+        logger.warning(
             "%s named %s but %s did not hold it (left by a crash of an older version); copied it from %s",
             os.path.join(directory, BEST_FILE),
             name,

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from absl import logging
-
 from engine.callbacks import TrainerView
 from engine.hooks.metric_watch import PatienceHook
+from engine.logger import logger
 
 
 class EarlyStopping(PatienceHook):
@@ -23,7 +22,7 @@ class EarlyStopping(PatienceHook):
         if replaying:
             return  # on_train_begin decides from the state after the whole replay.
         trainer.stop_training = True
-        logging.info(
+        logger.info(
             "early stopping at step %d: eval %s has not improved on %.6g for %d evaluations",
             step,
             self.metric,
@@ -35,7 +34,7 @@ class EarlyStopping(PatienceHook):
         super().on_train_begin(trainer)
         if self.watch.wait >= self.patience:
             trainer.stop_training = True
-            logging.info(
+            logger.info(
                 "early stopping: the restored run already stopped (eval %s best %.6g, "
                 "%d evaluations without improvement); raise the patience to continue",
                 self.metric,

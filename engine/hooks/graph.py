@@ -12,10 +12,10 @@ from collections.abc import Mapping
 from typing import Any
 
 import tensorflow as tf
-from absl import logging
 
 from engine.callbacks import Callback, TrainerView
 from engine.errors import one_line
+from engine.logger import logger
 
 GRAPH_NAME = "train_loop"
 # What a remote task that died or is restarting makes an export fail with.
@@ -49,7 +49,7 @@ class TrainGraph(Callback):
             # worker that just died fails it, and the run (which survives the worker) must not die
             # for a TensorBoard picture.
             tf.summary.trace_off()
-            logging.warning("train loop graph not written to TensorBoard: %s", one_line(error, 300))
+            logger.warning("train loop graph not written to TensorBoard: %s", one_line(error, 300))
             return
         writer.flush()
 

@@ -15,11 +15,10 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from absl import logging
-
 from engine import model_dir as model_dir_lib
 from engine.callbacks import Callback, TrainerView
 from engine.errors import UserError
+from engine.logger import logger
 from engine.options import METRIC_MODES as MODES
 
 # Metrics where larger is better; anything else (losses, errors) is minimized under "auto".
@@ -144,7 +143,7 @@ class PatienceHook(Callback):
                 "restore it or move it away"
             )
         if metric != self.metric:
-            logging.info("%s: ignoring %s, it watched %r, not %r", self.name, path, metric, self.metric)
+            logger.info("%s: ignoring %s, it watched %r, not %r", self.name, path, metric, self.metric)
             return []
         return history
 

@@ -9,11 +9,11 @@ restart; the patience counter is rebuilt from the metric history.
 from __future__ import annotations
 
 import tensorflow as tf
-from absl import logging
 
 from engine.callbacks import TrainerView
 from engine.errors import UserError
 from engine.hooks.metric_watch import PatienceHook
+from engine.logger import logger
 from engine.schedules import is_scheduled
 
 
@@ -74,7 +74,7 @@ class ReduceLROnPlateau(PatienceHook):
         new = max(old * self.factor, self.min_rate)
         if new < old:
             optimizer.learning_rate = new
-            logging.info(
+            logger.info(
                 "reduce lr on plateau at step %d: eval %s stuck at best %.6g; learning rate %.4g -> %.4g",
                 step,
                 self.metric,

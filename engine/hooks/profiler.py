@@ -14,10 +14,10 @@ from collections.abc import Mapping
 from typing import Any
 
 import tensorflow as tf
-from absl import logging
 
 from engine.callbacks import Callback, TrainerView
 from engine.errors import UserError
+from engine.logger import logger
 
 
 class ProfileWindow(Callback):
@@ -57,9 +57,9 @@ class ProfileWindow(Callback):
         if not self._active and self.start <= step < self.end:
             tf.profiler.experimental.start(self._logdir)
             self._active = True
-            logging.info("profiler: tracing from step %d to %d into %s", step, self.end, self._logdir)
+            logger.info("profiler: tracing from step %d to %d into %s", step, self.end, self._logdir)
 
     def _stop(self, step: int) -> None:
         tf.profiler.experimental.stop()
         self._active = False
-        logging.info("profiler: trace written at step %d (TensorBoard's Profile tab)", step)
+        logger.info("profiler: trace written at step %d (TensorBoard's Profile tab)", step)

@@ -1,7 +1,8 @@
 """The layout shows the architecture: no import circles in engine/, no module name twice,
 the library never imports the command line, and only the commands import the launcher
 (statically, including imports inside functions; test_library_alone checks the same at
-run time). Every private TensorFlow/Keras API is engine/compat.py's alone."""
+run time). Every private TensorFlow/Keras API is engine/compat.py's alone. The library logs
+through one channel, the "engine" logger."""
 
 import ast
 import re
@@ -97,6 +98,33 @@ def test_the_library_never_imports_the_command_line():
     library = [name for name in graph if not _command_line(name)]
     importing_cli = {name: sorted(t for t in graph[name] if _command_line(t)) for name in library}
     assert {name: targets for name, targets in importing_cli.items() if targets} == {}
+
+
+def _absl_logging_importers() -> list[str]:
+    """The library modules (of engine/, input/ and models/) that import absl's logging."""
+    found = []
+    for folder in ("engine", "input", "models"):
+        for path in (REPO / folder).rglob("*.py"):
+            name = _module_name(path)
+            if _command_line(name):
+                continue
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                imported = (
+                    {alias.name for alias in node.names}
+                    if isinstance(node, ast.Import)
+                    else {f"{node.module}.{alias.name}" for alias in node.names}
+                    if isinstance(node, ast.ImportFrom) and node.module
+                    else set()
+                )
+                if "absl.logging" in imported:
+                    found.append(name)
+    return sorted(set(found))
+
+
+def test_the_library_logs_through_the_engine_logger_alone():
+    """absl's logging is the command line's (an absl app); a library line through it would
+    print in another format, and its INFO lines not at all in research code."""
+    assert _absl_logging_importers() == []
 
 
 def test_only_the_commands_import_the_launcher():
