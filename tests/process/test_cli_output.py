@@ -23,7 +23,7 @@ HELP_SECONDS = 4.0
 
 def python(*args: str, env: dict[str, str] | None = None, timeout: float = 240) -> subprocess.CompletedProcess:
     environment = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
-    environment.update(PYTHONPATH=str(REPO), **(env or {}))
+    environment.update({"PYTHONPATH": str(REPO), **(env or {})})
     return subprocess.run(
         [sys.executable, *args], cwd=REPO, env=environment, capture_output=True, text=True, timeout=timeout
     )
@@ -97,6 +97,36 @@ def test_only_native_log_lines_are_held_back():
         == text.splitlines(keepends=True)[0] + text.splitlines(keepends=True)[3] + python_lines
     )
     assert kept_lines(text, 0) == text
+
+
+_FAKE_TENSORFLOW = """
+import os, sys
+print("a Python line of the import", file=sys.stderr, flush=True)
+os.write(2, b"I0000 00:00:1796043263.123665    8024 port.cc:153] a native start-up line\\n")
+os.write(2, b"the last line, without its newline")
+if os.environ.get("DIE_IN_THE_IMPORT"):
+    os._exit(131)
+class config:
+    list_physical_devices = staticmethod(lambda: [])
+"""
+
+
+@pytest.mark.parametrize("dies", [False, True], ids=["imports", "dies_in_the_import"])
+def test_what_the_import_window_prints_reaches_stderr_in_order_even_when_the_process_dies_there(tmp_path, dies):
+    """A task that died inside TensorFlow's import (exit 131 in CI, twice) printed nothing:
+    the window's output waited in a temporary file read only after the import."""
+    (tmp_path / "tensorflow").mkdir()
+    (tmp_path / "tensorflow" / "__init__.py").write_text(_FAKE_TENSORFLOW)
+    program = (
+        "import sys\n"
+        "from engine.native_logs import import_tensorflow_quietly\n"
+        "import_tensorflow_quietly()\n"
+        "print('after the window', file=sys.stderr)\n"
+    )
+    env = {"PYTHONPATH": f"{tmp_path}{os.pathsep}{REPO}", **({"DIE_IN_THE_IMPORT": "1"} if dies else {})}
+    result = python("-c", program, env=env, timeout=60)
+    window = "a Python line of the import\nthe last line, without its newline"
+    assert (result.returncode, result.stderr) == ((131, window) if dies else (0, window + "after the window\n"))
 
 
 @pytest.mark.process
