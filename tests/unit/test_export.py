@@ -72,6 +72,15 @@ def test_cli_exports_a_servable_model(tmp_path):
         served["probabilities"].numpy(), tf.nn.softmax(served["logits"]).numpy(), rtol=1e-6
     )
 
+    # The same command on the finished run trains nothing and exports the same weights (it said nothing).
+    again = main_in_process(
+        "--model=mlp", "--train_steps=5", f"--model_dir={tmp_path / 'run'}", f"--export_dir={tmp_path / 'again'}"
+    )
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "nothing to train" in again.stderr
+    served_again = tf.saved_model.load(str(tmp_path / "again")).signatures["serving_default"]
+    np.testing.assert_array_equal(served_again(features=tf.constant(images))["logits"], served["logits"])
+
 
 NAN_SCRIPT = """
 import numpy as np, tensorflow as tf, keras, engine

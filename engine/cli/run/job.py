@@ -204,9 +204,10 @@ def _train_and_evaluate(
     # Synchronous workers evaluate together, so there the chief evaluates again with them
     # and keeps the train part of metrics.json; everywhere else a finished run does nothing.
     if finished is not None and config.strategy != "multi_worker_mirrored":
+        _export_if_asked(config, strategy, trainer, model, task)  # Of the finished run's weights.
         trainer.close()
         logging.info(
-            "the run is already at step %d (the target is %d): nothing to do; %s left as it was; "
+            "the run is already at step %d (the target is %d): nothing to train; %s left as it was; "
             "raise --train_steps or --epochs to continue",
             trainer.step,
             total_steps,
@@ -233,15 +234,7 @@ def _train_and_evaluate(
     if isinstance(outcome, int):  # Stopped by a signal or a peer: a checkpoint, no results.
         return {"global_step": trainer.step, "exit_status": outcome}
     train_logs, eval_logs = outcome
-    if config.export_dir and strategy.extended.should_checkpoint:  # Only the chief exports.
-        with trainer.averaged_weights():  # --ema_decay: the averages are the model to serve.
-            export_for_serving(
-                model,
-                config.export_dir,
-                input_shape=task.input_shape,
-                input_dtype=task.source.feature_dtype,
-                label_kind=task.source.labels.kind,
-            )
+    _export_if_asked(config, strategy, trainer, model, task)
     if finished is not None and not train_logs:
         train_logs = finished.get("train") or {}
     speed = trainer.steady_examples_per_second or train_logs.get("examples_per_second")
@@ -268,6 +261,23 @@ def _train_and_evaluate(
         extra=EVERY_TASK,  # Every worker's digest, to compare.
     )
     return result
+
+
+def _export_if_asked(
+    config: RunConfig, strategy: tf.distribute.Strategy, trainer: Trainer, model: Any, task: RunTask
+) -> None:
+    """`--export_dir`: the SavedModel of the trained weights (the averages under `--ema_decay`:
+    the model to serve), written by the chief alone."""
+    if not config.export_dir or not strategy.extended.should_checkpoint:
+        return
+    with trainer.averaged_weights():
+        export_for_serving(
+            model,
+            config.export_dir,
+            input_shape=task.input_shape,
+            input_dtype=task.source.feature_dtype,
+            label_kind=task.source.labels.kind,
+        )
 
 
 def _train_and_eval_data(config: RunConfig, source) -> tuple[Any, Any]:
