@@ -37,12 +37,17 @@ class StatusLine:
         except (AttributeError, ValueError):  # A replaced or closed stream.
             return False
 
+    @staticmethod
+    def width() -> int:
+        """The characters a line may hold on the terminal without wrapping (the last column left
+        free: some terminals wrap on it)."""
+        return max(shutil.get_terminal_size().columns - 1, 10)
+
     def show(self, text: str, stream: TextIO) -> None:
         """Draws `text` as the bar (over the previous one), cut to the terminal's width so it never wraps."""
-        width = shutil.get_terminal_size().columns - 1
         with self._lock:
             self._text, self._stream = text, stream
-            self._write(_CLEAR + text[: max(width, 10)])
+            self._write(_CLEAR + text[: self.width()])
 
     def clear(self) -> None:
         """Erases the bar; nothing is shown until the next `show`."""

@@ -52,9 +52,9 @@ class Progress(Callback):
 
     def on_loop_end(self, trainer: TrainerView, step: int, logs: Mapping[str, Any]) -> None:
         target = trainer.target_step or step
-        eta = self._eta(step, target, logs)
+        eta = self._eta(step, target)
         if self._bar_stream is not None:
-            status_line.show(bar_text(step, target, logs, eta), self._bar_stream)
+            status_line.show(bar_text(step, target, logs, eta, width=status_line.width()), self._bar_stream)
             if step >= target:  # The full bar stays, as Keras's does; the lines go on below it.
                 status_line.finish()
         if self.log_every is None or step % self.log_every == 0 or step >= target:
@@ -64,15 +64,15 @@ class Progress(Callback):
         if self._bar_stream is not None:  # Stopped short of the target: the bar goes.
             status_line.clear()
 
-    def _eta(self, step: int, target: int, logs: Mapping[str, Any]) -> str:
-        """Remaining time at the rate since the first loop (which includes tracing)."""
+    def _eta(self, step: int, target: int) -> str:
+        """Remaining time at the rate since the end of the first loop: the first one traces and
+        compiles, so its rate says nothing of the rest ("?" until a second loop has run)."""
         now = time.perf_counter()
         if self._rate_since is None:
             self._rate_since = (step, now)
-            rate = logs.get("steps_per_second") or 0.0
-        else:
-            since_step, since_time = self._rate_since
-            rate = (step - since_step) / max(now - since_time, 1e-9)
+            return "?" if step < target else "0:00:00"
+        since_step, since_time = self._rate_since
+        rate = (step - since_step) / max(now - since_time, 1e-9)
         if rate <= 0:
             return "?"
         seconds = max(target - step, 0) / rate
@@ -81,15 +81,23 @@ class Progress(Callback):
         return str(datetime.timedelta(seconds=round(seconds)))
 
 
-def bar_text(step: int, target: int, logs: Mapping[str, Any], eta: str) -> str:
-    """`  7/20 [==========>...................]  loss: 0.2500  accuracy: 0.9000  eta 0:00:03`,
-    the values as Keras's progress bar shows them."""
+def bar_text(step: int, target: int, logs: Mapping[str, Any], eta: str, *, width: int = 80) -> str:
+    """`  7/20 [==========>...................] eta 0:00:03  loss: 0.2500  accuracy: 0.9000`, the
+    values as Keras's progress bar shows them, in at most `width` characters: the bar narrows
+    to keep the ETA on the line, and the values that do not fit are left out."""
+    counter = f"{step:>{len(str(target))}}/{target}"
+    tail = f" eta {eta}"
+    bar_width = max(min(BAR_WIDTH, width - len(counter) - len(tail) - 3), 5)
     done = min(step / target, 1.0) if target > 0 else 1.0
-    filled = int(BAR_WIDTH * done)
-    bar = "=" * filled + (">" if filled < BAR_WIDTH else "") + "." * max(BAR_WIDTH - filled - 1, 0)
-    values = "  ".join(f"{name}: {_bar_value(value)}" for name, value in logs.items())
-    width = len(str(target))
-    return f"{step:>{width}}/{target} [{bar}]  {values}  eta {eta}"
+    filled = int(bar_width * done)
+    bar = "=" * filled + (">" if filled < bar_width else "") + "." * max(bar_width - filled - 1, 0)
+    text = f"{counter} [{bar}]{tail}"
+    for name, value in logs.items():
+        shown = f"  {name}: {_bar_value(value)}"
+        if len(text) + len(shown) > width:
+            break
+        text += shown
+    return text
 
 
 def _bar_value(value: Any) -> str:

@@ -8,7 +8,7 @@ import pytest
 from helpers import global_batches, loss_fn, make_arrays, make_model
 
 import engine
-from engine.callbacks.progress import Progress
+from engine.callbacks.progress import Progress, bar_text
 
 
 @pytest.fixture
@@ -59,6 +59,30 @@ def test_progress_bar_shows_on_a_terminal(capsys):
     progress.on_loop_end(trainer, 10, {"loss": 0.25, "steps_per_second": 10.0})
     out = capsys.readouterr().out
     assert "10/10" in out and "loss: 0.2500" in out
+
+
+LOGS = {"loss": 0.25, "accuracy": 0.9, "steps_per_second": 123.4, "examples_per_second": 15000.0}
+
+
+@pytest.mark.parametrize("width", [30, 60, 79, 200])
+def test_the_bar_fits_the_terminal_and_always_shows_its_eta(width):
+    text = bar_text(70, 2000, LOGS, "0:01:46", width=width)
+    assert len(text) <= width, text
+    assert re.fullmatch(r"  70/2000 \[=?>\.+\] eta 0:01:46(  \w+: \S+)*", text), text
+    shown = re.findall(r"  (\w+): ", text)
+    assert shown == list(LOGS)[: len(shown)]  # The values in order, those that fit.
+    assert (len(shown) == len(LOGS)) == (width == 200)
+
+
+def test_the_first_eta_leaves_the_first_loop_out(capsys):
+    """The first loop traces and compiles: its rate would promise minutes for seconds of work."""
+    progress = Progress(progress_bar=True)
+    trainer = type("FakeTrainer", (), {"target_step": 100})()
+    progress.on_train_begin(trainer)
+    progress.on_loop_end(trainer, 10, {"loss": 0.5, "steps_per_second": 0.01})
+    assert capsys.readouterr().out.endswith("eta ?  loss: 0.5000")
+    progress.on_loop_end(trainer, 20, {"loss": 0.5, "steps_per_second": 0.01})
+    assert re.search(r"eta \d+:\d\d:\d\d  loss: 0.5000$", capsys.readouterr().out)
 
 
 def test_negative_log_every_is_refused():
