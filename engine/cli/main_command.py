@@ -17,6 +17,8 @@ from engine.cli.process import console
 from engine.errors import USER_ERROR_EXIT, UserError, one_line
 from engine.status_line import status_line
 
+# Where absl printed a module docstring and every flag in alphabetical order: engine.cli.config.usage.
+SHORT_HELP_FLAGS = ("--help", "-help", "-h", "-?", "--helpshort", "-helpshort")
 HELP_FLAGS = ("--help", "-help", "-?", "--helpshort", "-helpshort", "--helpfull", "-helpfull", "--helpxml")
 
 
@@ -67,6 +69,11 @@ def parse_flags(argv: list[str]) -> list[str]:
     as one line and exit 2 like every other user error, instead of exit 1."""
     from engine.cli.config.flagfiles import check_flagfiles
 
+    if any(arg in SHORT_HELP_FLAGS for arg in argv[1:]):
+        from engine.cli.config.usage import main_help
+
+        print(main_help(), end="")
+        sys.exit(0)
     try:
         check_flagfiles(argv[1:])
         return flags.FLAGS(argv)

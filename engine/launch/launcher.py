@@ -49,6 +49,8 @@ from typing import Any
 from absl import flags
 
 from engine.cli.config.flag_names import in_flag_terms
+from engine.cli.config.usage import launch_help
+from engine.cli.main_command import SHORT_HELP_FLAGS
 from engine.cluster import security_warning
 from engine.errors import USER_ERROR_EXIT, UserError, one_line
 from engine.launch.task_processes import (
@@ -240,6 +242,10 @@ def _why(name: str, high: int) -> str:
 def parse_flags(argv: list[str]) -> list[str]:
     """absl's parsing, with its errors (--num_workers=nan, an unknown flag) as one line and
     exit 2 like every other bad flag, instead of absl's usage text and exit 1."""
+    own = argv[1 : argv.index("--")] if "--" in argv else argv[1:]
+    if any(arg in SHORT_HELP_FLAGS for arg in own):
+        print(launch_help(FLAGS.get_flags_for_module(__name__)), end="")
+        sys.exit(0)
     try:
         return FLAGS(argv)
     except flags.Error as error:

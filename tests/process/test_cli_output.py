@@ -5,6 +5,7 @@ the launcher checks engine.main's flags without importing TensorFlow. Real proce
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -32,14 +33,27 @@ def python(*args: str, env: dict[str, str] | None = None, timeout: float = 240) 
 @pytest.mark.process
 @pytest.mark.slow
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("flag", ["--help", "--helpfull"])
-def test_help_lists_the_engines_flags_quickly_and_exits_0(flag):
+@pytest.mark.parametrize(
+    ("command", "flag"),
+    [("engine.main", "--help"), ("engine.main", "--helpfull"), ("engine.launch", "--help")],
+)
+def test_help_lists_the_flags_quickly_and_exits_0(command, flag):
+    """--help is the usage text (tests/cli/test_help.py); --helpfull absl's list, each flag with its help."""
     began = time.monotonic()
-    result = python("-X", "importtime", "-m", "engine.main", flag)
+    result = python("-X", "importtime", "-m", command, flag)
     seconds = time.monotonic() - began
     assert result.returncode == 0, result.stderr[-2000:]
-    for name in ("--strategy", "--model_dir", "--ema_decay", "--histogram_every", "--worker_hosts"):
-        assert f"  {name}:" in result.stdout, name
+    if flag == "--help":
+        assert result.stdout.startswith(f"usage: python -m {command} "), result.stdout[:200]
+    names = (
+        ["--num_workers", "--rendezvous", "--max_restarts"]
+        if command == "engine.launch"
+        else ["--strategy", "--model_dir", "--ema_decay", "--histogram_every", "--worker_hosts"]
+    )
+    for name in names:  # --helpfull: absl's `  --name: help`; --help: the name, with its help or in its group.
+        assert (
+            f"  {name}:" in result.stdout if flag == "--helpfull" else re.search(rf"{name}\b", result.stdout)
+        ), name
     assert "tensorflow" not in result.stderr  # -X importtime: the help imported no TensorFlow
     assert seconds < HELP_SECONDS, seconds
 

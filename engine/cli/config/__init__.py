@@ -5,7 +5,8 @@
 - `flagfiles`, `config_files`, `small_files`: `--flagfile`, `--config_file`,
   `--params_override` and `<model_dir>/config.yaml`, read as bounded regular files;
 - `flag_names`: the library's messages in the flags' spelling;
-- `flag_reference`: docs/flags.md, rendered from `RunConfig`.
+- `usage`: what `--help` prints (engine.main and engine.launch): usage, commands, examples, the flags by group;
+- `flag_reference`: docs/flags.md, rendered from `RunConfig`, in `usage`'s groups.
 
 Its `__init__` imports nothing: `--help` imports the flags without TensorFlow.
 """

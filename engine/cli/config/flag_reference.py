@@ -9,10 +9,10 @@ Imports no TensorFlow (as `python -m engine.main --help` does not).
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
-from engine.cli.config.settings import CLUSTER_SETTINGS, DEFAULT_EPOCHS, RunConfig, field_default
+from engine.cli.config.settings import CLUSTER_SETTINGS, DEFAULT_EPOCHS, field_default
+from engine.cli.config.usage import grouped_settings
 
 COMMAND = "python -m engine.cli.config.flag_reference > docs/flags.md"
 
@@ -56,7 +56,10 @@ help). The cluster flags (marked *also `engine.server`*) are defined by
 settings from a YAML or JSON file, and a trained model_dir's `config.yaml` gives its
 settings to the next command on it ([Config files](command-line.md#config-files)).
 What bad input and the output look like: [The command line](command-line.md).
+The sections are `python -m engine.main --help`'s groups (`engine/cli/config/usage.py`).
+"""
 
+TABLE_HEADER = """\
 | flag | default | choices | meaning |
 | --- | --- | --- | --- |
 """
@@ -91,23 +94,28 @@ These have no flag: a `--config_file` or `--params_override` sets them
 
 
 def render() -> str:
-    """The whole of docs/flags.md: the flags, then the settings that are not flags."""
-    rows, file_only = [], []
-    for field in dataclasses.fields(RunConfig):
-        if not field.metadata["flag"]:
-            default = _default(field.name, field_default(field))
-            file_only.append(f"| `{field.name}` | {default} | {_cell(field.metadata['help'])} |\n")
-            continue
-        choices = field.metadata["choices"]
-        meaning = _cell(field.metadata["help"])
-        if field.name in CLUSTER_SETTINGS:
-            meaning += " *(also `engine.server`)*"
-        if field.name in SEE_ALSO:
-            meaning += f" [More]({SEE_ALSO[field.name]})."
-        choice_cell = ", ".join(f"`{choice}`" for choice in choices) if choices else ""
-        default = _default(field.name, field.default)
-        rows.append(f"| `--{field.name}` | {default} | {choice_cell} | {meaning} |\n")
-    return HEADER + "".join(rows) + (FILE_ONLY_HEADER + "".join(file_only) if file_only else "")
+    """The whole of docs/flags.md: the flags by concern (`--help`'s groups), then the settings
+    that are not flags."""
+    sections, file_only = [], []
+    for title, fields in grouped_settings():
+        rows = []
+        for field in fields:
+            if not field.metadata["flag"]:
+                default = _default(field.name, field_default(field))
+                file_only.append(f"| `{field.name}` | {default} | {_cell(field.metadata['help'])} |\n")
+                continue
+            choices = field.metadata["choices"]
+            meaning = _cell(field.metadata["help"])
+            if field.name in CLUSTER_SETTINGS:
+                meaning += " *(also `engine.server`)*"
+            if field.name in SEE_ALSO:
+                meaning += f" [More]({SEE_ALSO[field.name]})."
+            choice_cell = ", ".join(f"`{choice}`" for choice in choices) if choices else ""
+            default = _default(field.name, field.default)
+            rows.append(f"| `--{field.name}` | {default} | {choice_cell} | {meaning} |\n")
+        if rows:
+            sections.append(f"\n## {title}\n\n{TABLE_HEADER}{''.join(rows)}")
+    return HEADER + "".join(sections) + (FILE_ONLY_HEADER + "".join(file_only) if file_only else "")
 
 
 if __name__ == "__main__":

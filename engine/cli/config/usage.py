@@ -1,0 +1,165 @@
+"""What `--help` prints for `python -m engine.main` and `python -m engine.launch`: a usage
+line, the commands, examples, the most used flags with their help and the rest by name,
+grouped by concern; `--helpfull` stays absl's list of every flag with its help.
+
+absl's own `--help` opened with a module docstring and an absolute disk path, then listed
+77 flags in alphabetical order over 290 lines: nothing told a new user where to start.
+The groups are `RunConfig`'s sections (`FLAG_GROUPS`, by the first field of each, so a
+new field joins the section it is written in); docs/flags.md is grouped the same way.
+Imports no TensorFlow.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import textwrap
+from collections.abc import Iterable
+from typing import Any
+
+from engine.cli.config.settings import RunConfig, flag_settings
+
+# RunConfig's sections, each named at its first field; the fields after it up to the next belong to it.
+FLAG_GROUPS: tuple[tuple[str, str], ...] = (
+    ("strategy", "Strategy and devices"),
+    ("worker_hosts", "Several machines"),
+    ("print_config", "What the command does"),
+    ("task", "The problem: model, data, loss, metrics"),
+    ("global_batch_size", "Length, batches and output"),
+    ("optimizer", "Optimization"),
+    ("on_nonfinite", "Loss spikes"),
+    ("model_dir", "State on disk"),
+    ("early_stop_metric", "Decisions from evaluations"),
+    ("profile_steps", "TensorBoard"),
+    ("seed", "Numerics and speed"),
+)
+
+# The flags a first run needs, in the order a user meets them.
+MOST_USED = (
+    "model",
+    "dataset",
+    "label_column",
+    "model_dir",
+    "strategy",
+    "cpu_devices",
+    "epochs",
+    "train_steps",
+    "global_batch_size",
+    "learning_rate",
+    "metrics",
+    "mode",
+    "export_dir",
+    "config_file",
+)
+
+MAIN_USAGE = """\
+usage: python -m engine.main [--flag=value ...]
+
+Trains, evaluates, predicts with and exports TensorFlow 2 models on any
+tf.distribute strategy: one device, several, or a cluster. Bad input ends
+with one line naming what is wrong and exit status 2.
+
+Commands:
+  python -m engine.main     train, evaluate, predict or export (this one)
+  python -m engine.launch   a cluster, one process a task, here or on each host
+  python -m engine.server   one cluster task's server (a parameter server)
+
+Examples:
+  python -m engine.main --strategy=mirrored --cpu_devices=2 \\
+      --model_dir=runs/digits
+  python -m engine.main --dataset=houses.csv --label_column=price \\
+      --model=mlp --model_dir=runs/houses
+  python -m engine.main --mode=eval --model_dir=runs/digits
+  python -m engine.main --mode=predict --model_dir=runs/digits \\
+      --predict_input=x.npz --predict_output=y.npy
+  python -m engine.launch --num_workers=2 -- \\
+      --strategy=multi_worker_mirrored --model_dir=runs/two
+"""
+
+LAUNCH_USAGE = """\
+usage: python -m engine.launch [launcher flags] -- [engine.main flags]
+
+Starts a whole cluster, one process a task, each with free ports and its own
+TF_CONFIG: multi_worker_mirrored workers, or a chief, workers and parameter
+servers. Run once on each host with --nnodes. Restarts dead tasks, passes
+Ctrl-C and SIGTERM on (the tasks save first), exits with the run's status.
+
+Examples:
+  python -m engine.launch --num_workers=2 -- \\
+      --strategy=multi_worker_mirrored --model_dir=runs/two
+  python -m engine.launch --num_workers=2 --num_ps=1 -- \\
+      --strategy=parameter_server --model_dir=runs/ps
+  python -m engine.launch --nnodes=2 --node_rank=0 \\
+      --rendezvous=10.0.0.10:29400 -- \\
+      --strategy=multi_worker_mirrored --model_dir=/shared/runs/two
+"""
+
+
+def grouped_settings() -> list[tuple[str, list[dataclasses.Field]]]:
+    """RunConfig's fields (flags and config-file settings) in their sections, in order."""
+    starts = dict(FLAG_GROUPS)
+    groups: list[tuple[str, list[dataclasses.Field]]] = []
+    for field in dataclasses.fields(RunConfig):
+        if field.name in starts:
+            groups.append((starts[field.name], []))
+        assert groups, f"RunConfig's first field {field.name!r} starts no group of FLAG_GROUPS"
+        groups[-1][1].append(field)
+    return groups
+
+
+def main_help(width: int | None = None) -> str:
+    """`python -m engine.main --help`."""
+    width = width or _terminal_width()
+    fields = {field.name: field for field in dataclasses.fields(RunConfig)}
+    common = [
+        _flag_entry(
+            name, fields[name].default, fields[name].metadata["help"], fields[name].metadata["choices"], width
+        )
+        for name in MOST_USED
+    ]
+    flagged = set(flag_settings())
+    rest = []
+    for title, members in grouped_settings():
+        names = [f"--{field.name}" for field in members if field.name in flagged and field.name not in MOST_USED]
+        if names:
+            rest.append(
+                textwrap.fill(", ".join(names), width, initial_indent=f"  {title}: ", subsequent_indent="    ")
+            )
+    return (
+        MAIN_USAGE
+        + "\nMost used flags:\n"
+        + "".join(common)
+        + "\nThe other flags, by concern (--helpfull: each with its help):\n"
+        + "\n".join(rest)
+        + "\n"
+    )
+
+
+def launch_help(launcher_flags: Iterable[Any], width: int | None = None) -> str:
+    """`python -m engine.launch --help`: its own flags (absl `Flag`s) all, with their help."""
+    width = width or _terminal_width()
+    entries = [_flag_entry(flag.name, flag.default, flag.help, None, width) for flag in launcher_flags]
+    return LAUNCH_USAGE + "\nFlags (after --, engine.main's: python -m engine.main --help):\n" + "".join(entries)
+
+
+def _flag_entry(name: str, default: Any, help: str, choices: tuple[str, ...] | None, width: int) -> str:
+    """`  --name=default` then the help, indented and wrapped to `width`."""
+    if isinstance(default, bool):
+        head = f"  --[no]{name}" + (" (on)" if default else " (off)")
+    elif default in (None, (), {}):
+        head = f"  --{name}"
+    else:
+        shown = (
+            ",".join(map(str, default))
+            if isinstance(default, (list, tuple))
+            else f"{default:g}"
+            if isinstance(default, float)
+            else default
+        )
+        head = f"  --{name}={shown}"
+    text = " ".join(help.split()) + (f" One of: {', '.join(choices)}." if choices else "")
+    return head + "\n" + textwrap.fill(text, width, initial_indent="      ", subsequent_indent="      ") + "\n"
+
+
+def _terminal_width() -> int:
+    return max(min(shutil.get_terminal_size().columns, 100) - 1, 40)
