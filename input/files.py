@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import csv
 import os
+import warnings
 import zipfile
 import zlib
 
@@ -151,19 +152,20 @@ def read_table(
 ) -> tuple[list[str], np.ndarray, np.ndarray | None]:
     """(feature column names, features (N, F) float32, labels (N,) or None without a
     label column): every cell a number, or one line naming the row and column."""
-    header, rows = read_rows(path, flag)
+    header = read_header(path, flag)
     if label_column is not None and label_column not in header:
         raise DataError(f"--{flag}={path} has no column {label_column!r}; its columns are {header}")
-    values = _numbers(path, flag, header, rows, list(range(len(header))))
-    integral = np.all(values == np.round(values), axis=0) & np.isfinite(values).all(axis=0)
+    values = read_numbers(path, flag, header)
     if label_column is None:
         return header, values.astype(np.float32), None
     index = header.index(label_column)
     names = [name for name in header if name != label_column]
-    label_cells = [row[index].strip() for row in rows]
+    column = values[:, index]
     # Class ids are written as integers ("3"); "3.0" or "151.5" are values to regress.
-    as_integers = bool(integral[index]) and all(_is_integer_text(cell) for cell in label_cells)
-    labels = values[:, index].astype(np.int64) if as_integers else values[:, index]
+    as_integers = bool(np.isfinite(column).all() and np.all(column == np.round(column))) and all(
+        _is_integer_text(cell.strip()) for cell in _column_text(path, index)
+    )
+    labels = column.astype(np.int64) if as_integers else column.copy()
     features = np.delete(values, index, axis=1).astype(np.float32)
     if features.shape[1] == 0:
         raise DataError(f"--{flag}={path} has no feature column besides {label_column!r}")
@@ -173,7 +175,7 @@ def read_table(
 def read_columns(path: str, names: list[str], *, flag: str) -> tuple[np.ndarray, list[str]]:
     """(the columns `names` of `path` by header name, in that order, as float32 (N, len(names));
     the names of its other columns, which are not read). A missing column is one line naming it."""
-    header, rows = read_rows(path, flag)
+    header = read_header(path, flag)
     missing = [name for name in names if name not in header]
     if missing:
         raise DataError(
@@ -181,7 +183,8 @@ def read_columns(path: str, names: list[str], *, flag: str) -> tuple[np.ndarray,
             + (f" (nor {', '.join(repr(name) for name in missing[1:4])})" if len(missing) > 1 else "")
             + f"; the model was trained on the columns {names}, found {header}"
         )
-    values = _numbers(path, flag, header, rows, [header.index(name) for name in names])
+    wanted = [header.index(name) for name in names]
+    values = read_numbers(path, flag, header, wanted)
     return values.astype(np.float32), [name for name in header if name not in names]
 
 
@@ -194,18 +197,11 @@ def csv_header(path: str, flag: str = "dataset") -> list[str]:
         raise DataError(f"cannot read --{flag}={path}: {error}") from None
 
 
-def read_rows(path: str, flag: str) -> tuple[list[str], list[list[str]]]:
-    """The header's column names (each once) and the example rows of a CSV file, as text."""
+def read_header(path: str, flag: str) -> list[str]:
+    """The header's column names, each once (a spreadsheet's BOM is not part of the first)."""
     if not os.path.isfile(path):
         raise DataError(f"--{flag}={path} does not exist or is not a file")
-    try:
-        with open(path, newline="", encoding="utf-8-sig") as handle:  # -sig: a spreadsheet's BOM is not a name.
-            rows = [row for row in csv.reader(handle) if row]
-    except (OSError, UnicodeDecodeError, csv.Error) as error:
-        raise DataError(f"cannot read --{flag}={path}: {error}; save it as UTF-8 text") from None
-    if len(rows) < 2:
-        raise DataError(f"--{flag}={path} needs a header row and at least one example row")
-    header = [name.strip() for name in rows[0]]
+    header = csv_header(path, flag)
     seen: dict[str, int] = {}
     for column, name in enumerate(header, start=1):
         if name in seen:  # Which copy would a name pick? csv keeps both; a model would train on one.
@@ -214,7 +210,74 @@ def read_rows(path: str, flag: str) -> tuple[list[str], list[list[str]]]:
                 "column its own name"
             )
         seen[name] = column
+    return header
+
+
+def read_numbers(path: str, flag: str, header: list[str], columns: list[int] | None = None) -> np.ndarray:
+    """The example rows' cells of `columns` (indices into `header`; all by default) as float64
+    (N, len(columns)). numpy's reader does the work (half the time and a quarter of the memory
+    of reading cells one by one in Python: benchmarks/csv_read.py) where every column is
+    numeric; otherwise `read_rows` and `_numbers` read the cells, and name the line and column
+    of a bad one."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # Blank lines, or no row at all: said below.
+            values = np.loadtxt(
+                path,
+                delimiter=",",
+                skiprows=1,
+                dtype=np.float64,
+                ndmin=2,
+                comments=None,
+                quotechar='"',
+                encoding="utf-8-sig",
+            )
+    except (ValueError, UnicodeDecodeError, OSError):
+        values = None
+    wanted = list(range(len(header))) if columns is None else columns
+    if values is None or values.shape[0] == 0 or values.shape[1] != len(header):
+        # A bad cell or row (named in one line), or a column not read that is not numeric (an id):
+        # every row is still checked to have a cell under every column (a stray comma shifts them).
+        _, rows = read_rows(path, flag)
+        return _numbers(path, flag, header, rows, wanted)
+    return values if columns is None else values[:, columns]
+
+
+def read_rows(path: str, flag: str) -> tuple[list[str], list[list[str]]]:
+    """The header's column names (each once) and the example rows of a CSV file, as text."""
+    header = read_header(path, flag)
+    try:
+        with open(path, newline="", encoding="utf-8-sig") as handle:  # -sig: a spreadsheet's BOM is not a name.
+            rows = [row for row in csv.reader(handle) if row]
+    except (OSError, UnicodeDecodeError, csv.Error) as error:
+        raise DataError(f"cannot read --{flag}={path}: {error}; save it as UTF-8 text") from None
+    if len(rows) < 2:
+        raise DataError(f"--{flag}={path} needs a header row and at least one example row")
     return header, rows[1:]
+
+
+def _column_text(path: str, index: int) -> list[str]:
+    """The cells of column `index` as written (for "3" against "3.0"): one column, by numpy's
+    reader, or by the csv module's where numpy refuses a cell Python's float() took."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # Blank lines.
+            return list(
+                np.loadtxt(
+                    path,
+                    delimiter=",",
+                    skiprows=1,
+                    usecols=[index],
+                    dtype=str,
+                    ndmin=1,
+                    comments=None,
+                    quotechar='"',
+                    encoding="utf-8-sig",
+                )
+            )
+    except ValueError:
+        _, rows = read_rows(path, "dataset")
+        return [row[index] for row in rows]
 
 
 def _numbers(path: str, flag: str, header: list[str], rows: list[list[str]], columns: list[int]) -> np.ndarray:

@@ -299,6 +299,10 @@ def test_bad_data_is_one_line_before_anything_is_written(tmp_path, monkeypatch):
     words = write_csv(tmp_path / "w.csv", ["a", "colour", "y"], [[1, "red", 0], [3, "blue", 1]])
     holes = write_csv(tmp_path / "h.csv", ["a", "b", "y"], [[1, 2, 0], [3, "", 1]])
     twice = write_csv(tmp_path / "twice.csv", ["a", "y", "y"], [[1, 2, 0], [3, 4, 1], [5, 6, 1]])
+    stray = tmp_path / "stray.csv"  # A comma too many shifts every cell after it (numpy's reader: refused too).
+    stray.write_text("a,b,y\n1,2,0\n3,4,5,1\n5,6,1\n")
+    shifted = tmp_path / "shifted.csv"  # Every row one cell longer than the header.
+    shifted.write_text("a,b,y\n1,2,0,9\n3,4,1,9\n")
     np.savez(tmp_path / "no_x.npz", features=np.zeros((4, 2)), y_train=np.zeros(4))
     np.savez(tmp_path / "five.npz", x_train=np.zeros((10, 2), np.float32), y_train=np.arange(10) % 5)
     (tmp_path / "my_data.py").write_text(DATA_FUNCTIONS)
@@ -308,6 +312,8 @@ def test_bad_data_is_one_line_before_anything_is_written(tmp_path, monkeypatch):
         ([f"--dataset={table}"], "needs --label_column=NAME"),
         ([f"--dataset={words}", "--label_column=y"], "line 2, column 'colour' 'red' is not a number"),
         ([f"--dataset={holes}", "--label_column=y"], "line 3, column 'b' is empty (a missing value"),
+        ([f"--dataset={stray}", "--label_column=y"], "line 3 has 4 values under 3 columns"),
+        ([f"--dataset={shifted}", "--label_column=y"], "line 2 has 4 values under 3 columns"),
         # It trained on one of the two copies (whichever `index` found): now refused.
         ([f"--dataset={twice}", "--label_column=y"], "names column 'y' twice (columns 2 and 3)"),
         ([f"--dataset={tmp_path / 'no_x.npz'}"], "but no x_train; an .npz data set needs x_train and y_train"),
