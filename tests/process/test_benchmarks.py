@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 from helpers import REPO, signal_group
 
@@ -240,6 +241,32 @@ def test_checkpoint_benchmark_writes_blocking_times_and_slowdowns(tmp_path):
         state = (model_dir / mode / "checkpoints" / "checkpoint").read_text()
         assert 'model_checkpoint_path: "ckpt-' in state, state
     assert "blocking per save" in completed.stdout and "end to end" in completed.stdout
+
+
+def test_the_csv_benchmarks_table_reads_back_as_written(tmp_path):
+    """The table the benchmark times is a user's table: read_table gives back its numbers."""
+    from benchmarks.csv_read import write_table
+    from input.files import read_table
+
+    path = str(tmp_path / "table.csv")
+    write_table(path, rows=50, columns=4)
+    names, features, labels = read_table(path, "label")
+    assert names == ["f0", "f1", "f2"] and features.shape == (50, 3) and labels.dtype == np.int64
+    written = np.loadtxt(path, delimiter=",", skiprows=1)
+    np.testing.assert_array_equal(features, written[:, :3].astype(np.float32))
+    np.testing.assert_array_equal(labels, written[:, 3].astype(np.int64))
+
+
+@pytest.mark.process
+@pytest.mark.timeout(300)
+def test_csv_benchmark_times_both_readers_on_one_table(tmp_path):
+    out = tmp_path / "csv_read.json"
+    _run(["benchmarks.csv_read", "--rows=200", "--columns=4", "--repeats=1", f"--json={out}"], timeout=240)
+    payload = json.loads(out.read_text())
+    assert (payload["rows"], payload["columns"]) == (200, 4)
+    for reader in ("numpy", "python_cells"):
+        assert payload[reader]["seconds"] > 0 and payload[reader]["peak_mib"] >= 0, payload
+    assert payload["time_ratio"] == round(payload["python_cells"]["seconds"] / payload["numpy"]["seconds"], 2)
 
 
 @pytest.mark.process
