@@ -92,6 +92,10 @@ class InMemorySource(DataSource):
     def feature_dtype(self) -> str:
         return "uint8" if self._train_images.dtype == tf.uint8 else "float32"
 
+    def train_arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """The train split's features and labels as stored (what a table's statistics are taken from)."""
+        return self._train_images.numpy(), self._train_labels.numpy()
+
     @staticmethod
     def _gather_fn(images: tf.Tensor, labels: tf.Tensor) -> Callable[[tf.Tensor], tuple[tf.Tensor, tf.Tensor]]:
         """A tf.data map function turning index batches into example batches."""

@@ -10,6 +10,7 @@ from models.registry import (
     is_user_model,
     model_names,
 )
+from models.standardize import Standardization, set_table_statistics, standardized
 
 __all__ = [
     "USER_MODEL_INPUT_SHAPE",
@@ -21,4 +22,7 @@ __all__ = [
     "is_user_model",
     "model_names",
     "check_fits_data",
+    "Standardization",
+    "set_table_statistics",
+    "standardized",
 ]

@@ -309,6 +309,20 @@ def test_the_stored_config_is_inherited_but_not_per_invocation_settings(tmp_path
 
 
 @pytest.mark.cli
+def test_a_run_trained_before_normalize_existed_keeps_its_columns_as_they_were(tmp_path):
+    """Its checkpoints hold no standardization layers: the new default would not restore them."""
+    old, new = tmp_path / "old", tmp_path / "new"
+    stored(old, model="mlp", dataset="t.csv", label_column="y")
+    stored(new, model="mlp", dataset="t.csv", label_column="y", normalize="standardize")
+    assert printed(f"--model_dir={old}")["normalize"] == "none"
+    assert printed(f"--model_dir={new}")["normalize"] == "standardize"
+    assert printed(f"--model_dir={tmp_path / 'fresh'}", "--dataset=t.csv")["normalize"] == "standardize"
+    with_a_checkpoint(old)
+    line = refused(f"--model_dir={old}", "--normalize=standardize")
+    assert "--normalize=standardize differs from normalize=none" in line, line
+
+
+@pytest.mark.cli
 def test_a_reader_mode_does_not_inherit_a_strategy_that_needs_a_cluster(tmp_path):
     model_dir = tmp_path / "run"
     stored(model_dir, model="mlp", strategy="parameter_server")

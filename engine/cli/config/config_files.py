@@ -136,6 +136,8 @@ def _inherited(stored: Layer, mode: str) -> Layer:
     """What a command inherits from a stored config. A reader mode runs alone on this host, so a
     strategy that needs a cluster is not inherited (`CheckpointedModel` builds a local one)."""
     values = dict(stored.values)
+    # Trained before the setting existed: the model had no such layers, its checkpoints none.
+    values.setdefault("normalize", "none")
     if mode in READER_MODES and values.get("strategy") in MULTI_HOST_STRATEGIES:
         del values["strategy"]
         values.pop("tpu", None)  # The TPU's address goes with the strategy that needs it.

@@ -47,6 +47,8 @@ class RunTask:
     # A CSV's feature columns, by name, in the order the model takes them (None: not a CSV).
     feature_columns: tuple[str, ...] | None = None
     loss_weights: Any = None  # The Task's, for a loss nested like several outputs.
+    # --normalize=standardize on a CSV: the model standardizes its columns (models.standardized).
+    standardizes: bool = False
 
     @property
     def input_shape(self) -> tuple[int, ...]:
@@ -94,7 +96,20 @@ class RunTask:
             models.check_fits_data(self.model_name, model, self.input_shape, self.num_outputs, element_shape)
         except models.ModelError as error:  # A user's builder returned something unusable.
             raise UserError(str(error)) from None
+        if self.standardizes:
+            model = self._standardized(model, models)
         return model
+
+    def _standardized(self, model: keras.Model, models: Any) -> keras.Model:
+        """`model` standardizing its columns and, for a regression of one output, scaling that
+        output to the labels; the statistics from the train split where the source holds it (a
+        model rebuilt for predict gets them from the checkpoint it restores)."""
+        outputs_too = self.source.labels.kind == objectives.VALUES and _heads(model) == 1
+        wrapped = models.standardized(model, self.input_shape, outputs_too=outputs_too)
+        if hasattr(self.source, "train_arrays"):
+            features, labels = self.source.train_arrays()
+            models.set_table_statistics(wrapped, features, labels if outputs_too else None)
+        return wrapped
 
     def describe(self) -> str:
         labels = self.source.labels.describe()
@@ -235,6 +250,7 @@ def resolve_task(config: RunConfig, *, source: Any = None) -> RunTask:
         eval_step_fn=task.eval_step_fn,
         loss_weights=task.loss_weights,
         feature_columns=feature_columns,
+        standardizes=config.normalize == "standardize" and task.data is None and config.dataset.endswith(".csv"),
     )
 
 
