@@ -23,11 +23,16 @@ import tempfile
 import numpy as np
 from absl import app, flags
 
-flags.DEFINE_integer("rows", 500_000, "Example rows of the table.")
-flags.DEFINE_integer("columns", 12, "Columns, the label last.")
-flags.DEFINE_integer("repeats", 3, "Reads with each reader, alternately.")
-flags.DEFINE_string("json", None, "Also write the result here.")
 FLAGS = flags.FLAGS
+
+
+def define_flags() -> None:
+    """The flags, defined when run as a program: the test imports this module beside others' flags."""
+    flags.DEFINE_integer("rows", 500_000, "Example rows of the table.")
+    flags.DEFINE_integer("columns", 12, "Columns, the label last.")
+    flags.DEFINE_integer("repeats", 3, "Reads with each reader, alternately.")
+    flags.DEFINE_string("json", None, "Also write the result here.")
+
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -103,4 +108,5 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
+    define_flags()
     app.run(main)

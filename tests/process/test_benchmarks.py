@@ -271,6 +271,24 @@ def test_csv_benchmark_times_both_readers_on_one_table(tmp_path):
 
 @pytest.mark.process
 @pytest.mark.timeout(300)
+def test_first_step_benchmark_times_each_phase_of_both_runners_in_fresh_processes(tmp_path):
+    out = tmp_path / "first_step.json"
+    _run(["benchmarks.first_step", "--model=mlp", "--steps=3", "--repeats=1", f"--json={out}"], timeout=240)
+    payload = json.loads(out.read_text())
+    for runner in ("engine", "fit"):
+        phases = payload[runner]
+        assert 0 < phases["import_s"] < phases["build_s"], phases  # Seconds from the process's start.
+        assert phases["first_s"] > 0 and phases["second_s"] > 0, phases
+        assert (
+            phases["first_call_s"] == round(phases["first_s"] - phases["second_s"], 3)
+            or abs(phases["first_call_s"] - (phases["first_s"] - phases["second_s"])) < 2e-3
+        ), phases
+    assert payload["engine"]["traces"] == 1  # The training loop is traced once for both calls.
+    assert payload["first_ratio"] == round(payload["engine"]["first_s"] / payload["fit"]["first_s"], 2)
+
+
+@pytest.mark.process
+@pytest.mark.timeout(300)
 def test_device_check_tiny_prints_one_json_with_every_field(tmp_path):
     from benchmarks.device_check import FIELDS, SECTION_FIELDS
 
