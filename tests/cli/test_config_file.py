@@ -309,13 +309,17 @@ def test_the_stored_config_is_inherited_but_not_per_invocation_settings(tmp_path
 
 
 @pytest.mark.cli
-def test_a_run_trained_before_normalize_existed_keeps_its_columns_as_they_were(tmp_path):
-    """Its checkpoints hold no standardization layers: the new default would not restore them."""
+def test_a_run_trained_before_normalize_existed_keeps_its_columns_and_its_length(tmp_path):
+    """Its checkpoints hold no standardization layers: the new default would not restore them; and
+    a finished run of the default length stays finished (the floor of 500 steps came with it)."""
     old, new = tmp_path / "old", tmp_path / "new"
     stored(old, model="mlp", dataset="t.csv", label_column="y")
     stored(new, model="mlp", dataset="t.csv", label_column="y", normalize="standardize")
     assert printed(f"--model_dir={old}")["normalize"] == "none"
+    assert printed(f"--model_dir={old}")["epochs"] == 20  # Its length: 20 epochs, without the 500-step floor.
+    assert printed(f"--model_dir={old}", "--train_steps=7")["epochs"] is None  # A length given wins.
     assert printed(f"--model_dir={new}")["normalize"] == "standardize"
+    assert printed(f"--model_dir={new}")["epochs"] is None
     assert printed(f"--model_dir={tmp_path / 'fresh'}", "--dataset=t.csv")["normalize"] == "standardize"
     with_a_checkpoint(old)
     line = refused(f"--model_dir={old}", "--normalize=standardize")

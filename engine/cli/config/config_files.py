@@ -37,6 +37,7 @@ from engine.checkpointing import discovery
 from engine.cli.config.settings import (
     ALTERNATIVE_SETTINGS,
     COMMAND_LINE_ONLY_SETTINGS,
+    DEFAULT_EPOCHS,
     MODEL_AND_DATA_SETTINGS,
     MULTI_HOST_STRATEGIES,
     PER_INVOCATION_SETTINGS,
@@ -136,8 +137,10 @@ def _inherited(stored: Layer, mode: str) -> Layer:
     """What a command inherits from a stored config. A reader mode runs alone on this host, so a
     strategy that needs a cluster is not inherited (`CheckpointedModel` builds a local one)."""
     values = dict(stored.values)
-    # Trained before the setting existed: the model had no such layers, its checkpoints none.
-    values.setdefault("normalize", "none")
+    if "normalize" not in values:  # Written before --normalize and the 500-step floor existed:
+        values["normalize"] = "none"  # the model had no such layers, its checkpoints have none,
+        if values.get("train_steps") is None and values.get("epochs") is None:
+            values["epochs"] = DEFAULT_EPOCHS  # and its length was 20 epochs, no floor (it is finished).
     if mode in READER_MODES and values.get("strategy") in MULTI_HOST_STRATEGIES:
         del values["strategy"]
         values.pop("tpu", None)  # The TPU's address goes with the strategy that needs it.
