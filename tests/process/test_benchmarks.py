@@ -279,10 +279,7 @@ def test_first_step_benchmark_times_each_phase_of_both_runners_in_fresh_processe
         phases = payload[runner]
         assert 0 < phases["import_s"] < phases["build_s"], phases  # Seconds from the process's start.
         assert phases["first_s"] > 0 and phases["second_s"] > 0, phases
-        assert (
-            phases["first_call_s"] == round(phases["first_s"] - phases["second_s"], 3)
-            or abs(phases["first_call_s"] - (phases["first_s"] - phases["second_s"])) < 2e-3
-        ), phases
+        assert abs(phases["first_call_s"] - (phases["first_s"] - phases["second_s"])) < 2e-3, phases
     assert payload["engine"]["traces"] == 1  # The training loop is traced once for both calls.
     assert payload["first_ratio"] == round(payload["engine"]["first_s"] / payload["fit"]["first_s"], 2)
 
