@@ -13,15 +13,14 @@ what the imports took. Prints one JSON object with the medians and their ratios
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 
 import numpy as np
 from absl import app, flags
+
+from benchmarks.fresh_process import measure_in_fresh_process, report
 
 FLAGS = flags.FLAGS
 
@@ -33,8 +32,6 @@ def define_flags() -> None:
     flags.DEFINE_integer("repeats", 3, "Reads with each reader, alternately.")
     flags.DEFINE_string("json", None, "Also write the result here.")
 
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Run in a fresh process: the peak memory of one read, over the imports'.
 _READ = """
@@ -65,16 +62,7 @@ def write_table(path: str, rows: int, columns: int) -> int:
 
 
 def read_once(path: str, reader: str) -> dict[str, float]:
-    env = {**os.environ, "PYTHONPATH": REPO, "TF_CPP_MIN_LOG_LEVEL": "3"}
-    done = subprocess.run(
-        [sys.executable, "-c", _READ, path, reader],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-        check=True,
-    )
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return measure_in_fresh_process(_READ, path, reader, timeout=600)
 
 
 def main(argv: list[str]) -> None:
@@ -99,12 +87,7 @@ def main(argv: list[str]) -> None:
     assert isinstance(numpy, dict) and isinstance(cells, dict)
     result["time_ratio"] = round(cells["seconds"] / numpy["seconds"], 2)
     result["memory_ratio"] = round(cells["peak_mib"] / max(numpy["peak_mib"], 1e-3), 2)
-    text = json.dumps(result)
-    print(text)
-    if FLAGS.json:
-        os.makedirs(os.path.dirname(os.path.abspath(FLAGS.json)), exist_ok=True)
-        with open(FLAGS.json, "w") as handle:
-            handle.write(text + "\n")
+    report(result, FLAGS.json)
 
 
 if __name__ == "__main__":

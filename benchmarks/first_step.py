@@ -24,13 +24,11 @@ the first call alone).
 
 from __future__ import annotations
 
-import json
-import os
 import statistics
-import subprocess
-import sys
 
 from absl import app, flags
+
+from benchmarks.fresh_process import measure_in_fresh_process, report
 
 FLAGS = flags.FLAGS
 
@@ -44,7 +42,6 @@ def define_flags() -> None:
     flags.DEFINE_string("json", None, "Also write the result here.")
 
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUNNERS = ("engine", "fit")
 
 # One measurement, in a process of its own: argv = runner, model, steps, global batch size.
@@ -99,17 +96,7 @@ print(json.dumps(phases))
 
 
 def measure(runner: str, model: str, steps: int, global_batch_size: int) -> dict[str, float]:
-    env = {**os.environ, "PYTHONPATH": REPO, "TF_CPP_MIN_LOG_LEVEL": "3"}
-    done = subprocess.run(
-        [sys.executable, "-c", _MEASURE, runner, model, str(steps), str(global_batch_size)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=900,
-    )
-    if done.returncode != 0:
-        raise RuntimeError(f"the {runner} process failed ({done.returncode}): {done.stderr[-2000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return measure_in_fresh_process(_MEASURE, runner, model, str(steps), str(global_batch_size), timeout=900)
 
 
 def summarize(runs: dict[str, list[dict[str, float]]]) -> dict[str, object]:
@@ -134,12 +121,7 @@ def main(argv: list[str]) -> None:
             runs[runner].append(measure(runner, FLAGS.model, FLAGS.steps, FLAGS.global_batch_size))
     result = {"model": FLAGS.model, "steps": FLAGS.steps, "global_batch_size": FLAGS.global_batch_size}
     result.update(summarize(runs))
-    text = json.dumps(result)
-    print(text)
-    if FLAGS.json:
-        os.makedirs(os.path.dirname(os.path.abspath(FLAGS.json)), exist_ok=True)
-        with open(FLAGS.json, "w") as handle:
-            handle.write(text + "\n")
+    report(result, FLAGS.json)
 
 
 if __name__ == "__main__":
