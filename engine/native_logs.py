@@ -39,6 +39,7 @@ _BEFORE_INITIALIZE_LOG = "WARNING: All log messages before absl::InitializeLog()
 # The second line of cpu_feature_guard's note.
 _CONTINUATION = re.compile(r"^To enable the following instructions: .*compiler flags\.$")
 _LEVELS = "IWEF"
+_FATAL = _LEVELS.index("F")
 _READER_EXIT_SECONDS = 10.0
 
 
@@ -80,8 +81,9 @@ def stderr_filtered(min_level: int) -> Iterator[None]:
 
 
 def kept_lines(text: str, min_level: int) -> str:
-    """`text` less the C++ log lines below `min_level` (0 I, 1 W, 2 E, 3 F; 2 and up hide them all:
-    the start-up errors, cuInit's and "Unable to register cuDNN factory", are expected ones)."""
+    """`text` less the C++ log lines below `min_level` (0 I, 1 W, 2 E, 3 F; 2 and up hide all but
+    the fatal ones: the start-up errors, cuInit's and "Unable to register cuDNN factory", are
+    expected ones, while a fatal line is the last word of a process about to abort)."""
     lines = _LineFilter(min_level)
     return "".join(line for line in text.splitlines(keepends=True) if lines.keep(line))
 
@@ -101,7 +103,11 @@ class _LineFilter:
             self._level = 1
         elif not (self._level is not None and _CONTINUATION.match(line.rstrip("\n"))):
             self._level = None  # Python's output: always kept.
-        return self._level is None or (self.min_level < 2 and self._level >= self.min_level)
+        return (
+            self._level is None
+            or self._level == _FATAL
+            or (self.min_level < 2 and self._level >= self.min_level)
+        )
 
 
 def _pass_on(source: int, target: int, min_level: int) -> None:

@@ -119,41 +119,50 @@ def run_step(
     return reduced, finite
 
 
-# A loop's running state: (sums of finite step outputs, finite steps, non-finite steps, first non-finite
-# index, that step's loss).
-LoopState = tuple[dict[str, tf.Tensor], tf.Tensor, tf.Tensor, tf.Tensor, tf.Tensor]
+# A loop's running state: (sums of the finite steps' outputs, in the order of the loop's `names`;
+# finite steps; non-finite steps; first non-finite index; that step's loss). The sums start empty
+# and take the step's length at its first step, so that the step is traced once, inside the loop:
+# a step peeled off the loop to learn its outputs would be traced, optimized and held twice.
+LoopState = tuple[tf.Tensor, tf.Tensor, tf.Tensor, tf.Tensor, tf.Tensor]
 # The graph's placeholder for "no loss to report" (no non-finite step yet, or a step without a
 # "loss" output): a finite 0, since --check_numerics fails on any NaN constant; LoopResult reads
 # it as NaN where it means nothing.
 _NO_LOSS = 0.0
+# The shape the sums keep across the loop's iterations (empty before the first step).
+_SUMS_SHAPE = tf.TensorShape([None])
+
+
+@engine_graph_code
+def _empty_state() -> LoopState:
+    return tf.zeros([0]), tf.constant(0.0), tf.constant(0), tf.constant(-1), tf.constant(_NO_LOSS)
+
+
+@engine_graph_code
+def _sized(sums: tf.Tensor, size: int) -> tf.Tensor:
+    """`sums` with zeros appended up to `size` entries (the empty sums before the first step)."""
+    return tf.pad(sums, [[0, size - tf.shape(sums)[0]]])
 
 
 @engine_graph_code
 def _accumulate(
-    state: LoopState, index: tf.Tensor, outputs: dict[str, tf.Tensor], finite: tf.Tensor
+    state: LoopState, index: tf.Tensor, names: Sequence[str], outputs: dict[str, tf.Tensor], finite: tf.Tensor
 ) -> LoopState:
     """Adds step `index` to the loop's running sums of finite outputs and its non-finite count."""
-    totals, count, bad, first_bad, first_bad_loss = state
-    totals = {n: totals[n] + tf.where(finite, outputs[n], 0.0) for n in totals}
+    sums, count, bad, first_bad, first_bad_loss = state
+    values = tf.stack([outputs[name] for name in names]) if names else tf.zeros([0])
+    sums = _sized(sums, len(names)) + tf.where(finite, values, 0.0)
     newly_bad = tf.logical_and(tf.logical_not(finite), first_bad < 0)
     first_bad = tf.where(newly_bad, index, first_bad)
     first_bad_loss = tf.where(newly_bad, outputs.get("loss", tf.constant(_NO_LOSS)), first_bad_loss)
     count = count + tf.cast(finite, tf.float32)
-    return totals, count, bad + 1 - tf.cast(finite, tf.int32), first_bad, first_bad_loss
+    return sums, count, bad + 1 - tf.cast(finite, tf.int32), first_bad, first_bad_loss
 
 
 @engine_graph_code
-def _first_state(outputs: dict[str, tf.Tensor], finite: tf.Tensor) -> LoopState:
-    """The running state after the loop's first step (index 0)."""
-    zeros = {name: tf.zeros_like(value) for name, value in outputs.items()}
-    empty: LoopState = (zeros, tf.constant(0.0), tf.constant(0), tf.constant(-1), tf.constant(_NO_LOSS))
-    return _accumulate(empty, tf.constant(0), outputs, finite)
-
-
-@engine_graph_code
-def _loop_outputs(state: LoopState, steps_run: tf.Tensor) -> dict[str, tf.Tensor]:
-    totals, count, bad, first_bad, first_bad_loss = state
-    means = {name: total / tf.maximum(count, 1.0) for name, total in totals.items()}
+def _loop_outputs(state: LoopState, names: Sequence[str], steps_run: tf.Tensor) -> dict[str, tf.Tensor]:
+    sums, count, bad, first_bad, first_bad_loss = state
+    sums = _sized(sums, len(names))
+    means = {name: sums[i] / tf.maximum(count, 1.0) for i, name in enumerate(names)}
     return {
         "logs": means,
         "nonfinite_steps": bad,
@@ -181,8 +190,7 @@ def make_train_loop(
     or count without a per-step sync (a loss above `max_loss` counts as
     non-finite; `first_nonfinite_loss` is that step's); and `steps_run`, fewer than
     `num_steps` when the data ran out (0: not one batch was left). The
-    first step is peeled off the `tf.range` loop so that the accumulators
-    take the structure the step returns.
+    step is traced once, inside the `tf.range` loop.
 
     With `per_replica_batch_size`, the call's first batch can be checked on
     every replica before any step runs, as `first_batch_check` asks: not
@@ -227,19 +235,23 @@ def make_train_loop(
             run = tf.logical_and(run, first_size < 0)
 
         def run_steps() -> dict[str, tf.Tensor]:
-            outputs, finite = one_step(replica_step, first_batch.get_value())
-            names.extend(outputs)
-            state = _first_state(outputs, finite)
-            steps_run = tf.constant(1)
-            for index in tf.range(1, num_steps):
-                next_batch = iterator.get_next_as_optional()
-                if not next_batch.has_value():
-                    break
-                outputs, finite = one_step(replica_step, next_batch.get_value())
-                state = _accumulate(state, index, outputs, finite)
+            batch = first_batch
+            sums, count, bad, first_bad, first_bad_loss = _empty_state()
+            steps_run = tf.constant(0)
+            for index in tf.range(num_steps):
+                tf.autograph.experimental.set_loop_options(shape_invariants=[(sums, _SUMS_SHAPE)])
+                outputs, finite = one_step(replica_step, batch.get_value())
+                names[:] = outputs
+                sums, count, bad, first_bad, first_bad_loss = _accumulate(
+                    (sums, count, bad, first_bad, first_bad_loss), index, names, outputs, finite
+                )
                 steps_run += 1
+                if index + 1 < num_steps:  # No batch is taken that the loop will not run.
+                    batch = iterator.get_next_as_optional()
+                if not batch.has_value():
+                    break
             average_over_replicas(strategy, list(replica_state))
-            return _loop_outputs(state, steps_run)
+            return _loop_outputs((sums, count, bad, first_bad, first_bad_loss), names, steps_run)
 
         def no_steps() -> dict[str, tf.Tensor]:
             # tf.cond traces run_steps first, so the step's output names are known here.
@@ -316,13 +328,17 @@ def make_resident_train_loop(
     def train_loop(inputs, num_steps: tf.Tensor) -> dict[str, tf.Tensor]:
         replica_tensors, start_position = inputs  # The stream position of the first step (engine.data).
         indices = strategy.run(loop_indices, args=(start_position, num_steps))  # Every step's, on each replica.
-        # The first step is peeled off so that the accumulators take the step's output structure.
-        state = _first_state(*one_step(replica_tensors, indices, tf.constant(0)))
-        for index in tf.range(1, num_steps):
+        names: list[str] = []
+        sums, count, bad, first_bad, first_bad_loss = _empty_state()
+        for index in tf.range(num_steps):
+            tf.autograph.experimental.set_loop_options(shape_invariants=[(sums, _SUMS_SHAPE)])
             outputs, finite = one_step(replica_tensors, indices, index)
-            state = _accumulate(state, index, outputs, finite)
+            names[:] = outputs
+            sums, count, bad, first_bad, first_bad_loss = _accumulate(
+                (sums, count, bad, first_bad, first_bad_loss), index, names, outputs, finite
+            )
         average_over_replicas(strategy, list(replica_state))
-        return _loop_outputs(state, num_steps)
+        return _loop_outputs((sums, count, bad, first_bad, first_bad_loss), names, num_steps)
 
     return train_loop
 

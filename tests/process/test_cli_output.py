@@ -111,6 +111,9 @@ def test_only_native_log_lines_are_held_back():
         == text.splitlines(keepends=True)[0] + text.splitlines(keepends=True)[3] + python_lines
     )
     assert kept_lines(text, 0) == text
+    # A fatal line, the last word of a process about to abort, is never held back.
+    fatal = "F0000 00:00:1796043271.934405    8024 op_kernel.cc:99] Check failed: size >= 0\n"
+    assert kept_lines(text + fatal, 3) == python_lines + fatal
 
 
 _FAKE_TENSORFLOW = """
