@@ -64,13 +64,14 @@ def test_help_lists_the_flags_quickly_and_exits_0(command, flag):
 def test_a_run_prints_no_native_start_up_lines_unless_asked_and_imports_no_optional_library(tmp_path):
     """One run under -X importtime answers both: no C++ start-up line reaches its output, and
     scikit-learn, IPython and matplotlib, which cost each engine.main about 1.3 s of CPU at Keras's
-    import (engine.cli.process.lean_imports), are never loaded by a run that needs none of them."""
+    import (engine.cli.process.lean_imports), are never loaded by a run that needs none of them,
+    not even for the default data (scikit-learn's digits, read from its file: input/digits.py)."""
     from helpers import in_background
 
     flags = ["-m", "engine.main", "--model=mlp", "--train_steps=2", "--steps_per_loop=1", "--mode=train"]
     verbose = in_background(python, *flags, env={"TF_CPP_MIN_LOG_LEVEL": "0"})  # Both processes at once.
-    # engine.main's default: TF_CPP_MIN_LOG_LEVEL=2. Synthetic data: the default digits need scikit-learn.
-    quiet = python("-X", "importtime", *flags, "--dataset=synthetic", f"--model_dir={tmp_path}")
+    # engine.main's default: TF_CPP_MIN_LOG_LEVEL=2; the default data, digits, read without scikit-learn.
+    quiet = python("-X", "importtime", *flags, f"--model_dir={tmp_path}")
     assert quiet.returncode == 0, quiet.stderr[-3000:]
     assert "Total params" in quiet.stdout + quiet.stderr  # The engine's own start-up output is there.
     logged = [line for line in quiet.stderr.splitlines() if not line.startswith("import time:")]

@@ -61,6 +61,21 @@ def test_digits_split_sizes_values_and_labels(digits: DataSource) -> None:
     assert set(labels) == set(range(10))
 
 
+@pytest.mark.parametrize("where", ["its file", "load_digits"])
+def test_digits_are_scikit_learns_whether_read_from_its_file_or_through_load_digits(where, monkeypatch) -> None:
+    from sklearn.datasets import load_digits
+
+    from input import digits as digits_module
+
+    if where == "load_digits":  # A scikit-learn that keeps the file elsewhere.
+        monkeypatch.setattr(digits_module.importlib.util, "find_spec", lambda name: None)
+    pixels, labels = digits_module._digits_table()
+    reference = load_digits()
+    np.testing.assert_array_equal(pixels, reference.data)
+    np.testing.assert_array_equal(labels, reference.target)
+    assert pixels.shape == (1797, 64)
+
+
 def test_digits_resized_to_other_shapes_with_repeated_channels() -> None:
     source = get_data_source("digits", image_shape=(8, 8, 3))
     images, _ = take(source.eval_dataset(global_batch_size=4), 1)[0]
