@@ -34,10 +34,10 @@ def main(argv: list[str]) -> int:
     from engine.cli.process.lean_imports import optional_libraries_hidden
     from engine.native_logs import import_tensorflow_quietly
 
-    with optional_libraries_hidden():  # Keras's scikit-learn, IPython and matplotlib: 1 s of CPU.
+    with optional_libraries_hidden():  # Keras's scikit-learn, IPython, matplotlib; TensorBoard's boto3.
         import_tensorflow_quietly()  # The first import of TensorFlow (the flags do not import it).
+        from engine.cli.run.job import run  # TensorBoard's hparams summaries among its imports.
     from engine.cli.config.config_files import as_yaml, config_from_flags, printed_settings
-    from engine.cli.run.job import run
 
     config = config_from_flags(engine_flags.FLAGS)  # Over --config_file and <model_dir>/config.yaml.
     if config.print_config:  # Checked, printed as a --config_file, nothing run or written.

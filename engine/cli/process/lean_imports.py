@@ -4,11 +4,15 @@ Importing Keras 3 imports scikit-learn (for `keras.wrappers`), IPython (a notebo
 file editor in `keras.saving`) and matplotlib.pyplot (`keras.visualization`)
 whenever they are installed: about 1 s of CPU of the 4 s that TensorFlow and
 Keras take to import, in every `engine.main`, `engine.server` and task of a
-cluster. The command line uses none of those Keras features, so its first import
-of TensorFlow runs with the three hidden (Keras then defines those features
-without them). They stay importable afterwards: the digits data set loads
-scikit-learn's, a benchmark matplotlib. The library (`import engine`) never
-hides anything: research code keeps every Keras feature.
+cluster. Likewise TensorBoard's hparams summaries import its stand-in for
+TensorFlow, which registers S3 and fsspec file systems through boto3 and fsspec
+where installed (0.3 s), for writers that never use it while TensorFlow is there.
+The command line uses none of those features, so its first import of TensorFlow
+and of the run's modules happens with these hidden (Keras and TensorBoard then
+define those features without them). They stay importable afterwards: a
+benchmark loads matplotlib, `--dataset=tfds:NAME` what tensorflow-datasets
+needs. The library (`import engine`) never hides anything: research code keeps
+every Keras feature.
 """
 
 from __future__ import annotations
@@ -19,18 +23,20 @@ import sys
 from collections.abc import Iterator
 
 HIDDEN_WHILE_KERAS_STARTS = ("sklearn", "IPython", "matplotlib")
+HIDDEN_WHILE_TENSORBOARD_STARTS = ("boto3", "botocore", "fsspec")
+HIDDEN = HIDDEN_WHILE_KERAS_STARTS + HIDDEN_WHILE_TENSORBOARD_STARTS
 
 
 class _Hide(importlib.abc.MetaPathFinder):
     def find_spec(self, fullname, path=None, target=None):
-        if fullname.partition(".")[0] in HIDDEN_WHILE_KERAS_STARTS:
-            raise ModuleNotFoundError(f"No module named {fullname!r} (hidden while Keras starts)", name=fullname)
+        if fullname.partition(".")[0] in HIDDEN:
+            raise ModuleNotFoundError(f"No module named {fullname!r} (hidden at start-up)", name=fullname)
         return None
 
 
 @contextlib.contextmanager
 def optional_libraries_hidden() -> Iterator[None]:
-    """Within: importing scikit-learn, IPython or matplotlib fails as if absent (unless imported already)."""
+    """Within: importing one of `HIDDEN` fails as if absent (unless imported already)."""
     finder = _Hide()
     sys.meta_path.insert(0, finder)
     try:
