@@ -93,6 +93,14 @@ class GoodputClock:
     def seconds(self, phase: str) -> float:
         return self._seconds[phase]
 
+    def current(self) -> tuple[str, float] | None:
+        """The innermost phase under way and its seconds so far, or None between phases. Safe to
+        call from another thread (a diagnostics report): it only reads the stack's last entry."""
+        stack = list(self._stack)
+        if not stack:
+            return None
+        return stack[-1].phase, time.perf_counter() - stack[-1].began
+
     def figures(self, now: float | None = None) -> dict[str, float]:
         """`{total_s, startup_s, compile_s, train_s, eval_s, checkpoint_s, restore_s, fraction}` so far."""
         now = time.time() if now is None else now

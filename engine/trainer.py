@@ -219,6 +219,9 @@ class Trainer:
         max_rollbacks: int = DEFAULT_MAX_ROLLBACKS,
     ):
         self.goodput_clock = GoodputClock()  # Research code's run starts here (`goodput()`).
+        # The global step as the host last read it, for a diagnostics report (`progress()`), which
+        # must not read a variable: its device, or the parameter server holding it, may be stuck.
+        self._step_seen: int | None = None
         step_options = StepOptions() if step is None else step
         self.cadence = Cadence() if cadence is None else cadence
         checkpoint = CheckpointOptions() if checkpoint is None else checkpoint
@@ -512,9 +515,10 @@ class Trainer:
         if self.rollback is not None:
             self.rollback.keep_start()  # What a spike before the next checkpoint restores.
         while self.step < steps and not self._should_stop():
-            start = self.step
+            start = self._step_seen = self.step
             num_steps = self._next_loop_length(start, steps)
             loop_logs = self._train_one_loop(start, num_steps, steps, last_saved)
+            self._step_seen = self.step
             if loop_logs is None:  # Rolled back to a checkpoint (or the start): nothing to save there.
                 last_saved = self.step
                 continue
@@ -528,12 +532,26 @@ class Trainer:
             if self.cadence.checkpoints_after(self.step):
                 self.save()
                 last_saved = self.step
+        self._step_seen = self.step
         self._save_unless_saved(last_saved)
         for callback in self.callbacks:
             callback.on_train_end(self, logs)
         if self.reports_goodput:
             self.report_goodput()
         return logs
+
+    def progress(self) -> dict[str, Any]:
+        """What the outer loop is doing, from values the host keeps (no variable is read, so it
+        answers while a compiled call or a peer is stuck): for `engine.diagnostics` reports."""
+        current = self.goodput_clock.current()
+        doing = "between phases" if current is None else f"{current[0]} for {current[1]:.1f} s"
+        if current is not None and current[0] == "train" and self._step_seen is not None:
+            doing += f" (a loop from step {self._step_seen}, training to step {self.target_step})"
+        return {
+            "last completed step": self._step_seen,
+            "doing": doing,
+            "stop requested": self.stopping.requested,
+        }
 
     def goodput(self) -> dict[str, float]:
         """Where the wall time went since the Trainer was created (`engine.goodput`): `total_s`,
@@ -611,6 +629,7 @@ class Trainer:
         """Saves at the last completed step, then stops the run: training on
         would need data that is not there, and returning quietly would
         leave the caller believing the target was reached."""
+        self._step_seen = self.step
         self._save_unless_saved(last_saved)
         for callback in self.callbacks:
             callback.on_train_end(self, logs)

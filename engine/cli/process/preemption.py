@@ -11,6 +11,10 @@ started (`LAUNCHER_PID_ENV`) takes its launcher's signal as the same stop it
 is already making, never as the second: a terminal's Ctrl-C reaches the
 launcher's whole process group, and the launcher passes the stop on too.
 
+SIGUSR1 asks the process what it is doing: the watcher writes every thread's stack and
+the trainer's progress to `<model_dir>/diagnostics/<task>.txt` (`engine.diagnostics`), or
+to stderr before a trainer is registered, and the run goes on.
+
 Python runs signal handlers only between bytecodes, so while the main thread
 sits in one compiled call a handler would wait for the whole call (and two
 signals would merge into one). `engine.main` therefore calls
@@ -34,6 +38,8 @@ from absl import logging
 
 HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 STOP_SIGNALS = HANDLED_SIGNALS  # The launchers take the same ones (engine.launch.task_processes).
+DIAGNOSTICS_SIGNAL = signal.SIGUSR1  # "What are you doing?": a report, and the run goes on.
+WATCHED_SIGNALS = (*HANDLED_SIGNALS, DIAGNOSTICS_SIGNAL)
 # Set by engine.launch in each task's environment: its pid, whose signals pass on a stop.
 LAUNCHER_PID_ENV = "ENGINE_LAUNCHER_PID"
 
@@ -88,6 +94,7 @@ class _Watcher:
         self._paused = False
         self._waiting = False  # Inside sigtimedwait.
         self._trained = False  # A trainer was registered: past the start-up.
+        self._diagnostics: tuple[str, str] | None = None  # (directory, task name) of the reports.
 
     def watch(self) -> None:
         while True:
@@ -95,12 +102,34 @@ class _Watcher:
                 while self._paused:
                     self._paused_changed.wait()
                 self._waiting = True
-            info = signal.sigtimedwait(HANDLED_SIGNALS, _WAIT_SECONDS)
+            info = signal.sigtimedwait(WATCHED_SIGNALS, _WAIT_SECONDS)
             with self._paused_changed:
                 self._waiting = False
                 self._paused_changed.notify_all()
-            if info is not None:
+            if info is not None and info.si_signo == DIAGNOSTICS_SIGNAL:
+                self._report()
+            elif info is not None:
                 self._take(info.si_signo, info.si_pid)
+
+    def _report(self) -> None:
+        """Writes what this process is doing (engine.diagnostics); never raises, since the
+        watcher must live on to take the stop signals."""
+        from engine import diagnostics
+
+        with self._lock:
+            trainer, where = self._trainer, self._diagnostics
+        try:
+            progress = trainer.progress() if trainer is not None else {"doing": "not training (start-up or end)"}
+            task = where[1] if where is not None else f"pid {os.getpid()}"
+            text = diagnostics.report(progress, title=f"engine diagnostics of {task}")
+            if trainer is None or where is None:
+                sys.stderr.write(text)
+                sys.stderr.flush()
+                return
+            path = diagnostics.write_report(where[0], where[1], text)
+            logging.warning("SIGUSR1 received: wrote what this process is doing to %s; the run goes on", path)
+        except Exception as error:  # noqa: BLE001 (any failure of a report is one line, never the watcher's end)
+            logging.warning("SIGUSR1 received: could not write the diagnostics report (%s)", error)
 
     def _take(self, signum: int, sender: int = 0) -> None:
         name = signal.Signals(signum).name
@@ -150,16 +179,16 @@ class _Watcher:
                 self._paused_changed.notify_all()
 
     @contextlib.contextmanager
-    def stopping(self, trainer) -> Iterator[SignalRecord]:
+    def stopping(self, trainer, diagnostics: tuple[str, str] | None = None) -> Iterator[SignalRecord]:
         record = SignalRecord()
         with self._lock:
             self._trainer, self._record, self._stopping = trainer, record, False
-            self._trained = True
+            self._trained, self._diagnostics = True, diagnostics
         try:
             yield record
         finally:
             with self._lock:
-                self._trainer = None
+                self._trainer = self._diagnostics = None
                 # A stop in progress keeps the next signal fatal; otherwise one signal ends at once too.
                 self._stopping = self._stopping or record.signum is not None
 
@@ -168,7 +197,7 @@ _watcher: _Watcher | None = None
 
 
 def install_watcher() -> None:
-    """Blocks SIGTERM/SIGINT/SIGHUP in this and every later thread and starts the watcher.
+    """Blocks SIGTERM/SIGINT/SIGHUP (and SIGUSR1) in this and every later thread and starts the watcher.
 
     Call it first thing in the program's main thread, before TensorFlow
     starts threads: a thread that does not block the signals could take one
@@ -177,7 +206,7 @@ def install_watcher() -> None:
     global _watcher
     if _watcher is not None:
         return
-    signal.pthread_sigmask(signal.SIG_BLOCK, HANDLED_SIGNALS)
+    signal.pthread_sigmask(signal.SIG_BLOCK, WATCHED_SIGNALS)
     _watcher = _Watcher()
     threading.Thread(target=_watcher.watch, name="signal-watcher", daemon=True).start()
 
@@ -199,10 +228,11 @@ def signals_left_pending() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def stop_on_signals(trainer) -> Iterator[SignalRecord]:
-    """While inside, SIGTERM/SIGINT/SIGHUP call `trainer.request_stop()`; the record says which came."""
+def stop_on_signals(trainer, *, diagnostics: tuple[str, str] | None = None) -> Iterator[SignalRecord]:
+    """While inside, SIGTERM/SIGINT/SIGHUP call `trainer.request_stop()`; the record says which came.
+    Under the watcher, SIGUSR1 writes a report to `diagnostics` (a directory and the task's name)."""
     if _watcher is not None:
-        with _watcher.stopping(trainer) as record:
+        with _watcher.stopping(trainer, diagnostics) as record:
             yield record
         return
     record = SignalRecord()

@@ -38,6 +38,7 @@ from engine.cli.run.run_record import read_record, record_path, record_training
 from engine.cli.run.run_task import RunTask, check_reported, resolve_task
 from engine.cluster import task_model_dir
 from engine.cluster.peer_loss import PEER_LOST_ERRORS, peer_lost_message
+from engine.diagnostics import DIAGNOSTICS_DIR, task_name
 from engine.errors import PeerLostError, UserError, one_line
 from engine.export import export_for_serving
 from engine.goodput import restarts_from_environment
@@ -324,7 +325,12 @@ def _train_with_clean_errors(
     """Trains to `total_steps` and evaluates; (train logs, eval logs), or the exit status of a
     run stopped by a signal or a peer worker. Errors of the data or the memory the run meets
     mid-run become one line naming what is kept."""
-    with stop_on_signals(trainer) as signal_record:
+    cluster = config.multi_host.cluster
+    report_to = (
+        os.path.join(model_dir, DIAGNOSTICS_DIR),
+        task_name(cluster.task_type, cluster.task_index) if cluster else task_name(None, None),
+    )
+    with stop_on_signals(trainer, diagnostics=report_to) as signal_record:
         try:
             train_logs = trainer.train(total_steps)
             eval_logs = trainer.evaluate_current() if evaluates and not trainer.stop_agreed else {}

@@ -1,0 +1,78 @@
+"""engine.diagnostics: the report a SIGUSR1 asks for (the signal itself, on a real
+`engine.main`: tests/process/test_sigusr1_report.py)."""
+
+from __future__ import annotations
+
+import threading
+
+import keras
+import tensorflow as tf
+from helpers import make_trainer
+
+from engine import diagnostics
+
+
+def test_a_report_names_the_progress_every_thread_and_where_each_one_waits():
+    release = threading.Event()
+
+    def wait_for_the_release_of_a_named_thread():
+        release.wait(timeout=30)
+
+    waiting = threading.Thread(target=wait_for_the_release_of_a_named_thread, name="input-reader")
+    waiting.start()
+    try:
+        progress = {"last completed step": 1340, "doing": "eval for 2.0 s"}
+        text = diagnostics.report(progress, title="engine of main")
+    finally:
+        release.set()
+        waiting.join()
+    header, stacks = text.split("\n\n", 1)
+    assert header.startswith("engine of main, pid ")
+    assert "\nlast completed step: 1340\ndoing: eval for 2.0 s\n" in header + "\n"
+    assert f"input-reader ({waiting.ident:#x})" in header and "MainThread" in header
+    # faulthandler's stacks, most recent call first: the waiting thread sits in its function.
+    assert f"Thread {waiting.ident:#018x}" in stacks
+    assert "in wait_for_the_release_of_a_named_thread" in stacks
+    assert "in test_a_report_names_the_progress_every_thread_and_where_each_one_waits" in stacks
+
+
+def test_a_report_is_cut_at_its_bound(monkeypatch):
+    monkeypatch.setattr(diagnostics, "MAX_BYTES", 600)
+    text = diagnostics.report({"doing": "x" * 2000}, title="engine of main")
+    assert len(text.encode()) <= 600 and text.endswith("... cut at 600 bytes\n")
+
+
+def test_a_second_report_replaces_the_first_and_leaves_no_temporary_file(tmp_path):
+    directory = str(tmp_path / "run" / "diagnostics")
+    first = diagnostics.write_report(directory, diagnostics.task_name("worker", 1), "first\n")
+    second = diagnostics.write_report(directory, diagnostics.task_name("worker", 1), "second\n")
+    assert first == second == f"{directory}/worker-1.txt"
+    assert (tmp_path / "run" / "diagnostics" / "worker-1.txt").read_text() == "second\n"
+    assert [p.name for p in (tmp_path / "run" / "diagnostics").iterdir()] == ["worker-1.txt"]
+    assert diagnostics.task_name(None, None) == "main"
+
+
+def test_the_trainers_progress_says_the_last_step_and_the_loop_under_way_without_reading_a_variable():
+    """Asked from inside a compiled call (a py_function in the loss, as the watcher thread would
+    ask while the main thread sits there): the loop it is in, and the step it started from."""
+    seen: list[dict] = []
+    trainer = None
+
+    def loss_that_asks(y, logits):
+        def ask():
+            seen.append(trainer.progress())
+            return 0.0
+
+        asked = tf.py_function(ask, [], tf.float32)
+        return keras.losses.SparseCategoricalCrossentropy(from_logits=True)(y, logits) + 0.0 * asked
+
+    trainer = make_trainer(loss_fn=loss_that_asks, steps_per_loop=3)
+    before = {"last completed step": None, "doing": "between phases", "stop requested": False}
+    assert trainer.progress() == before
+    trainer.train(6)
+    # Three steps a loop: the first loop's calls start from step 0, the second's from step 3.
+    starts = [entry["doing"].split("(a loop from step ")[1] for entry in seen]
+    assert starts == ["0, training to step 6)"] * 3 + ["3, training to step 6)"] * 3, seen
+    assert all(entry["doing"].startswith("train for ") for entry in seen)
+    assert trainer.progress()["last completed step"] == 6
+    assert trainer.progress()["doing"] == "between phases"
