@@ -63,6 +63,7 @@ from engine.launch.task_processes import (
     StopSignals,
     Task,
     cluster_spec,
+    forward_report_requests,
     free_ports,
     make_tasks,
     say,
@@ -292,6 +293,7 @@ def main(argv: list[str]) -> int:
         new_training_tasks=new_training_tasks,
     )
     StopSignals(launcher.kill_now).install()
+    forward_report_requests(lambda: launcher)
     try:
         status = launcher.run()
     except Interrupted as interrupt:

@@ -48,6 +48,7 @@ from engine.launch.task_processes import (
     Task,
     cause_of,
     describe_exit,
+    forward_report_requests,
     free_ports,
     make_tasks,
     shell_status,
@@ -135,6 +136,7 @@ class NodeLauncher:
                 f"serving the rendezvous at {options.rendezvous_text} for {options.nnodes} node(s){secured}"
             )
         StopSignals(self._kill_tasks, say=self.say).install()
+        forward_report_requests(lambda: self._launcher)  # This node's tasks, of the round under way.
         try:
             return self._rounds()
         except Interrupted as stop:

@@ -19,7 +19,12 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-from engine.cli.process.preemption import LAUNCHER_PID_ENV, STOP_SIGNALS, leave_a_closed_terminal
+from engine.cli.process.preemption import (
+    DIAGNOSTICS_SIGNAL,
+    LAUNCHER_PID_ENV,
+    STOP_SIGNALS,
+    leave_a_closed_terminal,
+)
 from engine.cluster import Cluster
 from engine.errors import PEER_LOST_EXIT, USER_ERROR_EXIT
 from engine.goodput import RESTARTS_ENV, RESTARTS_LOST_ENV
@@ -305,6 +310,26 @@ class Launcher:
             if task.reader is not None:
                 task.reader.join(timeout=max(0.1, deadline + 2 - time.monotonic()))
 
+    def ask_for_reports(self) -> None:
+        """SIGUSR1 to every live engine.main task: each writes what it is doing to
+        `<model_dir>/diagnostics/<task>.txt` and goes on (engine.diagnostics). An engine.server
+        task (a parameter-server cluster's worker or ps) is left alone: SIGUSR1 would end it."""
+        asked, left = [], []
+        for task in self.tasks:
+            if task.process is None or task.process.poll() is not None:
+                continue
+            if not task.runs_main:
+                left.append(task.name)
+                continue
+            with contextlib.suppress(ProcessLookupError):
+                task.started.send_signal(DIAGNOSTICS_SIGNAL)
+                asked.append(task.name)
+        unasked = f"; {', '.join(left)} (engine.server) take no such request" if left else ""
+        self.say(
+            f"SIGUSR1 received: asked {', '.join(asked) or 'no running task'} to write what it is doing "
+            f"to <model_dir>/diagnostics/<task>.txt{unasked}"
+        )
+
     def kill_now(self) -> None:
         """SIGKILL to every live task, reaped within KILL_WAIT_SECONDS in all: a second stop
         signal to the launcher, which exits right after and leaves no task behind."""
@@ -334,6 +359,18 @@ class Launcher:
                         f"warning: {task.name} (pid {task.started.pid}) is still there {KILL_WAIT_SECONDS:g} s "
                         "after SIGKILL (stuck in the kernel, e.g. on a lost file system); going on without it"
                     )
+
+
+def forward_report_requests(launcher: Callable[[], Launcher | None]) -> None:
+    """From now on SIGUSR1 to this launcher asks its engine.main tasks what they are doing
+    (`Launcher.ask_for_reports`) instead of ending it, as the signal's default would."""
+
+    def handle(signum: int, frame: object) -> None:
+        current = launcher()
+        if current is not None:
+            current.ask_for_reports()
+
+    signal.signal(DIAGNOSTICS_SIGNAL, handle)
 
 
 def cause_of(task: Task, code: int, tasks: list[Task]) -> str:

@@ -97,6 +97,28 @@ def test_a_stop_passes_the_signal_to_engine_main_and_sigterm_to_servers_the_coor
     assert order == [signal.SIGINT, signal.SIGTERM, signal.SIGTERM]  # the coordinator first
 
 
+def test_sigusr1_to_a_launcher_asks_its_engine_main_tasks_for_reports_and_leaves_servers_alone():
+    tasks = tasks_of({"chief": ("h:1",), "worker": ("h:2",), "ps": ("h:3",)})
+    processes = {task.name: FakeProcess(stuck=False) for task in tasks}
+    for task in tasks:
+        task.process = processes[task.name]  # type: ignore[assignment]
+    said: list[str] = []
+    launcher = Launcher(tasks, say=said.append)
+    previous = signal.getsignal(signal.SIGUSR1)
+    try:
+        task_processes.forward_report_requests(lambda: launcher)
+        os.kill(os.getpid(), signal.SIGUSR1)  # Handled at the next bytecode: the launcher lives on.
+        time.sleep(0.05)
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+    assert processes["chief:0"].signals == [signal.SIGUSR1]
+    assert processes["worker:0"].signals == processes["ps:0"].signals == []  # engine.server: SIGUSR1 ends it
+    assert said == [
+        "SIGUSR1 received: asked chief:0 to write what it is doing to <model_dir>/diagnostics/<task>.txt; "
+        "worker:0, ps:0 (engine.server) take no such request"
+    ]
+
+
 def test_a_task_that_survives_sigkill_cannot_hang_the_launchers_stop():
     tasks = tasks_of({"worker": ("h:1", "h:2")})
     for task in tasks:
