@@ -171,6 +171,17 @@ def in_background(function, *args, **kwargs) -> concurrent.futures.Future:
     return future
 
 
+# A run that trains until it is stopped (a signal, a kill): loops of 20 steps, no evaluation,
+# no checkpoint of its own before the stop.
+UNTIL_STOPPED = [
+    "--model=mlp",
+    "--train_steps=1000000",
+    "--steps_per_loop=20",
+    "--eval_every=0",
+    "--checkpoint_every=1000000",
+]
+
+
 def popen_main(*flags: str, env: dict[str, str] | None = None) -> subprocess.Popen:
     """`engine.main` in its own process group (so `stop` ends whatever it started)."""
     return subprocess.Popen(

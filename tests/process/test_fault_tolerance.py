@@ -19,6 +19,7 @@ import pytest
 import tensorflow as tf
 from helpers import (
     REPO,
+    UNTIL_STOPPED,
     copy_of,
     in_background,
     latest_step,
@@ -111,15 +112,7 @@ def test_kill_9_at_random_moments_then_resume_bitwise_equal(tmp_path):
 @pytest.mark.timeout(480)
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_signal_saves_and_exits_then_restart_continues(tmp_path, signum):
-    flags = [
-        "--model=mlp",
-        "--train_steps=1000000",
-        "--steps_per_loop=20",
-        "--eval_every=0",
-        "--checkpoint_every=1000000",
-        f"--model_dir={tmp_path}",
-    ]
-    process = popen_main(*flags)
+    process = popen_main(*UNTIL_STOPPED, f"--model_dir={tmp_path}")
     try:
         read_stderr_until(process, "step 20/", timeout=240)  # training is under way
         sent = time.monotonic()

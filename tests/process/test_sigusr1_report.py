@@ -7,19 +7,12 @@ import re
 import signal
 
 import pytest
-from helpers import popen_main, read_stderr_until, stop
+from helpers import UNTIL_STOPPED, popen_main, read_stderr_until, stop
 
 
 @pytest.mark.timeout(300)
 def test_sigusr1_writes_what_the_run_is_doing_and_the_run_goes_on_to_a_normal_stop(tmp_path):
-    process = popen_main(
-        "--model=mlp",
-        "--train_steps=1000000",
-        "--steps_per_loop=20",
-        "--eval_every=0",
-        "--checkpoint_every=1000000",
-        f"--model_dir={tmp_path}",
-    )
+    process = popen_main(*UNTIL_STOPPED, f"--model_dir={tmp_path}")
     report = tmp_path / "diagnostics" / "main.txt"
     try:
         read_stderr_until(process, "step 20/", timeout=240)  # Training is under way.
