@@ -173,6 +173,21 @@ def watcher(monkeypatch):
     return preemption._Watcher(), exits
 
 
+def test_a_report_that_cannot_be_written_is_one_warning_and_the_watcher_lives_on(watcher, tmp_path, caplog):
+    """A model_dir whose diagnostics/ is a file (a read-only or full disk alike): the watcher,
+    which must still take the stop signals, says so in one line instead of dying."""
+    watcher, exits = watcher
+    trainer = Trainer()
+    trainer.progress = lambda: {"last completed step": 7}  # type: ignore[attr-defined]
+    (tmp_path / "diagnostics").write_text("in the way")
+    with watcher.stopping(trainer, diagnostics=(str(tmp_path / "diagnostics"), "main")) as record:
+        watcher._report()
+        watcher._take(signal.SIGTERM, sender=0)  # It still stops the run.
+    warnings = [r.getMessage() for r in caplog.records if "SIGUSR1" in r.getMessage()]
+    assert len(warnings) == 1 and warnings[0].startswith("SIGUSR1 received: could not write"), warnings
+    assert trainer.stops == 1 and record.signum == signal.SIGTERM and exits == []
+
+
 def test_a_task_takes_its_launchers_signal_as_the_stop_it_makes_already(watcher):
     watcher, exits = watcher
     trainer = Trainer()
