@@ -27,6 +27,8 @@ from helpers import (
     signal_group,
 )
 
+from engine.errors import PEER_LOST_EXIT
+
 
 def run_single_process(*flags: str) -> subprocess.CompletedProcess:
     return subprocess.run(
@@ -179,8 +181,14 @@ def test_a_dead_workers_peer_fails_within_the_collective_timeout_without_a_launc
             f"the survivor still runs {collective_timeout + margin} s after its peer died:\n"
             f"{survivor_log.read_text()[-3000:]}"
         ) from None
-    assert code != 0, survivor_log.read_text()[-3000:]
     print(f"survivor exited {code} {time.monotonic() - killed:.1f} s after its peer's kill -9")
+    assert code == PEER_LOST_EXIT, survivor_log.read_text()[-3000:]  # A lost peer: restartable.
+    # Its last line names the peer and where its report is: its last completed step and stacks.
+    report = tmp_path / "run" / "diagnostics" / "worker-0.txt"
+    assert f"its last step and stacks: {report}" in survivor_log.read_text()
+    text = report.read_text()
+    assert re.search(r"^last completed step: \d+$", text, re.MULTILINE), text[:1000]
+    assert re.search(r"^ended: worker:0: worker:1 \(localhost:\d+\) stopped answering", text, re.MULTILINE)
 
 
 @pytest.mark.timeout(480)

@@ -20,6 +20,7 @@ from typing import Any
 import tensorflow as tf
 from absl import logging
 
+from engine import diagnostics
 from engine import model_dir as model_dir_lib
 from engine.callbacks.progress import format_logs
 from engine.checkpointing import checkpointer as checkpoint_lib
@@ -38,7 +39,6 @@ from engine.cli.run.run_record import read_record, record_path, record_training
 from engine.cli.run.run_task import RunTask, check_reported, resolve_task
 from engine.cluster import task_model_dir
 from engine.cluster.peer_loss import PEER_LOST_ERRORS, peer_lost_message
-from engine.diagnostics import DIAGNOSTICS_DIR, task_name
 from engine.errors import PeerLostError, UserError, one_line
 from engine.export import export_for_serving
 from engine.goodput import restarts_from_environment
@@ -326,10 +326,10 @@ def _train_with_clean_errors(
     run stopped by a signal or a peer worker. Errors of the data or the memory the run meets
     mid-run become one line naming what is kept."""
     cluster = config.multi_host.cluster
-    report_to = (
-        os.path.join(model_dir, DIAGNOSTICS_DIR),
-        task_name(cluster.task_type, cluster.task_index) if cluster else task_name(None, None),
-    )
+    task_type, task_index = (cluster.task_type, cluster.task_index) if cluster else (None, None)
+    # Where SIGUSR1 (and a lost peer) write this task's report: engine.diagnostics.
+    task = diagnostics.task_name(task_type, task_index)
+    report_to = (os.path.join(model_dir, diagnostics.DIAGNOSTICS_DIR), task)
     with stop_on_signals(trainer, diagnostics=report_to) as signal_record:
         try:
             train_logs = trainer.train(total_steps)
@@ -353,6 +353,7 @@ def _train_with_clean_errors(
             )
             if message is None:
                 raise
+            message += _report_on_the_way_out(report_to, trainer, message)
             trainer.close()
             raise PeerLostError(message) from None
         except tf.errors.InvalidArgumentError as error:
@@ -386,6 +387,19 @@ def _train_with_clean_errors(
         )
         return signal_record.exit_status or STOPPED_BY_PEER_EXIT
     return train_logs, eval_logs
+
+
+def _report_on_the_way_out(report_to: tuple[str, str], trainer: Trainer, why: str) -> str:
+    """Writes this task's diagnostics report (engine.diagnostics: its last completed step, its
+    threads) as it ends on `why`, and returns "; <where it is>" for its last line; "" where it
+    cannot be written (the line under way says the cause; the report is extra)."""
+    directory, task = report_to
+    try:
+        text = diagnostics.report({**trainer.progress(), "ended": why}, title=f"engine diagnostics of {task}")
+        path = diagnostics.write_report(directory, task, text)
+    except (OSError, tf.errors.OpError):
+        return ""
+    return f"; its last step and stacks: {path}"
 
 
 def _end_background_write(trainer: Trainer) -> None:
