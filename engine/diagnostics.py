@@ -35,11 +35,11 @@ def task_name(task_type: str | None, task_index: int | None) -> str:
     return f"{task_type}-{task_index}" if task_type else "main"
 
 
-def report(progress: Mapping[str, Any], *, title: str) -> str:
-    """The report: a header with `progress` (e.g. the last completed step), the threads' names,
-    then every thread's stack, most recent call first; cut to `MAX_BYTES`."""
+def report(progress: Mapping[str, Any], *, task: str) -> str:
+    """The report of `task`: a header with `progress` (e.g. the last completed step), the threads'
+    names, then every thread's stack, most recent call first; cut to `MAX_BYTES`."""
     now = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
-    lines = [f"{title}, pid {os.getpid()}, {now}"]
+    lines = [f"engine diagnostics of {task}, pid {os.getpid()}, {now}"]
     lines += [f"{name}: {value}" for name, value in progress.items()]
     lines.append("threads: " + ", ".join(f"{thread.name} ({thread.ident:#x})" for thread in _threads()))
     text = "\n".join(lines) + "\n\n" + _stacks()
@@ -52,7 +52,10 @@ def report(progress: Mapping[str, Any], *, title: str) -> str:
 def write_report(directory: str, task: str, text: str) -> str:
     """Writes `text` to `directory/<task>.txt` atomically, on any file system the model_dir may
     be on (a reader never sees half a report; a second request replaces the first); returns
-    the path."""
+    the path. A `directory` that is a symbolic link (a model_dir from someone else) is refused:
+    the report would land wherever it points."""
+    if os.path.islink(directory):
+        raise OSError(f"{directory} is a symbolic link; remove it to get reports there")
     tf.io.gfile.makedirs(directory)
     path = os.path.join(directory, f"{task}.txt")
     write_atomically(path, text)

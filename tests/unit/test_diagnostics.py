@@ -22,12 +22,12 @@ def test_a_report_names_the_progress_every_thread_and_where_each_one_waits():
     waiting.start()
     try:
         progress = {"last completed step": 1340, "doing": "eval for 2.0 s"}
-        text = diagnostics.report(progress, title="engine of main")
+        text = diagnostics.report(progress, task="main")
     finally:
         release.set()
         waiting.join()
     header, stacks = text.split("\n\n", 1)
-    assert header.startswith("engine of main, pid ")
+    assert header.startswith("engine diagnostics of main, pid ")
     assert "\nlast completed step: 1340\ndoing: eval for 2.0 s\n" in header + "\n"
     assert f"input-reader ({waiting.ident:#x})" in header and "MainThread" in header
     # faulthandler's stacks, most recent call first: the waiting thread sits in its function.
@@ -38,7 +38,7 @@ def test_a_report_names_the_progress_every_thread_and_where_each_one_waits():
 
 def test_a_report_is_cut_at_its_bound(monkeypatch):
     monkeypatch.setattr(diagnostics, "MAX_BYTES", 600)
-    text = diagnostics.report({"doing": "x" * 2000}, title="engine of main")
+    text = diagnostics.report({"doing": "x" * 2000}, task="main")
     assert len(text.encode()) <= 600 and text.endswith("... cut at 600 bytes\n")
 
 
@@ -50,6 +50,20 @@ def test_a_second_report_replaces_the_first_and_leaves_no_temporary_file(tmp_pat
     assert (tmp_path / "run" / "diagnostics" / "worker-1.txt").read_text() == "second\n"
     assert [p.name for p in (tmp_path / "run" / "diagnostics").iterdir()] == ["worker-1.txt"]
     assert diagnostics.task_name(None, None) == "main"
+
+
+def test_a_diagnostics_folder_that_is_a_symbolic_link_is_refused_and_nothing_is_written_through_it(tmp_path):
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "diagnostics").symlink_to(elsewhere)  # A model_dir from someone else.
+    try:
+        diagnostics.write_report(str(tmp_path / "run" / "diagnostics"), "main", "report\n")
+    except OSError as error:
+        assert "is a symbolic link" in str(error)
+    else:
+        raise AssertionError("a report was written through a symbolic link")
+    assert list(elsewhere.iterdir()) == []
 
 
 def test_the_trainers_progress_says_the_last_step_and_the_loop_under_way_without_reading_a_variable():

@@ -121,7 +121,7 @@ class _Watcher:
         try:
             progress = trainer.progress() if trainer is not None else {"doing": "not training (start-up or end)"}
             task = where[1] if where is not None else f"pid {os.getpid()}"
-            text = diagnostics.report(progress, title=f"engine diagnostics of {task}")
+            text = diagnostics.report(progress, task=task)
             if trainer is None or where is None:
                 sys.stderr.write(text)
                 sys.stderr.flush()

@@ -395,7 +395,7 @@ def _report_on_the_way_out(report_to: tuple[str, str], trainer: Trainer, why: st
     cannot be written (the line under way says the cause; the report is extra)."""
     directory, task = report_to
     try:
-        text = diagnostics.report({**trainer.progress(), "ended": why}, title=f"engine diagnostics of {task}")
+        text = diagnostics.report({**trainer.progress(), "ended": why}, task=task)
         path = diagnostics.write_report(directory, task, text)
     except (OSError, tf.errors.OpError):
         return ""
