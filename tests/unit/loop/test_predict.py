@@ -98,6 +98,7 @@ def test_predict_refuses_what_it_cannot_batch_in_one_line(default):
 
 
 PS_SCRIPT = r"""
+import json
 import sys
 import numpy as np
 import tensorflow as tf
@@ -107,17 +108,10 @@ import engine
 from engine.loop.ps_runners import CoordinatedTrainer
 from helpers import NUM_FEATURES, loss_fn, make_arrays
 
-ports = [int(p) for p in sys.argv[1:]]
-spec = {"worker": [f"localhost:{ports[0]}", f"localhost:{ports[1]}"], "ps": [f"localhost:{ports[2]}"]}
-cluster = tf.train.ClusterSpec(spec)
-# In one process on 2 cores the servers' inter-op pools need a thread each beyond the coordinator's
-# (TensorFlow's parameter-server tutorial sets the same), or the in-process cluster deadlocks.
-config = tf.compat.v1.ConfigProto(inter_op_parallelism_threads=3)
-servers = [
-    tf.distribute.Server(cluster, job_name=job, task_index=index, protocol="grpc", config=config, start=True)
-    for job, index in (("worker", 0), ("worker", 1), ("ps", 0))
-]
-resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(cluster, rpc_layer="grpc")
+cluster = tf.train.ClusterSpec(json.loads(sys.argv[1]))
+resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
+    cluster, task_type="chief", task_id=0, rpc_layer="grpc"
+)
 strategy = tf.distribute.experimental.ParameterServerStrategy(resolver)
 with strategy.scope():
     model = keras.Sequential([keras.Input((NUM_FEATURES,)), keras.layers.Dense(3)])
@@ -139,21 +133,47 @@ print("rows", predicted.shape[0], "max_diff", float(np.abs(predicted - expected)
 """
 
 
-@pytest.mark.slow  # An in-process parameter-server cluster (two workers, one ps) in a fresh interpreter.
+@pytest.mark.slow  # A parameter-server cluster: two workers and a ps task in engine.server processes.
 def test_predict_under_parameter_server_runs_on_the_coordinator_in_order(tmp_path):
+    import json
     import subprocess
     import sys
 
-    from helpers import REPO, free_ports, python_env
+    from helpers import REPO, free_ports, kill_group, python_env
 
-    result = subprocess.run(
-        [sys.executable, "-c", PS_SCRIPT, *map(str, free_ports(3))],
-        cwd=REPO,
-        env=python_env(),
-        capture_output=True,
-        text=True,
-        timeout=150,
-    )
+    ports = free_ports(4)
+    hosts = {
+        "chief": [f"localhost:{ports[0]}"],
+        "worker": [f"localhost:{ports[1]}", f"localhost:{ports[2]}"],
+        "ps": [f"localhost:{ports[3]}"],
+    }
+    flags = [f"--{job}_hosts={','.join(hosts[job])}" for job in ("worker", "ps")]
+    flags.append(f"--chief_host={hosts['chief'][0]}")
+    # One process per task, as a user runs it (an in-process cluster shares one process's
+    # thread pools with the coordinator and is not how the engine runs).
+    servers = [
+        subprocess.Popen(
+            [sys.executable, "-m", "engine.server", f"--task_type={job}", f"--task_index={index}", *flags],
+            cwd=REPO,
+            env=python_env(),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        for job, index in (("worker", 0), ("worker", 1), ("ps", 0))
+    ]
+    try:
+        result = subprocess.run(
+            [sys.executable, "-c", PS_SCRIPT, json.dumps(hosts)],
+            cwd=REPO,
+            env=python_env(),
+            capture_output=True,
+            text=True,
+            timeout=150,
+        )
+    finally:
+        for server in servers:
+            kill_group(server)
     assert result.returncode == 0, result.stderr[-3000:]
     line = [line for line in result.stdout.splitlines() if line.startswith("rows")][-1]
     rows, diff = int(line.split()[1]), float(line.split()[3])
