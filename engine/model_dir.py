@@ -178,11 +178,18 @@ def _open_lock_file(model_dir: str, path: str) -> tuple[int, bool]:
         created = not tf.io.gfile.exists(model_dir)
         try:
             tf.io.gfile.makedirs(model_dir)
-        except (tf.errors.FailedPreconditionError, tf.errors.NotFoundError):
+        except (tf.errors.FailedPreconditionError, tf.errors.NotFoundError) as error:
             # TensorFlow says "is not a directory" when a holder removes the directory while
             # makedirs checks it; a file where the model_dir should be is still an error.
-            if tf.io.gfile.exists(model_dir) and not tf.io.gfile.isdir(model_dir):
-                raise
+            # One stat answers both (exists, then isdir, would race the same removal).
+            try:
+                in_the_way = not stat.S_ISDIR(os.stat(model_dir).st_mode)
+            except FileNotFoundError:
+                in_the_way = False
+            except NotADirectoryError:  # A file where one of its parents should be.
+                in_the_way = True
+            if in_the_way:
+                raise error
             continue
         try:
             fd = os.open(path, _LOCK_OPEN_FLAGS, 0o644)
