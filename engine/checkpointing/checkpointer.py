@@ -51,7 +51,30 @@ def checkpoint_of(
     random_state = random_state_variables(model)
     if random_state:  # Only where there is some: checkpoints of models without it keep their layout.
         optimizer_state[RANDOM_STATE_KEY] = random_state
-    return tf.train.Checkpoint(model=model, global_step=global_step, **optimizer_state)
+    checkpoint = tf.train.Checkpoint(model=model, global_step=global_step, **optimizer_state)
+    refuse_unsaved_variables(model, checkpoint)
+    return checkpoint
+
+
+def refuse_unsaved_variables(model: Any, checkpoint: tf.train.Checkpoint) -> None:
+    """A model variable the checkpoint cannot reach is refused before anything is saved.
+
+    `tf.train.Checkpoint` saves what it reaches through tracked attributes. A
+    Keras 3 layer that keeps its variables in a Python list or dict (`self.tables =
+    [self.add_weight(...)]`) trains them, yet its checkpoints leave them out: a resumed
+    run would silently start them over from their initial values.
+    """
+    reachable = {id(node) for node in tf.train.TrackableView(checkpoint).descendants()}
+    lost = [variable for variable in all_variables(model) if id(variable) not in reachable]
+    if lost:
+        names = ", ".join(repr(getattr(v, "path", None) or v.name) for v in lost[:3])
+        more = f" and {len(lost) - 3} more" if len(lost) > 3 else ""
+        raise UserError(
+            f"the model's variable(s) {names}{more} would be left out of its checkpoints: "
+            "tf.train.Checkpoint saves a layer's variables through its attributes, and these are "
+            "kept in a list or dict (or outside the model); assign each variable to an attribute "
+            "of its layer (e.g. setattr(self, f'table_{i}', self.add_weight(...)))"
+        )
 
 
 def checkpoint_dir(model_dir: str) -> str:
