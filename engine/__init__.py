@@ -45,7 +45,7 @@ if "tensorflow" not in sys.modules and not _started_as_engine_command():
 
     import_tensorflow_quietly()
 
-_SUBMODULES = ("callbacks", "data", "export", "hooks", "objectives", "schedules", "variables")
+_SUBMODULES = ("callbacks", "data", "export", "hooks", "layers", "objectives", "schedules", "variables")
 _LAZY = {
     "Cadence": "engine.options",
     "Callback": "engine.callbacks",
@@ -53,6 +53,7 @@ _LAZY = {
     "GlobalBatches": "engine.data",
     "PerReplicaBatches": "engine.data",
     "ResidentData": "engine.resident",
+    "ShardedEmbedding": "engine.layers",
     "SpikeOptions": "engine.options",
     "StepOptions": "engine.options",
     "Task": "engine.task",
@@ -75,6 +76,7 @@ __all__ = [
     "NonFiniteLossError",
     "PerReplicaBatches",
     "ResidentData",
+    "ShardedEmbedding",
     "SpikeOptions",
     "StepOptions",
     "Task",
@@ -89,6 +91,7 @@ __all__ = [
     "data",
     "export",
     "hooks",
+    "layers",
     "make_eval_step",
     "make_train_step",
     "objectives",

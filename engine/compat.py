@@ -124,6 +124,12 @@ def num_workers(strategy: tf.distribute.Strategy) -> int:
     return int(strategy.extended._num_workers)
 
 
+def num_ps(strategy: tf.distribute.Strategy) -> int:
+    """The ps task count of a ParameterServerStrategy: no public count (its `cluster_resolver`
+    is None on the coordinator, its `extended.parameter_devices` is not the ps tasks)."""
+    return int(strategy.extended._num_ps)
+
+
 def configure_coordination_service(
     spec: tf.train.ClusterSpec, *, register_timeout_s: float, heartbeat_timeout_s: float = 0.0
 ) -> bool:

@@ -61,6 +61,18 @@ def test_num_workers_of_a_single_worker_strategy():
         assert compat.num_workers(tf.distribute.MultiWorkerMirroredStrategy()) == 1
 
 
+def test_the_ps_count_is_an_attribute_parameter_server_strategy_sets():
+    # A ParameterServerStrategy connects to its cluster when made: tests/cluster/test_sharded_tables.py
+    # reads the count from a real one; here, that TensorFlow's class still sets the attribute read.
+    import inspect
+
+    from tensorflow.python.distribute import parameter_server_strategy_v2
+
+    with private_api("ParameterServerStrategyV2Extended._num_ps"):
+        source = inspect.getsource(parameter_server_strategy_v2.ParameterServerStrategyV2Extended)
+        assert "self._num_ps = " in source
+
+
 def test_the_coordination_service_and_slurm_parsers_import():
     with private_api("coordination service internals"):
         from tensorflow.compiler.xla.tsl.protobuf import coordination_config_pb2

@@ -42,6 +42,7 @@ from engine.cluster.peer_loss import PEER_LOST_ERRORS, peer_lost_message
 from engine.errors import PeerLostError, UserError, one_line
 from engine.export import export_for_serving
 from engine.goodput import restarts_from_environment
+from engine.layers import describe_tables
 from engine.logger import EVERY_TASK
 from engine.resident import ResidentData
 from engine.strategy import build_strategy
@@ -534,6 +535,8 @@ def _log_banner(config, strategy, model, task: RunTask, model_dir, total_steps, 
         model_dir,
     )
     logging.info("model %s:\n%s", task.model_name, model_summary(model))
+    for line in describe_tables(model):  # Where each engine.ShardedEmbedding's shards live.
+        logging.info(line)
 
 
 def _optimizer_settings(config: RunConfig) -> dict[str, str]:

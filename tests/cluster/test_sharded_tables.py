@@ -1,0 +1,169 @@
+"""engine.ShardedEmbedding under ParameterServerStrategy: a table split over the ps tasks
+trains as the whole table does in one process, and its checkpoint restores onto another
+number of ps tasks and onto one device. One process per task (engine.server), as users run it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from helpers import REPO, free_ports, kill_group, make_trainer, python_env
+
+import engine
+
+VOCAB, WIDTH, LENGTH, CLASSES = 23, 4, 5, 3
+
+# The coordinator: a tagger whose table is split over the ps tasks, trained with the library's
+# parameter-server Trainer; prints where each shard lives and the weights it ends with.
+COORDINATOR = r"""
+import json
+import sys
+import numpy as np
+import tensorflow as tf
+import keras
+sys.path[:0] = ["tests", "tests/cluster"]
+import engine
+from engine.loop.ps_runners import CoordinatedTrainer
+from test_sharded_tables import sequences, tagger
+
+hosts, model_dir = json.loads(sys.argv[1]), sys.argv[2]
+num_shards, steps = json.loads(sys.argv[3]), int(sys.argv[4])
+resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
+    tf.train.ClusterSpec(hosts), task_type="chief", task_id=0, rpc_layer="grpc"
+)
+strategy = tf.distribute.experimental.ParameterServerStrategy(resolver)
+table = engine.ShardedEmbedding(23, 4, num_shards, mask_zero=True, name="table")
+model = tagger(strategy, table)
+with strategy.scope():
+    optimizer = keras.optimizers.Adagrad(0.1)
+x, y = sequences()
+
+def train_from(input_context, start_step):
+    return tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(16, drop_remainder=True).skip(start_step)
+
+trainer = CoordinatedTrainer(
+    strategy=strategy, model=model, optimizer=optimizer, train_data=train_from, global_batch_size=16,
+    loss_fn=keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None),
+    steps_per_loop=2, checkpoint_every=4, model_dir=model_dir,
+)
+trainer.train(steps)
+print("RESULT " + json.dumps({
+    "step": int(trainer.step),
+    "placement": table.placement(),
+    "tables": engine.layers.describe_tables(model),  # What engine.main's banner says.
+    "table": np.concatenate(table.get_weights()).tolist(),
+    "dense": [w.tolist() for w in model.layers[-1].get_weights()],
+}))
+"""
+
+
+def sequences(count: int = 64, seed: int = 0):
+    rng = np.random.RandomState(seed)
+    ids = rng.randint(1, VOCAB, size=(count, LENGTH)).astype("int32")
+    for row, length in enumerate(rng.randint(1, LENGTH + 1, size=count)):
+        ids[row, length:] = 0
+    return ids, (ids[:, 0] % CLASSES).astype("int32")
+
+
+def starting_weights():
+    rng = np.random.RandomState(1)
+    table = rng.normal(0, 0.5, (VOCAB, WIDTH)).astype("float32")
+    return table, [rng.normal(0, 0.5, (WIDTH, CLASSES)).astype("float32"), np.zeros(CLASSES, "float32")]
+
+
+def tagger(strategy, table):
+    with strategy.scope():
+        model = keras.Sequential(
+            [
+                keras.Input((LENGTH,), dtype="int32"),
+                table,
+                keras.layers.GlobalAveragePooling1D(),
+                keras.layers.Dense(CLASSES),
+            ]
+        )
+    full, dense = starting_weights()
+    if isinstance(table, engine.ShardedEmbedding):
+        table.set_weights(np.split(full, np.cumsum(engine.layers.shard_rows(VOCAB, table.num_shards))[:-1]))
+    else:
+        table.set_weights([full])
+    model.layers[-1].set_weights(dense)
+    return model
+
+
+def coordinate(hosts: dict, model_dir: Path, num_shards: int | None, steps: int) -> dict:
+    arguments = [json.dumps(hosts), str(model_dir), json.dumps(num_shards), str(steps)]
+    result = subprocess.run(
+        [sys.executable, "-c", COORDINATOR, *arguments],
+        cwd=REPO,
+        env=python_env(),
+        capture_output=True,
+        text=True,
+        timeout=200,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.split("RESULT ", 1)[1])
+
+
+def whole_table_trained_in_one_process(default, steps: int):
+    table = keras.layers.Embedding(VOCAB, WIDTH, mask_zero=True)
+    model = tagger(default, table)
+    with default.scope():
+        optimizer = keras.optimizers.Adagrad(0.1)
+    make_trainer(default, arrays=sequences(), model=model, optimizer=optimizer, steps_per_loop=2).train(steps)
+    return table.get_weights()[0], model.layers[-1].get_weights()
+
+
+@pytest.mark.timeout(480)
+def test_a_table_over_two_ps_tasks_trains_as_one_table_and_restores_onto_one_ps_and_one_device(
+    default, tmp_path
+):
+    ports = free_ports(4)
+    chief, worker, ps0, ps1 = (f"localhost:{port}" for port in ports)
+    flags = [f"--chief_host={chief}", f"--worker_hosts={worker}", f"--ps_hosts={ps0},{ps1}"]
+    servers = [
+        subprocess.Popen(
+            [sys.executable, "-m", "engine.server", f"--task_type={job}", f"--task_index={index}", *flags],
+            cwd=REPO,
+            env=python_env(),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        for job, index in (("worker", 0), ("ps", 0), ("ps", 1))
+    ]
+    model_dir = tmp_path / "run"
+    try:
+        # num_shards=None: one shard per ps task, each on its own task.
+        two_ps = coordinate({"chief": [chief], "worker": [worker], "ps": [ps0, ps1]}, model_dir, None, 8)
+        # The same checkpoint onto a cluster of one ps task: both shards there, training goes on.
+        one_ps = coordinate({"chief": [chief], "worker": [worker], "ps": [ps0]}, model_dir, 2, 12)
+    finally:
+        for server in servers:
+            kill_group(server)
+    assert [device.split("/device")[0] for device in two_ps["placement"]] == [
+        "/job:ps/replica:0/task:0",
+        "/job:ps/replica:0/task:1",
+    ]
+    assert [device.split("/device")[0] for device in one_ps["placement"]] == ["/job:ps/replica:0/task:0"] * 2
+    assert (two_ps["step"], one_ps["step"]) == (8, 12)
+    assert two_ps["tables"] == ["table 'table': 23 x 4 in 2 shard(s): 12 rows on ps:0, 11 rows on ps:1"]
+    assert one_ps["tables"] == ["table 'table': 23 x 4 in 2 shard(s): 12 rows on ps:0, 11 rows on ps:0"]
+    # One worker: the split table trains as the whole table does in one process (Adagrad's
+    # slots split alike), and goes on from the checkpoint on the other cluster as if never stopped.
+    for result, steps in ((two_ps, 8), (one_ps, 12)):
+        table, dense = whole_table_trained_in_one_process(default, steps)
+        np.testing.assert_allclose(np.array(result["table"]), table, rtol=0, atol=1e-6)
+        for got, expected in zip(result["dense"], dense, strict=True):
+            np.testing.assert_allclose(np.array(got), expected, rtol=0, atol=1e-6)
+    # The checkpoint of step 12 restores onto one device, as two shards side by side.
+    local = engine.ShardedEmbedding(VOCAB, WIDTH, 2, mask_zero=True, name="table")
+    model = tagger(default, local)
+    latest = tf.train.latest_checkpoint(str(model_dir / "checkpoints"))
+    tf.train.Checkpoint(model=model).read(latest).expect_partial()
+    np.testing.assert_array_equal(np.concatenate(local.get_weights()), np.float32(one_ps["table"]))

@@ -1,0 +1,158 @@
+"""engine.ShardedEmbedding: a table in row shards that trains as keras.layers.Embedding does."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from helpers import NUM_CLASSES, make_trainer, small_trainer
+
+import engine
+from engine.layers import shard_rows
+
+VOCAB, WIDTH, LENGTH = 23, 4, 5
+
+
+def sequences(count: int = 64, seed: int = 0):
+    """Id sequences with trailing padding (id 0) and a label learnable from the ids."""
+    rng = np.random.RandomState(seed)
+    ids = rng.randint(1, VOCAB, size=(count, LENGTH)).astype("int32")
+    for row, length in enumerate(rng.randint(1, LENGTH + 1, size=count)):
+        ids[row, length:] = 0
+    return ids, (ids[:, 0] % NUM_CLASSES).astype("int32")
+
+
+def tagger(strategy, table, seed: int = 1):
+    """Ids -> table -> masked mean over the sequence -> classes; the start drawn from `seed`."""
+    with strategy.scope():
+        model = keras.Sequential(
+            [
+                keras.Input((LENGTH,), dtype="int32"),
+                table,
+                keras.layers.GlobalAveragePooling1D(),  # Averages the unmasked positions only.
+                keras.layers.Dense(NUM_CLASSES),
+            ]
+        )
+    rng = np.random.RandomState(seed)
+    full_table = rng.normal(0, 0.5, (VOCAB, WIDTH)).astype("float32")
+    dense = [rng.normal(0, 0.5, w.shape).astype("float32") for w in model.layers[-1].get_weights()]
+    if isinstance(table, engine.ShardedEmbedding):
+        table.set_weights(np.split(full_table, np.cumsum(shard_rows(VOCAB, table.num_shards))[:-1]))
+    else:
+        table.set_weights([full_table])
+    model.layers[-1].set_weights(dense)
+    return model
+
+
+def whole_table(table) -> np.ndarray:
+    sharded = isinstance(table, engine.ShardedEmbedding)
+    return np.concatenate(table.get_weights()) if sharded else table.get_weights()[0]
+
+
+def test_rows_split_as_embedding_lookup_divides_them():
+    assert shard_rows(23, 3) == [8, 8, 7] and shard_rows(4, 4) == [1, 1, 1, 1] and shard_rows(5, 1) == [5]
+
+
+def test_lookup_and_mask_equal_keras_embedding(default):
+    ids = sequences(8)[0]
+    sharded = tagger(default, engine.ShardedEmbedding(VOCAB, WIDTH, 3, mask_zero=True))
+    plain = tagger(default, keras.layers.Embedding(VOCAB, WIDTH, mask_zero=True))
+    np.testing.assert_array_equal(sharded.layers[0](ids).numpy(), plain.layers[0](ids).numpy())
+    np.testing.assert_array_equal(
+        sharded.layers[0].compute_mask(ids).numpy(), plain.layers[0].compute_mask(ids).numpy()
+    )
+    np.testing.assert_array_equal(sharded(ids).numpy(), plain(ids).numpy())  # The mask reaches the pooling.
+    assert len(sharded.layers[0].shards) == 3 and [s.shape[0] for s in sharded.layers[0].shards] == [8, 8, 7]
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam", "adagrad"])
+@pytest.mark.parametrize("strategy_name", ["default", "mirrored"])
+def test_training_equals_keras_embedding(request, strategy_name, optimizer):
+    strategy = request.getfixturevalue(strategy_name)
+    arrays = sequences()
+    tables = {}
+    for name, table in (
+        ("sharded", engine.ShardedEmbedding(VOCAB, WIDTH, 3, mask_zero=True)),
+        ("plain", keras.layers.Embedding(VOCAB, WIDTH, mask_zero=True)),
+    ):
+        model = tagger(strategy, table)
+        with strategy.scope():
+            chosen = keras.optimizers.get({"class_name": optimizer, "config": {"learning_rate": 0.1}})
+        make_trainer(strategy, arrays=arrays, model=model, optimizer=chosen, steps_per_loop=3).train(6)
+        tables[name] = (whole_table(table), model.layers[-1].get_weights())
+    np.testing.assert_allclose(tables["sharded"][0], tables["plain"][0], rtol=0, atol=1e-6)
+    for sharded, plain in zip(tables["sharded"][1], tables["plain"][1], strict=True):
+        np.testing.assert_allclose(sharded, plain, rtol=0, atol=1e-6)
+    # The rows no batch touched keep their start under SGD (a sparse update); every row trained moved.
+    start = whole_table(tagger(strategy, keras.layers.Embedding(VOCAB, WIDTH)).layers[0])
+    seen = np.unique(arrays[0])
+    moved = np.abs(tables["sharded"][0] - start).max(axis=1) > 0
+    assert moved[seen[seen > 0]].all()
+    if optimizer == "sgd":
+        assert not moved[np.setdiff1d(np.arange(VOCAB), seen)].any()
+
+
+def test_a_saved_model_file_and_a_config_bring_the_layer_back(default, tmp_path):
+    model = tagger(default, engine.ShardedEmbedding(VOCAB, WIDTH, 2, mask_zero=True, name="table"))
+    ids = sequences(8)[0]
+    model.save(tmp_path / "model.keras")
+    loaded = keras.models.load_model(tmp_path / "model.keras")
+    np.testing.assert_array_equal(loaded(ids).numpy(), model(ids).numpy())
+    assert isinstance(loaded.get_layer("table"), engine.ShardedEmbedding)
+    assert loaded.get_layer("table").num_shards == 2 and loaded.get_layer("table").mask_zero
+    clone = keras.Sequential.from_config(model.get_config())
+    assert clone.get_layer("table").get_config() == model.get_layer("table").get_config()
+
+
+def test_a_checkpoint_restores_under_another_strategy(default, mirrored, tmp_path):
+    model = tagger(default, engine.ShardedEmbedding(VOCAB, WIDTH, 3))
+    path = tf.train.Checkpoint(model=model).write(str(tmp_path / "ckpt"))
+    other = tagger(mirrored, engine.ShardedEmbedding(VOCAB, WIDTH, 3), seed=7)
+    tf.train.Checkpoint(model=other).read(path).assert_consumed()
+    np.testing.assert_array_equal(whole_table(other.layers[0]), whole_table(model.layers[0]))
+
+
+def test_the_banner_line_says_how_each_table_is_split_and_where(default):
+    model = tagger(default, engine.ShardedEmbedding(VOCAB, WIDTH, 3, name="items"))
+    assert engine.layers.describe_tables(model) == [
+        "table 'items': 23 x 4 in 3 shard(s): 8 rows on CPU:0, 8 rows on CPU:0, 7 rows on CPU:0"
+    ]
+    assert engine.layers.describe_tables(tagger(default, keras.layers.Embedding(VOCAB, WIDTH))) == []
+
+
+def test_without_a_parameter_server_one_shard_by_default(default):
+    table = engine.ShardedEmbedding(VOCAB, WIDTH)
+    tagger(default, table)
+    assert table.num_shards == 1 and len(table.shards) == 1
+
+
+@pytest.mark.parametrize(
+    "arguments, words",
+    [
+        ((0, WIDTH), "input_dim=0"),
+        ((VOCAB, 2.5), "output_dim=2.5"),
+        ((VOCAB, WIDTH, 24), "num_shards=24) for 23 rows"),
+        ((VOCAB, WIDTH, "2"), "num_shards='2'"),
+    ],
+)
+def test_bad_sizes_are_one_line(arguments, words):
+    with pytest.raises(engine.UserError, match="ShardedEmbedding") as raised:
+        engine.ShardedEmbedding(*arguments)
+    assert words in str(raised.value) and "\n" not in str(raised.value)
+
+
+def test_a_saved_model_export_serves_what_the_model_computes(default, tmp_path):
+    model = tagger(default, engine.ShardedEmbedding(VOCAB, WIDTH, 3, mask_zero=True))
+    ids = sequences(8)[0]
+    spec = tf.TensorSpec([None, LENGTH], tf.int32)
+    loaded = tf.saved_model.load(engine.export.export_saved_model(model, str(tmp_path / "export"), [spec]))
+    np.testing.assert_allclose(loaded.serve(tf.constant(ids)).numpy(), model(ids).numpy(), rtol=0, atol=1e-6)
+
+
+def test_a_checkpoint_of_another_number_of_shards_is_refused_in_one_line(default, tmp_path):
+    arrays = sequences()
+    model = tagger(default, engine.ShardedEmbedding(VOCAB, WIDTH, 3))
+    small_trainer(tmp_path, arrays=arrays, model=model, optimizer=keras.optimizers.SGD(0.1)).train(2)
+    other = tagger(default, engine.ShardedEmbedding(VOCAB, WIDTH, 2))
+    with pytest.raises(engine.UserError, match="does not match this model") as raised:
+        small_trainer(tmp_path, arrays=arrays, model=other, optimizer=keras.optimizers.SGD(0.1))
+    assert "shard_0" in str(raised.value) and "\n" not in str(raised.value)
