@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from input.clicks import load_clicks
 from input.digits import load_digits
 from input.errors import DataError
 from input.files import is_file_dataset, load_csv, load_npz
@@ -44,6 +45,7 @@ _BUILT_IN: dict[str, Callable[[DataOptions], DataSource]] = {
     "mnist": lambda options: load_mnist(_image_shape(options), options.num_classes or 10, options.data_dir),
     "synthetic": lambda options: load_synthetic(_image_shape(options), options.num_classes or 10),
     "tfrecord": lambda options: load_tfrecord(options.image_shape, options.num_classes, options.data_dir),
+    "clicks": lambda options: load_clicks(),
 }
 FORMS = ("PATH.npz", "PATH.csv", "tfds:NAME[/CONFIG]", "package.module:function")
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import keras
 
 from engine.user_code import UserCodeError, import_callable, signature_text
-from models import cnn, mlp, resnet, resnet50, wide_mlp
+from models import cnn, mlp, resnet, resnet50, wide_deep, wide_mlp
 
 
 class ModelError(ValueError):
@@ -53,6 +53,12 @@ _SPECS: dict[str, ModelSpec] = {
             resnet50.build,
             (224, 224, 3),
             "Keras ResNet50, random weights; throughput benchmarks only",
+        ),
+        ModelSpec(
+            "wide_deep",
+            wide_deep.build,
+            (wide_deep.NUM_DENSE + 6,),
+            "wide & deep over --dataset=clicks: two 100,000-id tables in 4 shards each (parameter servers)",
         ),
         ModelSpec(
             "wide_mlp", wide_mlp.build, (28, 28, 1), "3 dense layers of 4096 units; matmul-heavy benchmark"

@@ -289,14 +289,16 @@ class RunConfig:
     model: str = setting(
         "cnn",
         "Model name (models/registry.py): cnn (Conv32-pool-Conv64-pool-Dense64-Dense), mlp (any input shape), "
-        "resnet (a small ResNet), resnet50, wide_mlp; or package.module:function: your "
+        "resnet (a small ResNet), resnet50, wide_mlp, wide_deep (sharded id tables, for --dataset=clicks); or "
+        "package.module:function: your "
         "function(input_shape, num_outputs) returning a keras.Model of logits (or values, for a regression), "
         "given the data's example shape and the size the labels need.",
     )
     dataset: str = setting(
         "digits",
         "digits (offline, real; the default), mnist (Keras cache or --data_dir), synthetic, tfrecord (image "
-        "files in --data_dir, at their own size); PATH.npz (x_train, y_train, optionally x_test, y_test); "
+        "files in --data_dir, at their own size), clicks (synthetic click logs: numbers and hashed ids); "
+        "PATH.npz (x_train, y_train, optionally x_test, y_test); "
         "PATH.csv (numeric columns, with --label_column); tfds:NAME[/CONFIG] (prepared in --data_dir); or "
         "package.module:function returning (train, eval) tf.data.Datasets of unbatched (features, labels) "
         "or an input.DataSource.",

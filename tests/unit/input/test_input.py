@@ -418,12 +418,12 @@ def test_tfrecord_glob_pattern_selects_train_files_only(record_dir) -> None:
 
 
 def test_unknown_dataset_lists_choices() -> None:
-    assert dataset_names() == ["digits", "mnist", "synthetic", "tfrecord"]
+    assert dataset_names() == ["digits", "mnist", "synthetic", "tfrecord", "clicks"]
     with pytest.raises(DataError) as error:
         get_data_source("cifar10", image_shape=(32, 32, 3))
     assert str(error.value) == (
-        "unknown dataset 'cifar10'; choose one of: digits, mnist, synthetic, tfrecord, or PATH.npz, PATH.csv, "
-        "tfds:NAME[/CONFIG], package.module:function"
+        "unknown dataset 'cifar10'; choose one of: digits, mnist, synthetic, tfrecord, clicks, or PATH.npz, "
+        "PATH.csv, tfds:NAME[/CONFIG], package.module:function"
     )
 
 

@@ -10,6 +10,7 @@ import pytest
 from models import ModelSpec, flops_per_example, get_model_spec, model_names
 
 SMALL_MODELS = [name for name in model_names() if name != "resnet50"]
+IMAGE_MODELS = [name for name in SMALL_MODELS if name != "wide_deep"]  # wide_deep reads numbers, then ids.
 
 
 @pytest.fixture(params=["float32", "mixed_bfloat16"])
@@ -58,18 +59,25 @@ def test_resnet50_builds_offline_with_float32_logits_under_bfloat16() -> None:
 
 
 def test_models_accept_other_input_shapes_and_class_counts() -> None:
-    for name in SMALL_MODELS:
+    for name in IMAGE_MODELS:
         model = get_model_spec(name).build((32, 32, 3), 7)
         assert tuple(model.output.shape) == (None, 7), name
+    assert tuple(get_model_spec("wide_deep").build((4 + 9,), 7).output.shape) == (None, 7)
+    with pytest.raises(
+        ValueError, match=r"wide_deep reads rows of 4 numbers then ids .* not examples of shape \(32, 32, 3\)"
+    ):
+        get_model_spec("wide_deep").build((32, 32, 3), 7)
 
 
 def test_registry_lists_models_and_rejects_unknown_names() -> None:
-    assert model_names() == ["cnn", "mlp", "resnet", "resnet50", "wide_mlp"]
+    assert model_names() == ["cnn", "mlp", "resnet", "resnet50", "wide_deep", "wide_mlp"]
     spec = get_model_spec("cnn")
     assert isinstance(spec, ModelSpec) and spec.default_input_shape == (28, 28, 1)
     with pytest.raises(ValueError) as error:
         get_model_spec("vgg")
-    assert str(error.value) == ("unknown model 'vgg'; choose one of: cnn, mlp, resnet, resnet50, wide_mlp")
+    assert str(error.value) == (
+        "unknown model 'vgg'; choose one of: cnn, mlp, resnet, resnet50, wide_deep, wide_mlp"
+    )
 
 
 def test_cnn_flops_match_hand_count() -> None:

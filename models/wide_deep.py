@@ -1,0 +1,43 @@
+"""Wide & deep for click logs (`--dataset=clicks`): numbers and hashed ids in, a logit out.
+
+The input's first `NUM_DENSE` columns are numbers and the rest ids in [0, VOCAB_SIZE), as
+`input/clicks.py` lays them out. The ids are looked up in two `engine.ShardedEmbedding`
+tables: a deep one (`ID_WIDTH` per id, into an MLP with the numbers) and a wide one (one
+weight per id, summed: the linear model), which meet in the logits' Dense. Each table is
+held as `NUM_SHARDS` shards, which a parameter-server cluster spreads over its ps tasks;
+the count is fixed here, not taken from the cluster, so that a checkpoint restores onto
+any number of ps tasks.
+"""
+
+from __future__ import annotations
+
+import keras
+
+from engine.layers import ShardedEmbedding
+
+NUM_DENSE = 4
+VOCAB_SIZE = 100_000
+ID_WIDTH = 16
+NUM_SHARDS = 4
+
+
+def build(input_shape: tuple[int, ...], num_classes: int) -> keras.Model:
+    if len(input_shape) != 1 or input_shape[0] <= NUM_DENSE:  # Images, or numbers without ids.
+        raise ValueError(
+            f"wide_deep reads rows of {NUM_DENSE} numbers then ids (--dataset=clicks), not examples of "
+            f"shape {tuple(input_shape)}"
+        )
+    inputs = keras.Input(input_shape, name="features")
+    numbers = inputs[:, :NUM_DENSE]
+    ids = keras.ops.cast(inputs[:, NUM_DENSE:], "int32")
+    rows = ShardedEmbedding(VOCAB_SIZE, ID_WIDTH, NUM_SHARDS, name="deep_ids")(ids)
+    deep = keras.layers.Concatenate()([keras.layers.Flatten()(rows), numbers])
+    for units in (64, 32):
+        deep = keras.layers.Dense(units, activation="relu")(deep)
+    wide = ShardedEmbedding(VOCAB_SIZE, 1, NUM_SHARDS, name="wide_ids")(ids)
+    wide = keras.ops.sum(wide, axis=1)  # The linear model over the ids: one weight each, summed.
+    # float32 so logits (and the loss) stay float32 under a mixed policy.
+    logits = keras.layers.Dense(num_classes, dtype="float32", name="logits")(
+        keras.layers.Concatenate()([deep, wide])
+    )
+    return keras.Model(inputs, logits, name="wide_deep")
