@@ -46,6 +46,15 @@ def ps_tasks_in_scope() -> int:
     return num_ps(strategy)
 
 
+def _replicas_in_sync() -> int:
+    """The replicas that all-reduce gradients, in a replica context (a step) or a
+    cross-replica one (Keras building the model in `strategy.scope()`)."""
+    context = tf.distribute.get_replica_context()
+    if context is not None:
+        return context.num_replicas_in_sync
+    return tf.distribute.get_strategy().num_replicas_in_sync
+
+
 @keras.saving.register_keras_serializable(package="engine")
 class ShardedEmbedding(keras.layers.Layer):
     """`keras.layers.Embedding` with its table in `num_shards` row shards (see the module).
@@ -118,7 +127,7 @@ class ShardedEmbedding(keras.layers.Layer):
         tables = [shard.value for shard in self.shards]
         if len(tables) == 1:
             rows = tf.gather(tables[0], ids)
-        elif tf.distribute.get_replica_context().num_replicas_in_sync > 1:
+        elif _replicas_in_sync() > 1:
             rows = self._gather_from_every_shard(tables, ids)
         else:
             rows = tf.nn.embedding_lookup(tables, ids)  # Each id's row gathered on its shard's device.

@@ -326,3 +326,28 @@ def test_device_check_knows_the_peaks_of_common_gpus():
     assert peak_tflops("NVIDIA L40S", "bfloat16") == 362.0
     assert peak_tflops("Tesla V100-SXM2-16GB", "bfloat16") is None
     assert peak_tflops("Some Future GPU", "bfloat16") is None
+
+
+@pytest.mark.process
+@pytest.mark.timeout(400)
+def test_sharded_tables_benchmark_measures_each_ps_task_on_a_cluster_of_its_own(tmp_path):
+    # One way (a cluster each): the figures' fields; benchmarks/RESULTS.md has the full run.
+    out = tmp_path / "tables.json"
+    _run(
+        [
+            "benchmarks.sharded_tables",
+            "--rows=1000",
+            "--width=4",
+            "--num_ps=2",
+            "--steps=2",
+            "--warmup_steps=1",
+            "--ways=sharded",
+            f"--json={out}",
+        ],
+        timeout=360,
+    )
+    payload = json.loads(out.read_text())
+    figures = payload["ways"]["sharded"]
+    assert len(figures["ps_rss_mb"]) == 2  # One figure a ps task.
+    assert figures["bytes_per_step"] > 0 and figures["examples_per_second"] > 0
+    assert "bytes_per_step_dense_over_sharded" not in payload  # A ratio only of two ways measured.

@@ -1,0 +1,242 @@
+r"""A large embedding table on parameter servers: whole on one ps task, split over them
+(`engine.ShardedEmbedding`), and with dense updates, on the same local cluster.
+
+    python -m benchmarks.sharded_tables --rows=200000 --width=32 --num_ps=2 --json=benchmarks/out/tables.json
+
+For each way of holding the table a fresh cluster (one worker and `--num_ps` ps tasks,
+`engine.server` processes on localhost) trains a model of one table (ids of `--length` per
+example -> table -> mean -> Dense(1), Adagrad) with the library's parameter-server Trainer,
+in a coordinator process of its own:
+
+- `whole`: `keras.layers.Embedding`: the table and its Adagrad slot on one ps task;
+- `sharded`: `engine.ShardedEmbedding(num_shards=--num_ps)`: a shard on each ps task;
+- `dense`: the sharded table read whole on the worker each step (`table * 1`): what a
+  model whose gradient is not sparse (a one-hot matmul, a dense op on the table) costs,
+  the whole table and a dense gradient travelling every step.
+
+Reported per way: each ps task's resident memory grown since it started serving
+(`ps_rss_mb`: the table, the slot and TensorFlow's own), the bytes the cluster's tasks sent
+each other per step (`bytes_per_step`: the loopback interface's count over the timed steps,
+so run it on a quiet machine: other traffic on localhost counts too), and `examples_per_second`
+over the timed steps; and the ratios `sharded` over `whole` (memory of the largest ps task,
+examples/s) and `dense` over `sharded` (bytes per step).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from absl import app, flags
+
+FLAGS = flags.FLAGS
+WAYS = ("whole", "sharded", "dense")
+REPO = Path(__file__).resolve().parents[1]
+
+
+def define_flags() -> None:
+    flags.DEFINE_integer("rows", 200_000, "Rows of the table (ids).")
+    flags.DEFINE_integer("width", 32, "Width of each row.")
+    flags.DEFINE_integer("length", 8, "Ids per example.")
+    flags.DEFINE_integer("num_ps", 2, "ps tasks (and shards).")
+    flags.DEFINE_integer("global_batch_size", 256, "Global batch size.")
+    flags.DEFINE_integer("warmup_steps", 4, "Untimed steps first (tracing).")
+    flags.DEFINE_integer("steps", 20, "Timed steps.")
+    flags.DEFINE_list("ways", list(WAYS), "Which ways to hold the table, of: " + ", ".join(WAYS))
+    flags.DEFINE_string("json", None, "Also write the JSON here.")
+
+
+# The coordinator of one way: builds the model in the cluster's scope, trains, measures.
+COORDINATOR = r"""
+import json, sys, time
+import numpy as np
+import tensorflow as tf
+import keras
+import engine
+from engine.loop.ps_runners import CoordinatedTrainer
+
+setup = json.loads(sys.argv[1])
+resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
+    tf.train.ClusterSpec(setup["hosts"]), task_type="chief", task_id=0, rpc_layer="grpc"
+)
+strategy = tf.distribute.experimental.ParameterServerStrategy(resolver)
+
+
+class DenseRead(engine.ShardedEmbedding):
+    # The table read whole on the worker: its gradient is dense.
+    def call(self, inputs):
+        tables = [shard.value * 1.0 for shard in self.shards]
+        return tf.gather(tf.concat(tables, 0), tf.cast(inputs, "int32"))
+
+
+rows, width, way = setup["rows"], setup["width"], setup["way"]
+with strategy.scope():
+    table = {
+        "whole": lambda: keras.layers.Embedding(rows, width),
+        "sharded": lambda: engine.ShardedEmbedding(rows, width, setup["num_ps"]),
+        "dense": lambda: DenseRead(rows, width, setup["num_ps"]),
+    }[way]()
+    model = keras.Sequential([keras.Input((setup["length"],), dtype="int32"), table,
+                              keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(1)])
+    optimizer = keras.optimizers.Adagrad(0.05)
+batch = setup["global_batch_size"]
+
+def train_from(input_context, start_step):
+    ids = tf.data.Dataset.random(seed=1).map(lambda x: tf.math.floormod(x, rows)).batch(setup["length"])
+    labels = tf.data.Dataset.random(seed=2).map(lambda x: tf.cast(tf.math.floormod(x, 2), tf.float32))
+    return tf.data.Dataset.zip((ids, labels)).batch(batch, drop_remainder=True).skip(start_step)
+
+trainer = CoordinatedTrainer(
+    strategy=strategy, model=model, optimizer=optimizer, train_data=train_from, global_batch_size=batch,
+    loss_fn=keras.losses.BinaryCrossentropy(from_logits=True, reduction=None),
+    steps_per_loop=setup["warmup_steps"],
+)
+
+def loopback_bytes():  # Every byte the cluster's tasks send each other (all on localhost).
+    line = [l for l in open("/proc/net/dev").read().splitlines() if l.strip().startswith("lo:")][0]
+    return int(line.split(":", 1)[1].split()[0])
+
+trainer.train(setup["warmup_steps"])
+before, started = loopback_bytes(), time.perf_counter()
+trainer.train(setup["warmup_steps"] + setup["steps"])
+elapsed, after = time.perf_counter() - started, loopback_bytes()
+
+def rss_mb(pid):  # While this coordinator still holds the table there.
+    line = [l for l in open(f"/proc/{pid}/status").read().splitlines() if l.startswith("VmRSS:")][0]
+    return int(line.split()[1]) / 1024
+
+print("RESULT " + json.dumps({
+    "bytes_per_step": (after - before) / setup["steps"],
+    "examples_per_second": setup["steps"] * batch / elapsed,
+    "ps_rss_now_mb": [rss_mb(pid) for pid in setup["ps_pids"]],
+}))
+"""
+
+
+def _rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError(f"no VmRSS for pid {pid}")
+
+
+def _free_ports(count: int) -> list[int]:
+    from engine.launch.task_processes import free_ports
+
+    return free_ports(count)
+
+
+def measure(way: str) -> dict:
+    """One fresh cluster, one coordinator: the figures of `way`."""
+    ports = _free_ports(2 + FLAGS.num_ps)
+    hosts = {
+        "chief": [f"localhost:{ports[0]}"],
+        "worker": [f"localhost:{ports[1]}"],
+        "ps": [f"localhost:{port}" for port in ports[2:]],
+    }
+    cluster = [
+        f"--chief_host={hosts['chief'][0]}",
+        f"--worker_hosts={hosts['worker'][0]}",
+        f"--ps_hosts={','.join(hosts['ps'])}",
+    ]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "TF_CPP_MIN_LOG_LEVEL": "2"}
+    tasks = [("worker", 0)] + [("ps", index) for index in range(FLAGS.num_ps)]
+    servers = {
+        (job, index): subprocess.Popen(
+            [sys.executable, "-m", "engine.server", f"--task_type={job}", f"--task_index={index}", *cluster],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+        for job, index in tasks
+    }
+    try:
+        ps = [servers[("ps", index)] for index in range(FLAGS.num_ps)]
+        for process in servers.values():  # Serving: TensorFlow imported, the server up.
+            assert process.stderr is not None
+            while "serving at" not in (line := process.stderr.readline()):
+                if not line and process.poll() is not None:
+                    raise RuntimeError(f"an engine.server task exited with {process.returncode}")
+        started_rss = [_rss_mb(process.pid) for process in ps]
+        setup = {
+            "hosts": hosts,
+            "way": way,
+            "rows": FLAGS.rows,
+            "width": FLAGS.width,
+            "length": FLAGS.length,
+            "num_ps": FLAGS.num_ps,
+            "global_batch_size": FLAGS.global_batch_size,
+            "warmup_steps": FLAGS.warmup_steps,
+            "steps": FLAGS.steps,
+            "ps_pids": [process.pid for process in ps],
+        }
+        result = subprocess.run(
+            [sys.executable, "-c", COORDINATOR, json.dumps(setup)],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
+        if result.returncode != 0:
+            raise RuntimeError(f"the {way} coordinator failed: {result.stderr[-2000:]}")
+        figures = json.loads(result.stdout.split("RESULT ", 1)[1])
+        now = figures.pop("ps_rss_now_mb")
+        figures["ps_rss_mb"] = [round(after - before, 1) for after, before in zip(now, started_rss, strict=True)]
+        figures["bytes_per_step"] = round(figures["bytes_per_step"])
+        figures["examples_per_second"] = round(figures["examples_per_second"], 1)
+        return figures
+    finally:
+        for process in servers.values():
+            os.killpg(process.pid, 9)
+            process.wait(timeout=30)
+
+
+def main(argv: list[str]) -> None:
+    del argv
+    unknown = set(FLAGS.ways) - set(WAYS)
+    if unknown:
+        raise app.UsageError(f"--ways: {sorted(unknown)} not of {', '.join(WAYS)}")
+    table_mb = FLAGS.rows * FLAGS.width * 4 / 2**20
+    report: dict = {
+        "rows": FLAGS.rows,
+        "width": FLAGS.width,
+        "table_mb": round(table_mb, 1),
+        "num_ps": FLAGS.num_ps,
+        "global_batch_size": FLAGS.global_batch_size,
+        "steps": FLAGS.steps,
+        "ways": {},
+    }
+    for way in FLAGS.ways:
+        started = time.perf_counter()
+        report["ways"][way] = measure(way)
+        report["ways"][way]["wall_s"] = round(time.perf_counter() - started, 1)
+    ways = report["ways"]
+    if {"whole", "sharded"} <= set(ways):
+        report["largest_ps_memory_sharded_over_whole"] = round(
+            max(ways["sharded"]["ps_rss_mb"]) / max(ways["whole"]["ps_rss_mb"]), 3
+        )
+        report["examples_per_second_sharded_over_whole"] = round(
+            ways["sharded"]["examples_per_second"] / ways["whole"]["examples_per_second"], 3
+        )
+    if {"sharded", "dense"} <= set(ways):
+        report["bytes_per_step_dense_over_sharded"] = round(
+            ways["dense"]["bytes_per_step"] / ways["sharded"]["bytes_per_step"], 1
+        )
+    text = json.dumps(report, indent=2)
+    print(text)
+    if FLAGS.json:
+        Path(FLAGS.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(FLAGS.json).write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    define_flags()
+    app.run(main)
