@@ -33,7 +33,7 @@ class AttributeStatistics(ListedStatistics):
 
 def model_of(strategy, layer):
     with strategy.scope():
-        model = keras.Sequential([keras.Input((NUM_FEATURES,)), layer])
+        model = keras.Sequential([keras.Input((NUM_FEATURES,)), layer], name="model")
         optimizer = keras.optimizers.SGD(0.1)
     return model, optimizer
 
@@ -45,7 +45,7 @@ def test_a_layer_keeping_variables_in_a_list_is_refused_before_the_model_dir_is_
         small_trainer(model_dir, model=model, optimizer=optimizer)
     message = str(raised.value)
     named = message.split("would")[0]
-    assert "'sequential/listed/mean'" in named and "kernel" not in named  # The optimizer saves the kernel.
+    assert "'model/listed/mean'" in named and "kernel" not in named  # The optimizer saves the kernel.
     assert "setattr" in message and "\n" not in message
     assert not model_dir.exists()
     make_trainer(model=model, optimizer=optimizer).train(2)  # Without a model_dir nothing is lost: it trains.
