@@ -20,7 +20,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from unittest import mock
 
@@ -302,6 +302,39 @@ def free_ports(count: int) -> list[int]:
 
 # ---------------------------------------------------------------- clusters on localhost
 
+
+@contextlib.contextmanager
+def ps_servers(num_workers: int, num_ps: int) -> Iterator[dict[str, list[str]]]:
+    """A parameter-server cluster's worker and ps tasks as `engine.server` processes on
+    localhost, one process a task as users run them; yields the cluster's hosts, with a chief
+    address for the coordinator the test runs. Every task is killed at the end."""
+    ports = iter(free_ports(1 + num_workers + num_ps))
+    hosts = {
+        "chief": [f"localhost:{next(ports)}"],
+        "worker": [f"localhost:{next(ports)}" for _ in range(num_workers)],
+        "ps": [f"localhost:{next(ports)}" for _ in range(num_ps)],
+    }
+    flags = [f"--{job}_hosts={','.join(hosts[job])}" for job in ("worker", "ps")]
+    flags.append(f"--chief_host={hosts['chief'][0]}")
+    servers = [
+        subprocess.Popen(
+            [sys.executable, "-m", "engine.server", f"--task_type={job}", f"--task_index={index}", *flags],
+            cwd=REPO,
+            env=python_env(),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        for job in ("worker", "ps")
+        for index in range(len(hosts[job]))
+    ]
+    try:
+        yield hosts
+    finally:
+        for server in servers:
+            kill_group(server)
+
+
 # TensorFlow's C++ lines at import and first device listing, which engine.native_logs holds back.
 NATIVE_START_UP_LINES = (
     "cuInit",
@@ -468,6 +501,16 @@ def make_arrays(n: int, seed: int = 0):
     x = rng.rand(n, NUM_FEATURES).astype("float32")
     y = (x[:, 0] * NUM_CLASSES).astype("int32") % NUM_CLASSES
     return x, y
+
+
+def id_sequences(count: int, *, vocab: int, length: int, classes: int, seed: int = 0):
+    """Sequences of ids in [1, vocab) with trailing padding (id 0), and a class learnable from
+    their first id: the data of the embedding-table tests."""
+    rng = np.random.RandomState(seed)
+    ids = rng.randint(1, vocab, size=(count, length)).astype("int32")
+    for row, used in enumerate(rng.randint(1, length + 1, size=count)):
+        ids[row, used:] = 0
+    return ids, (ids[:, 0] % classes).astype("int32")
 
 
 def make_model(strategy, seed: int = 3, l2: float = 0.0):

@@ -13,7 +13,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from helpers import REPO, free_ports, kill_group, make_trainer, python_env
+from helpers import REPO, id_sequences, make_trainer, ps_servers, python_env
 
 import engine
 
@@ -63,12 +63,8 @@ print("RESULT " + json.dumps({
 """
 
 
-def sequences(count: int = 64, seed: int = 0):
-    rng = np.random.RandomState(seed)
-    ids = rng.randint(1, VOCAB, size=(count, LENGTH)).astype("int32")
-    for row, length in enumerate(rng.randint(1, LENGTH + 1, size=count)):
-        ids[row, length:] = 0
-    return ids, (ids[:, 0] % CLASSES).astype("int32")
+def sequences(count: int = 64):
+    return id_sequences(count, vocab=VOCAB, length=LENGTH, classes=CLASSES)
 
 
 def starting_weights():
@@ -123,29 +119,12 @@ def whole_table_trained_in_one_process(default, steps: int):
 def test_a_table_over_two_ps_tasks_trains_as_one_table_and_restores_onto_one_ps_and_one_device(
     default, tmp_path
 ):
-    ports = free_ports(4)
-    chief, worker, ps0, ps1 = (f"localhost:{port}" for port in ports)
-    flags = [f"--chief_host={chief}", f"--worker_hosts={worker}", f"--ps_hosts={ps0},{ps1}"]
-    servers = [
-        subprocess.Popen(
-            [sys.executable, "-m", "engine.server", f"--task_type={job}", f"--task_index={index}", *flags],
-            cwd=REPO,
-            env=python_env(),
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-        for job, index in (("worker", 0), ("ps", 0), ("ps", 1))
-    ]
     model_dir = tmp_path / "run"
-    try:
+    with ps_servers(num_workers=1, num_ps=2) as hosts:
         # num_shards=None: one shard per ps task, each on its own task.
-        two_ps = coordinate({"chief": [chief], "worker": [worker], "ps": [ps0, ps1]}, model_dir, None, 8)
+        two_ps = coordinate(hosts, model_dir, None, 8)
         # The same checkpoint onto a cluster of one ps task: both shards there, training goes on.
-        one_ps = coordinate({"chief": [chief], "worker": [worker], "ps": [ps0]}, model_dir, 2, 12)
-    finally:
-        for server in servers:
-            kill_group(server)
+        one_ps = coordinate({**hosts, "ps": hosts["ps"][:1]}, model_dir, 2, 12)
     assert [device.split("/device")[0] for device in two_ps["placement"]] == [
         "/job:ps/replica:0/task:0",
         "/job:ps/replica:0/task:1",

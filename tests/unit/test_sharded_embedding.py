@@ -4,7 +4,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from helpers import NUM_CLASSES, make_trainer, small_trainer
+from helpers import NUM_CLASSES, id_sequences, make_trainer, small_trainer
 
 import engine
 from engine.layers import shard_rows
@@ -12,13 +12,8 @@ from engine.layers import shard_rows
 VOCAB, WIDTH, LENGTH = 23, 4, 5
 
 
-def sequences(count: int = 64, seed: int = 0):
-    """Id sequences with trailing padding (id 0) and a label learnable from the ids."""
-    rng = np.random.RandomState(seed)
-    ids = rng.randint(1, VOCAB, size=(count, LENGTH)).astype("int32")
-    for row, length in enumerate(rng.randint(1, LENGTH + 1, size=count)):
-        ids[row, length:] = 0
-    return ids, (ids[:, 0] % NUM_CLASSES).astype("int32")
+def sequences(count: int = 64):
+    return id_sequences(count, vocab=VOCAB, length=LENGTH, classes=NUM_CLASSES)
 
 
 def tagger(strategy, table, seed: int = 1):

@@ -139,30 +139,11 @@ def test_predict_under_parameter_server_runs_on_the_coordinator_in_order(tmp_pat
     import subprocess
     import sys
 
-    from helpers import REPO, free_ports, kill_group, python_env
+    from helpers import REPO, ps_servers, python_env
 
-    ports = free_ports(4)
-    hosts = {
-        "chief": [f"localhost:{ports[0]}"],
-        "worker": [f"localhost:{ports[1]}", f"localhost:{ports[2]}"],
-        "ps": [f"localhost:{ports[3]}"],
-    }
-    flags = [f"--{job}_hosts={','.join(hosts[job])}" for job in ("worker", "ps")]
-    flags.append(f"--chief_host={hosts['chief'][0]}")
     # One process per task, as a user runs it (an in-process cluster shares one process's
     # thread pools with the coordinator and is not how the engine runs).
-    servers = [
-        subprocess.Popen(
-            [sys.executable, "-m", "engine.server", f"--task_type={job}", f"--task_index={index}", *flags],
-            cwd=REPO,
-            env=python_env(),
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-        for job, index in (("worker", 0), ("worker", 1), ("ps", 0))
-    ]
-    try:
+    with ps_servers(num_workers=2, num_ps=1) as hosts:
         result = subprocess.run(
             [sys.executable, "-c", PS_SCRIPT, json.dumps(hosts)],
             cwd=REPO,
@@ -171,9 +152,6 @@ def test_predict_under_parameter_server_runs_on_the_coordinator_in_order(tmp_pat
             text=True,
             timeout=150,
         )
-    finally:
-        for server in servers:
-            kill_group(server)
     assert result.returncode == 0, result.stderr[-3000:]
     line = [line for line in result.stdout.splitlines() if line.startswith("rows")][-1]
     rows, diff = int(line.split()[1]), float(line.split()[3])
