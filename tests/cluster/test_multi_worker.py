@@ -22,6 +22,7 @@ from helpers import (
     free_ports,
     in_background,
     kill_group,
+    main_in_process,
     model_weights,
     python_env,
     signal_group,
@@ -225,6 +226,13 @@ def test_parameter_server_cluster_trains_to_the_step_and_lowers_the_loss(tmp_pat
     assert metrics["eval"]["auc"] > 0.7  # The numbers alone reach 0.62 at best: the split tables learned.
     assert (tmp_path / "checkpoints" / "ckpt-240.index").exists()
     assert "TensorFlow gRPC port(s)" in run.output
+    # The checkpoint of the 2 ps tasks evaluates on one device (the shards side by side) as the chief did.
+    evaluated = main_in_process("--mode=eval", "--strategy=default", f"--model_dir={tmp_path}")
+    assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+    again = json.loads((tmp_path / "metrics.json").read_text())["eval"]
+    assert again["num_examples"] == 4003
+    for name in ("loss", "auc"):
+        assert abs(again[name] - metrics["eval"][name]) < 1e-6, (name, again, metrics["eval"])
 
 
 @pytest.mark.timeout(600)
