@@ -26,6 +26,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
+from engine.compat import keras_sublayers, num_ps
 from engine.errors import UserError
 
 
@@ -41,8 +42,6 @@ def ps_tasks_in_scope() -> int:
     strategy = tf.distribute.get_strategy()
     if not isinstance(strategy, tf.distribute.experimental.ParameterServerStrategy):
         return 0
-    from engine.compat import num_ps
-
     return num_ps(strategy)
 
 
@@ -189,8 +188,6 @@ def describe_tables(model: Any) -> list[str]:
     lives, e.g. "table 'items': 1000000 x 16 in 2 shards: 500000 rows on ps:0, 500000 on ps:1"."""
     if not isinstance(model, keras.layers.Layer):
         return []
-    from engine.compat import keras_sublayers
-
     lines = []
     for layer in [model, *keras_sublayers(model)]:
         if isinstance(layer, ShardedEmbedding) and layer.built:
