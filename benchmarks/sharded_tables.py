@@ -35,6 +35,8 @@ from pathlib import Path
 
 from absl import app, flags
 
+from engine.launch.task_processes import free_ports
+
 FLAGS = flags.FLAGS
 WAYS = ("whole", "one_shard", "sharded", "dense")
 REPO = Path(__file__).resolve().parents[1]
@@ -60,6 +62,7 @@ import tensorflow as tf
 import keras
 import engine
 from engine.loop.ps_runners import CoordinatedTrainer
+from benchmarks.sharded_tables import rss_mb
 
 setup = json.loads(sys.argv[1])
 resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
@@ -108,34 +111,24 @@ before, started = loopback_bytes(), time.perf_counter()
 trainer.train(setup["warmup_steps"] + setup["steps"])
 elapsed, after = time.perf_counter() - started, loopback_bytes()
 
-def rss_mb(pid):  # While this coordinator still holds the table there.
-    line = [l for l in open(f"/proc/{pid}/status").read().splitlines() if l.startswith("VmRSS:")][0]
-    return int(line.split()[1]) / 1024
-
 print("RESULT " + json.dumps({
     "bytes_per_step": (after - before) / setup["steps"],
     "examples_per_second": setup["steps"] * batch / elapsed,
-    "ps_rss_now_mb": [rss_mb(pid) for pid in setup["ps_pids"]],
+    "ps_rss_now_mb": [rss_mb(pid) for pid in setup["ps_pids"]],  # While this coordinator holds the table.
 }))
 """
 
 
-def _rss_mb(pid: int) -> float:
+def rss_mb(pid: int) -> float:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
     raise RuntimeError(f"no VmRSS for pid {pid}")
 
 
-def _free_ports(count: int) -> list[int]:
-    from engine.launch.task_processes import free_ports
-
-    return free_ports(count)
-
-
 def measure(way: str) -> dict:
     """One fresh cluster, one coordinator: the figures of `way`."""
-    ports = _free_ports(2 + FLAGS.num_ps)
+    ports = free_ports(2 + FLAGS.num_ps)
     hosts = {
         "chief": [f"localhost:{ports[0]}"],
         "worker": [f"localhost:{ports[1]}"],
@@ -167,7 +160,7 @@ def measure(way: str) -> dict:
             while "serving at" not in (line := process.stderr.readline()):
                 if not line and process.poll() is not None:
                     raise RuntimeError(f"an engine.server task exited with {process.returncode}")
-        started_rss = [_rss_mb(process.pid) for process in ps]
+        started_rss = [rss_mb(process.pid) for process in ps]
         setup = {
             "hosts": hosts,
             "way": way,

@@ -124,9 +124,7 @@ class ShardedEmbedding(keras.layers.Layer):
         if not ids.dtype.is_integer:
             ids = tf.cast(ids, "int64")
         tables = [shard.value for shard in self.shards]
-        if len(tables) == 1:
-            rows = tf.gather(tables[0], ids)
-        elif _replicas_in_sync() > 1:
+        if len(tables) > 1 and _replicas_in_sync() > 1:
             rows = self._gather_from_every_shard(tables, ids)
         else:
             rows = tf.nn.embedding_lookup(tables, ids)  # Each id's row gathered on its shard's device.

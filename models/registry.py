@@ -57,7 +57,7 @@ _SPECS: dict[str, ModelSpec] = {
         ModelSpec(
             "wide_deep",
             wide_deep.build,
-            (wide_deep.NUM_DENSE + 6,),
+            (wide_deep.NUM_DENSE + wide_deep.NUM_IDS,),
             "wide & deep over --dataset=clicks: two 100,000-id tables in 4 shards each (parameter servers)",
         ),
         ModelSpec(

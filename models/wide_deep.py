@@ -16,6 +16,7 @@ import keras
 from engine.layers import ShardedEmbedding
 
 NUM_DENSE = 4
+NUM_IDS = 6  # --dataset=clicks's categorical features, after the numbers.
 VOCAB_SIZE = 100_000
 ID_WIDTH = 16
 NUM_SHARDS = 4

@@ -18,7 +18,11 @@ def test_click_logs_are_fixed_numbers_then_exact_ids_of_the_models_vocabulary():
     assert features.shape == (clicks.NUM_TRAIN, clicks.NUM_DENSE + clicks.NUM_CATEGORICAL)
     ids = features[:, clicks.NUM_DENSE :]
     assert (ids == np.round(ids)).all() and ids.min() >= 0 and ids.max() < clicks.VOCAB_SIZE
-    assert (clicks.NUM_DENSE, clicks.VOCAB_SIZE) == (wide_deep.NUM_DENSE, wide_deep.VOCAB_SIZE)
+    assert (clicks.NUM_DENSE, clicks.NUM_CATEGORICAL, clicks.VOCAB_SIZE) == (
+        wide_deep.NUM_DENSE,
+        wide_deep.NUM_IDS,
+        wide_deep.VOCAB_SIZE,
+    )
     assert set(np.unique(labels)) == {0, 1} and 0.2 < labels.mean() < 0.8
     assert first.num_eval_examples == clicks.NUM_EVAL
 
