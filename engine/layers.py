@@ -137,6 +137,14 @@ class ShardedEmbedding(keras.layers.Layer):
         gradient has as many rows on every replica. `tf.nn.embedding_lookup`'s split gives
         each replica its own count, and TensorFlow's all-gather of IndexedSlices of unequal
         sizes fails inside a compiled loop ('Shape mismatch in the collective instance')."""
+        # An id no shard holds would find only masked rows (zeros): refused, as a gather is.
+        total = sum(int(table.shape[0]) for table in tables)
+        checks = [
+            tf.debugging.assert_non_negative(ids, message="ShardedEmbedding: negative id"),
+            tf.debugging.assert_less(ids, tf.cast(total, ids.dtype), message=f"ShardedEmbedding: id >= {total}"),
+        ]
+        with tf.control_dependencies(checks):
+            ids = tf.identity(ids)
         rows = None
         start = 0
         for table in tables:

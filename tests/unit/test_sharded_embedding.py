@@ -151,3 +151,12 @@ def test_a_checkpoint_of_another_number_of_shards_is_refused_in_one_line(default
     with pytest.raises(engine.UserError, match="does not match this model") as raised:
         small_trainer(tmp_path, arrays=arrays, model=other, optimizer=keras.optimizers.SGD(0.1))
     assert "shard_0" in str(raised.value) and "\n" not in str(raised.value)
+
+
+def test_an_id_outside_the_table_fails_under_mirrored_as_a_gather_does(mirrored):
+    # With replicas each shard gathers for every id, masked: an id no shard holds would read zeros.
+    model = tagger(mirrored, engine.ShardedEmbedding(VOCAB, WIDTH, 3))
+    for bad in (VOCAB, -1):
+        ids = np.full((4, LENGTH), bad, dtype="int32")
+        with pytest.raises(tf.errors.InvalidArgumentError, match="ShardedEmbedding"):
+            mirrored.run(tf.function(lambda x: model.layers[0](x)), args=(tf.constant(ids),))
