@@ -4,12 +4,32 @@
 is a bug in the engine and keeps its traceback.
 """
 
-# The exit status of every command-line entry point (engine.main, engine.launch,
-# engine.server) for a UserError; engine.launch never restarts a task that exits with it.
+# The exit statuses of the commands (engine.main, engine.launch, engine.server), for a
+# scheduler to act on by status alone: the table in docs/several-machines.md#exit-statuses
+# (tests/unit/test_error_names.py holds the two together). 0 is done, 1 a bug (a traceback),
+# 128 + N stopped by signal N after saving (129 SIGHUP, 130 SIGINT, 143 SIGTERM).
+
+# A UserError (bad flags, config, data, model_dir, checkpoint): every rerun fails alike, so
+# neither engine.launch nor a scheduler should run it again.
 USER_ERROR_EXIT = 2
-# The exit status of a task whose peer stopped answering mid-run (EX_UNAVAILABLE): not the
-# task's own mistake, so engine.launch --max_restarts restarts the cluster on it.
+# engine.launch spent its --max_restarts (or --max_worker_restarts) and the run failed again:
+# it was retried already, a person should look before anything reruns it.
+RESTARTS_SPENT_EXIT = 3
+# A task whose peer stopped answering mid-run (EX_UNAVAILABLE): not the task's own mistake,
+# so engine.launch --max_restarts restarts the cluster on it, and a scheduler may too.
 PEER_LOST_EXIT = 69
+# A worker that stopped, checkpoint saved, because a peer was signalled (EX_TEMPFAIL):
+# requeue it, as the signalled task's 128 + N.
+STOPPED_BY_PEER_EXIT = 75
+
+
+def final_status(status: int, cause: str, *, restarts: int, flag: str) -> tuple[int, str]:
+    """engine.launch's exit status and reason for a failure it does not restart: a bad input
+    keeps its 2; a failure after `restarts` (> 0, the launcher's `flag`) restarts is
+    RESTARTS_SPENT_EXIT; without restarts, the task's own status."""
+    if status == USER_ERROR_EXIT or restarts == 0:
+        return status, cause
+    return RESTARTS_SPENT_EXIT, f"{cause}; the {restarts} restart(s) of {flag} are spent"
 
 
 def one_line(error: BaseException | str, limit: int | None = None) -> str:

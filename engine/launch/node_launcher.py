@@ -223,7 +223,7 @@ class NodeLauncher:
             f"error: no rendezvous at {options.rendezvous_text} {within}{why}: node 0's engine.launch "
             "serves it; start it, or check --rendezvous"
         )
-        return 1
+        return PEER_LOST_EXIT  # Node 0 unavailable: a rerun may find it.
 
     def _reconnect_deadline(self) -> float:
         return time.monotonic() + (self.options.startup_timeout or float("inf"))

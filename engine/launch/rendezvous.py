@@ -70,8 +70,9 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from engine.errors import PEER_LOST_EXIT, USER_ERROR_EXIT, final_status
+
 BEAT_SECONDS = 1.0
-USER_ERROR_EXIT = 2  # engine.errors.USER_ERROR_EXIT: bad flags fail on every restart alike.
 PROTOCOL = "engine-rendezvous-2"
 SECRET_ENV = "ENGINE_RENDEZVOUS_SECRET"
 SECRET_FLAG = "--rendezvous_secret_file"
@@ -725,7 +726,7 @@ class RendezvousServer:
                 f"node(s) {ranks_text(missing)} did not come back within {self._wait_for_rejoin():g} s "
                 f"and {len(joined)} node(s) are fewer than --min_nodes={self.min_nodes}"
             )
-        self._end(1, reason)
+        self._end(PEER_LOST_EXIT, reason)  # Peers unavailable, as one lost mid-run: a rerun may see them.
 
     def _start_round(self) -> None:
         self._members = dict(sorted(self._joined.items()))
@@ -751,7 +752,7 @@ class RendezvousServer:
     def _round_failed(self, cause: str, status: int = 1) -> None:
         failed_round = self._members
         if status == USER_ERROR_EXIT or self.restarts >= self.max_restarts:
-            self._end(status or 1, cause)
+            self._end(*final_status(status or 1, cause, restarts=self.max_restarts, flag="--max_restarts"))
             return
         self.restarts += 1
         now = time.monotonic()

@@ -26,7 +26,7 @@ from engine.cli.process.preemption import (
     leave_a_closed_terminal,
 )
 from engine.cluster import Cluster
-from engine.errors import PEER_LOST_EXIT, USER_ERROR_EXIT
+from engine.errors import PEER_LOST_EXIT, USER_ERROR_EXIT, final_status
 from engine.goodput import RESTARTS_ENV, RESTARTS_LOST_ENV
 from engine.launch.rendezvous import SECRET_ENV
 
@@ -246,8 +246,14 @@ class Launcher:
                 # The task killed by a signal is the cause; the others failed because of it.
                 task, code = min(failed, key=lambda failure: failure[1] >= 0)
                 if code == USER_ERROR_EXIT or self.restarts >= self.max_restarts:
-                    self.say(f"{task.name} failed with exit status {code}; stopping the other tasks")
-                    return shell_status(code)
+                    status, why = final_status(
+                        shell_status(code),
+                        f"{task.name} failed with exit status {code}",
+                        restarts=self.max_restarts,
+                        flag="--max_restarts",
+                    )
+                    self.say(f"{why}; stopping the other tasks")
+                    return status
                 self.restarts += 1
                 cause = cause_of(task, code, tasks)
                 self.say(f"restarting the cluster ({self.restarts}/{self.max_restarts}): {cause}")
@@ -271,8 +277,14 @@ class Launcher:
                     task.reader.join(timeout=5)
                 self.start(task)
                 continue
-            self.say(f"{task.name} exited with status {code}; the cluster cannot go on, stopping it")
-            return shell_status(code) or 1
+            status, why = final_status(
+                shell_status(code) or 1,
+                f"{task.name} exited with status {code}",
+                restarts=self.max_worker_restarts if task.cluster.task_type == "worker" else 0,
+                flag="--max_worker_restarts",
+            )
+            self.say(f"{why}; the cluster cannot go on, stopping it")
+            return status
         return None
 
     def _restart_training(self) -> None:

@@ -120,6 +120,28 @@ def test_slurm_script_requeues_only_a_run_stopped_by_a_signal(tmp_path, status, 
 
 
 @pytest.mark.process
+@pytest.mark.parametrize(
+    "restarts, srun_status, script_status",
+    [
+        ("0", 69, 69),  # A lost peer (a node died): requeued while MAX_REQUEUES allows,
+        ("2", 69, 69),
+        ("3", 69, 3),  # then the restarts are spent: exit 3, not requeued.
+        ("5", 143, 143),  # Preemption is never capped.
+    ],
+)
+def test_slurm_script_requeues_a_lost_peer_at_most_max_requeues_times_then_exits_3(
+    tmp_path, restarts, srun_status, script_status
+):
+    job = slurm_job(tmp_path, FAKE_SRUN, FAKE_SRUN=f"exit:{srun_status}", SLURM_RESTART_COUNT=restarts)
+    result = run_batch_script(job, "--model=mlp")
+    assert result.returncode == script_status, result.stderr
+    requeued = script_status == srun_status
+    assert calls(tmp_path)[1:] == (["scontrol requeue 4242"] if requeued else []), result.stderr
+    if not requeued:
+        assert "requeued 3 time(s) already (MAX_REQUEUES); not again: exit 3" in result.stderr
+
+
+@pytest.mark.process
 @pytest.mark.parametrize("status, requeued", [(1, True), (0, False)])
 def test_slurm_script_requeues_after_a_term_once_the_workers_have_stopped(tmp_path, status, requeued):
     """TERM to the batch script (preemption, scancel): it waits for srun (the workers save their

@@ -39,7 +39,7 @@ from engine.cli.run.run_record import read_record, record_path, record_training
 from engine.cli.run.run_task import RunTask, check_reported, resolve_task
 from engine.cluster import task_model_dir
 from engine.cluster.peer_loss import PEER_LOST_ERRORS, peer_lost_message
-from engine.errors import PeerLostError, UserError, one_line
+from engine.errors import STOPPED_BY_PEER_EXIT, PeerLostError, UserError, one_line
 from engine.export import export_for_serving
 from engine.goodput import restarts_from_environment
 from engine.layers import describe_tables
@@ -47,9 +47,6 @@ from engine.logger import EVERY_TASK
 from engine.resident import ResidentData
 from engine.strategy import build_strategy
 from engine.trainer import Trainer
-
-# A worker that stopped because a peer was signalled (EX_TEMPFAIL: run again).
-STOPPED_BY_PEER_EXIT = 75
 
 
 def run(config: RunConfig, *, started_at: float | None = None) -> dict[str, Any]:

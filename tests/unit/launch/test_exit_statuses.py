@@ -1,0 +1,101 @@
+"""The exit statuses a scheduler acts on (docs/several-machines.md#exit-statuses): engine.launch's
+run ends with 2 for a bad input (never restarted), its task's own status where it has no
+restarts, and RESTARTS_SPENT_EXIT (3) when it failed again after its restarts, so that Slurm or
+Kubernetes does not retry what was retried already. The tasks here are small Python processes
+that exit with a given status (no TensorFlow); the rendezvous's own case is in test_rendezvous.py."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from engine.cluster import Cluster
+from engine.errors import PEER_LOST_EXIT, RESTARTS_SPENT_EXIT, USER_ERROR_EXIT, final_status
+from engine.launch.task_processes import Launcher, Task, cluster_spec
+
+
+def exiting_tasks(spec: dict, statuses: dict[str, int]) -> list[Task]:
+    """A task per address of `spec` that exits at once with `statuses[name]` (0 by default)."""
+    tasks = []
+    for task_type, addresses in spec.items():
+        for index in range(len(addresses)):
+            status = statuses.get(f"{task_type}:{index}", 0)
+            code = f"import sys, time; time.sleep(0.1); sys.exit({status})"
+            tasks.append(Task(Cluster(spec, task_type, index), [sys.executable, "-c", code]))
+    return tasks
+
+
+def run_launcher(statuses: dict[str, int], **options) -> tuple[int, list[str]]:
+    spec = cluster_spec(2, 0, "localhost", [1, 2])
+    said: list[str] = []
+    launcher = Launcher(
+        exiting_tasks(spec, statuses),
+        new_training_tasks=lambda: exiting_tasks(spec, statuses),
+        say=said.append,
+        **options,
+    )
+    return launcher.run(), said
+
+
+@pytest.mark.parametrize(
+    "status, max_restarts, expected",
+    [
+        (PEER_LOST_EXIT, 0, PEER_LOST_EXIT),  # No restarts asked for: the task's own status.
+        (1, 0, 1),
+        (PEER_LOST_EXIT, 2, RESTARTS_SPENT_EXIT),  # Failed again after its two restarts.
+        (1, 1, RESTARTS_SPENT_EXIT),
+        (USER_ERROR_EXIT, 3, USER_ERROR_EXIT),  # Bad input: never restarted, always 2.
+    ],
+)
+def test_a_launchers_status_tells_a_bad_input_a_failure_and_spent_restarts_apart(status, max_restarts, expected):
+    code, said = run_launcher({"worker:1": status}, max_restarts=max_restarts)
+    assert code == expected, said
+    restarts = [line for line in said if line.startswith("restarting the cluster")]
+    assert len(restarts) == (0 if status == USER_ERROR_EXIT else max_restarts), said
+    if expected == RESTARTS_SPENT_EXIT:
+        assert said[-1] == (
+            f"worker:1 failed with exit status {status}; the {max_restarts} restart(s) of --max_restarts "
+            "are spent; stopping the other tasks"
+        ), said
+
+
+def test_a_parameter_server_cluster_whose_worker_fails_past_its_restarts_ends_with_spent_restarts():
+    spec = cluster_spec(1, 1, "localhost", [1, 2, 3])
+    said: list[str] = []
+    tasks = exiting_tasks(spec, {"worker:0": 1})
+    for task in tasks:  # The chief and the ps task run on.
+        if task.name != "worker:0":
+            task.argv = [sys.executable, "-c", "import time; time.sleep(30)"]
+    launcher = Launcher(tasks, max_worker_restarts=1, say=said.append)
+    try:
+        assert launcher.run() == RESTARTS_SPENT_EXIT, said
+    finally:
+        launcher.stop(grace=1)
+    assert said[-1] == (
+        "worker:0 exited with status 1; the 1 restart(s) of --max_worker_restarts are spent; "
+        "the cluster cannot go on, stopping it"
+    ), said
+
+
+def test_final_status_keeps_a_bad_inputs_2_and_a_status_without_restarts():
+    assert final_status(2, "x", restarts=4, flag="--max_restarts") == (2, "x")
+    assert final_status(143, "x", restarts=0, flag="--max_restarts") == (143, "x")
+    assert final_status(69, "x", restarts=4, flag="--max_restarts") == (
+        RESTARTS_SPENT_EXIT,
+        "x; the 4 restart(s) of --max_restarts are spent",
+    )
+
+
+def test_the_documented_table_lists_every_status_of_engine_errors():
+    """docs/several-machines.md#exit-statuses is what a scheduler's config is written from."""
+    import re
+    from pathlib import Path
+
+    from engine import errors
+
+    page = (Path(__file__).resolve().parents[3] / "docs" / "several-machines.md").read_text()
+    table = page[page.index("## Exit statuses") :].split("\n## ", 1)[0]
+    documented = {int(match) for match in re.findall(r"^\| (\d+) \|", table, flags=re.MULTILINE)}
+    defined = {value for name, value in vars(errors).items() if name.endswith("_EXIT")}
+    assert defined == {2, 3, 69, 75} and defined | {0, 1} == documented
