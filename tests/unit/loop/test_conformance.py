@@ -14,7 +14,10 @@ layers, a keras.applications model, a custom metric) is trained by the engine an
 - prediction: every row of every output, in order, against `predict`;
 - accumulation: two micro-batches a step train as one large batch;
 - resume: a run stopped half-way and resumed in a new process ends bitwise where the
-  uninterrupted run ends (slow tier).
+  uninterrupted run ends.
+
+The fast tier (-m "not slow") keeps the one-replica cases of training, evaluation and
+prediction; the rest train for seconds more and run in the full suite.
 
 Where Keras is not the same across replicas and the engine is, the form says why and the
 engine is compared with fit on one replica (`Form.fit_replicas`); BatchNormalization's
@@ -144,12 +147,15 @@ def keras_reference(name: str, replicas: int) -> keras.Model:
 
 
 def params(*, accumulating: bool = False):
+    """Every form on one and two replicas. The fast tier keeps training, evaluation and
+    prediction on one replica; two replicas, accumulation and the forms marked slow (a
+    keras.applications model) are in the full suite, which CI runs."""
     cases = []
     for form in forms.FORMS:
         if accumulating and not form.accumulates:
             continue  # Cannot hold by nature: the form's note says why.
         for replicas in REPLICAS:
-            marks = [pytest.mark.slow] if form.slow else []
+            marks = [pytest.mark.slow] if form.slow or replicas > 1 or accumulating else []
             cases.append(pytest.param(form.name, replicas, id=f"{form.name}-{replicas}", marks=marks))
     return cases
 
