@@ -16,11 +16,16 @@ one model definition runs everywhere.
 
 The number of shards is part of the model, not of the cluster: a checkpoint
 holds `num_shards` tables and restores onto any number of ps tasks (or any
-other strategy) when the layer is built with the same `num_shards`.
+other strategy) when the layer is built with the same `num_shards`. A layer
+given none takes `default_num_shards`'s count where one is set (the command
+line's `--ps_shards`, which a model_dir keeps), else one per ps task.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from collections.abc import Iterator
 from typing import Any
 
 import keras
@@ -35,6 +40,23 @@ def shard_rows(input_dim: int, num_shards: int) -> list[int]:
     ranges, the first `input_dim % num_shards` shards one row longer."""
     base, extra = divmod(input_dim, num_shards)
     return [base + (1 if index < extra else 0) for index in range(num_shards)]
+
+
+_DEFAULT_NUM_SHARDS: contextvars.ContextVar[int | None] = contextvars.ContextVar("num_shards", default=None)
+
+
+@contextlib.contextmanager
+def default_num_shards(count: int | None) -> Iterator[None]:
+    """Within: a `ShardedEmbedding` built without `num_shards` holds `count` shards (at most
+    one per row) instead of one per ps task, so that a model a builder makes keeps its shard
+    count (and its checkpoints) whatever the cluster. None: no default, as outside."""
+    if count is not None and (isinstance(count, bool) or not isinstance(count, int) or count < 1):
+        raise UserError(f"default_num_shards({count!r}): it must be a whole number >= 1 or None")
+    token = _DEFAULT_NUM_SHARDS.set(count)
+    try:
+        yield
+    finally:
+        _DEFAULT_NUM_SHARDS.reset(token)
 
 
 def ps_tasks_in_scope() -> int:
@@ -61,9 +83,10 @@ class ShardedEmbedding(keras.layers.Layer):
     Args:
         input_dim: rows of the table (the vocabulary size; ids in [0, input_dim)).
         output_dim: the width of each row.
-        num_shards: how many variables hold the table. None: one per ps task of the
-            ParameterServerStrategy in scope when the layer is built (1 under any other);
-            pass a number for checkpoints that restore onto another number of ps tasks.
+        num_shards: how many variables hold the table. None: `default_num_shards`'s count
+            where one is set when the layer is built, else one per ps task of the
+            ParameterServerStrategy in scope (1 under any other); pass a number for
+            checkpoints that restore onto another number of ps tasks.
         embeddings_initializer, embeddings_regularizer: as `keras.layers.Embedding`'s,
             applied to each shard (a sum over rows, such as L1 or L2, is the same).
         mask_zero: id 0 is padding: the layer returns a mask, as `keras.layers.Embedding`.
@@ -101,7 +124,8 @@ class ShardedEmbedding(keras.layers.Layer):
 
     def build(self, input_shape: Any = None) -> None:
         if self.num_shards is None:
-            self.num_shards = min(max(ps_tasks_in_scope(), 1), self.input_dim)
+            count = _DEFAULT_NUM_SHARDS.get()
+            self.num_shards = min(count if count is not None else max(ps_tasks_in_scope(), 1), self.input_dim)
         for index, rows in enumerate(shard_rows(self.input_dim, self.num_shards)):
             # One attribute each (shard_0, shard_1, ...): tf.train.Checkpoint saves a Keras 3
             # layer's variables through its attributes, and one kept in a list is never saved.

@@ -4,9 +4,10 @@ The input's first `NUM_DENSE` columns are numbers and the rest ids in [0, VOCAB_
 `input/clicks.py` lays them out. The ids are looked up in two `engine.ShardedEmbedding`
 tables: a deep one (`ID_WIDTH` per id, into an MLP with the numbers) and a wide one (one
 weight per id, summed: the linear model), which meet in the logits' Dense. Each table is
-held as `NUM_SHARDS` shards, which a parameter-server cluster spreads over its ps tasks;
-the count is fixed here, not taken from the cluster, so that a checkpoint restores onto
-any number of ps tasks.
+held as `--ps_shards` shards (4 by default; `engine.layers.default_num_shards`), which a
+parameter-server cluster spreads over its ps tasks: a count of the model, not of the
+cluster, so that a checkpoint restores onto any number of ps tasks. Built outside the
+command line (no default set), a table has one shard per ps task.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ NUM_DENSE = 4
 NUM_IDS = 6  # --dataset=clicks's categorical features, after the numbers.
 VOCAB_SIZE = 100_000
 ID_WIDTH = 16
-NUM_SHARDS = 4
 
 
 def build(input_shape: tuple[int, ...], num_classes: int) -> keras.Model:
@@ -31,11 +31,11 @@ def build(input_shape: tuple[int, ...], num_classes: int) -> keras.Model:
     inputs = keras.Input(input_shape, name="features")
     numbers = inputs[:, :NUM_DENSE]
     ids = keras.ops.cast(inputs[:, NUM_DENSE:], "int32")
-    rows = ShardedEmbedding(VOCAB_SIZE, ID_WIDTH, NUM_SHARDS, name="deep_ids")(ids)
+    rows = ShardedEmbedding(VOCAB_SIZE, ID_WIDTH, name="deep_ids")(ids)
     deep = keras.layers.Concatenate()([keras.layers.Flatten()(rows), numbers])
     for units in (64, 32):
         deep = keras.layers.Dense(units, activation="relu")(deep)
-    wide = ShardedEmbedding(VOCAB_SIZE, 1, NUM_SHARDS, name="wide_ids")(ids)
+    wide = ShardedEmbedding(VOCAB_SIZE, 1, name="wide_ids")(ids)
     wide = keras.ops.sum(wide, axis=1)  # The linear model over the ids: one weight each, summed.
     # float32 so logits (and the loss) stay float32 under a mixed policy.
     logits = keras.layers.Dense(num_classes, dtype="float32", name="logits")(

@@ -1,28 +1,39 @@
 """Test session set-up: two logical CPU devices, so that mirrored tests have
 two replicas on a machine without GPUs. This must run before any test
-touches a TensorFlow device, which is why it lives here."""
+touches a TensorFlow device, which is why it lives here.
+
+Under pytest-xdist (setup.cfg: -n 2) the controller process runs no test and
+imports no TensorFlow (5 CPU-s of every run); each worker sets TensorFlow up
+in `pytest_configure`, before it collects a test module.
+"""
 
 import os
+from pathlib import Path
+
+import pytest
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-from engine.native_logs import import_tensorflow_quietly  # noqa: E402
-
-import_tensorflow_quietly()  # In every xdist worker too: TensorFlow's C++ start-up lines held back.
-
-import tensorflow as tf  # noqa: E402
-
-import engine  # noqa: E402
-
 TEST_CPU_DEVICES = 2
 
-_cpu = tf.config.list_physical_devices("CPU")[0]
-tf.config.set_logical_device_configuration(_cpu, [tf.config.LogicalDeviceConfiguration()] * TEST_CPU_DEVICES)
+
+def runs_tests(config: pytest.Config) -> bool:
+    """False in pytest-xdist's controller, which hands tests to its workers and runs none."""
+    distributing = bool(getattr(config.option, "numprocesses", 0)) and not config.option.collectonly
+    return hasattr(config, "workerinput") or not distributing
 
 
-from pathlib import Path  # noqa: E402
+def pytest_configure(config: pytest.Config) -> None:
+    if not runs_tests(config):
+        return
+    from engine.native_logs import import_tensorflow_quietly
 
-import pytest  # noqa: E402
+    import_tensorflow_quietly()  # TensorFlow's C++ start-up lines held back.
+    import tensorflow as tf
+
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * TEST_CPU_DEVICES)
+
 
 TESTS = Path(__file__).resolve().parent
 FOLDER_TIERS = {"cli": "cli", "process": "process", "cluster": "cluster"}  # tests/unit: no tier marker.
@@ -71,11 +82,15 @@ def mirrored():
     """The two-replica MirroredStrategy (build_strategy keeps one per device
     list and process: see engine/strategy.py)."""
 
+    import engine
+
     return engine.build_strategy("mirrored", cpu_devices=TEST_CPU_DEVICES)
 
 
 @pytest.fixture(scope="session")
 def default():
+
+    import engine
 
     return engine.build_strategy("default")
 

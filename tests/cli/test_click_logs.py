@@ -47,3 +47,34 @@ def test_wide_deep_learns_the_ids_of_click_logs_and_the_banner_says_where_each_t
     for table in ("deep_ids", "wide_ids"):
         assert f"table '{table}': 100000 x " in result.stderr
     assert "in 4 shard(s): 25000 rows on CPU:0, 25000 rows on CPU:0" in result.stderr
+
+
+@pytest.mark.cli
+def test_ps_shards_sets_the_tables_shards_and_a_model_dir_keeps_its_count(tmp_path):
+    """--ps_shards is part of the model: the tables hold that many shards, the model_dir's
+    config keeps the count (so its checkpoints restore onto any number of ps tasks), and a
+    rerun asking for another count is refused in one line, with nothing written."""
+    from helpers import one_error_line, snapshot
+
+    from engine.checkpointing.discovery import latest_checkpoint
+
+    flags = ["--dataset=clicks", "--model=wide_deep", "--train_steps=2", "--steps_per_loop=2", "--eval_every=0"]
+    first = main_in_process(*flags, "--ps_shards=3", f"--model_dir={tmp_path}")
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "table 'deep_ids': 100000 x 16 in 3 shard(s): 33334 rows on CPU:0" in first.stderr
+    import tensorflow as tf
+
+    stored = tf.train.list_variables(latest_checkpoint(str(tmp_path / "checkpoints")))
+    deep_shards = [
+        shape
+        for name, shape in stored
+        if name.startswith("optimizer/_trainable_variables/") and "SLOT" not in name and shape[1:] == [16]
+    ]
+    assert sorted(deep_shards) == [[33333, 16], [33333, 16], [33334, 16]], stored  # The checkpoint's too.
+    before = snapshot(tmp_path)
+    refused = main_in_process(*flags, "--ps_shards=2", "--train_steps=4", f"--model_dir={tmp_path}")
+    assert refused.returncode == 2 and "--ps_shards=2" in one_error_line(refused), refused.stderr[-2000:]
+    assert snapshot(tmp_path) == before
+    again = main_in_process(*flags, "--train_steps=4", f"--model_dir={tmp_path}")  # The count it kept.
+    assert again.returncode == 0 and "in 3 shard(s)" in again.stderr, again.stderr[-3000:]
+    assert "--ps_shards=0 must be at least 1" in one_error_line(main_in_process(*flags, "--ps_shards=0"))

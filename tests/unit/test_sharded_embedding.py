@@ -7,7 +7,8 @@ import tensorflow as tf
 from helpers import NUM_CLASSES, id_sequences, make_trainer, small_trainer
 
 import engine
-from engine.layers import shard_rows
+from engine.errors import UserError
+from engine.layers import ShardedEmbedding, default_num_shards, shard_rows
 
 VOCAB, WIDTH, LENGTH = 23, 4, 5
 
@@ -160,3 +161,21 @@ def test_an_id_outside_the_table_fails_under_mirrored_as_a_gather_does(mirrored)
         ids = np.full((4, LENGTH), bad, dtype="int32")
         with pytest.raises(tf.errors.InvalidArgumentError, match="ShardedEmbedding"):
             mirrored.run(tf.function(lambda x: model.layers[0](x)), args=(tf.constant(ids),))
+
+
+def test_a_default_count_shards_a_table_built_without_one_and_an_explicit_count_wins():
+    """engine.layers.default_num_shards (the command line's --ps_shards): the count of every table
+    built without its own, capped at one shard per row; outside it, one per ps task (1 here)."""
+
+    def built(layer: ShardedEmbedding) -> int:
+        layer(tf.constant([[0, 1]]))
+        return len(layer.shards)
+
+    with default_num_shards(3):
+        assert built(ShardedEmbedding(10, 2)) == 3
+        assert built(ShardedEmbedding(10, 2, num_shards=2)) == 2
+        assert built(ShardedEmbedding(2, 2)) == 2  # Never more shards than rows.
+    assert built(ShardedEmbedding(10, 2)) == 1
+    with pytest.raises(UserError, match=r"default_num_shards\(0\): it must be a whole number >= 1 or None"):
+        with default_num_shards(0):
+            pass

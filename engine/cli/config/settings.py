@@ -120,6 +120,7 @@ MODEL_AND_DATA_SETTINGS = (
     "dataset",
     "label_column",
     "normalize",
+    "ps_shards",
     "eval_fraction",
     "num_classes",
     "image_shape",
@@ -315,6 +316,12 @@ class RunConfig:
         "split's mean and standard deviation, and scales a regression's outputs to its labels' (layers "
         "inside the model, so evaluation, predict and the export apply them); none: the columns as they are.",
         choices=("standardize", "none"),
+    )
+    ps_shards: int = setting(
+        4,
+        "Row shards of each engine.ShardedEmbedding table the --model builds without a num_shards of its own "
+        "(wide_deep's): a parameter_server cluster spreads them over its ps tasks. Part of the model: a "
+        "model_dir with checkpoints keeps its count, which restores onto any number of ps tasks.",
     )
     eval_file: str | None = setting(None, "--dataset=PATH.csv: the eval split, a .csv with the same columns.")
     eval_fraction: float = setting(
@@ -565,6 +572,7 @@ class RunConfig:
             "steps_per_loop",
             "grad_accum_steps",
             "max_checkpoints",
+            "ps_shards",
         ):
             _at_least(name, getattr(self, name), 1)
         for name in ("eval_every", "checkpoint_every", "log_every", "histogram_every", "device_data_mb"):

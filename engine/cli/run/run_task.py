@@ -21,6 +21,7 @@ from engine import objectives
 from engine.cli.config.settings import RunConfig
 from engine.cli.process.own_packages import own_package  # The engine's, beside a user's models.py/input.py.
 from engine.errors import UserError
+from engine.layers import default_num_shards
 from engine.loop.steps import EvalStep, ReplicaStep
 from engine.losses import LossFn, SameLabels
 from engine.task import Task
@@ -49,6 +50,8 @@ class RunTask:
     loss_weights: Any = None  # The Task's, for a loss nested like several outputs.
     # --normalize=standardize on a CSV: the model standardizes its columns (models.standardized).
     standardizes: bool = False
+    # --ps_shards: the shards of each ShardedEmbedding the builder makes without a count of its own.
+    ps_shards: int | None = None
 
     @property
     def input_shape(self) -> tuple[int, ...]:
@@ -82,7 +85,8 @@ class RunTask:
         models = own_package("models")
         try:
             try:
-                model = self.build(self.input_shape, self.num_outputs)
+                with default_num_shards(self.ps_shards):
+                    model = self.build(self.input_shape, self.num_outputs)
             except SystemExit as error:  # It ended nothing: the run ends with one line instead.
                 named = self.model_name if self.model_name.startswith("--") else f"--model={self.model_name}"
                 raise UserError(f"{named} {exited(error, 'a keras.Model')}") from None
@@ -251,6 +255,7 @@ def resolve_task(config: RunConfig, *, source: Any = None) -> RunTask:
         loss_weights=task.loss_weights,
         feature_columns=feature_columns,
         standardizes=config.normalize == "standardize" and task.data is None and config.dataset.endswith(".csv"),
+        ps_shards=config.ps_shards,
     )
 
 
