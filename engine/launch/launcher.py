@@ -43,6 +43,7 @@ import os
 import resource
 import stat
 import sys
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -63,6 +64,7 @@ from engine.launch.task_processes import (
     StopSignals,
     Task,
     cluster_spec,
+    diagnostics_written,
     forward_report_requests,
     free_ports,
     make_tasks,
@@ -294,6 +296,7 @@ def main(argv: list[str]) -> int:
     )
     StopSignals(launcher.kill_now).install()
     forward_report_requests(lambda: launcher)
+    started = time.time()
     try:
         status = launcher.run()
     except Interrupted as interrupt:
@@ -308,7 +311,7 @@ def main(argv: list[str]) -> int:
         if launcher.restarts
         else ""
     )
-    say(f"done with exit status {status}{lost}")
+    say(f"done with exit status {status}{lost}{diagnostics_written(FLAGS.model_dir, started)}")
     return status
 
 
@@ -341,6 +344,7 @@ def _run_node(main_flags: list[str]) -> int:
             rejoin_timeout=FLAGS.rejoin_timeout,
             heartbeat_timeout=FLAGS.heartbeat_timeout,
             host=FLAGS.advertise_host,
+            model_dir=FLAGS.model_dir,  # engine.main's, where its tasks write their diagnostics
         )
         problem = check_node_options(options)
     secret = None

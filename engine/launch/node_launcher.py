@@ -48,6 +48,7 @@ from engine.launch.task_processes import (
     Task,
     cause_of,
     describe_exit,
+    diagnostics_written,
     forward_report_requests,
     free_ports,
     make_tasks,
@@ -75,6 +76,7 @@ class NodeOptions:
     rejoin_timeout: float = 60.0
     heartbeat_timeout: float = 10.0
     host: str | None = None  # The address the others reach this node at; None: as node 0 sees it.
+    model_dir: str | None = None  # engine.main's --model_dir: the last line names the reports there.
 
     @property
     def rendezvous_text(self) -> str:
@@ -98,6 +100,7 @@ class NodeLauncher:
         self.settings = dict(settings or {})
         self._client: RendezvousClient | None = None
         self._launcher: Launcher | None = None
+        self._started = time.time()  # Reports written since then are this run's.
 
     def say(self, line: str) -> None:
         write_line(f"[launch node {self.options.node_rank}] {line}", sys.stderr)
@@ -284,10 +287,11 @@ class NodeLauncher:
 
     def _ended(self, message: dict[str, Any]) -> int:
         status, reason = message["status"], message["reason"]
+        reports = diagnostics_written(self.options.model_dir, self._started)
         if status:
-            self.say(f"the run ended with exit status {status}: {reason}")
+            self.say(f"the run ended with exit status {status}: {reason}{reports}")
         else:
-            self.say("done with exit status 0")
+            self.say(f"done with exit status 0{reports}")
         return status
 
 

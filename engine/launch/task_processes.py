@@ -394,6 +394,24 @@ def cause_of(task: Task, code: int, tasks: list[Task]) -> str:
     return f"{task.name} {describe_exit(code)}"
 
 
+def diagnostics_written(model_dir: str | None, since: float) -> str:
+    """'; diagnostics of worker-0, worker-1 in DIR' for the reports tasks wrote into
+    `<model_dir>/diagnostics` (engine.diagnostics) since `since` (time.time()): a lost peer or
+    a SIGUSR1; "" when none did (or the model_dir is not a local path this launcher sees)."""
+    if not model_dir:
+        return ""
+    directory = os.path.join(model_dir, "diagnostics")  # engine.diagnostics.DIAGNOSTICS_DIR
+    try:
+        names = sorted(
+            entry.name[: -len(".txt")]
+            for entry in os.scandir(directory)
+            if entry.name.endswith(".txt") and entry.is_file() and entry.stat().st_mtime >= since
+        )
+    except OSError:
+        return ""
+    return f"; diagnostics of {', '.join(names)} in {directory}" if names else ""
+
+
 def describe_exit(code: int) -> str:
     """'exited with signal 9' or 'exited with status 1'."""
     return f"exited with signal {-code}" if code < 0 else f"exited with status {code}"

@@ -207,6 +207,9 @@ def test_a_frozen_worker_and_a_partitioned_host_end_their_round_and_restarts_rec
     # Each lost peer is one line of worker:0's own, never a traceback.
     errors = [line for line in first.lines if line.startswith("[worker:0] engine.main: error:")]
     assert len(errors) == 2 and all(re.search(LOST_WORKER_1, line) for line in errors), errors
+    # Its report of where it was when the peer went, and the launcher's last line says where.
+    [last] = [line for line in first.lines if line.startswith("[launch node 0] done with exit status 0")]
+    assert "; diagnostics of worker-0" in last and str(tmp_path / "two" / "diagnostics") in last, last
     assert "Traceback" not in first.output, first.output[-3000:]
     assert_equal_to_uninterrupted(tmp_path / "two", uninterrupted)
 

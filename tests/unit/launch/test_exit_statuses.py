@@ -99,3 +99,24 @@ def test_the_documented_table_lists_every_status_of_engine_errors():
     documented = {int(match) for match in re.findall(r"^\| (\d+) \|", table, flags=re.MULTILINE)}
     defined = {value for name, value in vars(errors).items() if name.endswith("_EXIT")}
     assert defined == {2, 3, 69, 75} and defined | {0, 1} == documented
+
+
+def test_the_last_line_names_the_diagnostics_the_tasks_wrote_during_the_run(tmp_path):
+    """A task that lost a peer (or got SIGUSR1) writes <model_dir>/diagnostics/<task>.txt; the
+    launcher's last line says whose and where, leaving out reports of earlier runs."""
+    import os
+    import time
+
+    from engine.launch.task_processes import diagnostics_written
+
+    directory = tmp_path / "diagnostics"
+    directory.mkdir()
+    (directory / "worker-1.txt").write_text("an earlier run's")
+    os.utime(directory / "worker-1.txt", (time.time() - 600, time.time() - 600))
+    started = time.time() - 1
+    assert diagnostics_written(str(tmp_path), started) == ""
+    for task in ("worker-2", "worker-0"):
+        (directory / f"{task}.txt").write_text("stacks")
+    assert diagnostics_written(str(tmp_path), started) == f"; diagnostics of worker-0, worker-2 in {directory}"
+    assert diagnostics_written(str(tmp_path / "elsewhere"), started) == ""
+    assert diagnostics_written(None, started) == ""
