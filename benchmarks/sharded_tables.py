@@ -149,7 +149,7 @@ def measure(way: str) -> dict:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             text=True,
-            start_new_session=True,
+            process_group=0,
         )
         for job, index in tasks
     }

@@ -191,17 +191,23 @@ def popen_main(*flags: str, env: dict[str, str] | None = None) -> subprocess.Pop
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        start_new_session=True,
+        process_group=0,
     )
 
 
 def signal_group(process: subprocess.Popen, signum: int = signal.SIGKILL) -> None:
     """`signum` to the process group `process` leads (started with
-    start_new_session=True), and never to a stranger's group.
+    process_group=0), and never to a stranger's group.
+
+    A group of its own, not a session (start_new_session): with Linux's
+    autogroup scheduling (on here and on CI) every session is a scheduling
+    group that gets as much CPU as all of pytest's session, so a test's
+    processes in new sessions starved the other xdist worker's in-process
+    tests (a 2-second test seen taking 41 s, with 1 CPU-second).
 
     Once the leader is reaped and its group is empty, its pid is free: with
     pid_max at 32768 and TensorFlow's threads drawing from the same counter,
-    the suite wraps it, and a later test's session leader may get the pid
+    the suite wraps it, and a later test's group leader may get the pid
     (one such kill ended another test's training before its first line). A
     reaped leader whose pid is alive again is that stranger: left alone. A
     group whose reaped leader left children keeps its id reserved, so they
@@ -323,7 +329,7 @@ def ps_servers(num_workers: int, num_ps: int) -> Iterator[dict[str, list[str]]]:
             env=python_env(),
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
-            start_new_session=True,
+            process_group=0,
         )
         for job in ("worker", "ps")
         for index in range(len(hosts[job]))
@@ -366,7 +372,7 @@ class Launched:
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
-            start_new_session=True,
+            process_group=0,
         )
         self.lines: list[str] = []
         self._reader = threading.Thread(target=self._read, daemon=True)

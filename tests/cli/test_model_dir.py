@@ -790,7 +790,7 @@ def test_a_model_dir_made_read_only_mid_run_is_one_line_and_the_latest_checkpoin
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
-        start_new_session=True,
+        process_group=0,
     )
     try:
         wait_for_checkpoint(model_dir, process)

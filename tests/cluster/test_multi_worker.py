@@ -131,7 +131,7 @@ def workers(tmp_path):
                 stdout=output,
                 stderr=subprocess.STDOUT,
                 env=python_env(),
-                start_new_session=True,
+                process_group=0,
             )
         started.append((process, log))
         return started[-1]

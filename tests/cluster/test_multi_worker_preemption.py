@@ -57,7 +57,7 @@ class Workers:
                         env=env,
                         stdout=handle,
                         stderr=subprocess.STDOUT,
-                        start_new_session=True,
+                        process_group=0,
                     )
                 )
             self.logs.append(log)

@@ -26,7 +26,7 @@ def _run(args, timeout):
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        start_new_session=True,
+        process_group=0,
     )
     try:
         stdout, stderr = process.communicate(timeout=timeout)

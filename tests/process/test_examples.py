@@ -153,7 +153,7 @@ def test_slurm_script_requeues_after_a_term_once_the_workers_have_stopped(tmp_pa
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        start_new_session=True,
+        process_group=0,
     )
     try:
         wait_for_file(tmp_path / "calls.started", timeout=20)
@@ -275,7 +275,7 @@ class ScriptOutput:
 def start_batch_script(log: Path, env: dict[str, str], *args: str) -> ScriptOutput:
     with log.open("w") as sink:
         process = subprocess.Popen(
-            ["bash", str(SBATCH), *args], env=env, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True
+            ["bash", str(SBATCH), *args], env=env, stdout=sink, stderr=subprocess.STDOUT, process_group=0
         )
     return ScriptOutput(log, process)
 

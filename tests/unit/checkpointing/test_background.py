@@ -309,7 +309,7 @@ def test_kill_9_during_background_writes_then_resume_bitwise_equal(tmp_path):
             env=python_env(),
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
-            start_new_session=True,
+            process_group=0,
         )
         try:
             waited = time.monotonic() + 120
@@ -392,7 +392,7 @@ def test_kill_9_during_a_background_write_then_a_library_restart_leaves_no_parti
             env=python_env(),
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
-            start_new_session=True,
+            process_group=0,
         )
         try:
             waited = time.monotonic() + 120

@@ -222,7 +222,7 @@ def test_two_real_workers_take_the_same_early_stopping_decision(tmp_path):
             cwd=REPO,
             stdout=output,
             stderr=subprocess.STDOUT,
-            start_new_session=True,
+            process_group=0,
             env=python_env(),
         )
     try:
