@@ -6,7 +6,7 @@ is a bug in the engine and keeps its traceback.
 
 # The exit statuses of the commands (engine.main, engine.launch, engine.server), for a
 # scheduler to act on by status alone: the table in docs/several-machines.md#exit-statuses
-# (tests/unit/test_error_names.py holds the two together). 0 is done, 1 a bug (a traceback),
+# (tests/unit/launch/test_exit_statuses.py holds the two together). 0 is done, 1 a bug (a traceback),
 # 128 + N stopped by signal N after saving (129 SIGHUP, 130 SIGINT, 143 SIGTERM).
 
 # A UserError (bad flags, config, data, model_dir, checkpoint): every rerun fails alike, so
