@@ -19,7 +19,7 @@ def test_readme_research_example_runs(tmp_path):
     (tmp_path / "example.py").write_text(script)
     env = dict(os.environ, PYTHONPATH=str(REPO), TF_CPP_MIN_LOG_LEVEL="2")
     result = subprocess.run(
-        [sys.executable, "example.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240
+        [sys.executable, "example.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=480
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "'num_examples': 200" in result.stdout
