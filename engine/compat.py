@@ -54,8 +54,18 @@ def user_code(function: Callable) -> Callable:
 def module_leaves(module: tf.Module, predicate: Callable[[Any], bool]) -> list[Any]:
     """The values under a `tf.Module`'s attributes (lists and dicts of them too) that match
     `predicate`, not descending into a match: the walk `tf.Module.variables` itself makes,
-    which is the only one that stops at Keras layers (they answer for their own variables)."""
-    return list(module._flatten(predicate=predicate, expand_composites=False))
+    which is the only one that stops at Keras layers (they answer for their own variables).
+    Composites are expanded as that walk does: a `ShardedVariable` (what ParameterServerStrategy's
+    `variable_partitioner` makes) yields its shards, the variables that gradients and slots are for."""
+    return list(module._flatten(predicate=predicate, expand_composites=True))
+
+
+def is_sharded_variable(value: Any) -> bool:
+    """Whether `value` is a `ShardedVariable`, what ParameterServerStrategy's `variable_partitioner`
+    makes of a variable (the class is not public)."""
+    from tensorflow.python.distribute.sharded_variable import ShardedVariable
+
+    return isinstance(value, ShardedVariable)
 
 
 def keras_sublayers(layer: keras.layers.Layer) -> list[keras.layers.Layer]:

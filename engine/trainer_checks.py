@@ -14,6 +14,7 @@ from typing import Any, TypeAlias
 import keras
 import tensorflow as tf
 
+from engine.compat import is_sharded_variable
 from engine.data import Data, DataForm, as_train_form
 from engine.errors import UserError
 from engine.logger import logger
@@ -38,6 +39,7 @@ def prepare_model_state(
     """
     with strategy.scope():
         variables = require_trainable_variables(model)
+        check_no_sharded_keras_variables(variables)
         check_regularizers_visible(model)
         check_created_in_scope(strategy, variables, "the model's variables were")
         for name, optimizer in optimizers.items():
@@ -52,6 +54,18 @@ def prepare_model_state(
             name="global_step",
             aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
         )
+
+
+def check_no_sharded_keras_variables(variables: Sequence[Any]) -> None:
+    """Refuses a Keras 3 variable that a `variable_partitioner` split: Keras cannot train one (its
+    gradient fails deep in the first step: 'ShardedVariable' object has no attribute 'handle')."""
+    for variable in variables:
+        if isinstance(variable, keras.Variable) and is_sharded_variable(variable.value):
+            raise UserError(
+                f"Keras variable {variable.path!r} was split by the strategy's variable_partitioner, and "
+                "Keras 3 cannot train a split variable: make the ParameterServerStrategy without one and "
+                "build large tables as engine.ShardedEmbedding (the partitioner serves tf.Module models)"
+            )
 
 
 def check_arguments(

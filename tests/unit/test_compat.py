@@ -37,6 +37,22 @@ def test_module_leaves_stop_at_keras_layers():
     assert not any(leaf is dense.kernel for leaf in leaves)  # Not inside the layer.
 
 
+def test_module_leaves_are_the_shards_of_a_sharded_variable():
+    """What ParameterServerStrategy's variable_partitioner makes of a tf.Module's variable: the
+    step, the optimizer and the checkpoint need its shards (without them a tf.Module model under
+    a partitioner had no trainable variables at all)."""
+    from tensorflow.python.distribute.sharded_variable import ShardedVariable
+
+    shards = [tf.Variable(np.ones((2, 3), "float32"), name="t/part_0"), tf.Variable(np.ones((1, 3), "float32"))]
+    module = tf.Module()
+    module.table = ShardedVariable(shards, name="t")
+    module.bias = tf.Variable(np.zeros(3, "float32"), name="bias")
+    with private_api("tf.Module._flatten"):
+        leaves = compat.module_leaves(module, lambda value: isinstance(value, (tf.Variable, keras.Variable)))
+    assert {id(leaf) for leaf in leaves} == {id(shards[0]), id(shards[1]), id(module.bias)}
+    assert {id(v) for v in module.trainable_variables} == {id(leaf) for leaf in leaves}  # TF's own walk agrees.
+
+
 def test_keras_sublayers_are_recursive():
     inner = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
     outer = keras.Sequential([keras.Input((3,)), inner, keras.layers.Dense(1)])
