@@ -22,12 +22,20 @@ each other per step (`bytes_per_step`: the loopback interface's count over the t
 so run it on a quiet machine: other traffic on localhost counts too), and `examples_per_second`
 over the timed steps; and the ratios `sharded` over `one_shard` (memory of the largest ps
 task, examples/s), `whole` over `sharded` and `dense` over `sharded` (bytes per step).
+
+With `--ps_memory_limit_mb=M` each ps task may grow by M MiB of address space once it serves
+(RLIMIT_AS, set on the running task with prlimit; glibc's per-thread malloc arenas held to two,
+MALLOC_ARENA_MAX=2, so that reserved but unused address space does not count): a way whose
+table does not fit one task is reported as `failed` with TensorFlow's out-of-memory line instead
+of figures, which is what a table too large for one ps task meets, and what splitting it avoids.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import resource
 import subprocess
 import sys
 import time
@@ -51,6 +59,13 @@ def define_flags() -> None:
     flags.DEFINE_integer("warmup_steps", 4, "Untimed steps first (tracing).")
     flags.DEFINE_integer("steps", 20, "Timed steps.")
     flags.DEFINE_list("ways", list(WAYS), "Which ways to hold the table, of: " + ", ".join(WAYS))
+    flags.DEFINE_integer(
+        "ps_memory_limit_mb",
+        None,
+        "MiB of address space each ps task may grow by once serving (RLIMIT_AS); a way that runs out is "
+        "reported as failed, with TensorFlow's out-of-memory line.",
+        lower_bound=1,
+    )
     flags.DEFINE_string("json", None, "Also write the JSON here.")
 
 
@@ -126,8 +141,47 @@ def rss_mb(pid: int) -> float:
     raise RuntimeError(f"no VmRSS for pid {pid}")
 
 
+def address_space_mb(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmSize:"):
+            return int(line.split()[1]) // 1024
+    raise RuntimeError(f"no VmSize for pid {pid}")
+
+
+def limit_growth(pid: int, megabytes: int) -> None:
+    """Lets the running process `pid` map at most `megabytes` MiB more than it has now."""
+    limit = (address_space_mb(pid) + megabytes) * 2**20
+    resource.prlimit(pid, resource.RLIMIT_AS, (limit, limit))
+
+
+def out_of_memory_line(stderr: str) -> str | None:
+    """TensorFlow's 'OOM when allocating tensor ...' line of a failed coordinator, if it ran out."""
+    for line in stderr.splitlines():
+        if "ResourceExhaustedError" in line and "OOM when allocating" in line:
+            return line.split("ResourceExhaustedError: ", 1)[1].split(" by allocator")[0]
+    return None
+
+
+# What a task that ended under the limit printed about why (before Python's fault report).
+ENDING_CAUSES = ("bad_alloc", "Check failed", "OOM", "Resource exhausted", "Cannot allocate", "Fatal Python")
+
+
+def ended_ps_task(ps: list[subprocess.Popen]) -> str | None:
+    """How the first ps task that is no longer running ended (an allocation that failed under
+    RLIMIT_AS can end the task, as the kernel's out-of-memory killer would), or None."""
+    for index, process in enumerate(ps):
+        if process.poll() is not None:
+            assert process.stderr is not None
+            lines = [line.strip() for line in process.stderr.read().splitlines() if line.strip()]
+            telling = [line for line in lines if any(cause in line for cause in ENDING_CAUSES)]
+            code = process.returncode
+            status = f"signal {-code}" if code < 0 else f"status {code}"
+            return f"ps:{index} ended ({status}): {(telling or lines or ['nothing printed'])[0]}"
+    return None
+
+
 def measure(way: str) -> dict:
-    """One fresh cluster, one coordinator: the figures of `way`."""
+    """One fresh cluster, one coordinator: the figures of `way` (or why it failed under the limit)."""
     ports = free_ports(2 + FLAGS.num_ps)
     hosts = {
         "chief": [f"localhost:{ports[0]}"],
@@ -140,6 +194,8 @@ def measure(way: str) -> dict:
         f"--ps_hosts={','.join(hosts['ps'])}",
     ]
     env = {**os.environ, "PYTHONPATH": str(REPO), "TF_CPP_MIN_LOG_LEVEL": "2"}
+    if FLAGS.ps_memory_limit_mb:
+        env["MALLOC_ARENA_MAX"] = "2"
     tasks = [("worker", 0)] + [("ps", index) for index in range(FLAGS.num_ps)]
     servers = {
         (job, index): subprocess.Popen(
@@ -161,6 +217,9 @@ def measure(way: str) -> dict:
                 if not line and process.poll() is not None:
                     raise RuntimeError(f"an engine.server task exited with {process.returncode}")
         started_rss = [rss_mb(process.pid) for process in ps]
+        if FLAGS.ps_memory_limit_mb:
+            for process in ps:
+                limit_growth(process.pid, FLAGS.ps_memory_limit_mb)
         setup = {
             "hosts": hosts,
             "way": way,
@@ -181,6 +240,10 @@ def measure(way: str) -> dict:
             text=True,
             timeout=900,
         )
+        if result.returncode != 0 and FLAGS.ps_memory_limit_mb:
+            reason = out_of_memory_line(result.stderr) or ended_ps_task(ps)
+            if reason is not None:
+                return {"failed": reason}
         if result.returncode != 0:
             raise RuntimeError(f"the {way} coordinator failed: {result.stderr[-2000:]}")
         figures = json.loads(result.stdout.split("RESULT ", 1)[1])
@@ -191,7 +254,8 @@ def measure(way: str) -> dict:
         return figures
     finally:
         for process in servers.values():
-            os.killpg(process.pid, 9)
+            with contextlib.suppress(ProcessLookupError):  # A task that ended (under the memory limit).
+                os.killpg(process.pid, 9)
             process.wait(timeout=30)
 
 
@@ -208,13 +272,15 @@ def main(argv: list[str]) -> None:
         "num_ps": FLAGS.num_ps,
         "global_batch_size": FLAGS.global_batch_size,
         "steps": FLAGS.steps,
+        "ps_memory_limit_mb": FLAGS.ps_memory_limit_mb,
         "ways": {},
     }
     for way in FLAGS.ways:
         started = time.perf_counter()
         report["ways"][way] = measure(way)
         report["ways"][way]["wall_s"] = round(time.perf_counter() - started, 1)
-    ways = report["ways"]
+    # Ratios of the ways that trained.
+    ways = {way: figures for way, figures in report["ways"].items() if "failed" not in figures}
     if {"one_shard", "sharded"} <= set(ways):
         report["largest_ps_memory_sharded_over_one_shard"] = round(
             max(ways["sharded"]["ps_rss_mb"]) / max(ways["one_shard"]["ps_rss_mb"]), 3

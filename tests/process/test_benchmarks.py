@@ -331,23 +331,35 @@ def test_device_check_knows_the_peaks_of_common_gpus():
 @pytest.mark.process
 @pytest.mark.timeout(400)
 def test_sharded_tables_benchmark_measures_each_ps_task_on_a_cluster_of_its_own(tmp_path):
-    # One way (a cluster each): the figures' fields; benchmarks/RESULTS.md has the full run.
+    """Two ways, a cluster each, under a memory limit on the ps tasks: a 1,000,000 x 32 table
+    (122 MiB, and as much again for Adagrad's slot) whole on one ps task runs out of the 450 MiB
+    each task may grow by (it needs some 630 MiB of address space there), split over two it trains
+    (some 340 MiB each): the figures' fields; benchmarks/RESULTS.md has the full run."""
     out = tmp_path / "tables.json"
     _run(
         [
             "benchmarks.sharded_tables",
-            "--rows=1000",
-            "--width=4",
+            "--rows=1000000",
+            "--width=32",
             "--num_ps=2",
             "--steps=2",
             "--warmup_steps=1",
-            "--ways=sharded",
+            "--ways=one_shard,sharded",
+            "--ps_memory_limit_mb=450",
             f"--json={out}",
         ],
         timeout=360,
     )
     payload = json.loads(out.read_text())
+    assert payload["ps_memory_limit_mb"] == 450
+    failed = payload["ways"]["one_shard"]["failed"]  # TensorFlow's out-of-memory line, or how ps:0 ended.
+    assert (
+        failed.startswith("OOM when allocating tensor")
+        and "/job:ps/replica:0/task:0" in failed
+        or (failed.startswith("ps:0 ended"))
+    ), failed
     figures = payload["ways"]["sharded"]
     assert len(figures["ps_rss_mb"]) == 2  # One figure a ps task.
     assert figures["bytes_per_step"] > 0 and figures["examples_per_second"] > 0
+    assert "largest_ps_memory_sharded_over_one_shard" not in payload  # No ratio with a way that failed.
     assert "bytes_per_step_dense_over_sharded" not in payload  # A ratio only of two ways measured.
