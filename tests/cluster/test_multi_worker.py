@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import tensorflow as tf
 from helpers import (
     NATIVE_START_UP_LINES,
     REPO,
@@ -233,6 +234,28 @@ def test_parameter_server_cluster_trains_to_the_step_and_lowers_the_loss(tmp_pat
     assert again["num_examples"] == 4003
     for name in ("loss", "auc"):
         assert abs(again[name] - metrics["eval"][name]) < 1e-6, (name, again, metrics["eval"])
+    # Predict and export read that checkpoint on one device too, and agree on 16 examples' logits.
+    side = tmp_path.parent / f"{tmp_path.name}-side"
+    side.mkdir()
+    rng = np.random.RandomState(0)
+    numbers, ids = rng.normal(0, 1, (16, 4)), rng.randint(0, 100_000, (16, 6))  # As input/clicks.py has them.
+    rows = np.concatenate([numbers, ids], axis=1).astype("float32")
+    np.savez(side / "clicks.npz", x=rows)
+    predicted = main_in_process(
+        "--mode=predict",
+        "--strategy=default",
+        f"--model_dir={tmp_path}",
+        f"--predict_input={side / 'clicks.npz'}",
+        f"--predict_output={side / 'logits.npy'}",
+    )
+    assert predicted.returncode == 0, predicted.stderr[-3000:]
+    export_dir = side / "export"
+    exported = main_in_process("--strategy=default", f"--model_dir={tmp_path}", f"--export_dir={export_dir}")
+    assert exported.returncode == 0, exported.stderr[-3000:]
+    served = tf.saved_model.load(str(export_dir)).signatures["serving_default"](features=tf.constant(rows))
+    logits = np.load(side / "logits.npy")
+    assert logits.shape == (16, 1) and np.isfinite(logits).all()
+    np.testing.assert_allclose(logits, served["logits"].numpy(), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.timeout(600)
