@@ -53,6 +53,16 @@ def test_module_leaves_are_the_shards_of_a_sharded_variable():
     assert {id(v) for v in module.trainable_variables} == {id(leaf) for leaf in leaves}  # TF's own walk agrees.
 
 
+def test_is_sharded_variable_tells_what_a_partitioner_made_from_a_plain_variable():
+    from tensorflow.python.distribute.sharded_variable import ShardedVariable
+
+    plain = tf.Variable(np.ones((2, 3), "float32"))
+    with private_api("sharded_variable.ShardedVariable"):
+        assert compat.is_sharded_variable(ShardedVariable([plain, tf.Variable(np.ones((1, 3), "float32"))]))
+        assert not compat.is_sharded_variable(plain)
+        assert not compat.is_sharded_variable(keras.Variable(np.ones(2, "float32")).value)
+
+
 def test_keras_sublayers_are_recursive():
     inner = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
     outer = keras.Sequential([keras.Input((3,)), inner, keras.layers.Dense(1)])
