@@ -256,6 +256,21 @@ def test_parameter_server_cluster_trains_to_the_step_and_lowers_the_loss(tmp_pat
     logits = np.load(side / "logits.npy")
     assert logits.shape == (16, 1) and np.isfinite(logits).all()
     np.testing.assert_allclose(logits, served["logits"].numpy(), rtol=1e-5, atol=1e-5)
+    # --mode=eval under parameter servers again, on another number of ps tasks (one): the same figures.
+    on_one_ps = launch(
+        "--num_workers=1",
+        "--num_ps=1",
+        "--",
+        "--mode=eval",
+        "--strategy=parameter_server",
+        f"--model_dir={tmp_path}",
+    )
+    assert on_one_ps.wait(timeout=300) == 0, on_one_ps.output[-4000:]
+    on_one_ps.assert_nothing_left()
+    third = json.loads((tmp_path / "metrics.json").read_text())["eval"]
+    assert third["num_examples"] == 4003
+    for name in ("loss", "auc"):
+        assert abs(third[name] - metrics["eval"][name]) < 1e-6, (name, third, metrics["eval"])
 
 
 @pytest.mark.timeout(600)
