@@ -135,17 +135,19 @@ print("RESULT " + json.dumps({
 
 
 def rss_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise RuntimeError(f"no VmRSS for pid {pid}")
+    return _status_kb(pid, "VmRSS") / 1024
 
 
 def address_space_mb(pid: int) -> int:
+    return _status_kb(pid, "VmSize") // 1024
+
+
+def _status_kb(pid: int, field: str) -> int:
+    """A `kB` field of /proc/PID/status: VmRSS (resident), VmSize (address space)."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmSize:"):
-            return int(line.split()[1]) // 1024
-    raise RuntimeError(f"no VmSize for pid {pid}")
+        if line.startswith(f"{field}:"):
+            return int(line.split()[1])
+    raise RuntimeError(f"no {field} for pid {pid}")
 
 
 def limit_growth(pid: int, megabytes: int) -> None:
