@@ -43,6 +43,12 @@ def main(argv: list[str]) -> int:
     if config.print_config:  # Checked, printed as a --config_file, nothing run or written.
         print(as_yaml(printed_settings(config)), end="")
         return 0
+    if config.dry_run:  # Checked as its cluster would run it, on this host; nothing written.
+        from engine.cli.config.flag_names import errors_in_flag_terms
+        from engine.cli.run.dry_run import dry_run
+
+        with console.configured(console.Console.for_run(config, None)), errors_in_flag_terms():
+            return dry_run(config)
     from engine.cli.run.summary import summary_table
 
     this_console = console.Console.for_run(config, config.multi_host.cluster)

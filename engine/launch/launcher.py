@@ -141,6 +141,11 @@ def check_main_flags(main_flags: Sequence[str]) -> str | None:
         return f"the flags after -- are not engine.main's: {one_line(error)}"
     except UserError as error:
         return f"engine.main would refuse the flags after --: {in_flag_terms(error)}"
+    if values["dry_run"]:
+        return (
+            "--dry_run checks a cluster's config on this machine alone, without a cluster: run "
+            f"python -m engine.main --dry_run --dry_run_workers={FLAGS['num_workers'].value} ..."
+        )
     return None
 
 

@@ -82,6 +82,11 @@ CASES = [
     (["--", "--slurm_port_base=65536"], "--slurm_port_base=65536 must be a port, 1-65535"),
     (["--", "--steps_per_loop=3000000000"], "--steps_per_loop=3000000000 is more than the engine can count"),
     (
+        ["--num_workers=16", "--", "--dry_run"],
+        "--dry_run checks a cluster's config on this machine alone, without a cluster: run "
+        "python -m engine.main --dry_run --dry_run_workers=16 ...",
+    ),
+    (
         ["--", "--train_stepz=3"],
         "the flags after -- are not engine.main's: Unknown command line flag 'train_stepz'",
     ),

@@ -95,6 +95,9 @@ CLUSTER_SETTINGS = (
 PER_INVOCATION_SETTINGS = (
     "mode",
     "print_config",
+    "dry_run",
+    "dry_run_workers",
+    "dry_run_ps",
     "config_file",
     "params_override",
     "model_dir",
@@ -109,7 +112,14 @@ PER_INVOCATION_SETTINGS = (
     *CLUSTER_SETTINGS,
 )
 # The settings that say how this command reads its settings: flags only, never in a config file.
-COMMAND_LINE_ONLY_SETTINGS = ("print_config", "config_file", "params_override")
+COMMAND_LINE_ONLY_SETTINGS = (
+    "print_config",
+    "dry_run",
+    "dry_run_workers",
+    "dry_run_ps",
+    "config_file",
+    "params_override",
+)
 # The settings that define the model or the data its checkpoints were trained on: a model_dir with
 # checkpoints refuses a change (its config.yaml holds the values they were trained with). Where the
 # data live (data_dir, eval_file) may change: data sets get copied to local disks.
@@ -250,6 +260,21 @@ class RunConfig:
         "Print every setting as this command resolves it (defaults, <model_dir>/config.yaml, --config_file, "
         "--params_override, flags and --flagfile), checked, as YAML that --config_file reads back; then exit "
         "without training or writing anything.",
+    )
+    dry_run: bool = setting(
+        False,
+        "Check this config on this machine in seconds, as its cluster would run it: the replicas simulated "
+        "as logical CPU devices (--dry_run_workers), the model built, one batch through one compiled step, "
+        "the batch split, the memory per replica and the checkpoint's size; then exit. Each problem is one "
+        "line, exit 2; nothing is written, no port opened.",
+    )
+    dry_run_workers: int = setting(
+        0,
+        "With --dry_run: the workers of the multi_worker_mirrored or parameter_server cluster to simulate; "
+        "0: the cluster's (the cluster flags or TF_CONFIG). To start workers here: python -m engine.launch.",
+    )
+    dry_run_ps: int = setting(
+        0, "With --dry_run --strategy=parameter_server --dry_run_workers=N: the ps tasks to simulate (0: one)."
     )
     config_file: tuple[str, ...] = setting(
         (),
@@ -601,7 +626,9 @@ class RunConfig:
             raise UserError(f"--seed={self.seed} must be between 0 and {2**32 - 1}")
         # The library's checks name its arguments; the command line's boundary (main_command,
         # job.run, the launcher) prints them as flags (engine.cli.config.flag_names).
-        self.multi_host.check(self.strategy)
+        self._validate_dry_run()
+        if not self.simulates_a_cluster:  # A simulated cluster has no hosts to resolve.
+            self.multi_host.check(self.strategy)
         if self.model_dir:
             from engine.model_dir import check_name
 
@@ -673,6 +700,49 @@ class RunConfig:
             self.served_image_shape()
         if self.metrics is not None and not all(self.metrics):
             raise UserError(f"--metrics={','.join(self.metrics)} has an empty name")
+
+    @property
+    def simulates_a_cluster(self) -> bool:
+        """--dry_run --dry_run_workers=N: a cluster of N workers simulated in this process, none resolved."""
+        return self.dry_run and self.dry_run_workers > 0
+
+    def _validate_dry_run(self) -> None:
+        for name in ("dry_run_workers", "dry_run_ps"):
+            value = getattr(self, name)
+            if value < 0:
+                raise UserError(f"--{name}={value} must not be negative (0: the cluster's)")
+            if value and not self.dry_run:
+                launch_flag = name.replace("dry_run_", "num_")
+                raise UserError(
+                    f"--{name}={value} is for --dry_run; to start a cluster on this machine use "
+                    f"python -m engine.launch --{launch_flag}={value} -- ..."
+                )
+        if not self.dry_run:
+            return
+        if self.dry_run_workers and self.strategy not in ("multi_worker_mirrored", "parameter_server"):
+            raise UserError(
+                f"--dry_run_workers={self.dry_run_workers} simulates a cluster's workers but --strategy="
+                f"{self.strategy} runs on one host; use --strategy=multi_worker_mirrored or parameter_server"
+            )
+        if self.dry_run_ps and not (self.dry_run_workers and self.strategy == "parameter_server"):
+            raise UserError(
+                f"--dry_run_ps={self.dry_run_ps} simulates a parameter-server cluster's ps tasks; "
+                "use it with --strategy=parameter_server --dry_run_workers=N"
+            )
+        if self.strategy == "tpu":
+            raise UserError("--dry_run simulates CPU and GPU replicas; --strategy=tpu is checked on a TPU only")
+        if self.mode in ("eval", "continuous_eval", "predict"):
+            raise UserError(f"--dry_run checks a training config; drop --mode={self.mode}")
+        if self.strategy == "parameter_server" and not self.dry_run_workers and self.multi_host.cluster is None:
+            raise UserError(
+                "--dry_run --strategy=parameter_server simulates a cluster: pass --dry_run_workers=N (and "
+                "--dry_run_ps=M), or the cluster's flags or TF_CONFIG as its chief is given them"
+            )
+        if self.simulates_a_cluster and self.multi_host.cluster is not None:
+            raise UserError(
+                f"--dry_run_workers={self.dry_run_workers} simulates a cluster but one is given (the cluster "
+                "flags or TF_CONFIG); drop one of them"
+            )
 
     def _validate_mode(self) -> None:
         _choose("mode", self.mode, MODES)

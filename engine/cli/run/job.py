@@ -171,7 +171,7 @@ def _train_and_evaluate(
     model, optimizer = build_model_and_optimizer(config, strategy, task, total_steps)
     source = task.source
 
-    train_data, eval_data = _train_and_eval_data(config, source)
+    train_data, eval_data = train_and_eval_data(config, source)
     batch = config.global_batch_size
     if write_dir != model_dir:  # A restarted worker's scratch from the run it died in.
         model_dir_lib.remove_tree(write_dir)
@@ -279,7 +279,7 @@ def _export_if_asked(
         )
 
 
-def _train_and_eval_data(config: RunConfig, source) -> tuple[Any, Any]:
+def train_and_eval_data(config: RunConfig, source) -> tuple[Any, Any]:
     """The Trainer's train_data and eval_data (None: no evaluation) from `source`, in the
     form --input_pipeline asks for, or kept on the devices where --device_data_mb allows."""
     batch, seed = config.global_batch_size, config.seed
