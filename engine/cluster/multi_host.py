@@ -9,18 +9,21 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import faulthandler
 import logging
 import os
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import urllib.parse
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 
 import tensorflow as tf
 
+from engine import diagnostics
 from engine.cluster import Cluster, check_strategy_cluster
 from engine.errors import UserError, one_line
 from engine.logger import EVERY_TASK, logger
@@ -33,6 +36,9 @@ from engine.options import (
 
 _STARTUP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # engine.cli.process.preemption's
 WATCHDOG_GRACE_SECONDS = 3.0
+# Sent by the start-up watchdog before it ends a task that timed out: faulthandler's C handler writes
+# every thread's Python stack then, although TensorFlow's connecting call holds the GIL.
+STARTUP_STACKS_SIGNAL = signal.SIGUSR2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +60,9 @@ class MultiHostOptions:
     # handler written in Python could never act: the command line passes a guard that
     # leaves SIGTERM/SIGINT pending, for the start-up watchdog to see and end the task.
     startup_guard: Callable[[], AbstractContextManager[None]] = contextlib.nullcontext
+    # Where a task whose start-up times out writes its report (`engine.diagnostics`): its stacks,
+    # where TensorFlow waited. None: no report.
+    diagnostics_dir: str | None = None
 
     def check(self, strategy: str) -> None:
         if self.communication not in COMMUNICATIONS:
@@ -76,7 +85,12 @@ class MultiHostOptions:
 def build_multi_host_strategy(name: str, options: MultiHostOptions) -> tf.distribute.Strategy:
     options.check(name)
     if name == "multi_worker_mirrored":
-        with bounded_startup(options.cluster, options.startup_timeout, guard=options.startup_guard):
+        with bounded_startup(
+            options.cluster,
+            options.startup_timeout,
+            guard=options.startup_guard,
+            report_to=options.diagnostics_dir,
+        ):
             if options.cluster is not None:
                 _configure_coordination(options.cluster, options.startup_timeout, options.heartbeat_timeout)
             strategy = _multi_worker_mirrored(options)
@@ -84,7 +98,12 @@ def build_multi_host_strategy(name: str, options: MultiHostOptions) -> tf.distri
                 _barrier(strategy)  # The first collective waits for every worker too.
         return strategy
     if name == "parameter_server":
-        with bounded_startup(options.cluster, options.startup_timeout, guard=options.startup_guard):
+        with bounded_startup(
+            options.cluster,
+            options.startup_timeout,
+            guard=options.startup_guard,
+            report_to=options.diagnostics_dir,
+        ):
             return _parameter_server(options)
     assert options.tpu, "options.check: strategy 'tpu' needs options.tpu"
     return _tpu(options.tpu)
@@ -96,6 +115,7 @@ def bounded_startup(
     timeout: float,
     *,
     guard: Callable[[], AbstractContextManager[None]] = contextlib.nullcontext,
+    report_to: str | None = None,
 ) -> Iterator[None]:
     """Bounds the start-up of a cluster task and lets SIGTERM/SIGINT end it at any moment.
 
@@ -108,7 +128,10 @@ def bounded_startup(
     one pending, or at the timeout with one line naming the silent peers.
     TF's own registration timeout ends a task waiting for the leader
     earlier, as a one-line error. Nothing is written before the start-up
-    is over.
+    is over but, where it times out and `report_to` (a local directory) is
+    given, this task's diagnostics report (`engine.diagnostics`): where each
+    thread waited, to `report_to/<task>.txt` (the watchdog has faulthandler
+    write the stacks before it kills the task).
     """
     if cluster is None:
         yield
@@ -121,6 +144,11 @@ def bounded_startup(
         timeout,
         extra=EVERY_TASK,  # A task waiting for its peers says so, chief or not.
     )
+    task = diagnostics.task_name(cluster.task_type, cluster.task_index)
+    report = os.path.join(report_to, f"{task}.txt") if report_to and "://" not in report_to else ""
+    stacks = tempfile.NamedTemporaryFile("w+", prefix="engine-startup-stacks-", delete=False) if report else None
+    if stacks is not None:
+        faulthandler.register(STARTUP_STACKS_SIGNAL, file=stacks, all_threads=True)
     previous = signal.pthread_sigmask(signal.SIG_BLOCK, _STARTUP_SIGNALS)
     # The watchdog gives TF's own registration timeout (a clean one-line error) a head start.
     watchdog = subprocess.Popen(
@@ -131,6 +159,8 @@ def bounded_startup(
             f"{timeout + WATCHDOG_GRACE_SECONDS if timeout else 0:g}",
             f"{timeout:g}",
             f"{cluster.task_type}:{cluster.task_index}",
+            report,  # "": no report.
+            stacks.name if stacks is not None else "",
             *(f"{name}={address}" for name, address in cluster.peers()),
         ],
         stdin=subprocess.PIPE,
@@ -140,12 +170,22 @@ def bounded_startup(
             yield
     except (tf.errors.DeadlineExceededError, tf.errors.UnavailableError) as error:
         logger.warning("start-up failed: %s", one_line(error, 500))
-        raise UserError(_startup_timeout_message(cluster, timeout)) from None
+        message = _startup_timeout_message(cluster, timeout)
+        if report:
+            text = diagnostics.report({"phase": "start-up", "ended": message}, task=task)
+            with contextlib.suppress(OSError):  # The report must not hide the error.
+                message += f"; diagnostics in {diagnostics.write_report(report_to or '', task, text)}"
+        raise UserError(message) from None
     finally:
         assert watchdog.stdin is not None, "started with stdin=PIPE"
         watchdog.stdin.close()
         watchdog.wait()
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+        if stacks is not None:
+            faulthandler.unregister(STARTUP_STACKS_SIGNAL)
+            stacks.close()
+            with contextlib.suppress(OSError):
+                os.unlink(stacks.name)
 
 
 def _configure_coordination(cluster: Cluster, timeout: float, heartbeat_timeout: float) -> None:

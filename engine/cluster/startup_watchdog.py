@@ -1,6 +1,6 @@
 """A watchdog process for a cluster task's start-up, run by path (no TensorFlow, no engine import):
 
-    python engine/cluster/startup_watchdog.py PID SECONDS TIMEOUT_FLAG TASK PEER=HOST:PORT ...
+    python engine/cluster/startup_watchdog.py PID SECONDS TIMEOUT_FLAG TASK REPORT STACKS PEER=HOST:PORT ...
 
 TensorFlow connects a task to its peers inside one C++ call that holds the
 GIL, so nothing in the task's own process can time it out. This process
@@ -10,9 +10,15 @@ then, it prints one line naming the peers that do not answer and kills the
 task. The task blocks SIGTERM and SIGINT during its start-up (TensorFlow
 would otherwise take SIGTERM with a handler of its own); the watchdog sees
 them pending and kills the task at once, as their default action would.
+
+Before it kills a task that timed out, and where REPORT (a file path; "" for none) is given, it
+sends SIGUSR2, on which the task's faulthandler writes every thread's Python stack to STACKS
+(a C handler: it runs although TensorFlow holds the GIL), and writes REPORT from them: the
+task's diagnostics report (as engine.diagnostics writes one), which the error line names.
 """
 
 import contextlib
+import datetime
 import os
 import select
 import signal
@@ -21,6 +27,9 @@ import sys
 import time
 
 POLL_SECONDS = 0.1
+STACKS_SIGNAL = signal.SIGUSR2  # engine.cluster.multi_host.STARTUP_STACKS_SIGNAL
+STACKS_WAIT_SECONDS = 2.0  # For faulthandler to finish writing (it takes milliseconds).
+MAX_REPORT_BYTES = 256 * 1024  # engine.diagnostics.MAX_BYTES
 
 
 def answers(address: str) -> bool:
@@ -33,8 +42,8 @@ def answers(address: str) -> bool:
 
 
 def main(argv: list[str]) -> int:
-    pid, timeout, flag, task = int(argv[1]), float(argv[2]), argv[3], argv[4]
-    peers = [peer.split("=", 1) for peer in argv[5:]]
+    pid, timeout, flag, task, report, stacks = int(argv[1]), float(argv[2]), argv[3], argv[4], argv[5], argv[6]
+    peers = [peer.split("=", 1) for peer in argv[7:]]
     deadline = time.monotonic() + timeout if timeout else None
     while deadline is None or time.monotonic() < deadline:
         readable, _, _ = select.select([sys.stdin], [], [], POLL_SECONDS)
@@ -49,17 +58,53 @@ def main(argv: list[str]) -> int:
                 flush=True,
             )
             kill(pid)
+            with contextlib.suppress(OSError):
+                if stacks:
+                    os.unlink(stacks)  # No report: the task ends as its signal asked.
             return 0
     silent = [(name, address) for name, address in peers if not answers(address)] or peers
-    print(
+    message = (
         f"engine.main: error: {task} could not reach its peers within --startup_timeout={flag}s; "
         f"waited for {', '.join(f'{name} ({address})' for name, address in silent)}; start every task "
-        "of the cluster, check their addresses, or raise --startup_timeout",
-        file=sys.stderr,
-        flush=True,
+        "of the cluster, check their addresses, or raise --startup_timeout"
     )
+    if report and stacks and write_report(pid, task, report, stacks, ended=message):
+        message += f"; diagnostics in {report}"
+    print(message, file=sys.stderr, flush=True)
     kill(pid)
     return 0
+
+
+def write_report(pid: int, task: str, report: str, stacks: str, *, ended: str) -> bool:
+    """Has the task write its threads' stacks to `stacks` and writes its report to `report`
+    (atomically; a symbolic-link folder refused, as engine.diagnostics does); whether it did."""
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, STACKS_SIGNAL)
+    deadline, size = time.monotonic() + STACKS_WAIT_SECONDS, -1
+    while time.monotonic() < deadline:  # Until the dump stops growing.
+        time.sleep(POLL_SECONDS)
+        with contextlib.suppress(OSError):
+            if 0 < size == os.path.getsize(stacks):
+                break
+            size = os.path.getsize(stacks)
+    try:
+        with open(stacks, errors="replace") as handle:
+            dumped = handle.read(MAX_REPORT_BYTES)
+        os.unlink(stacks)
+        directory = os.path.dirname(report)
+        if os.path.islink(directory):
+            return False
+        os.makedirs(directory, exist_ok=True)
+        now = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+        name = task.replace(":", "-")
+        header = f"engine diagnostics of {name}, pid {pid}, {now}\nphase: start-up\nended: {ended}\n\n"
+        partial = f"{report}.partial-{os.getpid()}"
+        with open(partial, "w") as handle:
+            handle.write((header + dumped)[:MAX_REPORT_BYTES])
+        os.replace(partial, report)
+        return True
+    except OSError:
+        return False
 
 
 def pending_stop_signal(pid: int) -> int | None:

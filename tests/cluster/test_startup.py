@@ -71,7 +71,16 @@ def test_a_lone_worker_exits_after_startup_timeout_naming_its_peer(tmp_path, rea
         f"engine.main: error: worker:{index} could not reach its peers within "
         f"--startup_timeout={STARTUP_TIMEOUT}s; waited for worker:{1 - index} ({peer})"
     ), errors
-    assert not any(tmp_path.iterdir())  # nothing written
+    # Nothing written but the task's diagnostics: where its threads waited when the time ran out.
+    report = tmp_path / "diagnostics" / f"worker-{index}.txt"
+    assert errors[0].endswith(f"; diagnostics in {report}"), errors
+    assert [p for p in tmp_path.rglob("*") if p.is_file()] == [report]
+    text = report.read_text()
+    assert text.startswith(f"engine diagnostics of worker-{index}, pid {process.pid}, "), text[:500]
+    assert "phase: start-up" in text and "could not reach its peers" in text, text[:2000]
+    assert "multi_host.py" in text and "build_multi_host_strategy" in text, text[
+        -3000:
+    ]  # The main thread's stack.
 
 
 @pytest.mark.timeout(400)

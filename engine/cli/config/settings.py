@@ -849,6 +849,8 @@ class RunConfig:
             startup_timeout=self.startup_timeout,
             heartbeat_timeout=self.heartbeat_timeout,
             startup_guard=signals_left_pending,
+            # A start-up that times out reports where it waited (engine.diagnostics.DIAGNOSTICS_DIR).
+            diagnostics_dir=os.path.join(self.model_dir, "diagnostics") if self.model_dir else None,
         )
 
     def total_steps(self, num_train_examples: int | None) -> int:
