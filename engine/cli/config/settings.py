@@ -90,16 +90,21 @@ CLUSTER_SETTINGS = (
     "cluster_resolver",
     "slurm_port_base",
 )
-# The settings that belong to one invocation: a rerun on a model_dir never inherits them from the
-# `config.yaml` stored there (engine.cli.config.config_files), and that file does not hold them.
-PER_INVOCATION_SETTINGS = (
-    "mode",
+# The settings that say how this command reads its settings or what it does instead of a run:
+# flags only, never in a config file.
+COMMAND_LINE_ONLY_SETTINGS = (
     "print_config",
     "dry_run",
     "dry_run_workers",
     "dry_run_ps",
     "config_file",
     "params_override",
+)
+# The settings that belong to one invocation: a rerun on a model_dir never inherits them from the
+# `config.yaml` stored there (engine.cli.config.config_files), and that file does not hold them.
+PER_INVOCATION_SETTINGS = (
+    "mode",
+    *COMMAND_LINE_ONLY_SETTINGS,
     "model_dir",
     "export_dir",
     "predict_input",
@@ -110,15 +115,6 @@ PER_INVOCATION_SETTINGS = (
     "check_numerics",
     "profile_steps",
     *CLUSTER_SETTINGS,
-)
-# The settings that say how this command reads its settings: flags only, never in a config file.
-COMMAND_LINE_ONLY_SETTINGS = (
-    "print_config",
-    "dry_run",
-    "dry_run_workers",
-    "dry_run_ps",
-    "config_file",
-    "params_override",
 )
 # The settings that define the model or the data its checkpoints were trained on: a model_dir with
 # checkpoints refuses a change (its config.yaml holds the values they were trained with). Where the
