@@ -279,7 +279,8 @@ class SpikeOptions:
 
 @dataclasses.dataclass(frozen=True)
 class ThroughputOptions:
-    """What the progress lines and TensorBoard need to show the training TFLOP/s and MFU."""
+    """What the progress lines and TensorBoard need to show the training TFLOP/s and MFU, and
+    which worker of a synchronous cluster is slow."""
 
     flops_per_example: int | None = option(
         None,
@@ -292,9 +293,25 @@ class ThroughputOptions:
         "flops_per_example the logs then show MFU, the training TFLOP/s over it. None or 0: unknown.",
     )
 
+    straggler_margin: float = option(
+        1.5,
+        "multi_worker_mirrored with the standard step: name a worker whose compute time per step (its "
+        "step until its gradients, before the all-reduce) is this many times the median of the others' "
+        "(engine.stragglers); 0: no report and no timing in the step.",
+    )
+    straggler_loops: int = option(
+        5, "For this many loops in a row before it is named (once, until it recovers)."
+    )
+
     def __post_init__(self) -> None:
         _not_negative("flops_per_example", self.flops_per_example, "None or 0: unknown")
         _not_negative("peak_tflops", self.peak_tflops, "None or 0: unknown")
+        if not (self.straggler_margin == 0 or 1 < self.straggler_margin < math.inf):
+            raise UserError(
+                f"`straggler_margin={self.straggler_margin}` must be above 1, e.g. 1.5 (0: no report)"
+            )
+        if self.straggler_loops < 1:
+            raise UserError(f"`straggler_loops={self.straggler_loops}` must be at least 1")
 
 
 # The Trainer's keyword argument of each option group, in its signature's order.

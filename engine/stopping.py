@@ -4,10 +4,14 @@ A signal reaches one process, but multi-worker training only ends cleanly if all
 stop at the same step (otherwise the others wait in their next all-reduce). So with
 several workers a stop request is all-reduced once per loop (`make_stop_agreement`), and
 a worker that learns of a peer's request takes it as its own. The Trainer holds the
-request and asks for the agreement between loops.
+request and asks for the agreement between loops. The same all-reduce carries each
+worker's figures of the last loop (its compute time per step: `engine.stragglers`), so
+that reporting them costs no collective of its own.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import tensorflow as tf
 
@@ -15,19 +19,23 @@ from engine.compat import num_workers
 
 
 def make_stop_agreement(strategy: tf.distribute.Strategy):
-    """A compiled `any(flag over all workers)` for multi-worker mirrored
-    training; None where one process decides alone."""
+    """A compiled sum of a vector over all workers (its first entry the stop flag, the rest
+    figures each worker fills its own slots of) for multi-worker mirrored training, divided by
+    the replicas each worker has; None where one process decides alone."""
     if not isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
         return None
-    if num_workers(strategy) < 2:
+    workers = num_workers(strategy)
+    if workers < 2:
         return None
+    replicas_per_worker = strategy.num_replicas_in_sync // workers
 
     @tf.function
-    def any_worker(flag: tf.Tensor) -> tf.Tensor:
-        per_replica = strategy.run(tf.identity, args=(flag,))
-        return strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None)
+    def sum_over_workers(values: tf.Tensor) -> tf.Tensor:
+        per_replica = strategy.run(tf.identity, args=(values,))
+        summed = strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None)
+        return summed / replicas_per_worker
 
-    return any_worker
+    return sum_over_workers
 
 
 class StopAgreement:
@@ -44,6 +52,7 @@ class StopAgreement:
         self.all_reduce = make_stop_agreement(strategy)  # None: this process decides alone.
         self.requested = False  # Set by request() (a signal, a peer worker).
         self._agreed = False  # Multi-worker: every worker agreed to stop.
+        self.figures: list[float] = []  # The figures of the last agreement, summed over the workers.
 
     def request(self) -> None:
         self.requested = True
@@ -56,11 +65,16 @@ class StopAgreement:
     def clear(self) -> None:
         self.requested = self._agreed = False
 
-    def should_stop(self) -> bool:
-        """Whether to stop before the next loop, as every worker decides it."""
+    def should_stop(self, figures: Sequence[float] = ()) -> bool:
+        """Whether to stop before the next loop, as every worker decides it. With several
+        workers, `figures` (each worker the same length, zero but in its own slots) travel
+        with the flag: `self.figures` holds their sum over the workers."""
         if self.all_reduce is None:
             return self.requested
-        agreed = float(self.all_reduce(tf.constant(1.0 if self.requested else 0.0))) > 0
+        values = tf.constant([1.0 if self.requested else 0.0, *figures], tf.float64)
+        summed = self.all_reduce(values).numpy()
+        self.figures = [float(value) for value in summed[1:]]
+        agreed = float(summed[0]) > 0
         if agreed:
             self.requested = self._agreed = True
         return agreed

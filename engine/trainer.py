@@ -50,6 +50,7 @@ from engine.options import (
 from engine.resident import ResidentData
 from engine.schedules import is_scheduled
 from engine.stopping import StopAgreement
+from engine.stragglers import StragglerReport
 from engine.summaries import SummaryWriters
 from engine.trainer_checks import (
     Optimizers,
@@ -269,6 +270,10 @@ class Trainer:
         # Both stay in force for later train() calls until clear_stop():
         self.stop_training = False  # Set by a callback (early stopping): stop after this loop.
         self.stopping = StopAgreement(strategy)  # request_stop() (a signal, a peer worker).
+        # Which worker is slow (engine.stragglers): the standard step times its compute.
+        self.stragglers = (
+            StragglerReport.create(strategy, throughput, self.stopping) if step_fn is None else None
+        )
 
         self.global_step = prepare_model_state(strategy, model, self.optimizers)
         with strategy.scope():
@@ -333,6 +338,7 @@ class Trainer:
             metrics=metrics,
             weighted_metrics=weighted_metrics,
             grad_norm=any(c.needs_grad_norm for c in self.callbacks),
+            compute_clock=self.stragglers.clock if self.stragglers is not None else None,
             **self.step_options.step_arguments(),
         )
 
@@ -471,7 +477,13 @@ class Trainer:
     def _should_stop(self) -> bool:
         """Whether to stop before the next loop, agreed by every worker (`engine.stopping`).
         Callbacks decide from all-reduced metrics and so agree already."""
-        return self.stop_training or self.stopping.should_stop()
+        if self.stop_training:
+            return True
+        if self.stragglers is None:
+            return self.stopping.should_stop()
+        stop = self.stopping.should_stop(self.stragglers.figures())
+        self.stragglers.agreed(self.stopping.figures, self.step, self._summaries)
+        return stop
 
     def train(self, steps: int) -> dict[str, float]:
         """Trains until the global step reaches `steps`; returns the last loop's logs.
@@ -519,6 +531,8 @@ class Trainer:
             num_steps = self._next_loop_length(start, steps)
             loop_logs = self._train_one_loop(start, num_steps, steps, last_saved)
             self._step_seen = self.step
+            if self.stragglers is not None:
+                self.stragglers.loop_done(self.step - start)
             if loop_logs is None:  # Rolled back to a checkpoint (or the start): nothing to save there.
                 last_saved = self.step
                 continue

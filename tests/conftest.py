@@ -110,3 +110,34 @@ def launch():
     yield start
     for launched in started:
         launched.kill_all()
+
+
+@pytest.fixture
+def workers(tmp_path):
+    """Starts `engine.main` tasks directly (no launcher that could stop the others), each in its
+    own process group with its output in a file; every group is killed at the end, whatever the
+    test left running."""
+    import subprocess
+    import sys
+
+    from helpers import REPO, kill_group, python_env
+
+    started: list[tuple[subprocess.Popen, Path]] = []
+
+    def start(*flags: str) -> tuple[subprocess.Popen, Path]:
+        log = tmp_path / f"task{len(started)}.log"
+        with open(log, "w") as output:
+            process = subprocess.Popen(
+                [sys.executable, "-m", "engine.main", *flags],
+                cwd=REPO,
+                stdout=output,
+                stderr=subprocess.STDOUT,
+                env=python_env(),
+                process_group=0,
+            )
+        started.append((process, log))
+        return started[-1]
+
+    yield start
+    for process, _ in started:
+        kill_group(process)

@@ -253,6 +253,19 @@ def stop(process: subprocess.Popen) -> None:
     process.communicate(timeout=30)
 
 
+def wait_for_text(log: Path, pattern: str, process: subprocess.Popen, timeout: float) -> re.Match:
+    """The first match of `pattern` in the file `log` a running `process` writes; fails when the
+    process exits first or `timeout` seconds pass."""
+    deadline = time.monotonic() + timeout
+    while not (match := re.search(pattern, log.read_text())):
+        assert process.poll() is None, (
+            f"exited {process.returncode} before {pattern!r}:\n{log.read_text()[-3000:]}"
+        )
+        assert time.monotonic() < deadline, f"no {pattern!r} in {timeout} s:\n{log.read_text()[-3000:]}"
+        time.sleep(0.1)
+    return match
+
+
 def read_until(pipe, text: str, timeout: float, process: subprocess.Popen | None = None) -> str:
     """Reads a process's stdout or stderr pipe until `text` appears and returns
     what was read; a silent or hung process fails the test after `timeout`
@@ -485,6 +498,18 @@ def model_weights(model_dir: Path, step: int) -> dict[str, np.ndarray]:
         for name in reader.get_variable_to_shape_map()
         if name.startswith(("optimizer/_trainable_variables/", "global_step/"))
     }
+
+
+def read_scalars(log_dir) -> dict[str, dict[int, float]]:
+    """tag -> {step: value} of every scalar in a run's event files."""
+    found: dict[str, dict[int, float]] = {}
+    for path in sorted(log_dir.glob("events.*")):
+        for event in tf.compat.v1.train.summary_iterator(str(path)):
+            for value in event.summary.value:
+                if value.metadata.plugin_data.plugin_name != "scalars":  # The graph, histograms.
+                    continue
+                found.setdefault(value.tag, {})[event.step] = float(tf.make_ndarray(value.tensor))
+    return found
 
 
 def eval_steps(model_dir: Path) -> list[int]:

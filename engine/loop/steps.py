@@ -24,6 +24,7 @@ import tensorflow as tf
 from engine.compat import engine_graph_code, keras_mask, set_keras_mask, user_code
 from engine.errors import UserError
 from engine.losses import EvalLoss, LossTerm, Objective, describe_structure
+from engine.stragglers import ComputeClock
 from engine.variables import regularization_losses, trainable_variables
 
 Batch = Any
@@ -152,6 +153,7 @@ def make_train_step(
     jit_compile: bool = False,
     skip_nonfinite: bool = False,
     grad_norm: bool = False,
+    compute_clock: ComputeClock | None = None,
 ) -> ReplicaStep:
     """The standard supervised replica step for `(features, labels)` batches.
 
@@ -188,6 +190,8 @@ def make_train_step(
       it comes free; otherwise it costs one more all-reduce of the gradients
       a step, which is why it is asked for. Not under loss scaling, where an
       overflowing (skipped) step has no finite norm to report.
+    - `compute_clock` (`engine.stragglers`) adds each step's time from its batch to its
+      gradients, before any all-reduce, to this replica's clock: which worker is slow.
     """
     uses_loss_scale = isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
     variables = trainable_variables(model)
@@ -296,7 +300,10 @@ def make_train_step(
     def train_step(batch: Batch) -> dict[str, tf.Tensor]:
         features, labels, sample_weight = unpack_batch(batch)
         num_examples = examples_in_step(labels, global_batch_size)
+        started = compute_clock.start(features) if compute_clock is not None else None
         gradients, loss, outputs = gradients_of(features, labels, sample_weight, num_examples)
+        if compute_clock is not None:
+            compute_clock.stop(started, gradients)
         result = {"loss": loss, STEP_EXAMPLES: num_examples}
         if clip_norm is not None:
             gradients, norm = _clip_global_norm(gradients, clip_norm, optimizer, uses_loss_scale)

@@ -11,7 +11,6 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -22,11 +21,11 @@ from helpers import (
     SMALL,
     free_ports,
     in_background,
-    kill_group,
     main_in_process,
     model_weights,
     python_env,
     signal_group,
+    wait_for_text,
 )
 
 from engine.errors import PEER_LOST_EXIT
@@ -114,43 +113,6 @@ def test_a_dead_mirrored_worker_fails_the_run_and_stops_the_rest(tmp_path, launc
     assert run.wait(timeout=120) == 128 + signal.SIGKILL, run.output[-3000:]
     assert "worker:1 failed with exit status -9; stopping the other tasks" in run.output
     run.assert_nothing_left()
-
-
-@pytest.fixture
-def workers(tmp_path):
-    """Starts `engine.main` tasks directly (no launcher that could stop the
-    others), each in its own process group with its output in a file; every
-    group is killed at the end, whatever the test left running."""
-    started: list[tuple[subprocess.Popen, Path]] = []
-
-    def start(*flags: str) -> tuple[subprocess.Popen, Path]:
-        log = tmp_path / f"task{len(started)}.log"
-        with open(log, "w") as output:
-            process = subprocess.Popen(
-                [sys.executable, "-m", "engine.main", *flags],
-                cwd=REPO,
-                stdout=output,
-                stderr=subprocess.STDOUT,
-                env=python_env(),
-                process_group=0,
-            )
-        started.append((process, log))
-        return started[-1]
-
-    yield start
-    for process, _ in started:
-        kill_group(process)
-
-
-def wait_for_text(log: Path, pattern: str, process: subprocess.Popen, timeout: float) -> re.Match:
-    deadline = time.monotonic() + timeout
-    while not (match := re.search(pattern, log.read_text())):
-        assert process.poll() is None, (
-            f"exited {process.returncode} before {pattern!r}:\n{log.read_text()[-3000:]}"
-        )
-        assert time.monotonic() < deadline, f"no {pattern!r} in {timeout} s:\n{log.read_text()[-3000:]}"
-        time.sleep(0.1)
-    return match
 
 
 @pytest.mark.timeout(600)

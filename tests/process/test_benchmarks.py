@@ -243,6 +243,26 @@ def test_checkpoint_benchmark_writes_blocking_times_and_slowdowns(tmp_path):
     assert "blocking per save" in completed.stdout and "end to end" in completed.stdout
 
 
+def test_stragglers_benchmark_runs_each_way_on_a_cluster_and_reports_the_ratio(tmp_path):
+    out = tmp_path / "stragglers.json"
+    _run(
+        [
+            "benchmarks.stragglers",
+            "--model=mlp",
+            "--train_steps=20",
+            "--steps_per_loop=5",
+            "--repeats=1",
+            f"--json={out}",
+        ],
+        timeout=480,
+    )
+    payload = json.loads(out.read_text())
+    assert {way: len(runs) for way, runs in payload["runs"].items()} == {"without": 1, "with": 1}
+    medians = payload["median_examples_per_second"]
+    assert all(figure > 0 for figure in medians.values())
+    assert payload["ratio"] == medians["with"] / medians["without"]
+
+
 def test_the_csv_benchmarks_table_reads_back_as_written(tmp_path):
     """The table the benchmark times is a user's table: read_table gives back its numbers."""
     from benchmarks.csv_read import write_table

@@ -11,7 +11,7 @@ import time
 import keras
 import pytest
 import tensorflow as tf
-from helpers import global_batches, loss_fn, main_in_process, make_arrays, make_model
+from helpers import global_batches, loss_fn, main_in_process, make_arrays, make_model, read_scalars
 
 import engine
 from engine.goodput import FIGURES, PHASES, GoodputClock, ModelFlops, breakdown_line, scalars
@@ -26,18 +26,6 @@ def check_figures(figures):
     assert all(figures[name] >= 0 for name in FIGURES), figures
     assert sum(figures[name] for name in PARTS) <= figures["total_s"] + 1e-9, figures
     assert figures["fraction"] == pytest.approx(figures["train_s"] / figures["total_s"])
-
-
-def read_scalars(log_dir) -> dict[str, dict[int, float]]:
-    """tag -> {step: value} of every scalar in a run's event files."""
-    found: dict[str, dict[int, float]] = {}
-    for path in sorted(log_dir.glob("events.*")):
-        for event in tf.compat.v1.train.summary_iterator(str(path)):
-            for value in event.summary.value:
-                if value.metadata.plugin_data.plugin_name != "scalars":  # The graph, histograms.
-                    continue
-                found.setdefault(value.tag, {})[event.step] = float(tf.make_ndarray(value.tensor))
-    return found
 
 
 # ------------------------------------------------------------------------ the clock

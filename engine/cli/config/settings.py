@@ -48,6 +48,7 @@ from engine.options import (  # noqa: F401 (re-exported: the command line's name
     CheckpointOptions,
     SpikeOptions,
     StepOptions,
+    ThroughputOptions,
     default_of,
     help_of,
     options_from,
@@ -541,6 +542,8 @@ class RunConfig:
         "The devices' peak TFLOP/s (all replicas together, at the compute precision): progress lines and "
         "TensorBoard then show MFU, the model's training TFLOP/s over it. 0: unknown, no MFU.",
     )
+    straggler_margin: float = option_setting(ThroughputOptions, "straggler_margin")
+    straggler_loops: int = option_setting(ThroughputOptions, "straggler_loops")
     check_numerics: bool = setting(
         False,
         "tf.debugging.enable_check_numerics: fail at the first NaN or Inf, naming the op that "
@@ -616,6 +619,7 @@ class RunConfig:
             raise UserError(f"--clip_norm={self.clip_norm} must be positive")
         if not self.peak_tflops >= 0.0:  # Also refuses NaN.
             raise UserError(f"--peak_tflops={self.peak_tflops} must not be negative (0: unknown)")
+        ThroughputOptions(straggler_margin=self.straggler_margin, straggler_loops=self.straggler_loops)
         if not 0.0 <= self.ema_decay < 1.0:  # Also refuses NaN.
             raise UserError(f"--ema_decay={self.ema_decay} must be in [0, 1), e.g. 0.999; 0 turns it off")
         if not 0 <= self.seed < 2**32:
