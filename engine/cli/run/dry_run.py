@@ -118,44 +118,14 @@ def dry_run(config: RunConfig) -> int:
     total_steps = config.total_steps(source.num_train_examples)
 
     # The state's size from one copy of the model, before any replica holds one.
-    sizes = problems.check(_state_sizes, config, task, total_steps)
+    sizes = problems.check(_state_sizes, config, task)
     if sizes is not None:
-        example_bytes = math.prod(source.feature_shape) * 4 + 4  # float32 features, an int32 label
-        replica = sizes.per_replica(per_replica_batch * example_bytes)
-        logging.info(
-            "%sper replica: weights %s + optimizer slots %s + gradients %s + a batch of %d (%s) = %s "
-            "(activations come on top)",
-            PREFIX,
-            _size(sizes.weights),
-            _size(sizes.slots),
-            _size(sizes.trainable),
-            per_replica_batch,
-            _size(per_replica_batch * example_bytes),
-            _size(replica),
+        batch_bytes = per_replica_batch * (
+            math.prod(source.feature_shape) * 4 + 4
+        )  # float32 features, int32 label
+        _check_memory(
+            problems, cluster, sizes, batch_bytes, per_replica_batch, simulated, on_gpus=bool(config.num_gpus)
         )
-        logging.info("%scheckpoint about %s (weights and optimizer state)", PREFIX, _size(sizes.checkpoint))
-        limit = host_memory.memory_limit_bytes()
-        if cluster.strategy == "parameter_server":
-            busiest, most = sizes.busiest_ps_task(cluster.ps_tasks)
-            logging.info("%sthe busiest ps task, ps:%d, holds %s", PREFIX, busiest, _size(most))
-            if limit is not None and most > limit:
-                problems.add(
-                    f"ps:{busiest} would hold {_size(most)} of variables and optimizer slots, more than the "
-                    f"{_size(limit)} a host like this one may use; add ps tasks (--dry_run_ps) or split the "
-                    "largest tables (engine.ShardedEmbedding)"
-                )
-        worker_needs = replica * cluster.replicas_per_worker
-        if limit is not None and not config.num_gpus and worker_needs > limit:
-            problems.add(
-                f"a worker's {cluster.replicas_per_worker} replica(s) need {_size(worker_needs)} before "
-                f"activations, more than the {_size(limit)} a host like this one may use; use a smaller "
-                "model or batch, or more workers"
-            )
-        if not problems and simulated * replica > (limit or math.inf) // 2:
-            problems.add(
-                f"simulating {simulated} replicas needs {_size(simulated * replica)}, more than half of this "
-                f"host's {_size(limit or 0)}; run the dry run on a larger machine"
-            )
     if not problems:
         problems.check(_one_step, config, task, cluster, simulated, per_replica_batch, total_steps)
     if config.num_gpus:
@@ -191,9 +161,6 @@ class StateSizes:
     def checkpoint(self) -> int:
         return self.weights + self.slots
 
-    def per_replica(self, batch_bytes: int) -> int:
-        return self.weights + self.slots + self.trainable + batch_bytes
-
     def busiest_ps_task(self, ps_tasks: int) -> tuple[int, int]:
         """(task index, bytes) of the ps task holding the most: tf.distribute places a parameter-server
         run's variables round robin in creation order, each optimizer slot beside its variable."""
@@ -215,7 +182,59 @@ def _simulated_replicas(config: RunConfig, wanted: int) -> int:
     return min(wanted, len(tf.config.list_logical_devices("CPU")))
 
 
-def _state_sizes(config: RunConfig, task: RunTask, total_steps: int) -> StateSizes:
+def _check_memory(
+    problems: _Problems,
+    cluster: SimulatedCluster,
+    sizes: StateSizes,
+    batch_bytes: int,
+    per_replica_batch: int,
+    simulated: int,
+    *,
+    on_gpus: bool,
+) -> None:
+    """Reports the state's sizes; a worker or ps task that a host like this one cannot hold is a problem."""
+    limit = host_memory.memory_limit_bytes()
+    batch = f"a batch of {per_replica_batch} ({_size(batch_bytes)})"
+    if cluster.strategy == "parameter_server":  # The variables and their slots live on the ps tasks.
+        replica = sizes.trainable + batch_bytes
+        logging.info(
+            "%sper worker replica: gradients %s + %s = %s (activations come on top); on the ps tasks: "
+            "weights %s + optimizer slots %s",
+            *(PREFIX, _size(sizes.trainable), batch, _size(replica), _size(sizes.weights), _size(sizes.slots)),
+        )
+        busiest, most = sizes.busiest_ps_task(cluster.ps_tasks)
+        logging.info("%sthe busiest ps task, ps:%d, holds %s", PREFIX, busiest, _size(most))
+        if limit is not None and most > limit:
+            problems.add(
+                f"ps:{busiest} would hold {_size(most)} of variables and optimizer slots, more than the "
+                f"{_size(limit)} a host like this one may use; add ps tasks (--dry_run_ps) or split the "
+                "largest tables (engine.ShardedEmbedding)"
+            )
+    else:
+        replica = sizes.weights + sizes.slots + sizes.trainable + batch_bytes
+        logging.info(
+            "%sper replica: weights %s + optimizer slots %s + gradients %s + %s = %s (activations come on top)",
+            *(PREFIX, _size(sizes.weights), _size(sizes.slots), _size(sizes.trainable), batch, _size(replica)),
+        )
+    logging.info("%scheckpoint about %s (weights and optimizer state)", PREFIX, _size(sizes.checkpoint))
+    worker_needs = replica * cluster.replicas_per_worker
+    if limit is not None and not on_gpus and worker_needs > limit:
+        problems.add(
+            f"a worker's {cluster.replicas_per_worker} replica(s) need {_size(worker_needs)} before "
+            f"activations, more than the {_size(limit)} a host like this one may use; use a smaller "
+            "model or batch, or more workers"
+        )
+    here = simulated * (
+        sizes.weights + sizes.slots + sizes.trainable + batch_bytes
+    )  # Every copy in this process.
+    if not problems and here > (limit or math.inf) // 2:
+        problems.add(
+            f"simulating {simulated} replicas needs {_size(here)}, more than half of this host's "
+            f"{_size(limit or 0)}; run the dry run on a larger machine"
+        )
+
+
+def _state_sizes(config: RunConfig, task: RunTask) -> StateSizes:
     with tf.distribute.get_strategy().scope():
         model = task.build_model()
     trainable = {id(variable) for variable in trainable_variables(model)}
