@@ -1,16 +1,19 @@
-"""Which worker of a synchronous run is slow: each worker's compute time per step, compared.
+"""Which worker of a synchronous run is slow: each worker's compute and input wait per step, compared.
 
 A synchronous step runs at the slowest worker's speed, and every worker's wall time per step
 is the same: each waits in the gradient all-reduce for the last to arrive. What differs is the
-time a worker spends computing before it joins. The standard step (`engine.loop.steps`) times
-that with `tf.timestamp` in the graph, from the step's start to its gradients, into a
-`ComputeClock`: a variable local to each replica, never all-reduced, never checkpointed.
+time a worker spends computing before it joins, and waiting for its next batch. The standard
+step (`engine.loop.steps`) times the first with `tf.timestamp` in the graph, from its batch to
+its gradients, into a `ComputeClock`; the compiled loop (`engine.loop.compiled`) times its
+iterator's get_next into an `InputClock`: variables local to each worker, never all-reduced,
+never checkpointed.
 Between loops each worker reads its own clock (no collective) and the stop agreement's one
 all-reduce (`engine.stopping`) carries every worker's seconds per step to every worker, so the
-report adds no collective round. `StragglerWatch` then compares each worker with the median of
-the others: one slower by `margin` for `loops` loops in a row is named once, in one line
-(`worker:1 (10.0.0.2) 1.8x the median compute time per step of the others for 5 loops`), and
-again only after it recovered and fell behind anew.
+report adds no collective round. `StragglerWatch` then compares each worker's step time
+(compute plus input wait) with the median of the others': one slower by `margin` for `loops`
+loops in a row is named once, in one line (`worker:1 (10.0.0.2) 1.8x the median step time of
+the others for 5 loops (...: compute 20.1 ms, input wait 0.2 ms)`), and again only after it
+recovered and fell behind anew.
 """
 
 from __future__ import annotations
@@ -26,7 +29,8 @@ from engine.logger import logger
 from engine.options import ThroughputOptions
 from engine.stopping import StopAgreement
 
-SCALAR_PREFIX = "compute_seconds_per_step/"  # TensorBoard, train split: one chart per worker (.../worker_1).
+# TensorBoard, train split: a chart per worker and figure (e.g. compute_seconds_per_step/worker_1).
+FIGURES = ("compute_seconds_per_step", "input_wait_seconds_per_step")
 
 
 class ComputeClock:
@@ -67,10 +71,42 @@ class ComputeClock:
         return elapsed / max(1, steps)
 
 
+class InputClock:
+    """Seconds this worker's compiled loop waited for its next batch (the iterator's get_next in the
+    loop, between steps), summed (float64). `start`/`stop` go around the loop's get_next, in
+    cross-replica context; `seconds_per_step` reads this worker's own copy, no collective."""
+
+    def __init__(self, strategy: tf.distribute.Strategy):
+        with strategy.scope():  # One copy per replica, each the worker's own count (never all-reduced).
+            self._seconds = tf.Variable(
+                tf.constant(0.0, tf.float64),
+                trainable=False,
+                name="input_wait_seconds",
+                synchronization=tf.VariableSynchronization.ON_READ,
+                aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,  # Assignable across replicas.
+            )
+        self._strategy = strategy
+        self._last_total = 0.0
+
+    @staticmethod
+    def start() -> tf.Tensor:
+        return tf.timestamp()
+
+    def stop(self, started: tf.Tensor, batch: tf.experimental.Optional) -> None:
+        """Adds the time since `started` until `batch` (an optional) is there."""
+        with tf.control_dependencies([batch.has_value()]):
+            self._seconds.assign_add(tf.timestamp() - started)
+
+    def seconds_per_step(self, steps: int) -> float:
+        total = float(self._strategy.experimental_local_results(self._seconds)[0].numpy())
+        elapsed, self._last_total = total - self._last_total, total
+        return elapsed / max(1, steps)
+
+
 @dataclasses.dataclass
 class StragglerWatch:
-    """Names a worker that computes `margin` times slower than the median of the others for
-    `loops` loops in a row (once, until it recovers)."""
+    """Names a worker whose step time (its compute plus its wait for input) is `margin` times the
+    median of the others' for `loops` loops in a row (once, until it recovers)."""
 
     tasks: Sequence[tuple[str, str]]  # (name, host) of each worker, in the agreement's order.
     margin: float = 1.5
@@ -78,21 +114,28 @@ class StragglerWatch:
 
     def __post_init__(self) -> None:
         self._behind = [0] * len(self.tasks)  # Loops in a row each task was behind.
-        self.last: dict[str, float] = {}  # Each task's seconds per step in the last loop.
+        self.last: dict[str, dict[str, float]] = {}  # Each figure of the last loop: {figure: {task: seconds}}.
 
-    def observe(self, seconds_per_step: Sequence[float]) -> list[str]:
-        """The loop's figures, one per task; returns the lines to log (a task just found slow)."""
-        self.last = {name: seconds for (name, _), seconds in zip(self.tasks, seconds_per_step, strict=True)}
+    def observe(self, compute: Sequence[float], input_wait: Sequence[float] | None = None) -> list[str]:
+        """The loop's seconds per step of each task; returns the lines to log (a task just found slow)."""
+        waits = list(input_wait) if input_wait is not None else [0.0] * len(compute)
+        names = [name for name, _ in self.tasks]
+        self.last = {
+            "compute_seconds_per_step": dict(zip(names, compute, strict=True)),
+            "input_wait_seconds_per_step": dict(zip(names, waits, strict=True)),
+        }
+        steps = [c + w for c, w in zip(compute, waits, strict=True)]
         lines = []
-        for index, ((name, host), seconds) in enumerate(zip(self.tasks, seconds_per_step, strict=True)):
-            others = [s for i, s in enumerate(seconds_per_step) if i != index and s > 0]
+        for index, ((name, host), seconds) in enumerate(zip(self.tasks, steps, strict=True)):
+            others = [s for i, s in enumerate(steps) if i != index and s > 0]
             median = statistics.median(others) if others else 0.0
             ratio = seconds / median if median > 0 else 0.0
             self._behind[index] = self._behind[index] + 1 if ratio >= self.margin else 0
             if self._behind[index] == self.loops:
                 lines.append(
-                    f"{name} ({host}) {ratio:.1f}x the median compute time per step of the others for "
-                    f"{self.loops} loops ({seconds * 1000:.1f} ms against {median * 1000:.1f} ms)"
+                    f"{name} ({host}) {ratio:.1f}x the median step time of the others for {self.loops} loops "
+                    f"({seconds * 1000:.1f} ms against {median * 1000:.1f} ms: compute "
+                    f"{compute[index] * 1000:.1f} ms, input wait {waits[index] * 1000:.1f} ms)"
                 )
         return lines
 
@@ -119,16 +162,17 @@ def own_index(strategy: tf.distribute.Strategy, tasks: Sequence[tuple[str, str]]
 
 
 class StragglerReport:
-    """The Trainer's part: this worker's clock, the figures it sends with the stop agreement, and
+    """The Trainer's part: this worker's clocks, the figures it sends with the stop agreement, and
     what the agreement brought back (logged, written to TensorBoard, kept for metrics.json)."""
 
     def __init__(
         self, strategy: tf.distribute.Strategy, options: ThroughputOptions, tasks: list[tuple[str, str]]
     ):
         self.clock = ComputeClock(strategy)
+        self.input_clock = InputClock(strategy)
         self.watch = StragglerWatch(tasks, margin=options.straggler_margin, loops=options.straggler_loops)
         self._own = own_index(strategy, tasks)
-        self._seconds_per_step = 0.0  # This worker's, in the last loop; 0: none yet.
+        self._own_figures = (0.0, 0.0)  # This worker's (compute, input wait) per step in the last loop.
 
     @classmethod
     def create(
@@ -143,21 +187,27 @@ class StragglerReport:
 
     def loop_done(self, steps: int) -> None:
         if steps > 0:
-            self._seconds_per_step = self.clock.seconds_per_step(steps)
+            self._own_figures = (self.clock.seconds_per_step(steps), self.input_clock.seconds_per_step(steps))
 
     def figures(self) -> list[float]:
-        """What this worker adds to the agreement: its seconds per step in its own slot."""
-        slots = [0.0] * len(self.watch.tasks)
-        slots[self._own] = self._seconds_per_step
+        """What this worker adds to the agreement: its compute and input wait per step, in its own
+        slots of each (every worker's compute, then every worker's input wait)."""
+        workers = len(self.watch.tasks)
+        slots = [0.0] * (2 * workers)
+        slots[self._own], slots[workers + self._own] = self._own_figures
         return slots
 
     def agreed(self, figures: Sequence[float], step: int, summaries: Any) -> None:
         """Every worker's figures as the agreement summed them: compared, logged, written."""
-        if len(figures) != len(self.watch.tasks) or not all(seconds > 0 for seconds in figures):
+        workers = len(self.watch.tasks)
+        compute, waits = list(figures[:workers]), list(figures[workers:])
+        if len(waits) != workers or not all(seconds > 0 for seconds in compute):
             return  # Before the first loop (or a worker without a figure yet).
-        for line in self.watch.observe(figures):
+        for line in self.watch.observe(compute, waits):
             logger.warning("%s", line)
         scalars = {
-            f"{SCALAR_PREFIX}{name.replace(':', '_')}": seconds for name, seconds in self.watch.last.items()
+            f"{figure}/{name.replace(':', '_')}": seconds
+            for figure, by_task in self.watch.last.items()
+            for name, seconds in by_task.items()
         }
         summaries.write("train", step, scalars)

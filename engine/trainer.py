@@ -369,6 +369,7 @@ class Trainer:
             position=self.data_position,
             max_loss=self.spike_options.max_loss,
             replica_state=replica_local_state(self.strategy, self.model),
+            input_clock=self.stragglers.input_clock if self.stragglers is not None else None,
         )
 
     def _make_eval_runner(self, objective: Objective, data: DataForm, **options: Any) -> EvalRunner:

@@ -19,6 +19,7 @@ from engine.errors import UserError
 from engine.loop.replica_state import average_over_replicas
 from engine.loop.steps import STEP_FINITE, Batch, ReplicaStep
 from engine.resident import ResidentData
+from engine.stragglers import InputClock
 
 # loop(where the batches come from: an iterator, or resident tensors and a start step; num_steps).
 TrainLoop = Callable[..., dict]
@@ -180,6 +181,7 @@ def make_train_loop(
     per_replica_batch_size: int | None = None,
     max_loss: float | None = None,
     replica_state: Sequence[Any] = (),
+    input_clock: InputClock | None = None,
 ) -> TrainLoop:
     """Returns `loop(iterator, num_steps) -> {name: mean over the loop}`.
 
@@ -204,6 +206,8 @@ def make_train_loop(
     `replica_state` (`engine.loop.replica_state`): variables each replica updates on
     its own, averaged over the replicas after the loop's last step.
 
+    `input_clock` (`engine.stragglers`): the time each get_next of the iterator waited is added to it.
+
     With `global_step=None` the loop does not count steps: the
     parameter-server coordinator counts the steps it scheduled, because a
     closure retried after a worker failure may have run some steps twice.
@@ -216,13 +220,21 @@ def make_train_loop(
             global_step.assign_add(1)
         return reduced
 
+    def next_batch(iterator) -> tf.experimental.Optional:
+        if input_clock is None:
+            return iterator.get_next_as_optional()
+        started = input_clock.start()
+        batch = iterator.get_next_as_optional()
+        input_clock.stop(started, batch)
+        return batch
+
     @tf.function
     def train_loop(iterator, num_steps: tf.Tensor, first_batch_check=CHECK_NONE) -> dict[str, tf.Tensor]:
         # Every batch is taken as an optional, so a finite dataset ends the
         # loop early instead of failing it, and a call with no batch at all
         # runs no step (a step whose batch is missing might still count an
         # optimizer iteration).
-        first_batch = iterator.get_next_as_optional()
+        first_batch = next_batch(iterator)
         names: list[str] = []
         run, first_size = first_batch.has_value(), tf.constant(-1, tf.int64)
         if per_replica_batch_size is not None:
@@ -247,7 +259,7 @@ def make_train_loop(
                 )
                 steps_run += 1
                 if index + 1 < num_steps:  # No batch is taken that the loop will not run.
-                    batch = iterator.get_next_as_optional()
+                    batch = next_batch(iterator)
                 if not batch.has_value():
                     break
             average_over_replicas(strategy, list(replica_state))

@@ -40,6 +40,7 @@ from engine.loop.compiled import (
 from engine.loop.steps import EvalStep, ReplicaStep, inference_outputs, make_eval_step
 from engine.losses import EvalLoss, Objective
 from engine.resident import ResidentData, place_on_replicas
+from engine.stragglers import InputClock
 
 
 class TrainRunner:
@@ -69,8 +70,10 @@ class TrainRunner:
         position: DataPosition | None = None,
         max_loss: float | None = None,
         replica_state: Sequence[Any] = (),
+        input_clock: InputClock | None = None,
     ):
         self.strategy = strategy
+        self.input_clock = input_clock  # Times the iterator's waits (engine.stragglers); None: not timed.
         self.replica_step = replica_step
         self.replica_state = list(replica_state)
         self.global_batch_size = global_batch_size
@@ -101,6 +104,7 @@ class TrainRunner:
             per_replica_batch_size=self.global_batch_size // self.strategy.num_replicas_in_sync,
             max_loss=self.max_loss,
             replica_state=self.replica_state,
+            input_clock=self.input_clock,
         )
 
     @property

@@ -1,7 +1,7 @@
 """The straggler report (engine.stragglers) on a real two-worker cluster with one worker slowed
 on purpose by a CPU quota (a cgroup's, as a throttled VM or container has) once both train. The
 chief's line names that worker and no other; metrics.json and TensorBoard hold both workers'
-compute time per step."""
+compute time and input wait per step."""
 
 from __future__ import annotations
 
@@ -65,19 +65,23 @@ def test_a_worker_held_to_a_cpu_quota_is_named_and_no_other(tmp_path, workers):
         assert chief.wait(timeout=450) == 0, chief_log.read_text()[-3000:]
         assert slowed.wait(timeout=60) == 0, slowed_log.read_text()[-3000:]
     output = chief_log.read_text()
-    named = [line for line in output.splitlines() if "the median compute time per step of the others" in line]
+    named = [line for line in output.splitlines() if "the median step time of the others" in line]
     # Named once, and again only if it caught up for a loop and fell behind anew; worker:0 never.
     assert named, output[-3000:]
     for line in named:
         assert re.fullmatch(
-            r"warning: worker:1 \(localhost\) [0-9.]+x the median compute time per step of the others for 3 "
-            r"loops \([0-9.]+ ms against [0-9.]+ ms\)",
+            r"warning: worker:1 \(localhost\) [0-9.]+x the median step time of the others for 3 loops "
+            r"\([0-9.]+ ms against [0-9.]+ ms: compute [0-9.]+ ms, input wait [0-9.]+ ms\)",
             line,
         ), named
-    seconds = json.loads((model_dir / "metrics.json").read_text())["compute_seconds_per_step"]
-    assert set(seconds) == {"worker:0", "worker:1"}
+    record = json.loads((model_dir / "metrics.json").read_text())
+    seconds, waits = record["compute_seconds_per_step"], record["input_wait_seconds_per_step"]
+    assert set(seconds) == set(waits) == {"worker:0", "worker:1"}
     assert seconds["worker:1"] >= 1.5 * seconds["worker:0"] > 0, seconds
+    assert all(wait >= 0 for wait in waits.values()), waits
     scalars = read_scalars(model_dir / "train")
-    charts = {tag: values for tag, values in scalars.items() if tag.startswith("compute_seconds_per_step/")}
-    assert set(charts) == {"compute_seconds_per_step/worker_0", "compute_seconds_per_step/worker_1"}
+    charts = {tag: values for tag, values in scalars.items() if "seconds_per_step/" in tag}
+    assert set(charts) == {
+        f"{figure}_seconds_per_step/worker_{index}" for figure in ("compute", "input_wait") for index in (0, 1)
+    }
     assert len(charts["compute_seconds_per_step/worker_1"]) >= 3  # A point per loop.

@@ -281,8 +281,8 @@ def test_a_stop_request_after_the_workers_agreement_waits_for_the_next_one(tmp_p
     trainer = small_trainer(tmp_path)
     calls = []
 
-    def agreement(wanted):  # SUM over this worker and a peer that never asks to stop
-        calls.append(float(wanted))
+    def agreement(wanted):  # SUM over this worker and a peer that never asks to stop (the flag first)
+        calls.append(float(wanted[0]))
         if len(calls) == 1:
             trainer.request_stop()  # the signal lands while the first all-reduce runs
         return wanted + 0.0

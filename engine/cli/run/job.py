@@ -245,8 +245,8 @@ def _train_and_evaluate(
         "goodput": trainer.last_goodput,
         "model_dir": model_dir,
     }
-    if trainer.stragglers is not None and trainer.stragglers.watch.last:  # Each worker's, in the last loop.
-        result["compute_seconds_per_step"] = dict(trainer.stragglers.watch.last)
+    if trainer.stragglers is not None:  # Each worker's compute and input wait per step, in the last loop.
+        result.update(trainer.stragglers.watch.last)
     if config.on_nonfinite == "rollback" or trainer.rollbacks:  # Loss spikes survived (engine.loop.rollback).
         result["rollbacks"] = trainer.rollbacks
     if write_dir == model_dir:
