@@ -8,9 +8,10 @@ Each run is `python -m engine.launch --num_workers=N -- --strategy=multi_worker_
 --model=M --train_steps=S --steps_per_loop=L --mode=train` on a model_dir of its own; its figure
 is the chief's steady examples/s from metrics.json (the loops after the first: tracing left
 out). Short loops (`--steps_per_loop=10`) are the report's worst case: its figures travel with
-every loop's stop agreement. Reported: every run's figure, the medians of each way, and
-`ratio` = with / without (1.0: free). On a shared machine the runs' own spread is the limit of
-what the ratio can tell: it is printed beside it.
+every loop's stop agreement; `--device_data_mb=0` reads the batches through a tf.data iterator,
+whose waits are timed too (the digits are otherwise kept on the devices). Reported: every run's
+figure, the medians of each way, and `ratio` = with / without (1.0: free). On a shared machine
+the runs' own spread is the limit of what the ratio can tell: it is printed beside it.
 """
 
 from __future__ import annotations
@@ -37,6 +38,11 @@ def define_flags() -> None:
         "steps_per_loop", 10, "Steps per compiled loop: a stop agreement (and the report's figures) each."
     )
     flags.DEFINE_integer("repeats", 3, "Runs of each way, alternating.")
+    flags.DEFINE_integer(
+        "device_data_mb",
+        None,
+        "engine.main's --device_data_mb; 0: batches through a tf.data iterator (its waits timed).",
+    )
     flags.DEFINE_integer("timeout", 600, "Seconds a run may take.")
     flags.DEFINE_string("json", None, "Also write the results here.")
 
@@ -56,6 +62,7 @@ def run_once(way: str, model_dir: Path) -> float:
         "--mode=train",
         f"--model_dir={model_dir}",
         *(["--straggler_margin=0"] if way == "without" else []),
+        *([f"--device_data_mb={FLAGS.device_data_mb}"] if FLAGS.device_data_mb is not None else []),
     ]
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=FLAGS.timeout)
     if done.returncode != 0:
@@ -78,6 +85,7 @@ def measure() -> dict:
         "model": FLAGS.model,
         "train_steps": FLAGS.train_steps,
         "steps_per_loop": FLAGS.steps_per_loop,
+        "device_data_mb": FLAGS.device_data_mb,
         "runs": runs,
         "median_examples_per_second": medians,
         "spread": spread,  # (max - min) / median of each way's runs

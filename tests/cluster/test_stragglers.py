@@ -79,7 +79,9 @@ def test_a_worker_held_to_a_cpu_quota_is_named_and_no_other(tmp_path, workers):
     seconds, waits = record["compute_seconds_per_step"], record["input_wait_seconds_per_step"]
     assert set(seconds) == set(waits) == {"worker:0", "worker:1"}
     assert seconds["worker:1"] >= 1.5 * seconds["worker:0"] > 0, seconds
-    assert all(0 < wait < seconds["worker:1"] for wait in waits.values()), waits  # Timed; the compute held it up.
+    assert all(0 < wait < seconds["worker:1"] for wait in waits.values()), (
+        waits
+    )  # Timed; the compute held it up.
     scalars = read_scalars(model_dir / "train")
     charts = {tag: values for tag, values in scalars.items() if "seconds_per_step/" in tag}
     assert set(charts) == {
