@@ -5,7 +5,7 @@ stop at the same step (otherwise the others wait in their next all-reduce). So w
 several workers a stop request is all-reduced once per loop (`make_stop_agreement`), and
 a worker that learns of a peer's request takes it as its own. The Trainer holds the
 request and asks for the agreement between loops. The same all-reduce carries each
-worker's figures of the last loop (its compute time per step: `engine.stragglers`), so
+worker's figures of the last loop (its compute and input wait per step: `engine.stragglers`), so
 that reporting them costs no collective of its own.
 """
 

@@ -270,7 +270,7 @@ class Trainer:
         # Both stay in force for later train() calls until clear_stop():
         self.stop_training = False  # Set by a callback (early stopping): stop after this loop.
         self.stopping = StopAgreement(strategy)  # request_stop() (a signal, a peer worker).
-        # Which worker is slow (engine.stragglers): the standard step times its compute.
+        # Which worker is slow (engine.stragglers): the standard step times its compute, the loop its input.
         self.stragglers = (
             StragglerReport.create(strategy, throughput, self.stopping) if step_fn is None else None
         )
