@@ -134,6 +134,14 @@ def num_workers(strategy: tf.distribute.Strategy) -> int:
     return int(strategy.extended._num_workers)
 
 
+def op_determinism_enabled() -> bool:
+    """Whether `tf.config.experimental.enable_op_determinism()` is in force (no public getter):
+    stateful ops such as `tf.timestamp` then fail at run time."""
+    from tensorflow.python.framework import config
+
+    return bool(config.is_op_determinism_enabled())
+
+
 def num_ps(strategy: tf.distribute.Strategy) -> int:
     """The ps task count of a ParameterServerStrategy: no public count (its `cluster_resolver`
     is None on the coordinator, its `extended.parameter_devices` is not the ps tasks)."""

@@ -25,6 +25,7 @@ from typing import Any
 
 import tensorflow as tf
 
+from engine.compat import op_determinism_enabled
 from engine.logger import logger
 from engine.options import ThroughputOptions
 from engine.stopping import StopAgreement
@@ -178,9 +179,12 @@ class StragglerReport:
     def create(
         cls, strategy: tf.distribute.Strategy, options: ThroughputOptions, agreement: StopAgreement
     ) -> StragglerReport | None:
-        """A report where workers agree between loops (multi_worker_mirrored, 2+ workers) and
-        `straggler_margin` is set; else None."""
+        """A report where workers agree between loops (multi_worker_mirrored, 2+ workers),
+        `straggler_margin` is set and op determinism is not enabled; else None."""
         if agreement.all_reduce is None or not options.straggler_margin:
+            return None
+        if op_determinism_enabled():  # TensorFlow refuses tf.timestamp there.
+            logger.info("no straggler report: op determinism (--deterministic) forbids the timestamps it takes")
             return None
         tasks = worker_tasks(strategy)
         return cls(strategy, options, tasks) if len(tasks) > 1 else None

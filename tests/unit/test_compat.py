@@ -191,3 +191,15 @@ def test_engine_graph_code_is_traced_as_written_and_user_code_inside_it_is_conve
         with pytest.raises(TypeError, match="Python bool|tf.Tensor"):
             tf.function(lambda x: engines_calling_plainly(x))(tf.constant(2))
         assert compat.user_code(engines) is engines  # The engine's own code is never wrapped.
+
+
+def test_op_determinism_enabled_says_whether_a_timestamp_would_fail():
+    """What engine.stragglers relies on: where the getter says True, tf.timestamp fails in a
+    compiled function ("Timestamp cannot be called when determinism is enabled"); where False,
+    it runs. (Whichever this process is in: op determinism, once on, stays on.)"""
+    try:
+        tf.function(tf.timestamp)()
+        fails = False
+    except tf.errors.FailedPreconditionError:
+        fails = True
+    assert compat.op_determinism_enabled() == fails

@@ -1,6 +1,6 @@
 """engine.stragglers: which worker of a synchronous run computes slowly. The watch's decision
 from figures alone; the compute clock in a compiled step on this process's replicas. The
-report on a real cluster with a worker slowed on purpose: tests/cluster/test_stragglers.py."""
+report on a real cluster with a worker slowed on purpose: tests/cluster/test_slow_worker.py."""
 
 import time
 
@@ -112,3 +112,19 @@ def test_the_input_clock_adds_the_waits_of_a_loops_get_next_on_this_worker(mirro
     waited = clock.seconds_per_step(5)
     assert 0.02 <= waited < 1.0  # Two 20 ms elements a batch (less what tf.data prefetched).
     assert clock.seconds_per_step(5) == 0.0
+
+
+def test_no_report_under_op_determinism_which_refuses_timestamps():
+    """tf.timestamp fails under op determinism ("Timestamp cannot be called when determinism is
+    enabled"): --deterministic multi-worker runs train without the report (tests/cluster/test_launch.py
+    runs them)."""
+    from unittest import mock
+
+    from engine.options import ThroughputOptions
+    from engine.stragglers import StragglerReport
+
+    class Agreeing:
+        all_reduce = object()  # As with several workers.
+
+    with mock.patch("engine.stragglers.op_determinism_enabled", return_value=True):
+        assert StragglerReport.create(None, ThroughputOptions(), Agreeing()) is None
