@@ -220,6 +220,7 @@ def make_train_loop(
             global_step.assign_add(1)
         return reduced
 
+    @engine_graph_code
     def next_batch(iterator) -> tf.experimental.Optional:
         if input_clock is None:
             return iterator.get_next_as_optional()
