@@ -39,7 +39,11 @@ def _started_as_engine_command() -> bool:
     return False
 
 
-if "tensorflow" not in sys.modules and not _started_as_engine_command():
+if _started_as_engine_command():
+    from engine.command_start import tune_for_start_up
+
+    tune_for_start_up()  # Before numpy's import: its BLAS threads, the collector's threshold.
+elif "tensorflow" not in sys.modules:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # The runtime's later C++ lines, as engine.main sets it.
     from engine.native_logs import import_tensorflow_quietly
 

@@ -7,12 +7,20 @@ imports no TensorFlow (5 CPU-s of every run); each worker sets TensorFlow up
 in `pytest_configure`, before it collects a test module.
 """
 
+import gc
 import os
 from pathlib import Path
 
 import pytest
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# As every engine command does (engine/command_start.py; importing it here would import TensorFlow
+# into pytest-xdist's controller): numpy's BLAS on one thread, in these processes and the ones
+# they start, and the collector's first generation every 20,000 allocations. A test worker holds
+# every module's models and traced graphs: with Python's default (700) the collector walked
+# them some 3,000 times in the fast tier's conformance and trainer modules, 5 of their 49 s.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+gc.set_threshold(20_000, *gc.get_threshold()[1:])
 
 TEST_CPU_DEVICES = 2
 

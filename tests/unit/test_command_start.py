@@ -1,0 +1,33 @@
+"""What an engine command sets at its first line (engine/command_start.py)."""
+
+import gc
+import os
+
+import pytest
+
+from engine import command_start
+
+
+@pytest.fixture
+def restored_threshold():
+    saved = gc.get_threshold()
+    yield
+    gc.set_threshold(*saved)
+
+
+@pytest.mark.parametrize("set_by_user", [None, "OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS"])
+def test_numpy_blas_gets_one_thread_unless_the_environment_says(set_by_user, monkeypatch, restored_threshold):
+    for name in command_start.BLAS_THREAD_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    if set_by_user:
+        monkeypatch.setenv(set_by_user, "4")
+    command_start.tune_for_start_up()
+    expected = {set_by_user: "4"} if set_by_user else {"OPENBLAS_NUM_THREADS": "1"}
+    present = {name: os.environ[name] for name in command_start.BLAS_THREAD_VARIABLES if name in os.environ}
+    assert present == expected
+
+
+def test_the_first_generation_is_collected_less_often_and_the_older_ones_as_before(restored_threshold):
+    gc.set_threshold(700, 10, 10)
+    command_start.tune_for_start_up()
+    assert gc.get_threshold() == (command_start.FIRST_GENERATION_THRESHOLD, 10, 10)
