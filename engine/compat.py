@@ -230,3 +230,11 @@ def save_from(checkpoint: tf.train.Checkpoint, object_map: Any) -> None:
     """Makes `checkpoint`'s saves write each object's stand-in in `object_map` instead of the
     object (`TrackableSaver._object_map`, the hook TF's async checkpoint helper sets)."""
     checkpoint._saver._object_map = object_map
+
+
+def run_exit_handlers() -> None:
+    """What `atexit` registered, run now (CPython's `atexit._run_exitfuncs`, which the
+    interpreter's own exit calls), for a process about to end with `os._exit`."""
+    import atexit
+
+    atexit._run_exitfuncs()

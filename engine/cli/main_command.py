@@ -6,8 +6,11 @@ traceback. How the log lines look and which tasks print them:
 `engine.cli.process.console`; the table at the end: `engine.cli.run.summary`.
 """
 
+import os
 import sys
+import threading
 import time
+from typing import NoReturn
 
 from absl import app, flags, logging
 
@@ -21,6 +24,9 @@ from engine.status_line import status_line
 SHORT_HELP_FLAGS = ("--help", "-help", "-h", "-?", "--helpshort", "-helpshort")
 HELP_FLAGS = ("--help", "-help", "-?", "--helpshort", "-helpshort", "--helpfull", "-helpfull", "--helpxml")
 
+
+# Whether `main` coordinated parameter-server training in this process: see `exit_process`.
+_coordinates_parameter_servers = False
 
 # Where the run's goodput clock starts: the process's start under `run_cli` (engine.main's own
 # process), else (in-process callers of `main`) the call of `main`.
@@ -51,6 +57,8 @@ def main(argv: list[str]) -> int:
             return dry_run(config)
     from engine.cli.run.summary import summary_table
 
+    global _coordinates_parameter_servers
+    _coordinates_parameter_servers = config.strategy == "parameter_server"  # engine.main is the coordinator.
     this_console = console.Console.for_run(config, config.multi_host.cluster)
     with console.configured(this_console):
         result = run(config, started_at=started_at)
@@ -103,4 +111,31 @@ def run_cli() -> None:
     logging.set_verbosity(logging.INFO)
     logging.get_absl_handler().addFilter(FlagTermsFilter())  # The library's warnings, in flags.
     logging.get_absl_handler().addFilter(console.TensorFlowPerSaveLines())
-    app.run(lambda argv: sys.exit(main_with_clean_errors(argv)), flags_parser=parse_flags)
+    app.run(lambda argv: exit_process(main_with_clean_errors(argv)), flags_parser=parse_flags)
+
+
+def exit_process(status: int) -> NoReturn:
+    """Ends engine.main's own process with `status`.
+
+    A parameter-server coordinator ends without the interpreter's finalization. TensorFlow's
+    `ClusterCoordinator` keeps daemon threads that may be inside a call into TensorFlow at
+    the end (retrying a worker that died), and Python 3.11 ends a daemon thread that
+    returns to Python during finalization with a forced unwind, which TensorFlow's C++
+    catches and swallows: the process aborted (`FATAL: exception not rethrown`, exit -6)
+    after a run that had succeeded and written its files (seen once in
+    tests/cluster/test_multi_worker.py). So the coordinator does what finalization would do
+    for it first (waits for its threads that are not daemons, such as a checkpoint write,
+    runs the exit handlers, flushes its output) and then exits at once."""
+    if not _coordinates_parameter_servers:
+        sys.exit(status)
+    from engine.compat import run_exit_handlers
+
+    main_thread = threading.main_thread()
+    for thread in threading.enumerate():
+        if thread is not main_thread and not thread.daemon:
+            thread.join()
+    run_exit_handlers()
+    logging.flush()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
