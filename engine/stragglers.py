@@ -34,23 +34,39 @@ from engine.stopping import StopAgreement
 FIGURES = ("compute_seconds_per_step", "input_wait_seconds_per_step")
 
 
+class _Seconds:
+    """A float64 count of seconds, one copy per replica of this worker (ON_READ: never
+    all-reduced, not checkpointed), read on the host as the mean of this worker's copies."""
+
+    def __init__(self, strategy: tf.distribute.Strategy, name: str, aggregation: tf.VariableAggregation):
+        self._strategy = strategy
+        with strategy.scope():
+            self.variable = tf.Variable(
+                tf.constant(0.0, tf.float64),
+                trainable=False,
+                name=name,
+                synchronization=tf.VariableSynchronization.ON_READ,
+                aggregation=aggregation,
+            )
+        self._last_total = 0.0
+
+    def per_step(self, steps: int) -> float:
+        """Seconds per step since the last call, over `steps` steps; no collective."""
+        local = self._strategy.experimental_local_results(self.variable)
+        total = sum(float(value.numpy()) for value in local) / max(1, len(local))
+        elapsed, self._last_total = total - self._last_total, total
+        return elapsed / max(1, steps)
+
+
 class ComputeClock:
-    """Seconds this process's replicas spent computing their steps' gradients, summed (float64).
+    """Seconds this process's replicas spent computing their steps' gradients.
 
     Create it in the strategy's scope; `start`/`stop` go in the replica step; `seconds_per_step`
     reads this worker's own replicas on the host."""
 
     def __init__(self, strategy: tf.distribute.Strategy):
-        self._strategy = strategy
-        with strategy.scope():
-            self._seconds = tf.Variable(
-                tf.constant(0.0, tf.float64),
-                trainable=False,
-                name="compute_seconds",
-                synchronization=tf.VariableSynchronization.ON_READ,  # One per replica, read locally.
-                aggregation=tf.VariableAggregation.SUM,
-            )
-        self._last_total = 0.0
+        # SUM: each replica adds to its own copy in the replica step.
+        self._seconds = _Seconds(strategy, "compute_seconds", tf.VariableAggregation.SUM)
 
     @staticmethod
     def start(after: object) -> tf.Tensor:
@@ -61,33 +77,21 @@ class ComputeClock:
     def stop(self, started: tf.Tensor, after: object) -> None:
         """Adds the time from `started` until `after` (the gradients) are computed to this replica's clock."""
         with tf.control_dependencies([t for t in tf.nest.flatten(after) if t is not None]):
-            self._seconds.assign_add(tf.timestamp() - started)
+            self._seconds.variable.assign_add(tf.timestamp() - started)
 
     def seconds_per_step(self, steps: int) -> float:
-        """This worker's compute seconds per step since the last call, over `steps` steps (the mean
-        of its replicas); read from its own replicas, no collective."""
-        local = self._strategy.experimental_local_results(self._seconds)
-        total = sum(float(value.numpy()) for value in local) / max(1, len(local))
-        elapsed, self._last_total = total - self._last_total, total
-        return elapsed / max(1, steps)
+        """This worker's compute seconds per step since the last call (the mean of its replicas)."""
+        return self._seconds.per_step(steps)
 
 
 class InputClock:
     """Seconds this worker's compiled loop waited for its next batch (the iterator's get_next in the
-    loop, between steps), summed (float64). `start`/`stop` go around the loop's get_next, in
-    cross-replica context; `seconds_per_step` reads this worker's own copy, no collective."""
+    loop, between steps). `start`/`stop` go around the loop's get_next, in cross-replica context;
+    `seconds_per_step` reads this worker's own copies."""
 
     def __init__(self, strategy: tf.distribute.Strategy):
-        with strategy.scope():  # One copy per replica, each the worker's own count (never all-reduced).
-            self._seconds = tf.Variable(
-                tf.constant(0.0, tf.float64),
-                trainable=False,
-                name="input_wait_seconds",
-                synchronization=tf.VariableSynchronization.ON_READ,
-                aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,  # Assignable across replicas.
-            )
-        self._strategy = strategy
-        self._last_total = 0.0
+        # ONLY_FIRST_REPLICA: assignable in cross-replica context, every copy the same count.
+        self._seconds = _Seconds(strategy, "input_wait_seconds", tf.VariableAggregation.ONLY_FIRST_REPLICA)
 
     @staticmethod
     def start() -> tf.Tensor:
@@ -96,12 +100,11 @@ class InputClock:
     def stop(self, started: tf.Tensor, batch: tf.experimental.Optional) -> None:
         """Adds the time since `started` until `batch` (an optional) is there."""
         with tf.control_dependencies([batch.has_value()]):
-            self._seconds.assign_add(tf.timestamp() - started)
+            self._seconds.variable.assign_add(tf.timestamp() - started)
 
     def seconds_per_step(self, steps: int) -> float:
-        total = float(self._strategy.experimental_local_results(self._seconds)[0].numpy())
-        elapsed, self._last_total = total - self._last_total, total
-        return elapsed / max(1, steps)
+        """This worker's input wait per step since the last call."""
+        return self._seconds.per_step(steps)
 
 
 @dataclasses.dataclass
