@@ -208,3 +208,25 @@ def test_a_dry_run_beside_a_clusters_tf_config_is_refused_when_it_also_simulates
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "2 worker(s) x 1 replica = 2 (the cluster's tasks)" in result.stderr
+
+
+def test_only_the_users_code_has_its_errors_reported_as_problems_the_engines_own_stay_tracebacks():
+    from engine.cli.run.dry_run import _Problems
+    from engine.errors import UserError
+
+    def user_step():
+        raise ValueError("Dimensions must be equal, but are 8 and 64")
+
+    def engine_check():
+        raise TypeError("unsupported operand type(s)")  # a bug of the engine's: must not pass for the user's
+
+    def refused():
+        raise UserError("--global_batch_size=7 is larger than the 5 training examples")
+
+    problems = _Problems()
+    assert problems.check(user_step, runs_user_code="the step") is None
+    assert problems.check(refused) is None
+    assert problems.lines[0].startswith("the step failed") and "8 and 64" in problems.lines[0]
+    assert problems.lines[1] == "--global_batch_size=7 is larger than the 5 training examples"
+    with pytest.raises(TypeError):
+        problems.check(engine_check)

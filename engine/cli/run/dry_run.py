@@ -118,7 +118,7 @@ def dry_run(config: RunConfig) -> int:
     total_steps = config.total_steps(source.num_train_examples)
 
     # The state's size from one copy of the model, before any replica holds one.
-    sizes = problems.check(_state_sizes, config, task)
+    sizes = problems.check(_state_sizes, config, task)  # A model that cannot be built: a UserError.
     if sizes is not None:
         batch_bytes = per_replica_batch * (
             math.prod(source.feature_shape) * 4 + 4
@@ -127,7 +127,8 @@ def dry_run(config: RunConfig) -> int:
             problems, cluster, sizes, batch_bytes, per_replica_batch, simulated, on_gpus=bool(config.num_gpus)
         )
     if not problems:
-        problems.check(_one_step, config, task, cluster, simulated, per_replica_batch, total_steps)
+        step_args = (config, task, cluster, simulated, per_replica_batch, total_steps)
+        problems.check(_one_step, *step_args, runs_user_code="the step")
     if config.num_gpus:
         logging.info(
             "%s%d GPU(s) per worker simulated on CPU devices: their memory is not checked",
@@ -317,16 +318,20 @@ class _Problems:
     def add(self, line: str) -> None:
         self.lines.append(line)
 
-    def check(self, function, *args: Any) -> Any:
-        """`function(*args)`; a UserError or a TensorFlow error it raises becomes a problem (None returned)."""
+    def check(self, function, *args: Any, runs_user_code: str | None = None) -> Any:
+        """`function(*args)`; a UserError it raises becomes a problem (None returned). Where it
+        `runs_user_code` (what it does, as "the step"), so does an error the user's model or
+        loss raises there (TensorFlow's, ValueError, TypeError), named at the user's line; in
+        the engine's own checks those stay tracebacks: bugs, not the user's problems."""
         from engine.cli.config.flag_names import in_flag_terms
 
+        caught = (tf.errors.OpError, ValueError, TypeError) if runs_user_code else ()
         try:
             return function(*args)
         except UserError as error:
             self.add(in_flag_terms(error))
-        except (tf.errors.OpError, ValueError, TypeError) as error:
-            self.add(f"the step failed{step_failure(error)}")
+        except caught as error:
+            self.add(f"{runs_user_code} failed{step_failure(error)}")
         return None
 
     def report(self, model_dir: str | None) -> int:
