@@ -10,6 +10,12 @@ inside it, so no second is booked twice and the parts never sum past the total.
 `startup` is what passed from the origin to the first training call, less the
 phases booked before it (the restore). `fraction` = train / total.
 
+A training call that traced also ran its steps, which trained the model as a steady call's
+do: where the run has steady training calls too, those steps are booked to `train` at the
+steady calls' time per step, and only the rest of that call to `compile` (with a loop of
+100 one-second steps, the first call's 100 s are training, not compilation). A run of one
+call has no steady time to go by: its whole call stays `compile`.
+
 Also here: training TFLOP/s and model FLOPs utilisation (MFU) from examples/s, for
 a model whose FLOPs per example are known.
 """
@@ -40,6 +46,7 @@ class Span:
     phase: str
     began: float
     inner: float = 0.0  # Seconds of the phases that ran inside this one.
+    steps: int = 0  # Training steps the block ran (a training call's caller sets it).
 
 
 class GoodputClock:
@@ -56,6 +63,7 @@ class GoodputClock:
         self._stack: list[Span] = []
         self._first_train_at: float | None = None  # time.time() of the first training call
         self._booked_before_first_train = 0.0
+        self._steps = {"train": 0, "compile": 0}  # Steps run by steady training calls, by tracing ones.
 
     def start_from(self, origin: float) -> None:
         """Moves the origin earlier (e.g. to the process's start); a later one is ignored."""
@@ -77,16 +85,19 @@ class GoodputClock:
             if span.phase not in self._seconds:
                 raise ValueError(f"unknown goodput phase {span.phase!r}; one of {', '.join(PHASES)}")
             self._seconds[span.phase] += max(elapsed - span.inner, 0.0)
+            if span.steps and span.phase in self._steps:
+                self._steps[span.phase] += span.steps
             if self._stack:
                 self._stack[-1].inner += elapsed
 
     @contextlib.contextmanager
-    def call(self, function: Any, phase: str) -> Iterator[None]:
+    def call(self, function: Any, phase: str) -> Iterator[Span]:
         """Books a call of the tf.function `function` to `phase`, or to `compile` where the call
-        traced it (its tracing count went up): the first call of each trace, measured apart."""
+        traced it (its tracing count went up): the first call of each trace, measured apart. A
+        training call's caller sets the span's `steps` (see the module docstring)."""
         before = tracing_count(function)
         with self.phase(phase) as span:
-            yield
+            yield span
             if tracing_count(function) != before:
                 span.phase = "compile"
 
@@ -108,11 +119,21 @@ class GoodputClock:
         first = self._first_train_at if self._first_train_at is not None else now
         startup = max(first - self._origin - self._booked_before_first_train, 0.0)
         booked = {f"{name}_s": seconds for name, seconds in self._seconds.items()}
+        trained = self._steps_trained_while_compiling()
+        booked["compile_s"] -= trained
+        booked["train_s"] += trained
         parts = startup + sum(booked.values())
         total = max(total, parts)  # Clock granularity: the parts never exceed the total.
         figures = {"total_s": total, "startup_s": startup, **booked}
         figures["fraction"] = booked["train_s"] / total if total > 0 else 0.0
         return {name: figures[name] for name in FIGURES}
+
+    def _steps_trained_while_compiling(self) -> float:
+        """The tracing calls' steps at the steady calls' seconds per step (none without steady calls)."""
+        if not self._steps["compile"] or not self._steps["train"]:
+            return 0.0
+        per_step = self._seconds["train"] / self._steps["train"]
+        return min(self._steps["compile"] * per_step, self._seconds["compile"])
 
 
 def process_start_time() -> float:

@@ -593,8 +593,9 @@ class Trainer:
         for metric in self.train_metrics:
             metric.reset_state()
         began = time.perf_counter()
-        with self.goodput_clock.call(self.train_runner.loop, "train"):  # A call that traced: compile.
+        with self.goodput_clock.call(self.train_runner.loop, "train") as call:  # A call that traced: compile.
             result = self.train_runner.run(start, num_steps)
+            call.steps = result.steps_run
         seconds = time.perf_counter() - began
         if result.steps_run == 0:  # Not one batch was left: nothing ran, nothing to log.
             self._end_on_exhausted_data(target, last_saved, {})

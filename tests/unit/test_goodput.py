@@ -63,6 +63,34 @@ def test_a_call_that_traces_is_compile_time_the_later_ones_are_not():
     assert clock.seconds("compile") > clock.seconds("train")  # Tracing dwarfs two tiny calls.
 
 
+def test_the_steps_a_tracing_call_ran_are_training_at_the_steady_calls_time_per_step():
+    """A first call of 100 steps that took 1.5 s, of which 1 s was steps at the 10 ms a step the
+    next calls took: 1 s is training, 0.5 s compilation."""
+    clock = GoodputClock()
+
+    @tf.function
+    def loop(x):
+        return x + 1
+
+    def call(steps: int, seconds: float) -> None:
+        with clock.call(loop, "train") as span:
+            loop(tf.constant(1.0))
+            time.sleep(seconds)
+            span.steps = steps
+
+    call(100, 1.5)  # Traces: booked to compile first.
+    alone = clock.figures()
+    assert alone["train_s"] == 0 and alone["compile_s"] >= 1.5  # No steady call yet to go by.
+    call(100, 1.0)
+    call(100, 1.0)
+    figures = clock.figures()
+    check_figures(figures)
+    steady_per_step = clock.seconds("train") / 200  # What the clock booked to the two steady calls.
+    assert figures["train_s"] == pytest.approx(300 * steady_per_step)
+    assert figures["compile_s"] == pytest.approx(clock.seconds("compile") - 100 * steady_per_step)
+    assert 0.45 <= figures["compile_s"] < 0.5 + 0.25  # The first call's 1.5 s less its 100 steps' ~1 s.
+
+
 def test_the_origin_moves_earlier_only():
     clock = GoodputClock()
     clock.start_from(time.time() - 5)
