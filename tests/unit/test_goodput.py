@@ -64,8 +64,8 @@ def test_a_call_that_traces_is_compile_time_the_later_ones_are_not():
 
 
 def test_the_steps_a_tracing_call_ran_are_training_at_the_steady_calls_time_per_step():
-    """A first call of 100 steps that took 1.5 s, of which 1 s was steps at the 10 ms a step the
-    next calls took: 1 s is training, 0.5 s compilation."""
+    """A first call of 100 steps that took 0.6 s, of which 0.4 s was steps at the 4 ms a step the
+    next calls took: 0.4 s is training, 0.2 s compilation."""
     clock = GoodputClock()
 
     @tf.function
@@ -78,17 +78,17 @@ def test_the_steps_a_tracing_call_ran_are_training_at_the_steady_calls_time_per_
             time.sleep(seconds)
             span.steps = steps
 
-    call(100, 1.5)  # Traces: booked to compile first.
+    call(100, 0.6)  # Traces: booked to compile first.
     alone = clock.figures()
-    assert alone["train_s"] == 0 and alone["compile_s"] >= 1.5  # No steady call yet to go by.
-    call(100, 1.0)
-    call(100, 1.0)
+    assert alone["train_s"] == 0 and alone["compile_s"] >= 0.6  # No steady call yet to go by.
+    call(100, 0.4)
+    call(100, 0.4)
     figures = clock.figures()
     check_figures(figures)
     steady_per_step = clock.seconds("train") / 200  # What the clock booked to the two steady calls.
     assert figures["train_s"] == pytest.approx(300 * steady_per_step)
     assert figures["compile_s"] == pytest.approx(clock.seconds("compile") - 100 * steady_per_step)
-    assert 0.45 <= figures["compile_s"] < 0.5 + 0.25  # The first call's 1.5 s less its 100 steps' ~1 s.
+    assert 0.15 <= figures["compile_s"] < 0.2 + 0.25  # The first call's 0.6 s less its 100 steps' ~0.4 s.
 
 
 def test_the_origin_moves_earlier_only():
