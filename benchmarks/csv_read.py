@@ -79,13 +79,16 @@ def main(argv: list[str]) -> None:
         "columns": FLAGS.columns,
         "file_mib": round(size / 2**20, 1),
     }
-    for reader, measured in runs.items():
-        result[reader] = {
-            key: round(statistics.median(run[key] for run in measured), 3) for key in ("seconds", "peak_mib")
-        }
-    numpy, cells = result["numpy"], result["python_cells"]
-    assert isinstance(numpy, dict) and isinstance(cells, dict)
-    result["time_ratio"] = round(cells["seconds"] / numpy["seconds"], 2)
+    # Seconds to the microsecond: a small table's read takes under a millisecond, which three
+    # decimals wrote as 0 (and a ratio of 0 or a division by zero).
+    medians = {
+        reader: {key: statistics.median(run[key] for run in measured) for key in ("seconds", "peak_mib")}
+        for reader, measured in runs.items()
+    }
+    for reader, median in medians.items():
+        result[reader] = {"seconds": round(median["seconds"], 6), "peak_mib": round(median["peak_mib"], 3)}
+    numpy, cells = medians["numpy"], medians["python_cells"]
+    result["time_ratio"] = round(cells["seconds"] / max(numpy["seconds"], 1e-6), 2)
     result["memory_ratio"] = round(cells["peak_mib"] / max(numpy["peak_mib"], 1e-3), 2)
     report(result, FLAGS.json)
 
