@@ -120,9 +120,8 @@ def dry_run(config: RunConfig) -> int:
     # The state's size from one copy of the model, before any replica holds one.
     sizes = problems.check(_state_sizes, config, task)  # A model that cannot be built: a UserError.
     if sizes is not None:
-        batch_bytes = per_replica_batch * (
-            math.prod(source.feature_shape) * 4 + 4
-        )  # float32 features, int32 label
+        example_bytes = math.prod(source.feature_shape) * 4 + 4  # float32 features, an int32 label
+        batch_bytes = per_replica_batch * example_bytes
         _check_memory(
             problems, cluster, sizes, batch_bytes, per_replica_batch, simulated, on_gpus=bool(config.num_gpus)
         )
@@ -196,6 +195,7 @@ def _check_memory(
     """Reports the state's sizes; a worker or ps task that a host like this one cannot hold is a problem."""
     limit = host_memory.memory_limit_bytes()
     batch = f"a batch of {per_replica_batch} ({_size(batch_bytes)})"
+    whole_copy = sizes.weights + sizes.slots + sizes.trainable + batch_bytes  # A replica holding everything.
     if cluster.strategy == "parameter_server":  # The variables and their slots live on the ps tasks.
         replica = sizes.trainable + batch_bytes
         logging.info(
@@ -212,7 +212,7 @@ def _check_memory(
                 "largest tables (engine.ShardedEmbedding)"
             )
     else:
-        replica = sizes.weights + sizes.slots + sizes.trainable + batch_bytes
+        replica = whole_copy
         logging.info(
             "%sper replica: weights %s + optimizer slots %s + gradients %s + %s = %s (activations come on top)",
             *(PREFIX, _size(sizes.weights), _size(sizes.slots), _size(sizes.trainable), batch, _size(replica)),
@@ -225,9 +225,7 @@ def _check_memory(
             f"activations, more than the {_size(limit)} a host like this one may use; use a smaller "
             "model or batch, or more workers"
         )
-    here = simulated * (
-        sizes.weights + sizes.slots + sizes.trainable + batch_bytes
-    )  # Every copy in this process.
+    here = simulated * whole_copy  # Every simulated replica holds a whole copy in this process.
     if not problems and here > (limit or math.inf) // 2:
         problems.add(
             f"simulating {simulated} replicas needs {_size(here)}, more than half of this host's "
