@@ -7,7 +7,11 @@ hold pattern characters), and read by their names in this directory, so a copied
 resumes from its own files. A deleted or damaged state file made a rerun start over on top
 of the saved checkpoints: `recover_state` names them again. A write cut short (kill -9, a
 full disk) leaves a `ckpt-N_temp` folder: `remove_partial_checkpoints` removes it at the
-next start, under the model_dir's writer lock (`engine.model_dir`).
+next start, under the model_dir's writer lock (`engine.model_dir`). While that folder is there
+the write of `ckpt-N` has not finished, whatever `ckpt-N.*` files exist beside it: TensorFlow
+moves the data files out of the folder, then writes `ckpt-N.index` in place (not by rename), and
+removes the folder last. Such a `ckpt-N` is no checkpoint (`scan_checkpoints`) and goes with its
+folder.
 """
 
 from __future__ import annotations
@@ -42,17 +46,20 @@ _CHECKPOINT_INDEX = re.compile(r"^ckpt-(\d+)\.index$")
 
 
 def scan_checkpoints(directory: str) -> list[str]:
-    """Prefixes of every `ckpt-N` with an index file in `directory`, oldest first.
+    """Prefixes of every `ckpt-N` with an index file in `directory` and no `ckpt-N_temp`
+    folder beside it (a write not finished: its index may be half written), oldest first.
 
     Lists the directory instead of matching a pattern, so it is right for any
     directory name.
     """
     if not tf.io.gfile.isdir(directory):
         return []
+    names = [name.rstrip("/") for name in tf.io.gfile.listdir(directory)]
+    unfinished = {name[: -len("_temp")] for name in names if _PARTIAL_CHECKPOINT.match(name)}
     numbered = []
-    for name in tf.io.gfile.listdir(directory):
+    for name in names:
         match = _CHECKPOINT_INDEX.match(name)
-        if match:
+        if match and name[: -len(".index")] not in unfinished:
             numbered.append((int(match.group(1)), os.path.join(directory, name[: -len(".index")])))
     return [path for _, path in sorted(numbered)]
 
@@ -320,7 +327,30 @@ def _remove_partial(path: str, *, warn: bool = False) -> None:
         return
     if warn:
         logger.warning("removing %s, left by a checkpoint write that did not finish", path)
+    _remove_unfinished_files(path)  # Before the folder, which tells that they are unfinished.
     if is_remote(path):
         remove_tree(path)
     else:
         shutil.rmtree(path, ignore_errors=True)
+
+
+_CHECKPOINT_FILE = re.compile(r"^(ckpt-\d+)\.(index|data-\d+-of-\d+)$")
+
+
+def _remove_unfinished_files(folder: str) -> None:
+    """Removes the `ckpt-N.*` files the write that left `folder` (`<dir>/ckpt-N_temp`) had
+    already put beside it (its data files, a half-written index), unless the state file of
+    `<dir>` names `ckpt-N`: never committed, and unreadable (or, in the instant before the
+    folder goes, complete but not yet named)."""
+    directory, name = os.path.split(folder.rstrip("/"))
+    prefix = name[: -len("_temp")]
+    state = checkpoint_state(directory)
+    if state is not None and prefix in {os.path.basename(p) for p in state.all_model_checkpoint_paths} | {
+        os.path.basename(state.model_checkpoint_path)
+    }:
+        return
+    for file in tf.io.gfile.listdir(directory):
+        match = _CHECKPOINT_FILE.match(file)
+        if match and match.group(1) == prefix:
+            with contextlib.suppress(tf.errors.NotFoundError):
+                tf.io.gfile.remove(os.path.join(directory, file))

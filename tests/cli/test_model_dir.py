@@ -395,6 +395,61 @@ def test_orphan_temp_dirs_are_removed_at_start(trained, tmp_path):
     assert str(orphan) in result.stderr and not orphan.exists()
 
 
+def cut_short_in_the_merge(checkpoints: Path, name: str) -> None:
+    """Makes the complete checkpoint `name` what a kill -9 inside TensorFlow's merge of its write
+    leaves (the order a save's system calls show): its data file already moved out of
+    `<name>_temp/`, its index half written in place, the folder still holding the part's index,
+    and no state file entry for it."""
+    index = checkpoints / f"{name}.index"
+    partial = checkpoints / f"{name}_temp"
+    partial.mkdir()
+    (partial / "part-00000-of-00001.index").write_bytes(index.read_bytes())
+    index.write_bytes(index.read_bytes()[: index.stat().st_size // 2])
+
+
+@pytest.mark.cli
+@pytest.mark.slow
+def test_a_kill_inside_the_first_checkpoints_merge_is_a_write_cut_short_and_the_rerun_starts_over(tmp_path):
+    flags = ["--model=mlp", "--deterministic", "--seed=5", "--train_steps=10", "--checkpoint_every=10"]
+    whole = tmp_path / "whole"
+    assert main_in_process(*flags, f"--model_dir={whole}").returncode == 0
+    model_dir = copy_of(whole, tmp_path / "run")
+    (model_dir / "checkpoints" / "checkpoint").unlink()  # The first save: no state file yet.
+    cut_short_in_the_merge(model_dir / "checkpoints", "ckpt-10")
+
+    rerun = main_in_process(*flags, f"--model_dir={model_dir}")
+
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert "steps=0->10" in rerun.stderr  # Nothing was committed: the run starts over.
+    assert f"removing {model_dir / 'checkpoints' / 'ckpt-10_temp'}" in rerun.stderr
+    assert not list(model_dir.rglob("*_temp")) and not (model_dir / "checkpoints" / "superseded").exists()
+    reference = tf.train.load_checkpoint(str(whole / "checkpoints" / "ckpt-10"))
+    written = tf.train.load_checkpoint(str(model_dir / "checkpoints" / "ckpt-10"))
+    names = [name for name in reference.get_variable_to_shape_map() if name != "_CHECKPOINTABLE_OBJECT_GRAPH"]
+    assert names == [n for n in written.get_variable_to_shape_map() if n != "_CHECKPOINTABLE_OBJECT_GRAPH"]
+    for name in names:  # (The object graph holds the layers' names, numbered per process.)
+        np.testing.assert_array_equal(reference.get_tensor(name), written.get_tensor(name), name)
+
+
+@pytest.mark.cli
+@pytest.mark.slow
+def test_a_kill_inside_a_later_checkpoints_merge_resumes_from_the_one_before(trained, tmp_path):
+    model_dir = copy_of(trained, tmp_path / "run")
+    checkpoints = model_dir / "checkpoints"
+    # The state file as it was before the save of step 20: naming ckpt-10 alone.
+    (checkpoints / "checkpoint").write_text(
+        'model_checkpoint_path: "ckpt-10"\nall_model_checkpoint_paths: "ckpt-10"\n'
+    )
+    cut_short_in_the_merge(checkpoints, "ckpt-20")
+
+    rerun = main_in_process(*TRAINED_FLAGS, "--train_steps=30", f"--model_dir={model_dir}")
+
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert "steps=10->30" in rerun.stderr
+    assert not list(model_dir.rglob("*_temp")) and not (checkpoints / "superseded").exists()
+    assert discovery.read_problem(str(checkpoints / "ckpt-20")) is None
+
+
 @pytest.mark.cli
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["run[1]", "run*", "run?"])
