@@ -78,6 +78,9 @@ def main_in_process(
 
     from engine.cli import main_command as cli
 
+    # TensorFlow has no way back from op determinism: on, it would fail later tests' timestamps.
+    assert not any(flag.startswith("--deterministic") for flag in flags), "use run_main for --deterministic"
+
     stdout, stderr = io.StringIO(), io.StringIO()
     # What engine.main's process prints: the log lines (absl's at INFO, as run_cli sets; the
     # library's), which reach the root logger's handlers there as here, on stderr.
