@@ -7,11 +7,11 @@ hold pattern characters), and read by their names in this directory, so a copied
 resumes from its own files. A deleted or damaged state file made a rerun start over on top
 of the saved checkpoints: `recover_state` names them again. A write cut short (kill -9, a
 full disk) leaves a `ckpt-N_temp` folder: `remove_partial_checkpoints` removes it at the
-next start, under the model_dir's writer lock (`engine.model_dir`). While that folder is there
-the write of `ckpt-N` has not finished, whatever `ckpt-N.*` files exist beside it: TensorFlow
-moves the data files out of the folder, then writes `ckpt-N.index` in place (not by rename), and
-removes the folder last. Such a `ckpt-N` is no checkpoint (`scan_checkpoints`) and goes with its
-folder.
+next start, under the model_dir's writer lock (`engine.model_dir`). While that folder is there,
+the `ckpt-N.*` files beside it may be half written: TensorFlow moves the data files out of the
+folder, then writes `ckpt-N.index` in place (not by rename), and removes the folder last. Such
+a `ckpt-N` counts as a checkpoint only if it reads back whole (`scan_checkpoints`), and
+otherwise goes with its folder.
 """
 
 from __future__ import annotations
@@ -46,8 +46,9 @@ _CHECKPOINT_INDEX = re.compile(r"^ckpt-(\d+)\.index$")
 
 
 def scan_checkpoints(directory: str) -> list[str]:
-    """Prefixes of every `ckpt-N` with an index file in `directory` and no `ckpt-N_temp`
-    folder beside it (a write not finished: its index may be half written), oldest first.
+    """Prefixes of every `ckpt-N` with an index file in `directory`, oldest first; one whose
+    `ckpt-N_temp` folder is still beside it only if it reads back whole (its write was cut
+    short, perhaps in the middle of its index: `unfinished`).
 
     Lists the directory instead of matching a pattern, so it is right for any
     directory name.
@@ -55,13 +56,22 @@ def scan_checkpoints(directory: str) -> list[str]:
     if not tf.io.gfile.isdir(directory):
         return []
     names = [name.rstrip("/") for name in tf.io.gfile.listdir(directory)]
-    unfinished = {name[: -len("_temp")] for name in names if _PARTIAL_CHECKPOINT.match(name)}
+    folders = {name[: -len("_temp")] for name in names if _PARTIAL_CHECKPOINT.match(name)}
     numbered = []
     for name in names:
         match = _CHECKPOINT_INDEX.match(name)
-        if match and name[: -len(".index")] not in unfinished:
-            numbered.append((int(match.group(1)), os.path.join(directory, name[: -len(".index")])))
+        if match:
+            path = os.path.join(directory, name[: -len(".index")])
+            if name[: -len(".index")] not in folders or not unfinished(path):
+                numbered.append((int(match.group(1)), path))
     return [path for _, path in sorted(numbered)]
+
+
+def unfinished(path: str) -> bool:
+    """Whether the checkpoint `path` (`<dir>/ckpt-N`, its `ckpt-N_temp` folder beside it) is a
+    write cut short: TensorFlow moves the data files out of the folder, writes the index in
+    place (not by rename) and removes the folder last, so only reading it back tells."""
+    return read_problem(path) is not None
 
 
 def read_problem(path: str) -> str | None:
@@ -339,15 +349,19 @@ _CHECKPOINT_FILE = re.compile(r"^(ckpt-\d+)\.(index|data-\d+-of-\d+)$")
 
 def _remove_unfinished_files(folder: str) -> None:
     """Removes the `ckpt-N.*` files the write that left `folder` (`<dir>/ckpt-N_temp`) had
-    already put beside it (its data files, a half-written index), unless the state file of
-    `<dir>` names `ckpt-N`: never committed, and unreadable (or, in the instant before the
-    folder goes, complete but not yet named)."""
+    already put beside it (its data files, a half-written index) when they do not read back
+    as a checkpoint and the state file of `<dir>` does not name `ckpt-N`. A complete one (a
+    kill in the instant between its index and the folder's removal) stays, for the listing
+    (`recover_state`) or the next save of that step (`set_aside_unlisted`) to find."""
     directory, name = os.path.split(folder.rstrip("/"))
     prefix = name[: -len("_temp")]
     state = checkpoint_state(directory)
     if state is not None and prefix in {os.path.basename(p) for p in state.all_model_checkpoint_paths} | {
         os.path.basename(state.model_checkpoint_path)
     }:
+        return
+    path = os.path.join(directory, prefix)
+    if tf.io.gfile.exists(path + ".index") and not unfinished(path):
         return
     for file in tf.io.gfile.listdir(directory):
         match = _CHECKPOINT_FILE.match(file)

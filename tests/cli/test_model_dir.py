@@ -433,6 +433,28 @@ def test_a_kill_inside_the_first_checkpoints_merge_is_a_write_cut_short_and_the_
 
 @pytest.mark.cli
 @pytest.mark.slow
+def test_a_kill_after_the_first_checkpoints_index_but_before_its_folder_went_resumes_from_it(tmp_path):
+    """The instant between the merged index's last byte and the folder's removal: `ckpt-10`
+    is whole, so the rerun continues from it rather than starting over."""
+    flags = ["--model=mlp", "--seed=5", "--checkpoint_every=10"]
+    model_dir = tmp_path / "run"
+    assert main_in_process(*flags, "--train_steps=10", f"--model_dir={model_dir}").returncode == 0
+    checkpoints = model_dir / "checkpoints"
+    (checkpoints / "checkpoint").unlink()
+    partial = checkpoints / "ckpt-10_temp"
+    partial.mkdir()
+    (partial / "part-00000-of-00001.index").write_bytes((checkpoints / "ckpt-10.index").read_bytes())
+    before = checkpoint_files(model_dir)
+
+    rerun = main_in_process(*flags, "--train_steps=20", f"--model_dir={model_dir}")
+
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert "steps=10->20" in rerun.stderr and not partial.exists()
+    assert {name: checkpoint_files(model_dir)[name] for name in before} == before
+
+
+@pytest.mark.cli
+@pytest.mark.slow
 def test_a_kill_inside_a_later_checkpoints_merge_resumes_from_the_one_before(trained, tmp_path):
     model_dir = copy_of(trained, tmp_path / "run")
     checkpoints = model_dir / "checkpoints"
