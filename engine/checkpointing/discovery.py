@@ -337,7 +337,7 @@ def _remove_partial(path: str, *, warn: bool = False) -> None:
         return
     if warn:
         logger.warning("removing %s, left by a checkpoint write that did not finish", path)
-    _remove_unfinished_files(path)  # Before the folder, which tells that they are unfinished.
+    _remove_unfinished_files(path, warn=warn)  # Before the folder, which tells that they are unfinished.
     if is_remote(path):
         remove_tree(path)
     else:
@@ -347,7 +347,7 @@ def _remove_partial(path: str, *, warn: bool = False) -> None:
 _CHECKPOINT_FILE = re.compile(r"^(ckpt-\d+)\.(index|data-\d+-of-\d+)$")
 
 
-def _remove_unfinished_files(folder: str) -> None:
+def _remove_unfinished_files(folder: str, *, warn: bool) -> None:
     """Removes the `ckpt-N.*` files the write that left `folder` (`<dir>/ckpt-N_temp`) had
     already put beside it (its data files, a half-written index) when they do not read back
     as a checkpoint and the state file of `<dir>` does not name `ckpt-N`. A complete one (a
@@ -363,8 +363,14 @@ def _remove_unfinished_files(folder: str) -> None:
     path = os.path.join(directory, prefix)
     if tf.io.gfile.exists(path + ".index") and not unfinished(path):
         return
-    for file in tf.io.gfile.listdir(directory):
-        match = _CHECKPOINT_FILE.match(file)
-        if match and match.group(1) == prefix:
-            with contextlib.suppress(tf.errors.NotFoundError):
-                tf.io.gfile.remove(os.path.join(directory, file))
+    files = [file for file in tf.io.gfile.listdir(directory) if _file_of(file, prefix)]
+    if files and warn:
+        logger.warning("removing %s of the same write: it does not read back whole", ", ".join(sorted(files)))
+    for file in files:
+        with contextlib.suppress(tf.errors.NotFoundError):
+            tf.io.gfile.remove(os.path.join(directory, file))
+
+
+def _file_of(file: str, prefix: str) -> bool:
+    match = _CHECKPOINT_FILE.match(file)
+    return match is not None and match.group(1) == prefix

@@ -422,6 +422,7 @@ def test_a_kill_inside_the_first_checkpoints_merge_is_a_write_cut_short_and_the_
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     assert "steps=0->10" in rerun.stderr  # Nothing was committed: the run starts over.
     assert f"removing {model_dir / 'checkpoints' / 'ckpt-10_temp'}" in rerun.stderr
+    assert "removing ckpt-10.data-00000-of-00001, ckpt-10.index of the same write" in rerun.stderr
     assert not list(model_dir.rglob("*_temp")) and not (model_dir / "checkpoints" / "superseded").exists()
     reference = tf.train.load_checkpoint(str(whole / "checkpoints" / "ckpt-10"))
     written = tf.train.load_checkpoint(str(model_dir / "checkpoints" / "ckpt-10"))
