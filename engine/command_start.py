@@ -14,12 +14,24 @@ that the run never gets back (measured on the quick start, 2 CPU cores):
   numpy only holds its data and figures. So numpy's BLAS gets one thread, unless the
   environment already says how many (`OPENBLAS_NUM_THREADS`, `OMP_NUM_THREADS`).
 
-Together about 5-8 % of a short run's CPU, in every process of a cluster. Research code
-that imports `engine` keeps its interpreter's settings: only the commands call this.
+Together about 5-8 % of a short run's CPU, in every process of a cluster. And at the end:
+
+- the interpreter's finalization runs a last full collection, which traverses every one of
+  those objects (TensorFlow's traced graphs among them): 0.2-0.25 s of the 0.4 s of CPU
+  between a short run's last line and its exit (`--model=mlp --train_steps=1`: 3.2 -> 2.95
+  user-s), in a process that is ending. The last exit handler freezes the collector
+  (`gc.freeze`), so that collection skips them; the modules are still torn down and every
+  object still released by its reference count (open files closed, buffers flushed), as
+  without it. Only a finalizer of an object in a reference cycle that nothing reaches would
+  no longer run at exit.
+
+Research code that imports `engine` keeps its interpreter's settings: only the commands
+call this.
 """
 
 from __future__ import annotations
 
+import atexit
 import gc
 import os
 
@@ -28,8 +40,15 @@ BLAS_THREAD_VARIABLES = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS")
 
 
 def tune_for_start_up() -> None:
-    """At an engine command's first line, before numpy is imported."""
+    """At an engine command's first line, before numpy is imported (and before any other
+    exit handler is registered: the one registered here runs last)."""
     if not any(name in os.environ for name in BLAS_THREAD_VARIABLES):
         os.environ["OPENBLAS_NUM_THREADS"] = "1"
     _, older, oldest = gc.get_threshold()
     gc.set_threshold(FIRST_GENERATION_THRESHOLD, older, oldest)
+    atexit.register(skip_the_final_collection)
+
+
+def skip_the_final_collection() -> None:
+    """The last exit handler: the objects alive now are not traversed again at finalization."""
+    gc.freeze()

@@ -31,3 +31,19 @@ def test_the_first_generation_is_collected_less_often_and_the_older_ones_as_befo
     gc.set_threshold(700, 10, 10)
     command_start.tune_for_start_up()
     assert gc.get_threshold() == (command_start.FIRST_GENERATION_THRESHOLD, 10, 10)
+
+
+def test_the_last_exit_handler_freezes_the_collector_so_finalization_skips_the_run_s_objects(
+    monkeypatch, restored_threshold
+):
+    registered = []
+    monkeypatch.setattr(command_start.atexit, "register", registered.append)
+    command_start.tune_for_start_up()
+    assert registered == [command_start.skip_the_final_collection]
+    alive = [object()]  # A container: the collector tracks it.
+    try:
+        registered[0]()
+        assert gc.get_freeze_count() > 0
+        assert not any(tracked is alive for generation in range(3) for tracked in gc.get_objects(generation))
+    finally:
+        gc.unfreeze()
