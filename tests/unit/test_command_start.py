@@ -15,6 +15,14 @@ def restored_threshold():
     gc.set_threshold(*saved)
 
 
+@pytest.fixture(autouse=True)
+def exit_handlers(monkeypatch):
+    """What `tune_for_start_up` registers to run at exit, kept from this test process's own."""
+    registered: list = []
+    monkeypatch.setattr(command_start.atexit, "register", registered.append)
+    return registered
+
+
 @pytest.mark.parametrize("set_by_user", [None, "OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS"])
 def test_numpy_blas_gets_one_thread_unless_the_environment_says(set_by_user, monkeypatch, restored_threshold):
     for name in command_start.BLAS_THREAD_VARIABLES:
@@ -34,15 +42,13 @@ def test_the_first_generation_is_collected_less_often_and_the_older_ones_as_befo
 
 
 def test_the_last_exit_handler_freezes_the_collector_so_finalization_skips_the_run_s_objects(
-    monkeypatch, restored_threshold
+    exit_handlers, restored_threshold
 ):
-    registered = []
-    monkeypatch.setattr(command_start.atexit, "register", registered.append)
     command_start.tune_for_start_up()
-    assert registered == [command_start.skip_the_final_collection]
+    assert exit_handlers == [command_start.skip_the_final_collection]
     alive = [object()]  # A container: the collector tracks it.
     try:
-        registered[0]()
+        exit_handlers[0]()
         assert gc.get_freeze_count() > 0
         assert not any(tracked is alive for generation in range(3) for tracked in gc.get_objects(generation))
     finally:
