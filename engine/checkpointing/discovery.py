@@ -48,7 +48,7 @@ _CHECKPOINT_INDEX = re.compile(r"^ckpt-(\d+)\.index$")
 def scan_checkpoints(directory: str) -> list[str]:
     """Prefixes of every `ckpt-N` with an index file in `directory`, oldest first; one whose
     `ckpt-N_temp` folder is still beside it only if it reads back whole (its write was cut
-    short, perhaps in the middle of its index: `unfinished`).
+    short, perhaps in the middle of its index: `_unfinished`).
 
     Lists the directory instead of matching a pattern, so it is right for any
     directory name.
@@ -61,13 +61,14 @@ def scan_checkpoints(directory: str) -> list[str]:
     for name in names:
         match = _CHECKPOINT_INDEX.match(name)
         if match:
-            path = os.path.join(directory, name[: -len(".index")])
-            if name[: -len(".index")] not in folders or not unfinished(path):
+            prefix = name[: -len(".index")]
+            path = os.path.join(directory, prefix)
+            if prefix not in folders or not _unfinished(path):
                 numbered.append((int(match.group(1)), path))
     return [path for _, path in sorted(numbered)]
 
 
-def unfinished(path: str) -> bool:
+def _unfinished(path: str) -> bool:
     """Whether the checkpoint `path` (`<dir>/ckpt-N`, its `ckpt-N_temp` folder beside it) is a
     write cut short: TensorFlow moves the data files out of the folder, writes the index in
     place (not by rename) and removes the folder last, so only reading it back tells."""
@@ -257,22 +258,17 @@ def partial_removed_on_error(prefix: str) -> Iterator[None]:
 
 def partial_checkpoints(model_dir: str) -> list[str]:
     """The partial folders (`ckpt-N_temp`) in the model_dir's checkpoint directories that no
-    state file names and no write of this process is filling, found by listing (never a
-    pattern: the name may hold pattern characters)."""
+    write of this process is filling, found by listing (never a pattern: the name may hold
+    pattern characters)."""
     found = []
     for subdirectory in CHECKPOINT_SUBDIRECTORIES:
         directory = os.path.join(model_dir, subdirectory)
         if not tf.io.gfile.isdir(directory):
             continue
-        state = checkpoint_state(directory)
-        named = set() if state is None else {os.path.basename(p) for p in state.all_model_checkpoint_paths}
-        if state is not None:
-            named.add(os.path.basename(state.model_checkpoint_path))
         for name in sorted(tf.io.gfile.listdir(directory)):
             name = name.rstrip("/")
             path = os.path.join(directory, name)
-            under_way = lock_key(path) in _writes_under_way
-            if _PARTIAL_CHECKPOINT.match(name) and name not in named and not under_way:
+            if _PARTIAL_CHECKPOINT.match(name) and lock_key(path) not in _writes_under_way:
                 found.append(path)
     return found
 
@@ -356,12 +352,9 @@ def _remove_unfinished_files(folder: str, *, warn: bool) -> None:
     directory, name = os.path.split(folder.rstrip("/"))
     prefix = name[: -len("_temp")]
     state = checkpoint_state(directory)
-    if state is not None and prefix in {os.path.basename(p) for p in state.all_model_checkpoint_paths} | {
-        os.path.basename(state.model_checkpoint_path)
-    }:
-        return
+    named = set() if state is None else {state.model_checkpoint_path, *state.all_model_checkpoint_paths}
     path = os.path.join(directory, prefix)
-    if tf.io.gfile.exists(path + ".index") and not unfinished(path):
+    if path in named or (tf.io.gfile.exists(path + ".index") and not _unfinished(path)):
         return
     files = [file for file in tf.io.gfile.listdir(directory) if _file_of(file, prefix)]
     if files and warn:
