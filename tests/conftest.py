@@ -31,9 +31,19 @@ def runs_tests(config: pytest.Config) -> bool:
     return hasattr(config, "workerinput") or not distributing
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("suite profile", "where the suite's time goes (tests/suite_profile.py)")
+    group.addoption("--profile-suite", metavar="DIR", help="write each test's wall and CPU seconds to DIR")
+    group.addoption("--profile-stall-s", type=float, default=8.0, help="dump a test's stacks past this")
+
+
 def pytest_configure(config: pytest.Config) -> None:
     if not runs_tests(config):
         return
+    if config.getoption("profile_suite"):
+        from suite_profile import register
+
+        register(config, config.getoption("profile_suite"), config.getoption("profile_stall_s"))
     from engine.native_logs import import_tensorflow_quietly
 
     import_tensorflow_quietly()  # TensorFlow's C++ start-up lines held back.
