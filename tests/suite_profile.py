@@ -11,8 +11,10 @@ CPU), on a timeout it tests, or stalled. Turn it on with the conftest option
 A test still running after `--profile-stall-s` (8) gets every Python thread's stack dumped to
 DIR/<worker>.stacks, once per that many seconds (faulthandler: no extra library). A stack that
 ends in the test runner's own frame, with no frame of the test's, is a native wait inside a
-destructor (seen: a tf.data iterator destroyed by the collector, waiting on one of its threads;
-`py-spy dump --native --pid` of the worker names the native frames).
+destructor. Seen: a distributed iterator (MultiDeviceIterator) freed with a finished test's
+locals, or later by the collector, whose host-side tf.data iterator joins one of its threads for
+seconds (up to a minute) with every thread asleep. `eu-stack -p <worker pid>` (elfutils) prints
+every native thread's stack; `py-spy dump --native` only the Python threads'.
 """
 
 from __future__ import annotations
