@@ -37,6 +37,7 @@ from engine.loop.compiled import (
     make_resident_train_loop,
     make_train_loop,
 )
+from engine.loop.iterator_release import release_in_background
 from engine.loop.steps import EvalStep, ReplicaStep, inference_outputs, make_eval_step
 from engine.losses import EvalLoss, Objective
 from engine.resident import ResidentData, place_on_replicas
@@ -223,8 +224,13 @@ class EvalRunner:
         return logs
 
     def _run_calls(self, stop_requested: Callable[[], bool]) -> bool:
-        iterator = iter(distribute_eval_data(self.strategy, self.data))
-        return self._calls_until_exhausted(iterator, stop_requested)
+        # Freed on another thread: freeing it here can block the loop for seconds
+        # (`engine.loop.iterator_release`).
+        iterators = [iter(distribute_eval_data(self.strategy, self.data))]
+        try:
+            return self._calls_until_exhausted(iterators[0], stop_requested)
+        finally:
+            release_in_background(iterators)
 
     def _calls_until_exhausted(self, iterator: Any, stop_requested: Callable[[], bool]) -> bool:
         batches = tf.constant(self.batches_per_call, tf.int32)
