@@ -5,11 +5,14 @@ seconds, up to a minute, with every thread asleep (TensorFlow 2.21: the MultiDev
 a MirroredStrategy evaluation reads; its host iterator waits for one of its tf.data threads
 to end). Measured on a 14 s evaluation: 2-57 s more in the loop's thread, which goodput books
 as evaluation. The wait holds nothing Python needs, so an `EvalRunner` hands each finished
-iterator here, and one daemon thread drops it while training goes on.
+iterator here, and one daemon thread drops it while training goes on. At the process's
+exit the interpreter waits for that thread to be done (an exit handler): Python ends a daemon
+thread still inside TensorFlow at finalization by unwinding it, which aborts the process.
 """
 
 from __future__ import annotations
 
+import atexit
 import queue
 import sys
 import threading
@@ -29,14 +32,25 @@ def release_in_background(holder: list[Any]) -> None:
     global _thread
     with _starting:
         if _thread is None or not _thread.is_alive():
+            if _thread is None:
+                atexit.register(wait_until_all_freed)
             _thread = threading.Thread(target=_free_each, name="engine-iterator-release", daemon=True)
             _thread.start()
     _released.put(holder.pop())
 
 
+def wait_until_all_freed() -> None:
+    """At exit: the thread frees what it was given, then ends (None: the last item)."""
+    if _thread is not None and _thread.is_alive():
+        _released.put(None)
+        _thread.join()
+
+
 def _free_each() -> None:
     while True:
         item = _released.get()
+        if item is None:
+            return
         deadline = time.monotonic() + _HANDOVER_WAIT_S
         # 2: this name and getrefcount's argument; more while the caller's frame still ends.
         while sys.getrefcount(item) > 2 and time.monotonic() < deadline:
