@@ -9,7 +9,9 @@ CPU), on a timeout it tests, or stalled. Turn it on with the conftest option
     python tests/suite_profile.py DIR           (the table by module, then the stalls)
 
 A test still running after `--profile-stall-s` (8) gets every Python thread's stack dumped to
-DIR/<worker>.stacks, once per that many seconds (faulthandler: no extra library). A stack that
+DIR/<worker>.stacks, once per that many seconds, by a Python thread that holds the GIL while it
+reads them (faulthandler's watchdog reads them without it and crashed a worker mid-dump while
+MirroredStrategy's replica threads were tracing: "node down: Not properly terminated"). A stack that
 ends in the test runner's own frame, with no frame of the test's, is a native wait inside a
 destructor. Seen: a distributed iterator (MultiDeviceIterator) freed with a finished test's
 locals, or later by the collector, whose host-side tf.data iterator joins one of its threads for
@@ -20,11 +22,12 @@ every native thread's stack; `py-spy dump --native` only the Python threads'.
 from __future__ import annotations
 
 import csv
-import faulthandler
 import os
 import resource
 import sys
+import threading
 import time
+import traceback
 from collections import defaultdict
 from pathlib import Path
 
@@ -46,18 +49,19 @@ class SuiteProfile:
         self._rows = self._directory / f"{worker}.tsv"
         self._stacks = open(self._directory / f"{worker}.stacks", "a")  # noqa: SIM115 (open for the session)
         self._stall_s = stall_s
+        self._watch = _StallWatch(self._stacks, stall_s)
 
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_protocol(self, item, nextitem):
         self._stacks.write(f"\n===== {item.nodeid} started at {time.time():.1f}\n")
         self._stacks.flush()
-        faulthandler.dump_traceback_later(self._stall_s, repeat=True, file=self._stacks)
+        self._watch.begin()
         started = time.time()
         own, children = _cpu_seconds(resource.RUSAGE_SELF), _cpu_seconds(resource.RUSAGE_CHILDREN)
         try:
             yield
         finally:
-            faulthandler.cancel_dump_traceback_later()
+            self._watch.end()
             row = (
                 item.nodeid,
                 f"{time.time() - started:.2f}",
@@ -67,6 +71,46 @@ class SuiteProfile:
             )
             with open(self._rows, "a", newline="") as rows:
                 csv.writer(rows, delimiter="\t").writerow(row)
+
+
+class _StallWatch:
+    """Dumps every Python thread's stack to `file` each `stall_s` seconds of one test's run."""
+
+    def __init__(self, file, stall_s: float):
+        self._file = file
+        self._stall_s = stall_s
+        self._changed = threading.Condition()
+        self._test_started: float | None = None  # None between tests.
+        threading.Thread(target=self._watch, name="suite-profile-stall-watch", daemon=True).start()
+
+    def begin(self) -> None:
+        with self._changed:
+            self._test_started = time.monotonic()
+            self._changed.notify()
+
+    def end(self) -> None:
+        with self._changed:
+            self._test_started = None
+            self._changed.notify()
+
+    def _watch(self) -> None:
+        with self._changed:
+            while True:
+                started = self._test_started
+                if started is None:
+                    self._changed.wait()
+                    continue
+                self._changed.wait(self._stall_s)
+                if self._test_started == started:  # The same test, still running: a dump each stall_s.
+                    self._dump(time.monotonic() - started)
+
+    def _dump(self, running_s: float) -> None:
+        names = {thread.ident: thread.name for thread in threading.enumerate()}
+        self._file.write(f"running for {running_s:.0f} s\n")
+        for ident, frame in sys._current_frames().items():
+            self._file.write(f"Thread {names.get(ident, ident)} (most recent call last):\n")
+            self._file.write("".join(traceback.format_stack(frame)) + "\n")
+        self._file.flush()
 
 
 def register(config, directory: str, stall_s: float) -> None:

@@ -1,6 +1,10 @@
-"""tests/suite_profile.py: the module table and the waits it prints from the workers' rows."""
+"""tests/suite_profile.py: the module table and the waits it prints from the workers' rows, and
+the stacks of a test still running past the stall time."""
 
-from suite_profile import summary
+import io
+import time
+
+from suite_profile import _StallWatch, summary
 
 
 def test_the_summary_ranks_modules_by_cpu_and_tests_by_time_waited(tmp_path):
@@ -19,3 +23,23 @@ def test_the_summary_ranks_modules_by_cpu_and_tests_by_time_waited(tmp_path):
         ["8.5", "tests/a.py::one"],
         ["0.0", "tests/a.py::three"],
     ]
+
+
+def _a_test_that_stalls(seconds: float) -> None:
+    time.sleep(seconds)
+
+
+def test_a_test_past_the_stall_time_gets_its_stack_written_and_a_quick_one_none():
+    stacks = io.StringIO()
+    watch = _StallWatch(stacks, stall_s=0.2)
+    watch.begin()
+    time.sleep(0.05)
+    watch.end()
+    time.sleep(0.3)
+    assert stacks.getvalue() == ""
+    watch.begin()
+    _a_test_that_stalls(0.5)
+    watch.end()
+    dumps = stacks.getvalue()
+    assert dumps.count("running for") >= 1  # Two (0.2 s, 0.4 s) on a quiet machine.
+    assert "in _a_test_that_stalls" in dumps and "Thread MainThread" in dumps
