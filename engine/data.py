@@ -47,7 +47,8 @@ import tensorflow as tf
 from engine.errors import UserError
 
 DatasetFn = Callable[..., tf.data.Dataset]
-# What `Trainer(train_data=)` and `eval_data=` accept; `engine.ResidentData` too for training.
+# What `Trainer(train_data=)` and `eval_data=` accept; `engine.ResidentData` too for training,
+# `engine.ResidentEvalData` for evaluation.
 Data: TypeAlias = Any
 
 

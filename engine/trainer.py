@@ -26,7 +26,7 @@ from engine.callbacks.progress import Progress, format_logs
 from engine.checkpointing import discovery
 from engine.checkpointing.background import writes_in_background
 from engine.checkpointing.checkpointer import Checkpointer, checkpoint_of
-from engine.data import Data, DataForm, DataPosition, as_eval_form
+from engine.data import Data, DataForm, DataPosition
 from engine.ema import WeightAverages, averages_swapped_in, weight_averages
 from engine.errors import DataExhaustedError, NonFiniteLossError, UserError
 from engine.goodput import GoodputClock, ModelFlops, TimedFunction, breakdown_line, scalars
@@ -47,7 +47,7 @@ from engine.options import (
     ThroughputOptions,
     group_options,
 )
-from engine.resident import ResidentData
+from engine.resident import ResidentData, ResidentEvalData
 from engine.schedules import is_scheduled
 from engine.stopping import StopAgreement
 from engine.stragglers import StragglerReport
@@ -55,6 +55,7 @@ from engine.summaries import SummaryWriters
 from engine.trainer_checks import (
     Optimizers,
     check_arguments,
+    eval_data_form,
     named_optimizers,
     prepare_model_state,
     train_data_form,
@@ -109,6 +110,11 @@ class Trainer:
         parameter-server and TPU). Each form resumes exactly (see
         `engine.data`). A finite dataset ends training with
         `DataExhaustedError`; its partial last batch trains as in `fit`.
+      eval_data: the eval set, read whole at every evaluation: a finite
+        `tf.data.Dataset` of global batches, `fn(input_context)` of
+        per-replica batches, or `engine.ResidentEvalData` (arrays kept on every
+        replica's device: no iterator to make per evaluation; its `host_data`
+        under parameter-server and TPU). Every example counts once.
       global_batch_size: examples per step over all replicas; the first
         batch is checked against it before any update.
       loss_fn: per-element losses `fn(labels, outputs)` ((B,) a label per
@@ -245,7 +251,7 @@ class Trainer:
                 f"({', '.join(self.optimizers)}); pass `step_fn` to apply several"
             )
         train_form = train_data_form(strategy, train_data, global_batch_size)
-        eval_form = as_eval_form(eval_data) if eval_data is not None else None
+        eval_form = eval_data_form(strategy, eval_data, global_batch_size) if eval_data is not None else None
         # Before the optimizer is built: Keras makes the averages when it builds it.
         self.weight_averages: WeightAverages | None = weight_averages(self.optimizers, ema_decay)
         self.strategy = strategy
@@ -372,7 +378,9 @@ class Trainer:
             input_clock=self.stragglers.input_clock if self.stragglers is not None else None,
         )
 
-    def _make_eval_runner(self, objective: Objective, data: DataForm, **options: Any) -> EvalRunner:
+    def _make_eval_runner(
+        self, objective: Objective, data: DataForm | ResidentEvalData, **options: Any
+    ) -> EvalRunner:
         return EvalRunner(
             self.strategy, self.model, objective, data, batches_per_call=self.cadence.steps_per_loop, **options
         )

@@ -15,13 +15,13 @@ import keras
 import tensorflow as tf
 
 from engine.compat import is_sharded_variable
-from engine.data import Data, DataForm, as_train_form
+from engine.data import Data, DataForm, as_eval_form, as_train_form
 from engine.errors import UserError
 from engine.logger import logger
 from engine.loop.steps import ReplicaStep
 from engine.losses import LossFn
 from engine.options import StepOptions
-from engine.resident import ResidentData, keeps_on_devices
+from engine.resident import ResidentData, ResidentEvalData, keeps_on_devices
 from engine.variables import check_regularizers_visible, require_trainable_variables
 
 Optimizers: TypeAlias = keras.optimizers.Optimizer | Mapping[str, keras.optimizers.Optimizer]
@@ -85,7 +85,8 @@ def check_arguments(
     if isinstance(eval_data, ResidentData):
         raise UserError(
             "eval_data cannot be ResidentData, an endless shuffled training stream: pass the eval split "
-            "as a tf.data.Dataset of global batches (every example once) or fn(input_context)"
+            "as engine.ResidentEvalData, a tf.data.Dataset of global batches (every example once) or "
+            "fn(input_context)"
         )
     if eval_data is not None and loss_fn is None:
         raise UserError("evaluation needs loss_fn (per-example losses) besides step_fn")
@@ -118,6 +119,25 @@ def train_data_form(
     form = as_train_form(data)
     check_dataset_batch(form, global_batch_size)
     return form
+
+
+def eval_data_form(
+    strategy: tf.distribute.Strategy, data: Data, global_batch_size: int
+) -> DataForm | ResidentEvalData:
+    """The form the eval runner reads: `ResidentEvalData` kept on the devices where the strategy
+    allows it, else a tf.data form (its `host_data` on the others)."""
+    if not isinstance(data, ResidentEvalData):
+        return as_eval_form(data)
+    if data.global_batch_size != global_batch_size:
+        raise UserError(
+            f"`eval_data` (ResidentEvalData) was made for `global_batch_size={data.global_batch_size}` "
+            f"but the Trainer has `global_batch_size={global_batch_size}`; make both the same"
+        )
+    host_form = as_eval_form(data.host_data)  # Checked all the same.
+    if keeps_on_devices(strategy):
+        return data
+    logger.info("%s evaluates from ResidentEvalData.host_data (tf.data)", type(strategy).__name__)
+    return host_form
 
 
 def check_metric_names(metrics: Sequence[Any], weighted_metrics: Sequence[Any]) -> None:

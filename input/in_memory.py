@@ -10,11 +10,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import tensorflow as tf
 
-from engine.resident import ResidentData, epoch_shuffled, gather_pipeline_options, host_tensor
+from engine.resident import ResidentData, ResidentEvalData, epoch_shuffled, gather_pipeline_options, host_tensor
 from input.labels import LabelSpec
 from input.source import (
     BatchLayout,
@@ -127,6 +128,18 @@ class InMemorySource(DataSource):
             host_data=host_data,
             transform=_scaled,
             global_batch_size=global_batch_size,
+        )
+
+    def resident_eval_data(self, *, global_batch_size: int, host_data: Any) -> ResidentEvalData | None:
+        """The eval split of `eval_dataset` as `engine.ResidentEvalData`: kept on every replica's
+        device and read in order there, with no iterator to make at each evaluation."""
+        if self.num_eval_examples is None:
+            return None
+        return ResidentEvalData(
+            tensors=(self._eval_images, self._eval_labels),
+            host_data=host_data,
+            global_batch_size=global_batch_size,
+            transform=_scaled,
         )
 
     def _train_stream(

@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, TypeAlias
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import tensorflow as tf
 
 from input.labels import LabelSpec
 
 if TYPE_CHECKING:
-    from engine.resident import ResidentData
+    from engine.resident import ResidentData, ResidentEvalData
 
 InputContext: TypeAlias = tf.distribute.InputContext
 
@@ -144,6 +144,11 @@ class DataSource(abc.ABC):
     def resident_train_data(self, *, global_batch_size: int, seed: int) -> ResidentData | None:
         """The training stream as `engine.ResidentData`, kept on every replica's device;
         None (here) for a source that does not hold its train split in memory."""
+        return None
+
+    def resident_eval_data(self, *, global_batch_size: int, host_data: Any) -> ResidentEvalData | None:
+        """The eval split as `engine.ResidentEvalData`, kept on every replica's device; None (here)
+        for a source that does not hold it in memory. `host_data`: the same as an eval form."""
         return None
 
     @abc.abstractmethod

@@ -18,7 +18,7 @@ from engine.compat import engine_graph_code, user_code
 from engine.errors import UserError
 from engine.loop.replica_state import average_over_replicas
 from engine.loop.steps import STEP_FINITE, Batch, ReplicaStep
-from engine.resident import ResidentData
+from engine.resident import ResidentData, ResidentEvalData
 from engine.stragglers import InputClock
 
 # loop(where the batches come from: an iterator, or resident tensors and a start step; num_steps).
@@ -377,5 +377,29 @@ def make_eval_loop(strategy: tf.distribute.Strategy, replica_step: Callable[[Bat
                 break
             strategy.run(replica_step, args=(optional.get_value(),))
         return exhausted
+
+    return eval_loop
+
+
+def make_resident_eval_loop(
+    strategy: tf.distribute.Strategy, replica_step: Callable[[Batch], None], data: ResidentEvalData
+) -> EvalLoop:
+    """Returns `loop((replica_tensors, first_batch), max_batches) -> exhausted`: the step over
+    global batches [first_batch, first_batch + max_batches) of the eval split kept on the
+    replicas' devices, and whether that reached its end. No iterator: each replica slices its
+    part of a batch from its own copy (`ResidentEvalData.replica_batch`)."""
+    num_batches = data.num_batches
+
+    @engine_graph_code
+    def resident_step(replica_tensors, batch_index: tf.Tensor) -> None:
+        user_code(replica_step)(data.replica_batch(replica_tensors, batch_index))
+
+    @tf.function
+    def eval_loop(inputs, max_batches: tf.Tensor) -> tf.Tensor:
+        replica_tensors, first_batch = inputs
+        end = tf.minimum(first_batch + max_batches, num_batches)
+        for batch_index in tf.range(first_batch, end):
+            strategy.run(resident_step, args=(replica_tensors, batch_index))
+        return end >= num_batches
 
     return eval_loop

@@ -36,7 +36,7 @@ from engine.loop.compiled import CHECK_NONE, LoopResult, make_train_loop
 from engine.loop.runners import EvalRunner, PredictRunner, TrainRunner
 from engine.loop.steps import ReplicaStep
 from engine.losses import Objective
-from engine.resident import ResidentData
+from engine.resident import ResidentData, ResidentEvalData
 from engine.trainer import Trainer
 
 
@@ -70,7 +70,10 @@ class CoordinatedTrainer(Trainer):
     def _make_predict_runner(self) -> PredictRunner:
         return CoordinatorPredictRunner(self.strategy, self.model)
 
-    def _make_eval_runner(self, objective: Objective, data: DataForm, **options: Any) -> EvalRunner:
+    def _make_eval_runner(
+        self, objective: Objective, data: DataForm | ResidentEvalData, **options: Any
+    ) -> EvalRunner:
+        assert not isinstance(data, ResidentEvalData), "ResidentEvalData evaluates from its host_data here"
         return CoordinatorEvalRunner(
             self.strategy, self.model, objective, data, batches_per_call=self.cadence.steps_per_loop, **options
         )
@@ -152,6 +155,7 @@ class CoordinatorEvalRunner(EvalRunner):
     """Exact evaluation on the coordinator, in global batches: reads the weights from the ps tasks."""
 
     def _run_calls(self, stop_requested: Callable[[], bool]) -> bool:
+        assert not isinstance(self.data, ResidentEvalData), "checked by CoordinatedTrainer"
         data = eval_dataset_on_one_replica(self.data)
         with _quiet_tf_warnings():  # "invoked without ClusterCoordinator.schedule": intended here.
             return self._calls_until_exhausted(iter(data), stop_requested)

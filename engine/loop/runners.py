@@ -34,13 +34,14 @@ from engine.loop.compiled import (
     BatchSizeMismatch,
     LoopResult,
     make_eval_loop,
+    make_resident_eval_loop,
     make_resident_train_loop,
     make_train_loop,
 )
 from engine.loop.iterator_release import release_in_background
 from engine.loop.steps import EvalStep, ReplicaStep, inference_outputs, make_eval_step
 from engine.losses import EvalLoss, Objective
-from engine.resident import ResidentData, place_on_replicas
+from engine.resident import ResidentData, ResidentEvalData, place_on_replicas
 from engine.stragglers import InputClock
 
 
@@ -176,7 +177,8 @@ class EvalRunner:
     request is seen between them. The loss is the objective's over the whole
     set (`engine.losses.EvalLoss`) plus the model's regularization losses; `metrics` see no sample weights,
     `weighted_metrics` do (Keras `compile`'s split). Fresh copies of the
-    metrics are made in the strategy's scope.
+    metrics are made in the strategy's scope. `ResidentEvalData` is read from the
+    replicas' own copies (made at the first evaluation), with no iterator.
     """
 
     def __init__(
@@ -184,7 +186,7 @@ class EvalRunner:
         strategy: tf.distribute.Strategy,
         model: Any,
         objective: Objective,
-        data: DataForm,
+        data: DataForm | ResidentEvalData,
         *,
         metrics: Sequence[keras.metrics.Metric] = (),
         weighted_metrics: Sequence[keras.metrics.Metric] = (),
@@ -199,17 +201,19 @@ class EvalRunner:
             weighted = [fresh_copy(m, model) for m in weighted_metrics]
             self.loss = EvalLoss(objective)
         self.metrics = [*unweighted, *weighted]
-        self.loop = make_eval_loop(
-            strategy,
-            make_eval_step(
-                model=model,
-                objective=objective,
-                loss_metric=self.loss,
-                metrics=unweighted,
-                weighted_metrics=weighted,
-                eval_step_fn=eval_step_fn,
-            ),
+        step = make_eval_step(
+            model=model,
+            objective=objective,
+            loss_metric=self.loss,
+            metrics=unweighted,
+            weighted_metrics=weighted,
+            eval_step_fn=eval_step_fn,
         )
+        if isinstance(data, ResidentEvalData):
+            self.loop = make_resident_eval_loop(strategy, step, data)
+        else:
+            self.loop = make_eval_loop(strategy, step)
+        self._replica_tensors: Any = None  # ResidentEvalData's copies on the replicas, made at the first run.
 
     def run(self, stop_requested: Callable[[], bool] = lambda: False) -> dict[str, float] | None:
         """`{"loss", <metric>..., "num_examples"}` over the whole set; None when
@@ -224,6 +228,8 @@ class EvalRunner:
         return logs
 
     def _run_calls(self, stop_requested: Callable[[], bool]) -> bool:
+        if isinstance(self.data, ResidentEvalData):
+            return self._resident_calls(self.data, stop_requested)
         # Freed on another thread: freeing it here can block the loop for seconds
         # (`engine.loop.iterator_release`).
         iterators = [iter(distribute_eval_data(self.strategy, self.data))]
@@ -237,6 +243,16 @@ class EvalRunner:
         while not bool(self.loop(iterator, batches)):
             if stop_requested():
                 return False
+        return True
+
+    def _resident_calls(self, data: ResidentEvalData, stop_requested: Callable[[], bool]) -> bool:
+        if self._replica_tensors is None:
+            self._replica_tensors = place_on_replicas(self.strategy, data)
+        batches = tf.constant(self.batches_per_call, tf.int32)
+        for first_batch in range(0, data.num_batches, self.batches_per_call):
+            if first_batch and stop_requested():
+                return False
+            self.loop((self._replica_tensors, tf.constant(first_batch, tf.int32)), batches)
         return True
 
 

@@ -1,5 +1,8 @@
 """Device-resident training data (`engine.ResidentData`): the same batches as the
-tf.data path, the same weights, and exact resume, on 1 and 2 replicas."""
+tf.data path, the same weights, and exact resume, on 1 and 2 replicas; a resident eval
+split (`engine.ResidentEvalData`): every example once, the figures of the tf.data path and Keras."""
+
+import json
 
 import keras
 import numpy as np
@@ -150,6 +153,7 @@ def test_cli_keeps_digits_on_the_devices_and_trains_as_through_tf_data(tmp_path)
     streamed = in_background(run_main, *common, "--device_data_mb=0", f"--model_dir={tmp_path / 'streamed'}")
     resident = run_main(*common, f"--model_dir={tmp_path / 'resident'}")  # Both processes at once.
     streamed = streamed.result()
+    runs = ("resident", "streamed")
     assert resident.returncode == 0 and streamed.returncode == 0, (
         resident.stderr[-2000:] + streamed.stderr[-2000:]
     )
@@ -159,6 +163,9 @@ def test_cli_keeps_digits_on_the_devices_and_trains_as_through_tf_data(tmp_path)
     assert got.keys() == want.keys() and len(got) > 1
     for name, value in want.items():
         np.testing.assert_array_equal(got[name], value, err_msg=name)
+    # The eval split kept beside it: the final evaluation's figures are the streamed run's.
+    got_eval, want_eval = (json.loads((tmp_path / run / "metrics.json").read_text())["eval"] for run in runs)
+    assert got_eval == want_eval and got_eval["num_examples"] == 297
 
 
 def test_resident_data_as_eval_data_is_refused(default):
@@ -198,3 +205,109 @@ def test_resident_data_made_for_another_batch_size_is_refused(default):
             global_batch_size=16,
             loss_fn=keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None),
         )
+
+
+# ------------------------------------------------------------------ the eval split on the devices
+
+EVAL_BATCH = 8  # 37 examples: 5 global batches, the last of 5 (on 2 replicas: 4 and 1).
+
+
+def eval_arrays():
+    rng = np.random.default_rng(7)
+    return (
+        rng.normal(size=(37, 5)).astype(np.float32),
+        rng.integers(0, 3, size=37).astype(np.int32),
+        rng.uniform(size=37).astype(np.float32),
+    )
+
+
+def eval_trainer(strategy, eval_data):
+    keras.utils.set_random_seed(2)
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(3)])
+        optimizer = keras.optimizers.SGD(0.1)
+    x, y, _ = eval_arrays()
+    return engine.Trainer(
+        strategy=strategy,
+        model=model,
+        optimizer=optimizer,
+        train_data=tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(EVAL_BATCH),
+        eval_data=eval_data,
+        global_batch_size=EVAL_BATCH,
+        loss_fn=keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None),
+        metrics=[keras.metrics.SparseCategoricalAccuracy(name="accuracy")],
+        weighted_metrics=[keras.metrics.SparseCategoricalAccuracy(name="weighted_accuracy")],
+        steps_per_loop=2,  # Evaluations in calls of 2 batches: 3 calls.
+    )
+
+
+def test_resident_eval_data_evaluates_every_example_once_as_the_tf_data_path_and_keras(strategy, monkeypatch):
+    arrays = eval_arrays()
+    batches = tf.data.Dataset.from_tensor_slices(arrays).batch(EVAL_BATCH)
+    streamed = eval_trainer(strategy, batches).evaluate()
+    resident_trainer = eval_trainer(
+        strategy, engine.ResidentEvalData(arrays, host_data=batches, global_batch_size=EVAL_BATCH)
+    )
+
+    def no_iterator(*args):
+        raise AssertionError("a resident evaluation made an iterator")
+
+    monkeypatch.setattr(engine.loop.runners, "distribute_eval_data", no_iterator)
+    first, second = resident_trainer.evaluate(), resident_trainer.evaluate()
+    assert first == second and first["num_examples"] == streamed["num_examples"] == 37
+    assert resident_trainer.eval_loop.experimental_get_tracing_count() == 1
+    reference = keras.models.clone_model(resident_trainer.model)
+    reference.set_weights(resident_trainer.model.get_weights())
+    reference.compile(
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=[keras.metrics.SparseCategoricalAccuracy(name="accuracy")],
+        weighted_metrics=[keras.metrics.SparseCategoricalAccuracy(name="weighted_accuracy")],
+    )
+    keras_logs = reference.evaluate(batches, return_dict=True, verbose=0)
+    for name in ("loss", "accuracy", "weighted_accuracy"):
+        np.testing.assert_allclose(first[name], streamed[name], rtol=1e-6, err_msg=name)
+        np.testing.assert_allclose(first[name], keras_logs[name], rtol=1e-6, err_msg=name)
+
+
+def test_a_stop_between_calls_cuts_a_resident_evaluation_short_and_the_next_counts_whole(default):
+    arrays = eval_arrays()
+    host = tf.data.Dataset.from_tensor_slices(arrays).batch(EVAL_BATCH)
+    trainer = eval_trainer(
+        default, engine.ResidentEvalData(arrays, host_data=host, global_batch_size=EVAL_BATCH)
+    )
+    calls = []
+    counted = trainer.eval_runner.loop
+
+    def counting(*args):
+        calls.append(1)
+        return counted(*args)
+
+    trainer.eval_runner.loop = counting
+    assert trainer.eval_runner.run(stop_requested=lambda: True) is None
+    assert len(calls) == 1
+    assert trainer.eval_runner.run()["num_examples"] == 37
+    assert len(calls) == 4
+
+
+def test_resident_eval_data_reads_its_host_data_where_the_strategy_cannot_keep_it(default, monkeypatch):
+    from engine import trainer_checks
+    from engine.data import GlobalBatches
+
+    arrays = eval_arrays()
+    host = tf.data.Dataset.from_tensor_slices(arrays).batch(EVAL_BATCH)
+    data = engine.ResidentEvalData(arrays, host_data=host, global_batch_size=EVAL_BATCH)
+    assert trainer_checks.eval_data_form(default, data, EVAL_BATCH) is data
+    monkeypatch.setattr(trainer_checks, "keeps_on_devices", lambda strategy: False)  # As under ps and tpu.
+    form = trainer_checks.eval_data_form(default, data, EVAL_BATCH)
+    assert isinstance(form, GlobalBatches) and form.dataset is host
+
+
+def test_resident_eval_data_made_for_another_batch_size_or_of_uneven_tensors_is_refused(default):
+    arrays = eval_arrays()
+    host = tf.data.Dataset.from_tensor_slices(arrays).batch(16)
+    with pytest.raises(
+        engine.UserError, match=r"made for `global_batch_size=16` but the Trainer has `global_batch_size=8`"
+    ):
+        eval_trainer(default, engine.ResidentEvalData(arrays, host_data=host, global_batch_size=16))
+    with pytest.raises(ValueError, match=r"one non-zero first dimension.*\[3, 4\]"):
+        engine.ResidentEvalData((np.zeros((3, 2)), np.zeros(4)), host_data=None, global_batch_size=8)

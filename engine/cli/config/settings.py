@@ -389,8 +389,8 @@ class RunConfig:
         DEFAULT_DEVICE_DATA_MB,
         "An in-memory train split (digits, mnist, synthetic) up to this many MiB is copied to every "
         "replica's device and batches are gathered inside the compiled loop (same batches, no tf.data "
-        "iterator; not under parameter_server or tpu); larger splits, or 0, stream through "
-        "--input_pipeline.",
+        "iterator; not under parameter_server or tpu), and its eval split beside it where both fit; "
+        "larger splits, or 0, stream through --input_pipeline.",
     )
     # How long and how.
     global_batch_size: int = setting(

@@ -316,6 +316,11 @@ def train_and_eval_data(config: RunConfig, source) -> tuple[Any, Any]:
         train_data = resident
     if config.mode == "train":
         eval_data = None
+    elif resident is not None and eval_data is not None:
+        left_mb = config.device_data_mb - resident.num_bytes / 2**20
+        eval_data = resident_eval_data(
+            source, global_batch_size=batch, device_data_mb=left_mb, host_data=eval_data
+        )
     return train_data, eval_data
 
 
@@ -474,6 +479,19 @@ def out_of_memory_message(
         f"a step): {text}; use a smaller --global_batch_size, or a larger "
         f"--grad_accum_steps (the same batch in smaller micro-batches); {kept}"
     )
+
+
+def resident_eval_data(source, *, global_batch_size: int, device_data_mb: float, host_data: Any) -> Any:
+    """The eval split as `ResidentEvalData` (kept on every replica's device beside the train
+    split) where the source holds it in memory and it fits in what is left of --device_data_mb;
+    else `host_data`, the eval form it streams through tf.data."""
+    resident = source.resident_eval_data(global_batch_size=global_batch_size, host_data=host_data)
+    if resident is None:
+        return host_data
+    if resident.num_bytes / 2**20 > device_data_mb:
+        logging.info("eval split does not fit beside the train split in --device_data_mb: streaming it")
+        return host_data
+    return resident
 
 
 def resident_train_data(
