@@ -439,10 +439,16 @@ class Trainer:
 
     def save(self) -> str | None:
         """Writes a checkpoint at the current step (no-op without model_dir)."""
+        return self._save(background=True)
+
+    def _save(self, *, background: bool) -> str | None:
+        """`background=False` where nothing trains before the write is waited for (the end of
+        train()): a background write copies the variables first, which then only adds time
+        (the quick start's one save: 0.2 s blocked copying, against < 0.05 s writing)."""
         if self.checkpointer is None:
             return None
         with self.goodput_clock.phase("checkpoint"):  # The time the loop is blocked saving.
-            return self.checkpointer.save(self.step)
+            return self.checkpointer.save(self.step, background=background)
 
     @property
     def rollbacks(self) -> int:
@@ -553,7 +559,7 @@ class Trainer:
             if self.evaluates_after(self.step):
                 self.evaluate()
             if self.cadence.checkpoints_after(self.step):
-                self.save()
+                self._save(background=self.step < steps)  # The last is waited for at once.
                 last_saved = self.step
         self._step_seen = self.step
         self._save_unless_saved(last_saved)
@@ -627,7 +633,7 @@ class Trainer:
     def _save_unless_saved(self, last_saved: int) -> None:
         """The end of a run: a checkpoint at its last step, and at least one."""
         if self.checkpointer is not None and (self.step != last_saved or self.checkpointer.latest is None):
-            self.save()
+            self._save(background=False)
         if self.checkpointer is not None:
             self.checkpointer.wait()  # A background write ends with the run, its error raised.
 

@@ -26,8 +26,10 @@ ends normally ends the write first; the Checkpointer's `wait` raises its error.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import keras
@@ -77,6 +79,16 @@ class HostCopy:
         compat.save_from(self.twin, self._object_map)
         self._copied: list[Any] = []
         self._copy_all: Any = None  # The compiled copy of `_copied`.
+
+    @contextlib.contextmanager
+    def originals_saved(self) -> Iterator[None]:
+        """Within: the twin's saves write the objects themselves, not their copies (a save
+        waited for at once: copying first would only add time)."""
+        compat.save_from(self.twin, None)
+        try:
+            yield
+        finally:
+            compat.save_from(self.twin, self._object_map)
 
     def unsupported(self) -> str | None:
         """Something the checkpoint saves that is not a variable (a lookup table, a custom

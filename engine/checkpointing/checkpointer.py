@@ -10,6 +10,7 @@ latest checkpoint before anything restores it.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 from collections.abc import Mapping
@@ -333,12 +334,13 @@ class Checkpointer:
             self.manager, directory=self.options.restore_dir, fresh_optimizer=self.options.reset_optimizer
         )
 
-    def save(self, step: int) -> str:
+    def save(self, step: int, *, background: bool = True) -> str:
         """Writes `ckpt-<step>`; refuses weights holding NaN/Inf and a full disk, keeping the latest.
 
-        With `async_checkpoint`, returns once the variables are copied; the files are written
-        in the background and the state file names them once complete. `wait` (or the next
-        save) waits for them and raises what the write met, as a synchronous save would have.
+        With `async_checkpoint` (and `background`), returns once the variables are copied; the
+        files are written in the background and the state file names them once complete. `wait`
+        (or the next save) waits for them and raises what the write met, as a synchronous save
+        would have. `background=False` writes in this thread all the same.
         """
         if not _all_finite(self.model):
             raise UserError(
@@ -349,12 +351,14 @@ class Checkpointer:
         self._check_directories(step)
         directory = self.manager.directory
         discovery.set_aside_unlisted(directory, step, listed=self.manager.checkpoints)
-        if self._writer is not None and self._copy is not None:
+        if background and self._writer is not None and self._copy is not None:
             self._copy.take()
             self._writer.start(step)
             return os.path.join(directory, f"ckpt-{step}")
+        # Saving in the background, the manager saves the copy's twin: here it writes the originals.
+        originals = self._copy.originals_saved() if self._copy is not None else contextlib.nullcontext()
         try:
-            with discovery.partial_removed_on_error(os.path.join(directory, f"ckpt-{step}")):
+            with originals, discovery.partial_removed_on_error(os.path.join(directory, f"ckpt-{step}")):
                 path = self.manager.save(checkpoint_number=step)
         except (tf.errors.OpError, OSError) as error:
             failed = self._write_failed(step, error)

@@ -107,9 +107,36 @@ def test_the_state_file_names_a_checkpoint_only_once_its_files_are_complete(tmp_
     monkeypatch.setattr(manager, "_record_state", checked_record_state)
     trainer.train(6)
     trainer.close()
-    # TF records twice per save (before and after rotation), on the writer thread.
+    # TF records twice per save (before and after rotation), on the writer thread; the last
+    # save of train() is waited for at once, so it is written on the loop's thread.
     assert [name for _, name in checked[::2]] == ["ckpt-2", "ckpt-4", "ckpt-6"], checked
-    assert all(thread.startswith("checkpoint-") for thread, _ in checked), checked
+    assert [thread.split("-")[0] for thread, _ in checked[::2]] == ["checkpoint", "checkpoint", "MainThread"]
+
+
+def test_the_last_save_of_train_writes_the_weights_in_the_loop_and_later_saves_the_copy_again(tmp_path):
+    trainer = small_trainer(tmp_path)
+    started = []
+    start = trainer.checkpointer._writer.start
+    trainer.checkpointer._writer.start = lambda step: (started.append(step), start(step))
+    trainer.train(4)  # ckpt-2 in the background (a copy), ckpt-4 in the loop (the weights themselves).
+    assert started == [2]
+    checkpoints = tmp_path / "checkpoints"
+    at_4 = _weights(trainer)
+    for a, b in zip(at_4, _saved_weights(trainer, str(checkpoints / "ckpt-4")), strict=True):
+        np.testing.assert_array_equal(a, b)  # Not the copy taken at step 2.
+    assert any(
+        not np.array_equal(a, b)
+        for a, b in zip(at_4, _saved_weights(trainer, str(checkpoints / "ckpt-2")), strict=True)
+    )
+    trainer.train_runner.run(4, 2)
+    at_6 = _weights(trainer)
+    trainer.save()  # In the background again: the copy, taken now.
+    assert started == [2, 6]
+    trainer.train_runner.run(6, 2)
+    trainer.checkpointer.wait()
+    for a, b in zip(at_6, _saved_weights(trainer, str(checkpoints / "ckpt-6")), strict=True):
+        np.testing.assert_array_equal(a, b)
+    trainer.close()
 
 
 def test_the_end_of_train_and_close_wait_for_the_write(tmp_path, monkeypatch):
