@@ -296,12 +296,16 @@ class PredictRunner:
         return tf.nest.map_structure(lambda *parts: np.concatenate(parts, axis=0), *batches)
 
     def _outputs(self, dataset: tf.data.Dataset) -> Any:
-        iterator = iter(self.strategy.experimental_distribute_dataset(dataset))
-        while True:
-            try:
-                yield self.loop(iterator)
-            except tf.errors.OutOfRangeError:  # The end of the data.
-                return
+        # Freed on another thread, as an evaluation's is (`engine.loop.iterator_release`).
+        iterators = [iter(self.strategy.experimental_distribute_dataset(dataset))]
+        try:
+            while True:
+                try:
+                    yield self.loop(iterators[0])
+                except tf.errors.OutOfRangeError:  # The end of the data.
+                    return
+        finally:
+            release_in_background(iterators)
 
 
 def as_prediction_batches(data: Any, global_batch_size: int) -> tf.data.Dataset:

@@ -1,32 +1,34 @@
-"""engine/loop/iterator_release.py: an evaluation's iterator is freed off the loop's thread
-(freeing a MultiDeviceIterator read to its end can block its thread for seconds)."""
+"""engine/loop/iterator_release.py: an evaluation's iterator, and a prediction's, is freed off
+the loop's thread (freeing a MultiDeviceIterator read to its end can block its thread for seconds)."""
 
 import threading
 import weakref
 
+import numpy as np
 import tensorflow as tf
 from helpers import make_arrays, make_trainer
 
 from engine.loop import iterator_release, runners
 
 
+class Watched:
+    """A distributed data set, noting in `freed_on` the thread each of its iterators is freed on."""
+
+    def __init__(self, dataset, freed_on: list[str]):
+        self._dataset = dataset
+        self._freed_on = freed_on
+
+    def __iter__(self):
+        iterator = iter(self._dataset)
+        weakref.finalize(iterator, lambda: self._freed_on.append(threading.current_thread().name))
+        return iterator
+
+
 def test_each_evaluations_iterator_is_freed_on_the_release_thread_and_counts_stay_exact(mirrored, monkeypatch):
     freed_on: list[str] = []
     distribute = runners.distribute_eval_data
-
-    class Watched:
-        """The distributed eval set, noting the thread each of its iterators is freed on."""
-
-        def __init__(self, dataset):
-            self._dataset = dataset
-
-        def __iter__(self):
-            iterator = iter(self._dataset)
-            weakref.finalize(iterator, lambda: freed_on.append(threading.current_thread().name))
-            return iterator
-
     monkeypatch.setattr(
-        runners, "distribute_eval_data", lambda strategy, data: Watched(distribute(strategy, data))
+        runners, "distribute_eval_data", lambda strategy, data: Watched(distribute(strategy, data), freed_on)
     )
     x, y = make_arrays(37)  # a partial last batch, split unevenly over the two replicas
     trainer = make_trainer(mirrored, eval_data=tf.data.Dataset.from_tensor_slices((x, y)).batch(16))
@@ -35,3 +37,18 @@ def test_each_evaluations_iterator_is_freed_on_the_release_thread_and_counts_sta
     iterator_release.wait_until_all_freed()  # What the process's exit does: the thread ends after both.
     assert freed_on == ["engine-iterator-release"] * 2
     assert not any(thread.name == "engine-iterator-release" for thread in threading.enumerate())
+
+
+def test_each_predictions_iterator_is_freed_on_the_release_thread_and_every_row_is_back(mirrored, monkeypatch):
+    freed_on: list[str] = []
+    distribute = mirrored.experimental_distribute_dataset
+    monkeypatch.setattr(
+        mirrored, "experimental_distribute_dataset", lambda dataset: Watched(distribute(dataset), freed_on)
+    )
+    x, _ = make_arrays(37)
+    trainer = make_trainer(mirrored)
+    expected = trainer.model(x).numpy()
+    for _ in range(2):
+        np.testing.assert_allclose(trainer.predict(x), expected, rtol=1e-6, atol=1e-6)
+    iterator_release.wait_until_all_freed()
+    assert freed_on == ["engine-iterator-release"] * 2
