@@ -5,9 +5,10 @@ seconds, up to a minute, with every thread asleep (TensorFlow 2.21: the MultiDev
 a MirroredStrategy evaluation reads; its host iterator waits for one of its tf.data threads
 to end). Measured on a 14 s evaluation: 2-57 s more in the loop's thread, which goodput books
 as evaluation. The wait holds nothing Python needs, so an `EvalRunner` (and a `PredictRunner`)
-hands each finished iterator here, and one daemon thread drops it while training goes on. At the process's
-exit the interpreter waits for that thread to be done (an exit handler): Python ends a daemon
-thread still inside TensorFlow at finalization by unwinding it, which aborts the process.
+hands each finished iterator here, and one daemon thread drops it while training goes on. At
+the process's exit the interpreter waits for that thread to be done (an exit handler): Python
+ends a daemon thread still inside TensorFlow at finalization by unwinding it, which aborts the
+process.
 """
 
 from __future__ import annotations
