@@ -22,6 +22,7 @@ import math
 import os
 import re
 import sys
+import traceback
 from typing import Any
 
 import tensorflow as tf
@@ -346,19 +347,25 @@ class _Problems:
 
 def step_failure(error: Exception) -> str:
     """`error` (raised while tracing or running the step) as ` at FILE:LINE (FUNCTION): MESSAGE`, the
-    user's own frame that raised it and the message without autograph's trace of the engine's frames."""
+    user's own frame that raised it and the message without autograph's trace of the engine's frames.
+    The frame is found in the message where AutoGraph wrote its "in user code:" trace there (the
+    error passed through converted code), else in the exception's own traceback."""
     text = re.sub(r"\x1b\[[0-9;]*m", "", str(error))  # Keras colours the message on a terminal.
-    frames = list(re.finditer(r'File "([^"]+)", line (\d+), in (\S+)[^\n]*\n[^\n]*', text))
+    frames = [
+        (path, int(line), function, match.end())
+        for match in re.finditer(r'File "([^"]+)", line (\d+), in (\S+)[^\n]*\n[^\n]*', text)
+        for path, line, function in [match.groups()]
+    ]
+    message = text[frames[-1][3] :] if frames else text
     if not frames:
-        return f": {one_line(text)}"
+        frames = [(f.filename, f.lineno or 0, f.name, 0) for f in traceback.extract_tb(error.__traceback__)]
     engine_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    theirs = [f for f in frames if not f.group(1).startswith(engine_root) and "-packages" not in f.group(1)]
+    theirs = [f for f in frames if not f[0].startswith(engine_root) and "-packages" not in f[0]]
     where = ""
     if theirs:
-        path, line, function = theirs[-1].groups()
+        path, line, function, _ = theirs[-1]
         where = f" at {os.path.basename(path)}:{line} ({function})"
-    message = text[frames[-1].end() :].split("Arguments received by", 1)[0]
-    return f"{where}: {one_line(message.strip())}"
+    return f"{where}: {one_line(message.split('Arguments received by', 1)[0].strip())}"
 
 
 def _size(count: float) -> str:
