@@ -311,3 +311,34 @@ def test_resident_eval_data_made_for_another_batch_size_or_of_uneven_tensors_is_
         eval_trainer(default, engine.ResidentEvalData(arrays, host_data=host, global_batch_size=16))
     with pytest.raises(ValueError, match=r"one non-zero first dimension.*\[3, 4\]"):
         engine.ResidentEvalData((np.zeros((3, 2)), np.zeros(4)), host_data=None, global_batch_size=8)
+
+
+class BranchingModule(tf.Module):
+    """A model with a Python `if` on a tensor: it traces only where AutoGraph converts it."""
+
+    def __init__(self):
+        super().__init__()
+        self.kernel = tf.Variable(tf.ones((5, 3)))
+
+    def __call__(self, features, training=False):
+        logits = features @ self.kernel
+        if tf.reduce_sum(logits) > 0:
+            logits = logits * 2.0
+        return logits
+
+
+def test_the_users_python_control_flow_is_converted_in_the_resident_loops(default):
+    x, y, _ = eval_arrays()
+    host = tf.data.Dataset.from_tensor_slices((x, y)).batch(EVAL_BATCH)
+    trainer = engine.Trainer(
+        strategy=default,
+        model=BranchingModule(),
+        optimizer=keras.optimizers.SGD(0.1),
+        train_data=engine.ResidentData.shuffled((x, y), seed=0, global_batch_size=EVAL_BATCH),
+        eval_data=engine.ResidentEvalData((x, y), host_data=host, global_batch_size=EVAL_BATCH),
+        global_batch_size=EVAL_BATCH,
+        loss_fn=keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None),
+        steps_per_loop=2,
+    )
+    assert np.isfinite(trainer.train(4)["loss"])
+    assert trainer.evaluate()["num_examples"] == 37
