@@ -773,12 +773,14 @@ class Trainer:
         return self.evaluate()
 
     def close(self) -> None:
-        """Waits for a checkpoint still being written, then closes the summary writers."""
+        """Waits for a checkpoint still being written, then closes the summary writers and lets go
+        of the training iterator (freed off this thread; a later train() makes a new one)."""
         try:
             if self.checkpointer is not None:
                 self.checkpointer.wait()
         finally:
             self._summaries.close()
+            self.train_runner.release_iterator()
             if self.rollback is not None:
                 self.rollback.discard_start()
 

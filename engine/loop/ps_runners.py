@@ -108,6 +108,9 @@ class CoordinatedTrainRunner(TrainRunner):
         # The same replica step and loop as on one host, minus the in-loop step count.
         return make_train_loop(self.strategy, self.replica_step, global_step=None, max_loss=self.max_loss)
 
+    def release_iterator(self) -> None:
+        """Kept: the workers' iterators live on the workers, and their streams run on by themselves."""
+
     def run(self, start_step: int, num_steps: int) -> LoopResult:
         """Schedules the call as one closure per worker; waits for all of them. The
         per-worker iterators are built once: the workers' streams run on by themselves."""

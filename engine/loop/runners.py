@@ -131,6 +131,7 @@ class TrainRunner:
             return LoopResult.from_outputs(self.loop(self._resident_input(at), tf.constant(num_steps)))
         fresh = self._iterator is None or self._iterator_position != at
         if fresh:
+            self.release_iterator()  # One read from elsewhere in the stream (a restore, a rollback).
             self._iterator = iter(distribute_train_data(self.strategy, self.data, start_step=at))
         check = CHECK_NONE if not fresh else (CHECK_EXACT if at == 0 else CHECK_NOT_LARGER)
         try:
@@ -141,6 +142,13 @@ class TrainRunner:
             raise UserError(self._batch_size_message(result.first_batch_size, start_step))
         self._iterator_position = at + result.steps_run
         return result
+
+    def release_iterator(self) -> None:
+        """Lets go of the training iterator, freed on the release thread (freeing a distributed
+        iterator can wait seconds: `engine.loop.iterator_release`); the next call makes another."""
+        if self._iterator is not None:
+            iterators, self._iterator = [self._iterator], None
+            release_in_background(iterators)
 
     def _call(self, iterator: Any, num_steps: int, first_batch_check: int) -> LoopResult:
         outputs = self.loop(iterator, tf.constant(num_steps, tf.int32), tf.constant(first_batch_check, tf.int32))

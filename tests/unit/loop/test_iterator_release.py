@@ -52,3 +52,20 @@ def test_each_predictions_iterator_is_freed_on_the_release_thread_and_every_row_
         np.testing.assert_allclose(trainer.predict(x), expected, rtol=1e-6, atol=1e-6)
     iterator_release.wait_until_all_freed()
     assert freed_on == ["engine-iterator-release"] * 2
+
+
+def test_a_replaced_or_closed_training_iterator_is_freed_on_the_release_thread(default, monkeypatch):
+    freed_on: list[str] = []
+    distribute = runners.distribute_train_data
+    monkeypatch.setattr(
+        runners,
+        "distribute_train_data",
+        lambda strategy, data, start_step: Watched(distribute(strategy, data, start_step=start_step), freed_on),
+    )
+    trainer = make_trainer(default, steps_per_loop=2)
+    trainer.train(2)
+    trainer.train_runner.run(0, 2)  # From another stream position: a new iterator, the old one let go.
+    trainer.close()  # The current one let go too.
+    iterator_release.wait_until_all_freed()
+    assert freed_on == ["engine-iterator-release"] * 2
+    assert trainer.train(6)["loss"] > 0  # After close(), training makes a new iterator.
