@@ -1,14 +1,14 @@
-"""Finished eval and predict iterators are freed on a thread of their own, not on the loop's.
+"""Iterators the loop is done with are freed on a thread of their own, not on the loop's.
 
 Freeing a tf.data iterator that was read to its end can block the freeing thread for
 seconds, up to a minute, with every thread asleep (TensorFlow 2.21: the MultiDeviceIterator
 a MirroredStrategy evaluation reads; its host iterator waits for one of its tf.data threads
 to end). Measured on a 14 s evaluation: 2-57 s more in the loop's thread, which goodput books
-as evaluation. The wait holds nothing Python needs, so an `EvalRunner` (and a `PredictRunner`)
-hands each finished iterator here, and one daemon thread drops it while training goes on. At
-the process's exit the interpreter waits for that thread to be done (an exit handler): Python
-ends a daemon thread still inside TensorFlow at finalization by unwinding it, which aborts the
-process.
+as evaluation. The wait holds nothing Python needs, so an `EvalRunner` and a `PredictRunner`
+hand each finished iterator here (a `TrainRunner` one it replaces or is closed with), and one
+daemon thread drops it while training goes on. At the process's exit the interpreter waits for
+that thread to be done (an exit handler): Python ends a daemon thread still inside TensorFlow at
+finalization by unwinding it, which aborts the process.
 """
 
 from __future__ import annotations
