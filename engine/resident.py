@@ -92,16 +92,12 @@ class ResidentData:
         )
 
     def __post_init__(self) -> None:
-        sizes = {int(tf.convert_to_tensor(t).shape[0]) for t in tf.nest.flatten(self.tensors)}
-        if len(sizes) != 1 or 0 in sizes:
-            raise ValueError(
-                f"ResidentData tensors must share one non-zero first dimension (examples), got {sorted(sizes)}"
-            )
+        _num_examples(self.tensors, "ResidentData")
 
     @property
     def num_bytes(self) -> int:
         """Bytes one replica's copy takes."""
-        return sum(int(tf.size(t)) * tf.as_dtype(t.dtype).size for t in tf.nest.flatten(self.tensors))
+        return _num_bytes(self.tensors)
 
     def replica_indices(
         self, first_step: tf.Tensor, num_steps: tf.Tensor, *, global_batch_size: int
@@ -249,12 +245,7 @@ class ResidentEvalData:
     transform: Callable[[Any], Any] | None = field(default=None)
 
     def __post_init__(self) -> None:
-        sizes = {int(tf.convert_to_tensor(t).shape[0]) for t in tf.nest.flatten(self.tensors)}
-        if len(sizes) != 1 or 0 in sizes:
-            raise ValueError(
-                "ResidentEvalData tensors must share one non-zero first dimension (examples), "
-                f"got {sorted(sizes)}"
-            )
+        _num_examples(self.tensors, "ResidentEvalData")
         if isinstance(self.global_batch_size, bool) or not isinstance(self.global_batch_size, int):
             raise ValueError(f"global_batch_size must be an int, got {self.global_batch_size!r}")
         if self.global_batch_size < 1:
@@ -262,7 +253,7 @@ class ResidentEvalData:
 
     @property
     def num_examples(self) -> int:
-        return int(tf.convert_to_tensor(tf.nest.flatten(self.tensors)[0]).shape[0])
+        return _num_examples(self.tensors, "ResidentEvalData")
 
     @property
     def num_batches(self) -> int:
@@ -272,7 +263,7 @@ class ResidentEvalData:
     @property
     def num_bytes(self) -> int:
         """Bytes one replica's copy takes."""
-        return sum(int(tf.size(t)) * tf.as_dtype(t.dtype).size for t in tf.nest.flatten(self.tensors))
+        return _num_bytes(self.tensors)
 
     def replica_batch(self, replica_tensors: Any, batch_index: tf.Tensor) -> Any:
         """This replica's part of global batch `batch_index`, from its own copy, transformed;
@@ -285,6 +276,20 @@ class ResidentEvalData:
         first, end = tf.minimum(start, num_examples), tf.minimum(start + per_replica, num_examples)
         batch = tf.nest.map_structure(lambda tensor: tensor[first:end], replica_tensors)
         return batch if self.transform is None else user_code(self.transform)(batch)
+
+
+def _num_examples(tensors: Any, what: str) -> int:
+    """The first dimension every tensor of the nest shares (read from shapes: nothing is copied)."""
+    sizes = {int(t.shape[0]) if hasattr(t, "shape") else len(t) for t in tf.nest.flatten(tensors)}
+    if len(sizes) != 1 or 0 in sizes:
+        raise ValueError(
+            f"{what} tensors must share one non-zero first dimension (examples), got {sorted(sizes)}"
+        )
+    return sizes.pop()
+
+
+def _num_bytes(tensors: Any) -> int:
+    return sum(int(tf.size(t)) * tf.as_dtype(t.dtype).size for t in tf.nest.flatten(tensors))
 
 
 def place_on_replicas(strategy: tf.distribute.Strategy, data: ResidentData | ResidentEvalData) -> Any:

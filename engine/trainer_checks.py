@@ -105,11 +105,7 @@ def train_data_form(
     """The declared form the train runner reads: `ResidentData` kept on the devices where the
     strategy allows it, else a tf.data form (ResidentData's `host_data` on the others)."""
     if isinstance(data, ResidentData):
-        if data.global_batch_size not in (None, global_batch_size):
-            raise UserError(
-                f"`train_data` (ResidentData) was made for `global_batch_size={data.global_batch_size}` "
-                f"but the Trainer has `global_batch_size={global_batch_size}`; make both the same"
-            )
+        _check_made_for(data, "train_data", global_batch_size)
         host_form = as_train_form(data.host_data)  # Checked all the same.
         check_dataset_batch(host_form, global_batch_size)
         if keeps_on_devices(strategy):
@@ -128,16 +124,20 @@ def eval_data_form(
     allows it, else a tf.data form (its `host_data` on the others)."""
     if not isinstance(data, ResidentEvalData):
         return as_eval_form(data)
-    if data.global_batch_size != global_batch_size:
-        raise UserError(
-            f"`eval_data` (ResidentEvalData) was made for `global_batch_size={data.global_batch_size}` "
-            f"but the Trainer has `global_batch_size={global_batch_size}`; make both the same"
-        )
+    _check_made_for(data, "eval_data", global_batch_size)
     host_form = as_eval_form(data.host_data)  # Checked all the same.
     if keeps_on_devices(strategy):
         return data
     logger.info("%s evaluates from ResidentEvalData.host_data (tf.data)", type(strategy).__name__)
     return host_form
+
+
+def _check_made_for(data: ResidentData | ResidentEvalData, argument: str, global_batch_size: int) -> None:
+    if data.global_batch_size not in (None, global_batch_size):
+        raise UserError(
+            f"`{argument}` ({type(data).__name__}) was made for `global_batch_size={data.global_batch_size}` "
+            f"but the Trainer has `global_batch_size={global_batch_size}`; make both the same"
+        )
 
 
 def check_metric_names(metrics: Sequence[Any], weighted_metrics: Sequence[Any]) -> None:
