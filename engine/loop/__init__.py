@@ -7,7 +7,7 @@
 - `runners`: what one training call, one evaluation and one prediction do (`TrainRunner`,
   `EvalRunner`, `PredictRunner`);
 - `ps_runners`: their parameter-server forms, the outer loop the coordinator runs;
-- `iterator_release`: finished eval iterators freed off the loop's thread (freeing one can wait);
+- `iterator_release`: iterators the loop is done with freed off its thread (freeing one can wait);
 - `rollback`: surviving a loss spike (`on_nonfinite="rollback"`).
 
 Importing this package imports nothing: each module is imported where it is used.

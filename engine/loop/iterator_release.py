@@ -5,10 +5,11 @@ seconds, up to a minute, with every thread asleep (TensorFlow 2.21: the MultiDev
 a MirroredStrategy evaluation reads; its host iterator waits for one of its tf.data threads
 to end). Measured on a 14 s evaluation: 2-57 s more in the loop's thread, which goodput books
 as evaluation. The wait holds nothing Python needs, so an `EvalRunner` and a `PredictRunner`
-hand each finished iterator here (a `TrainRunner` one it replaces or is closed with), and one
-daemon thread drops it while training goes on. At the process's exit the interpreter waits for
-that thread to be done (an exit handler): Python ends a daemon thread still inside TensorFlow at
-finalization by unwinding it, which aborts the process.
+hand each finished iterator here (a `TrainRunner` the one it replaces, is closed with or is
+dropped with: a Trainer let go without close()), and one daemon thread drops it while training
+goes on. At the process's exit the interpreter waits for that thread to be done (an exit
+handler): Python ends a daemon thread still inside TensorFlow at finalization by unwinding it,
+which aborts the process.
 """
 
 from __future__ import annotations

@@ -11,6 +11,7 @@ alone: it never trains. The parameter-server forms of both live in
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -149,6 +150,13 @@ class TrainRunner:
         if self._iterator is not None:
             iterators, self._iterator = [self._iterator], None
             release_in_background(iterators)
+
+    def __del__(self) -> None:
+        # A Trainer dropped without close() (a research loop making one per trial, a test)
+        # would otherwise free its iterator on the thread that drops it, which can wait up to
+        # a minute. During the interpreter's shutdown the release thread has already ended.
+        if not sys.is_finalizing() and getattr(self, "_iterator", None) is not None:
+            self.release_iterator()
 
     def _call(self, iterator: Any, num_steps: int, first_batch_check: int) -> LoopResult:
         outputs = self.loop(iterator, tf.constant(num_steps, tf.int32), tf.constant(first_batch_check, tf.int32))

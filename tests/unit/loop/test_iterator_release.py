@@ -69,3 +69,23 @@ def test_a_replaced_or_closed_training_iterator_is_freed_on_the_release_thread(d
     iterator_release.wait_until_all_freed()
     assert freed_on == ["engine-iterator-release"] * 2
     assert trainer.train(6)["loss"] > 0  # After close(), training makes a new iterator.
+
+
+def test_a_trainer_dropped_without_close_frees_its_training_iterator_off_the_loops_thread(mirrored, monkeypatch):
+    """A research loop that makes a Trainer per trial and drops it: the Trainer's iterator must not
+    be freed on the loop's thread either (the suite's in-process tests stalled there, 5-12 s)."""
+    freed_on: list[str] = []
+    distribute = runners.distribute_train_data
+    monkeypatch.setattr(
+        runners,
+        "distribute_train_data",
+        lambda strategy, data, start_step: Watched(distribute(strategy, data, start_step=start_step), freed_on),
+    )
+    for _ in range(2):
+        trainer = make_trainer(mirrored, steps_per_loop=2)
+        assert trainer.train(2)["loss"] > 0
+        dropped = weakref.ref(trainer)
+        del trainer
+        assert dropped() is None  # No cycle keeps a Trainer: it goes where its last name goes.
+    iterator_release.wait_until_all_freed()
+    assert freed_on == ["engine-iterator-release"] * 2
