@@ -7,8 +7,10 @@ imports no TensorFlow (5 CPU-s of every run); each worker sets TensorFlow up
 in `pytest_configure`, before it collects a test module.
 """
 
+import atexit
 import gc
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -40,6 +42,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_configure(config: pytest.Config) -> None:
     if not runs_tests(config):
         return
+    if hasattr(config, "workerinput"):
+        atexit.register(end_worker_at_once)  # Registered before TensorFlow's and the engine's: runs after them.
     if config.getoption("profile_suite"):
         from suite_profile import register
 
@@ -51,6 +55,16 @@ def pytest_configure(config: pytest.Config) -> None:
 
     cpu = tf.config.list_physical_devices("CPU")[0]
     tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * TEST_CPU_DEVICES)
+
+
+def end_worker_at_once() -> None:
+    """A pytest-xdist worker's last exit handler: its reports are sent and every other handler has
+    run (the engine's included), so the interpreter's teardown of the worker's TensorFlow state,
+    thousands of graphs and the iterators of cached trainers, has nothing left to give; it took
+    1-10 s at the end of every run, which waits for its slowest worker to be gone."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 TESTS = Path(__file__).resolve().parent
