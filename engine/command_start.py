@@ -23,7 +23,8 @@ Together about 5-8 % of a short run's CPU, in every process of a cluster. And at
   (`gc.freeze`), so that collection skips them; the modules are still torn down and every
   object still released by its reference count (open files closed, buffers flushed), as
   without it. Only a finalizer of an object in a reference cycle that nothing reaches would
-  no longer run at exit.
+  no longer run at exit. (`engine.main` ends before finalization, after its exit handlers:
+  `engine.cli.main_command.exit_process`; the servers and the launcher go through it.)
 
 Research code that imports `engine` keeps its interpreter's settings: only the commands
 call this.

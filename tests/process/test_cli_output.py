@@ -4,6 +4,7 @@ the launcher checks engine.main's flags without importing TensorFlow. Real proce
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -69,7 +70,7 @@ def test_a_run_prints_no_native_start_up_lines_unless_asked_and_imports_no_optio
     digits, read from its file: input/digits.py). Loaded means in `sys.modules` when the process
     exits (a sitecustomize reports it): import times cannot tell a hidden package that was tried
     from one that loaded, since a garbage collection or another thread can land in either."""
-    from helpers import in_background
+    from helpers import in_background, read_scalars
 
     flags = ["-m", "engine.main", "--model=mlp", "--train_steps=2", "--steps_per_loop=1", "--mode=train"]
     verbose = in_background(python, *flags, env={"TF_CPP_MIN_LOG_LEVEL": "0"})  # Both processes at once.
@@ -87,6 +88,11 @@ def test_a_run_prints_no_native_start_up_lines_unless_asked_and_imports_no_optio
     assert leaked == []
     assert "Saved checkpoint" in quiet.stderr and "Sharding callback duration" not in quiet.stderr
     assert "done: step 2, eval none, " in quiet.stderr  # --mode=train: no evaluation to report.
+    # The process ends without the interpreter's finalization (main_command.exit_process): what the
+    # run wrote last, the goodput scalars after the final step, is on disk all the same.
+    scalars = read_scalars(tmp_path / "run" / "train")
+    assert set(scalars["loss"]) == {1, 2} and set(scalars["goodput/fraction"]) == {2}
+    assert json.loads((tmp_path / "run" / "metrics.json").read_text())["global_step"] == 2
     assert len(reports) == 1, quiet.stderr[-3000:]
     modules = set(reports[0].split())
     # Keras's wrappers (which try scikit-learn) and TensorBoard's file-system stub (which tries
