@@ -5,6 +5,7 @@ import threading
 import weakref
 
 import numpy as np
+import pytest
 import tensorflow as tf
 from helpers import make_arrays, make_trainer
 
@@ -54,7 +55,9 @@ def test_each_predictions_iterator_is_freed_on_the_release_thread_and_every_row_
     assert freed_on == ["engine-iterator-release"] * 2
 
 
-def test_a_replaced_or_closed_training_iterator_is_freed_on_the_release_thread(default, monkeypatch):
+@pytest.fixture
+def training_iterators_freed_on(monkeypatch) -> list[str]:
+    """The threads the training iterators are freed on, in order."""
     freed_on: list[str] = []
     distribute = runners.distribute_train_data
     monkeypatch.setattr(
@@ -62,6 +65,13 @@ def test_a_replaced_or_closed_training_iterator_is_freed_on_the_release_thread(d
         "distribute_train_data",
         lambda strategy, data, start_step: Watched(distribute(strategy, data, start_step=start_step), freed_on),
     )
+    return freed_on
+
+
+def test_a_replaced_or_closed_training_iterator_is_freed_on_the_release_thread(
+    default, training_iterators_freed_on
+):
+    freed_on = training_iterators_freed_on
     trainer = make_trainer(default, steps_per_loop=2)
     trainer.train(2)
     trainer.train_runner.run(0, 2)  # From another stream position: a new iterator, the old one let go.
@@ -71,16 +81,12 @@ def test_a_replaced_or_closed_training_iterator_is_freed_on_the_release_thread(d
     assert trainer.train(6)["loss"] > 0  # After close(), training makes a new iterator.
 
 
-def test_a_trainer_dropped_without_close_frees_its_training_iterator_off_the_loops_thread(mirrored, monkeypatch):
+def test_a_trainer_dropped_without_close_frees_its_training_iterator_off_the_loops_thread(
+    mirrored, training_iterators_freed_on
+):
     """A research loop that makes a Trainer per trial and drops it: the Trainer's iterator must not
     be freed on the loop's thread either (the suite's in-process tests stalled there, 5-12 s)."""
-    freed_on: list[str] = []
-    distribute = runners.distribute_train_data
-    monkeypatch.setattr(
-        runners,
-        "distribute_train_data",
-        lambda strategy, data, start_step: Watched(distribute(strategy, data, start_step=start_step), freed_on),
-    )
+    freed_on = training_iterators_freed_on
     for _ in range(2):
         trainer = make_trainer(mirrored, steps_per_loop=2)
         assert trainer.train(2)["loss"] > 0
