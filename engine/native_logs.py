@@ -31,8 +31,10 @@ import time
 from collections.abc import Iterator
 
 # absl's format (I0000 00:00:1796043263.123665    8024 port.cc:153] ...) and TSL's older one.
+# A C++ source's line; absl's Python logging writes the same form naming a .py file, which is
+# the engine's own (a start-up signal's last word among them) and is kept.
 _NATIVE_LINE = re.compile(
-    r"^(?:([IWEF])\d{4} \d\d:\d\d:\d+\.\d+\s+\d+ \S+:\d+\]"
+    r"^(?:([IWEF])\d{4} \d\d:\d\d:\d+\.\d+\s+\d+ \S+(?<!\.py):\d+\]"
     r"|\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d+: ([IWEF]) \S+:\d+\])"
 )
 _BEFORE_INITIALIZE_LOG = "WARNING: All log messages before absl::InitializeLog() is called are written to STDERR"

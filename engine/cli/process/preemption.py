@@ -146,10 +146,11 @@ class _Watcher:
                 return
             if self._stopping or self._trainer is None:
                 logging.warning(
-                    "%s received%s: exiting now with status %d",
+                    "%s received%s: exiting now with status %d%s",
                     name,
                     " again" if self._stopping else "",
                     128 + signum,
+                    _sent_by(sender),
                 )
                 logging.flush()
                 sys.stderr.flush()
@@ -191,6 +192,19 @@ class _Watcher:
                 self._trainer = self._diagnostics = None
                 # A stop in progress keeps the next signal fatal; otherwise one signal ends at once too.
                 self._stopping = self._stopping or record.signum is not None
+
+
+def _sent_by(pid: int) -> str:
+    """' (sent by pid N: its command)': a signal that ends a process before it trained names its
+    sender, since nothing else will tell who it was."""
+    if not pid:
+        return ""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+            command = cmdline.read().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        command = ""
+    return f" (sent by pid {pid}" + (f": {command[:200]})" if command else ")")
 
 
 _watcher: _Watcher | None = None
