@@ -32,7 +32,6 @@ of figures, which is what a table too large for one ps task meets, and what spli
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import resource
@@ -164,6 +163,8 @@ def out_of_memory_line(stderr: str) -> str | None:
     return None
 
 
+COORDINATOR_TIMEOUT_S = 900
+
 # What a task that ended under the limit printed about why (before Python's fault report).
 ENDING_CAUSES = ("bad_alloc", "Check failed", "OOM", "Resource exhausted", "Cannot allocate", "Fatal Python")
 
@@ -180,6 +181,27 @@ def ended_ps_task(ps: list[subprocess.Popen]) -> str | None:
             status = f"signal {-code}" if code < 0 else f"status {code}"
             return f"ps:{index} ended ({status}): {(telling or lines or ['nothing printed'])[0]}"
     return None
+
+
+def run_coordinator(
+    coordinator: subprocess.Popen, ps: list[subprocess.Popen]
+) -> tuple[int, str, str, str | None]:
+    """Waits for `coordinator` (at most COORDINATOR_TIMEOUT_S) while watching the ps tasks: one
+    that ends (under the memory limit) ends the coordinator too, which would otherwise wait for
+    it forever (seen: ParameterServerStrategy hung on a ps task killed by its RLIMIT_AS).
+    Returns its status, its output and how a ps task ended (None if none did)."""
+    deadline = time.monotonic() + COORDINATOR_TIMEOUT_S
+    while True:
+        try:
+            stdout, stderr = coordinator.communicate(timeout=0.5)
+            return coordinator.returncode, stdout, stderr, None
+        except subprocess.TimeoutExpired:
+            ended = ended_ps_task(ps)
+            if ended is None and time.monotonic() < deadline:
+                continue
+            coordinator.kill()
+            stdout, stderr = coordinator.communicate()
+            return coordinator.returncode, stdout, stderr, ended or f"ran past {COORDINATOR_TIMEOUT_S} s"
 
 
 def measure(way: str) -> dict:
@@ -207,7 +229,6 @@ def measure(way: str) -> dict:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             text=True,
-            process_group=0,
         )
         for job, index in tasks
     }
@@ -234,21 +255,24 @@ def measure(way: str) -> dict:
             "steps": FLAGS.steps,
             "ps_pids": [process.pid for process in ps],
         }
-        result = subprocess.run(
+        coordinator = subprocess.Popen(
             [sys.executable, "-c", COORDINATOR, json.dumps(setup)],
             cwd=REPO,
             env=env,
-            capture_output=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
             text=True,
-            timeout=900,
         )
-        if result.returncode != 0 and FLAGS.ps_memory_limit_mb:
-            reason = out_of_memory_line(result.stderr) or ended_ps_task(ps)
+        returncode, stdout, stderr, ended = run_coordinator(coordinator, ps)
+        if returncode != 0 and FLAGS.ps_memory_limit_mb:
+            reason = out_of_memory_line(stderr) or ended
             if reason is not None:
                 return {"failed": reason}
-        if result.returncode != 0:
-            raise RuntimeError(f"the {way} coordinator failed: {result.stderr[-2000:]}")
-        figures = json.loads(result.stdout.split("RESULT ", 1)[1])
+        if returncode != 0:
+            raise RuntimeError(
+                f"the {way} coordinator failed ({ended or f'status {returncode}'}): {stderr[-2000:]}"
+            )
+        figures = json.loads(stdout.split("RESULT ", 1)[1])
         now = figures.pop("ps_rss_now_mb")
         figures["ps_rss_mb"] = [round(after - before, 1) for after, before in zip(now, started_rss, strict=True)]
         figures["bytes_per_step"] = round(figures["bytes_per_step"])
@@ -256,8 +280,7 @@ def measure(way: str) -> dict:
         return figures
     finally:
         for process in servers.values():
-            with contextlib.suppress(ProcessLookupError):  # A task that ended (under the memory limit).
-                os.killpg(process.pid, 9)
+            process.kill()  # Nothing if it ended already (under the memory limit).
             process.wait(timeout=30)
 
 

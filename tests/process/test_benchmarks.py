@@ -384,3 +384,33 @@ def test_sharded_tables_benchmark_measures_each_ps_task_on_a_cluster_of_its_own(
     assert figures["bytes_per_step"] > 0 and figures["examples_per_second"] > 0
     assert "largest_ps_memory_sharded_over_one_shard" not in payload  # No ratio with a way that failed.
     assert "bytes_per_step_dense_over_sharded" not in payload  # A ratio only of two ways measured.
+
+
+@pytest.mark.process
+def test_a_ps_task_that_ends_under_its_memory_limit_ends_the_sharded_tables_coordinator_at_once():
+    """A ps task that dies (RLIMIT_AS) leaves ParameterServerStrategy's coordinator waiting for it
+    forever (the benchmark above hung for its whole timeout once): the benchmark stops the
+    coordinator and reports how the task ended."""
+    import time
+
+    from benchmarks.sharded_tables import run_coordinator
+
+    def started(code: str) -> subprocess.Popen:
+        return subprocess.Popen(
+            [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+
+    waiting = started("import time; time.sleep(120)")
+    live, dying = (
+        started("import time; time.sleep(120)"),
+        started("import sys; print('Check failed: x', file=sys.stderr); sys.exit(6)"),
+    )
+    began = time.monotonic()
+    try:
+        returncode, _, _, ended = run_coordinator(waiting, [dying, live])
+    finally:
+        for process in (waiting, live, dying):
+            process.kill()
+            process.wait(timeout=30)
+    assert time.monotonic() - began < 30
+    assert returncode == -9 and ended == "ps:0 ended (status 6): Check failed: x"
