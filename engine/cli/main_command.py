@@ -125,6 +125,9 @@ def exit_process(status: int) -> NoReturn:
     had succeeded and written its files (seen once in tests/cluster/test_multi_worker.py)."""
     from engine.compat import run_exit_handlers
 
+    iterator_release = sys.modules.get("engine.loop.iterator_release")  # Imported where the run freed one.
+    if iterator_release is not None:
+        iterator_release.do_not_wait_at_exit()  # A destructor that never returns must not hold a finished run.
     main_thread = threading.main_thread()
     for thread in threading.enumerate():
         if thread is not main_thread and not thread.daemon:

@@ -1,60 +1,90 @@
-"""Iterators the loop is done with are freed on a thread of their own, not on the loop's.
+"""Iterators the loop is done with are freed on threads of their own, not on the loop's.
 
 Freeing a tf.data iterator that was read to its end can block the freeing thread for
 seconds, up to a minute, with every thread asleep (TensorFlow 2.21: the MultiDeviceIterator
-a MirroredStrategy evaluation reads; its host iterator waits for one of its tf.data threads
-to end). Measured on a 14 s evaluation: 2-57 s more in the loop's thread, which goodput books
-as evaluation. The wait holds nothing Python needs, so an `EvalRunner` and a `PredictRunner`
-hand each finished iterator here (a `TrainRunner` the one it replaces, is closed with or is
-dropped with: a Trainer let go without close()), and one daemon thread drops it while training
-goes on. At the process's exit the interpreter waits for that thread to be done (an exit
-handler): Python ends a daemon thread still inside TensorFlow at finalization by unwinding it,
-which aborts the process.
+a MirroredStrategy evaluation reads; its host iterator waits for its tf.data autotuning
+thread to end). Measured on a 14 s evaluation: 2-57 s more in the loop's thread, which
+goodput books as evaluation. Now and then the wait never ends (seen in the suite: over ten
+minutes in `~LogicalThreadWrapper`, the autotuning thread asleep in `Model::OptimizeLoop`).
+The wait holds nothing Python needs, so an `EvalRunner` and a `PredictRunner` hand each
+finished iterator here (a `TrainRunner` the one it replaces, is closed with or is dropped
+with: a Trainer let go without close()), and a daemon thread of its own drops it while
+training goes on: one destructor that never returns holds that thread and no other
+iterator.
+
+At the process's exit the interpreter waits for those threads (an exit handler), at most
+`EXIT_WAIT_S`: Python ends a daemon thread still inside TensorFlow at finalization by
+unwinding it, which can abort the process, and a finished run must not wait forever
+either. What is still held then is named in one warning line. `engine.main`, which ends
+without the interpreter's finalization, does not wait at all.
 """
 
 from __future__ import annotations
 
 import atexit
-import queue
 import sys
 import threading
 import time
 from typing import Any
 
-# Until the loop's thread has let go of the iterator: the destructor must run on this thread.
+from engine.logger import logger
+
+# Until the loop's thread has let go of the iterator: the destructor must run on the release thread.
 _HANDOVER_WAIT_S = 1.0
-_released: queue.SimpleQueue = queue.SimpleQueue()
-_thread: threading.Thread | None = None
-_starting = threading.Lock()
+# The longest a process's exit waits for the iterators still being freed.
+EXIT_WAIT_S = 60.0
+THREAD_NAME = "engine-iterator-release"
+_pending: set[threading.Thread] = set()
+_lock = threading.Lock()
+_wait_registered = False
 
 
 def release_in_background(holder: list[Any]) -> None:
-    """Takes the only reference to an iterator, `holder`'s one item, and frees it on the
+    """Takes the only reference to an iterator, `holder`'s one item, and frees it on a
     release thread (a list, so that no frame of the caller still holds the iterator)."""
-    global _thread
-    with _starting:
-        if _thread is None or not _thread.is_alive():
-            if _thread is None:
-                atexit.register(wait_until_all_freed)
-            _thread = threading.Thread(target=_free_each, name="engine-iterator-release", daemon=True)
-            _thread.start()
-    _released.put(holder.pop())
+    global _wait_registered
+    thread = threading.Thread(target=_free, args=([holder.pop()],), name=THREAD_NAME, daemon=True)
+    with _lock:
+        if not _wait_registered:
+            atexit.register(wait_until_all_freed)
+            _wait_registered = True
+        _pending.add(thread)
+    thread.start()
 
 
-def wait_until_all_freed() -> None:
-    """At exit: the thread frees what it was given, then ends (None: the last item)."""
-    if _thread is not None and _thread.is_alive():
-        _released.put(None)
-        _thread.join()
+def wait_until_all_freed(timeout_s: float | None = None) -> bool:
+    """Waits at most `timeout_s` (`EXIT_WAIT_S`) for every iterator handed over to be freed;
+    False (and one warning line) where some destructor has not returned by then."""
+    timeout_s = EXIT_WAIT_S if timeout_s is None else timeout_s
+    deadline = time.monotonic() + timeout_s
+    with _lock:
+        threads = list(_pending)
+    for thread in threads:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    with _lock:
+        held = len(_pending)
+    if held:
+        logger.warning(
+            "%d input iterator(s) still being freed after %g s (TensorFlow's tf.data destructor "
+            "waiting on its autotuning thread): not waiting for them",
+            held,
+            timeout_s,
+        )
+    return held == 0
 
 
-def _free_each() -> None:
-    while True:
-        item = _released.get()
-        if item is None:
-            return
-        deadline = time.monotonic() + _HANDOVER_WAIT_S
-        # 2: this name and getrefcount's argument; more while the caller's frame still ends.
-        while sys.getrefcount(item) > 2 and time.monotonic() < deadline:
-            time.sleep(0.005)
-        del item  # The last reference, usually: TensorFlow's destructor runs (and waits) here.
+def do_not_wait_at_exit() -> None:
+    """For a process that ends without the interpreter's finalization (`os._exit`), where a
+    release thread still inside TensorFlow is harmless: its exit waits for none."""
+    atexit.unregister(wait_until_all_freed)
+
+
+def _free(holder: list[Any]) -> None:
+    item = holder.pop()
+    deadline = time.monotonic() + _HANDOVER_WAIT_S
+    # 2: this name and getrefcount's argument; more while the caller's frame still ends.
+    while sys.getrefcount(item) > 2 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    del item  # The last reference, usually: TensorFlow's destructor runs (and waits) here.
+    with _lock:
+        _pending.discard(threading.current_thread())

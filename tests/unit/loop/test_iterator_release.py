@@ -1,7 +1,10 @@
 """engine/loop/iterator_release.py: an evaluation's iterator, and a prediction's, is freed off
-the loop's thread (freeing a MultiDeviceIterator read to its end can block its thread for seconds)."""
+the loop's thread (freeing a MultiDeviceIterator read to its end can block its thread for seconds,
+now and then forever): each on a thread of its own, the exit's wait bounded."""
 
+import logging
 import threading
+import time
 import weakref
 
 import numpy as np
@@ -10,6 +13,15 @@ import tensorflow as tf
 from helpers import make_arrays, make_trainer
 
 from engine.loop import iterator_release, runners
+
+
+def freed(freed_on: list[str], count: int, timeout_s: float = 30.0) -> list[str]:
+    """`freed_on` once `count` iterators were let go (their Python objects; TensorFlow's destructor
+    runs after that on the same thread, and may take long)."""
+    deadline = time.monotonic() + timeout_s
+    while len(freed_on) < count and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return freed_on
 
 
 class Watched:
@@ -35,9 +47,7 @@ def test_each_evaluations_iterator_is_freed_on_the_release_thread_and_counts_sta
     trainer = make_trainer(mirrored, eval_data=tf.data.Dataset.from_tensor_slices((x, y)).batch(16))
     for _ in range(2):
         assert trainer.evaluate()["num_examples"] == 37
-    iterator_release.wait_until_all_freed()  # What the process's exit does: the thread ends after both.
-    assert freed_on == ["engine-iterator-release"] * 2
-    assert not any(thread.name == "engine-iterator-release" for thread in threading.enumerate())
+    assert freed(freed_on, 2) == ["engine-iterator-release"] * 2
 
 
 def test_each_predictions_iterator_is_freed_on_the_release_thread_and_every_row_is_back(mirrored, monkeypatch):
@@ -51,8 +61,7 @@ def test_each_predictions_iterator_is_freed_on_the_release_thread_and_every_row_
     expected = trainer.model(x).numpy()
     for _ in range(2):
         np.testing.assert_allclose(trainer.predict(x), expected, rtol=1e-6, atol=1e-6)
-    iterator_release.wait_until_all_freed()
-    assert freed_on == ["engine-iterator-release"] * 2
+    assert freed(freed_on, 2) == ["engine-iterator-release"] * 2
 
 
 @pytest.fixture
@@ -76,8 +85,7 @@ def test_a_replaced_or_closed_training_iterator_is_freed_on_the_release_thread(
     trainer.train(2)
     trainer.train_runner.run(0, 2)  # From another stream position: a new iterator, the old one let go.
     trainer.close()  # The current one let go too.
-    iterator_release.wait_until_all_freed()
-    assert freed_on == ["engine-iterator-release"] * 2
+    assert freed(freed_on, 2) == ["engine-iterator-release"] * 2
     assert trainer.train(6)["loss"] > 0  # After close(), training makes a new iterator.
 
 
@@ -93,5 +101,39 @@ def test_a_trainer_dropped_without_close_frees_its_training_iterator_off_the_loo
         dropped = weakref.ref(trainer)
         del trainer
         assert dropped() is None  # No cycle keeps a Trainer: it goes where its last name goes.
-    iterator_release.wait_until_all_freed()
-    assert freed_on == ["engine-iterator-release"] * 2
+    assert freed(freed_on, 2) == ["engine-iterator-release"] * 2
+
+
+class AnIterator:
+    """Any object the loop lets go of."""
+
+
+class HeldInItsDestructor:
+    """An iterator whose destructor does not return until `let_go` is set (TensorFlow's, now and
+    then: never)."""
+
+    def __init__(self, let_go: threading.Event):
+        self._let_go = let_go
+
+    def __del__(self):
+        self._let_go.wait(60)
+
+
+def test_a_destructor_that_never_returns_holds_no_other_iterator_and_the_exits_wait_is_bounded(caplog):
+    let_go = threading.Event()
+    freed_on: list[str] = []
+    stuck, after = HeldInItsDestructor(let_go), AnIterator()
+    weakref.finalize(after, lambda: freed_on.append(threading.current_thread().name))
+    iterator_release.release_in_background([stuck])
+    iterator_release.release_in_background([after])
+    del stuck, after
+    try:
+        assert freed(freed_on, 1) == ["engine-iterator-release"]  # Not queued behind the held one.
+        began = time.monotonic()
+        with caplog.at_level(logging.WARNING, logger="engine"):
+            assert iterator_release.wait_until_all_freed(timeout_s=0.5) is False
+        assert time.monotonic() - began < 5
+        assert "1 input iterator(s) still being freed after 0.5 s" in caplog.text
+    finally:
+        let_go.set()
+    assert iterator_release.wait_until_all_freed(timeout_s=30) is True

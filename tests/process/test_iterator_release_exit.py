@@ -1,0 +1,45 @@
+"""A process whose input iterator's destructor never returns (TensorFlow's tf.data, now and
+then) still ends: a library user's after `iterator_release.EXIT_WAIT_S`, with one warning line;
+engine.main's at once, since it ends without the interpreter's finalization."""
+
+import subprocess
+import sys
+import time
+
+import pytest
+from helpers import REPO, python_env
+
+HELD = """
+import threading
+from engine.loop import iterator_release
+
+class HeldInItsDestructor:
+    def __del__(self):
+        threading.Event().wait(600)
+
+iterator_release.release_in_background([HeldInItsDestructor()])
+"""
+
+
+def run(program: str) -> tuple[subprocess.CompletedProcess, float]:
+    began = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-c", program], cwd=REPO, env=python_env(), capture_output=True, text=True, timeout=120
+    )
+    return done, time.monotonic() - began
+
+
+@pytest.mark.process
+def test_a_library_users_process_ends_after_the_bounded_wait_naming_what_it_left():
+    done, took = run(HELD + "iterator_release.EXIT_WAIT_S = 2.0\nprint('trained')\n")
+    assert done.returncode == 0 and done.stdout == "trained\n", done.stderr[-3000:]
+    assert "1 input iterator(s) still being freed after 2 s" in done.stderr
+    assert took < 60, took
+
+
+@pytest.mark.process
+def test_engine_mains_exit_does_not_wait_for_a_destructor():
+    done, took = run(HELD + "from engine.cli.main_command import exit_process\nexit_process(0)\n")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "still being freed" not in done.stderr
+    assert took < 40, took  # The library's wait would be EXIT_WAIT_S = 60 s.
