@@ -57,6 +57,15 @@ def pytest_configure(config: pytest.Config) -> None:
     tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * TEST_CPU_DEVICES)
 
 
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """A worker ends through `end_worker_at_once` (os._exit): no finalization for the input
+    iterators' release threads to fear, so its exit waits for none (a tf.data destructor that
+    never returns would hold it for iterator_release.EXIT_WAIT_S)."""
+    iterator_release = sys.modules.get("engine.loop.iterator_release")
+    if hasattr(config, "workerinput") and iterator_release is not None:
+        iterator_release.do_not_wait_at_exit()
+
+
 def end_worker_at_once() -> None:
     """A pytest-xdist worker's last exit handler: its reports are sent and every other handler has
     run (the engine's included), so the interpreter's teardown of the worker's TensorFlow state,
