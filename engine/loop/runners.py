@@ -151,11 +151,13 @@ class TrainRunner:
             iterators, self._iterator = [self._iterator], None
             release_in_background(iterators)
 
-    def __del__(self) -> None:
+    def __del__(self, _finalizing: Callable[[], bool] = sys.is_finalizing) -> None:
         # A Trainer dropped without close() (a research loop making one per trial, a test)
         # would otherwise free its iterator on the thread that drops it, which can wait up to
-        # a minute. During the interpreter's shutdown the release thread has already ended.
-        if not sys.is_finalizing() and getattr(self, "_iterator", None) is not None:
+        # a minute. During the interpreter's shutdown no thread can start, and the module's
+        # globals may be gone already (`sys` was None: a traceback per Trainer at the exit of
+        # every research script), hence `_finalizing` bound here.
+        if not _finalizing() and getattr(self, "_iterator", None) is not None:
             self.release_iterator()
 
     def _call(self, iterator: Any, num_steps: int, first_batch_check: int) -> LoopResult:

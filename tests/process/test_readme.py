@@ -22,6 +22,7 @@ def test_readme_research_example_runs(tmp_path):
         [sys.executable, "example.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=480
     )
     assert result.returncode == 0, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]  # Not even at the exit, from a __del__.
     assert "'num_examples': 200" in result.stdout
     assert "positioned at step 100" in result.stdout  # engine.PerReplicaBatches(from_step=)
     assert (tmp_path / "runs" / "research" / "checkpoints" / "checkpoint").exists()
