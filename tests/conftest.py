@@ -61,8 +61,9 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     """A worker ends through `end_worker_at_once` (os._exit): no finalization for the input
     iterators' release threads to fear, so its exit waits for none (a tf.data destructor that
     never returns would hold it for iterator_release.EXIT_WAIT_S)."""
-    iterator_release = sys.modules.get("engine.loop.iterator_release")
-    if hasattr(config, "workerinput") and iterator_release is not None:
+    if hasattr(config, "workerinput"):
+        from engine.loop import iterator_release
+
         iterator_release.do_not_wait_at_exit()
 
 

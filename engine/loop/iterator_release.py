@@ -33,21 +33,16 @@ from engine.logger import logger
 _HANDOVER_WAIT_S = 1.0
 # The longest a process's exit waits for the iterators still being freed.
 EXIT_WAIT_S = 60.0
-THREAD_NAME = "engine-iterator-release"
+_THREAD_NAME = "engine-iterator-release"
 _pending: set[threading.Thread] = set()
 _lock = threading.Lock()
-_wait_registered = False
 
 
 def release_in_background(holder: list[Any]) -> None:
     """Takes the only reference to an iterator, `holder`'s one item, and frees it on a
     release thread (a list, so that no frame of the caller still holds the iterator)."""
-    global _wait_registered
-    thread = threading.Thread(target=_free, args=([holder.pop()],), name=THREAD_NAME, daemon=True)
+    thread = threading.Thread(target=_free, args=([holder.pop()],), name=_THREAD_NAME, daemon=True)
     with _lock:
-        if not _wait_registered:
-            atexit.register(wait_until_all_freed)
-            _wait_registered = True
         _pending.add(thread)
     thread.start()
 
@@ -77,6 +72,9 @@ def do_not_wait_at_exit() -> None:
     """For a process that ends without the interpreter's finalization (`os._exit`), where a
     release thread still inside TensorFlow is harmless: its exit waits for none."""
     atexit.unregister(wait_until_all_freed)
+
+
+atexit.register(wait_until_all_freed)  # Returns at once where nothing is being freed.
 
 
 def _free(holder: list[Any]) -> None:
