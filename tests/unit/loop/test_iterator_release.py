@@ -3,6 +3,7 @@ the loop's thread (freeing a MultiDeviceIterator read to its end can block its t
 now and then forever): each on a thread of its own, the exit's wait bounded."""
 
 import logging
+import re
 import threading
 import time
 import weakref
@@ -110,19 +111,22 @@ class AnIterator:
 
 class HeldInItsDestructor:
     """An iterator whose destructor does not return until `let_go` is set (TensorFlow's, now and
-    then: never)."""
+    then: never); `returned` is set when it does."""
 
-    def __init__(self, let_go: threading.Event):
-        self._let_go = let_go
+    def __init__(self, let_go: threading.Event, returned: threading.Event):
+        self._let_go, self._returned = let_go, returned
 
     def __del__(self):
         self._let_go.wait(60)
+        self._returned.set()
 
 
 def test_a_destructor_that_never_returns_holds_no_other_iterator_and_the_exits_wait_is_bounded(caplog):
-    let_go = threading.Event()
+    """The worker's earlier tests may still be freeing real iterators (fresh-ci once counted 2
+    held here): the line counts this test's held one among them."""
+    let_go, returned = threading.Event(), threading.Event()
     freed_on: list[str] = []
-    stuck, after = HeldInItsDestructor(let_go), AnIterator()
+    stuck, after = HeldInItsDestructor(let_go, returned), AnIterator()
     weakref.finalize(after, lambda: freed_on.append(threading.current_thread().name))
     iterator_release.release_in_background([stuck])
     iterator_release.release_in_background([after])
@@ -133,7 +137,8 @@ def test_a_destructor_that_never_returns_holds_no_other_iterator_and_the_exits_w
         with caplog.at_level(logging.WARNING, logger="engine"):
             assert iterator_release.wait_until_all_freed(timeout_s=0.5) is False
         assert time.monotonic() - began < 5
-        assert "1 input iterator(s) still being freed after 0.5 s" in caplog.text
+        held = re.search(r"(\d+) input iterator\(s\) still being freed after 0\.5 s", caplog.text)
+        assert held and int(held.group(1)) >= 1, caplog.text
     finally:
         let_go.set()
-    assert iterator_release.wait_until_all_freed(timeout_s=30) is True
+    assert returned.wait(30)  # Freed once its destructor returns.
