@@ -22,7 +22,6 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from unittest import mock
 
 import keras
 import numpy as np
@@ -42,6 +41,30 @@ def python_env(**extra: str) -> dict[str, str]:
         "PYTHONFAULTHANDLER": "1",
         **extra,
     }
+
+
+@contextlib.contextmanager
+def environment(changes: dict[str, str | None] | None = None) -> Iterator[None]:
+    """`os.environ` with `changes` (None: the variable unset), each put back on the way out,
+    one variable at a time. Not mock's `patch.dict` of `os.environ`: its way back clears the whole
+    environment and sets it again (an unsetenv and a setenv per variable), while TensorFlow's threads
+    of this process (tf.data's, an iterator being freed) may read it: glibc's getenv is not
+    safe against that, and a worker crashed in it (SIGSEGV, main thread in mock's
+    `_unpatch_dict`). With no changes, the environment is not touched at all."""
+    saved = {name: os.environ.get(name) for name in changes or {}}
+
+    def put(values: dict[str, str | None]) -> None:
+        for name, value in values.items():
+            if value is None:
+                os.environ.pop(name, None)
+            elif os.environ.get(name) != value:
+                os.environ[name] = value
+
+    put(changes or {})
+    try:
+        yield
+    finally:
+        put(saved)
 
 
 # ------------------------------------------------------------------ the command line
@@ -93,7 +116,7 @@ def main_in_process(
     absl_logging.set_verbosity(absl_logging.INFO)
     try:
         with (
-            mock.patch.dict(os.environ, env or {}),
+            environment(env),
             _imports_from(cwd) if cwd is not None else contextlib.nullcontext(),
             contextlib.redirect_stdout(stdout),
             contextlib.redirect_stderr(stderr),
@@ -149,7 +172,7 @@ def run_config(*flags: str, env: dict[str, str] | None = None):
     from engine.cli.config.config_files import config_from_flags  # over --config_file, <model_dir>/config.yaml
     from engine.cli.config.flag_names import errors_in_flag_terms
 
-    with mock.patch.dict(os.environ, env or {}), errors_in_flag_terms():
+    with environment(env), errors_in_flag_terms():
         try:
             absl_flags.FLAGS(["engine.main", *flags])
             return config_from_flags(absl_flags.FLAGS)

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import contextlib
 import io
-import os
 import subprocess
 from unittest import mock
 
 import pytest
 from absl import flags
+from helpers import environment
 
 from engine.launch import launcher as launch
 from engine.launch import node_launcher, rendezvous
@@ -97,9 +97,8 @@ def launch_in_process(*argv: str, open_files: int = 65536) -> subprocess.Complet
     """`python -m engine.launch ARGV` up to its checks (a launch that passes them would start
     tasks) under `ulimit -n open_files`: the host's own limit would change the task limit."""
     stderr = io.StringIO()
-    environment = {name: value for name, value in os.environ.items() if name != "ENGINE_RENDEZVOUS_SECRET"}
     with (
-        mock.patch.dict(os.environ, environment, clear=True),
+        environment({"ENGINE_RENDEZVOUS_SECRET": None}),
         contextlib.redirect_stderr(stderr),
         mock.patch.object(launch, "Launcher", side_effect=AssertionError),
         mock.patch.object(node_launcher, "NodeLauncher", side_effect=AssertionError),
@@ -137,7 +136,7 @@ SECRET = "0123456789abcdef0123456789abcdef"
 def node_launcher_arguments(*argv: str) -> tuple[tuple, dict]:
     """What engine.launch hands NodeLauncher for ARGV (with a secret in the environment)."""
     with (
-        mock.patch.dict(os.environ, {"ENGINE_RENDEZVOUS_SECRET": SECRET}),
+        environment({"ENGINE_RENDEZVOUS_SECRET": SECRET}),
         mock.patch.object(node_launcher, "NodeLauncher") as made,
     ):
         made.return_value.run.return_value = 0
@@ -185,8 +184,7 @@ def test_each_node_sends_the_flags_that_must_be_equal_and_not_its_own(tmp_path):
 
 @pytest.mark.cli
 def test_the_secret_is_optional_on_loopback():
-    with mock.patch.dict(os.environ, {}, clear=False):
-        os.environ.pop("ENGINE_RENDEZVOUS_SECRET", None)
+    with environment({"ENGINE_RENDEZVOUS_SECRET": None}):
         with mock.patch.object(node_launcher, "NodeLauncher") as made:
             made.return_value.run.return_value = 0
             try:

@@ -19,7 +19,7 @@ import time
 from unittest import mock
 
 import pytest
-from helpers import REPO, latest_step, python_env
+from helpers import REPO, environment, latest_step, python_env
 
 from engine.cli.process import preemption
 from engine.launch import task_processes
@@ -140,7 +140,7 @@ def test_a_task_knows_its_launcher_and_never_sees_the_rendezvous_secret():
     (task,) = tasks_of({"worker": ("h:1",)})
     launcher = Launcher([task], say=lambda line: None)
     with (
-        mock.patch.dict(os.environ, {"ENGINE_RENDEZVOUS_SECRET": "s" * 32}),
+        environment({"ENGINE_RENDEZVOUS_SECRET": "s" * 32}),
         mock.patch.object(task_processes.subprocess, "Popen") as popen,
         mock.patch.object(task_processes.threading, "Thread"),
     ):
@@ -227,9 +227,9 @@ def test_sighup_saves_like_sigterm_and_exits_129(watcher):
 
 
 def test_a_launcher_pid_that_is_not_the_parent_is_nobodys():
-    with mock.patch.dict(os.environ, {preemption.LAUNCHER_PID_ENV: "1"}):
+    with environment({preemption.LAUNCHER_PID_ENV: "1"}):
         assert preemption.launcher_pid() == (1 if os.getppid() == 1 else None)
-    with mock.patch.dict(os.environ, {preemption.LAUNCHER_PID_ENV: str(os.getppid())}):
+    with environment({preemption.LAUNCHER_PID_ENV: str(os.getppid())}):
         assert preemption.launcher_pid() == os.getppid()
 
 
