@@ -1260,6 +1260,9 @@ def test_a_disk_full_during_the_best_checkpoint_save_keeps_the_old_best_pair(sma
     def filling_on_eval_end(self, trainer, step, logs):
         evaluations.append(step)
         if len(evaluations) == 2:
+            # Once step 10's checkpoint is whole: written in the background, it may still be in
+            # flight on a busy machine, and a full disk would then end it instead (seen once).
+            trainer.checkpointer.wait()
             fill()
         on_eval_end(self, trainer, step, logs)
 
