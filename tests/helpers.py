@@ -46,25 +46,18 @@ def python_env(**extra: str) -> dict[str, str]:
 @contextlib.contextmanager
 def environment(changes: dict[str, str | None] | None = None) -> Iterator[None]:
     """`os.environ` with `changes` (None: the variable unset), each put back on the way out,
-    one variable at a time. Not mock's `patch.dict` of `os.environ`: its way back clears the whole
-    environment and sets it again (an unsetenv and a setenv per variable), while TensorFlow's threads
-    of this process (tf.data's, an iterator being freed) may read it: glibc's getenv is not
-    safe against that, and a worker crashed in it (SIGSEGV, main thread in mock's
-    `_unpatch_dict`). With no changes, the environment is not touched at all."""
-    saved = {name: os.environ.get(name) for name in changes or {}}
-
-    def put(values: dict[str, str | None]) -> None:
-        for name, value in values.items():
+    one variable at a time (pytest's MonkeyPatch). Not mock's `patch.dict` of `os.environ`: its
+    way back clears the whole environment and sets it again (an unsetenv and a setenv per
+    variable), while TensorFlow's threads of this process (tf.data's, an iterator being freed)
+    may read it: glibc's getenv is not safe against that, and a worker crashed in it (SIGSEGV,
+    main thread in mock's `_unpatch_dict`). With no changes, the environment is not touched."""
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in (changes or {}).items():
             if value is None:
-                os.environ.pop(name, None)
-            elif os.environ.get(name) != value:
-                os.environ[name] = value
-
-    put(changes or {})
-    try:
+                patch.delenv(name, raising=False)
+            else:
+                patch.setenv(name, value)
         yield
-    finally:
-        put(saved)
 
 
 # ------------------------------------------------------------------ the command line
