@@ -238,3 +238,42 @@ def run_exit_handlers() -> None:
     import atexit
 
     atexit._run_exitfuncs()
+
+
+def compile_loss(model: Any) -> Any:
+    """The loss a Keras model was compiled with, as Keras applies it (its `CompileLoss`), or
+    None: `compile(loss=None)` or never compiled (no public accessor)."""
+    return getattr(model, "_compile_loss", None)
+
+
+def compile_arguments(model: Any) -> dict[str, Any]:
+    """The arguments a Keras model's `compile()` was given (optimizer, loss, loss_weights,
+    metrics, weighted_metrics, ...) as the user passed them; {} when it was never compiled.
+    Keras keeps them unserialized for `get_compile_config` (no public accessor)."""
+    if not getattr(model, "compiled", False):
+        return {}
+    config = getattr(model, "_compile_config", None)
+    return dict(getattr(config, "config", None) or {})
+
+
+def keras_metric(identifier: Any, y_true: Any, y_pred: Any) -> Any:
+    """A metric named as `compile(metrics=)` names it ("accuracy" resolved against the labels'
+    and outputs' shapes as Keras resolves it), through Keras's own resolver (not public)."""
+    from keras.src.trainers.compile_utils import get_metric
+
+    return get_metric(identifier, y_true, y_pred)
+
+
+def keras_loss(identifier: Any, y_true: Any, y_pred: Any) -> Any:
+    """A loss named as `compile(loss=)` names it ("crossentropy" resolved against the shapes as
+    Keras resolves it), through Keras's own resolver (not public)."""
+    from keras.src.trainers.compile_utils import get_loss
+
+    return get_loss(identifier, y_true, y_pred)
+
+
+def build_compiled_state(model: Any, data_batch: Any) -> None:
+    """Makes a compiled Keras model's metric and loss state (its `CompileMetrics`, its loss
+    tracker) from a batch's specs, as `fit` does before its first step (Keras's
+    `_symbolic_build`, not public): made inside a step on several replicas instead, they fail it."""
+    model._symbolic_build(data_batch=data_batch)

@@ -27,9 +27,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import tensorflow as tf
 
 from engine.compat import user_code
+from engine.data import as_eval_form
+from engine.errors import UserError
 
 
 @dataclass(frozen=True)
@@ -298,3 +301,56 @@ def place_on_replicas(strategy: tf.distribute.Strategy, data: ResidentData | Res
     return strategy.experimental_distribute_values_from_function(
         lambda _: tf.nest.map_structure(tf.identity, host)
     )
+
+
+def _is_arrays(data: Any) -> bool:
+    """Examples as numpy arrays or pandas objects (nested in a tuple, list or dict), as Keras
+    `fit(x, y)` takes them, rather than a dataset or a function."""
+    leaves = tf.nest.flatten(_as_numpy(data)) if isinstance(data, (tuple, list, dict)) else []
+    return bool(leaves) and all(isinstance(leaf, np.ndarray) for leaf in leaves)
+
+
+def _as_numpy(data: Any) -> Any:
+    """pandas DataFrames and Series as numpy arrays (Keras's pandas adapter does the same); a
+    list of arrays as a tuple (tf.data would stack a list into one tensor)."""
+    if hasattr(data, "to_numpy") and not isinstance(data, np.ndarray):
+        return data.to_numpy()
+    if isinstance(data, dict):
+        return {key: _as_numpy(value) for key, value in data.items()}
+    if isinstance(data, (tuple, list)):
+        return tuple(_as_numpy(value) for value in data)
+    return data
+
+
+def arrays_as_train_data(data: Any, global_batch_size: int, seed: int = 0) -> Any:
+    """`(features, labels[, sample_weight])` arrays (numpy, pandas; features may be a dict or
+    tuple of arrays) as `ResidentData.shuffled`: kept on the devices, a new seeded order every
+    epoch (Keras `fit` shuffles too), resumable exactly. Anything else is returned as it is."""
+    if not _is_arrays(data):
+        return data
+    arrays = _as_numpy(data)
+    if not isinstance(arrays, tuple) or len(arrays) not in (2, 3):
+        raise UserError(
+            "train_data as arrays is (features, labels) or (features, labels, sample_weight), got "
+            f"{type(data).__name__} of {len(arrays)}"
+        )
+    return ResidentData.shuffled(arrays, seed=seed, global_batch_size=global_batch_size)
+
+
+def arrays_as_eval_data(data: Any, global_batch_size: int) -> Any:
+    """Eval arrays (as `arrays_as_train_data` takes them) as `ResidentEvalData`, read in order."""
+    if not _is_arrays(data):
+        return data
+    arrays = _as_numpy(data)
+    if not isinstance(arrays, tuple) or len(arrays) not in (2, 3):
+        raise UserError(
+            "eval_data as arrays is (features, labels) or (features, labels, sample_weight), got "
+            f"{type(data).__name__} of {len(arrays)}"
+        )
+    host = tf.data.Dataset.from_tensor_slices(arrays).batch(global_batch_size)
+    return ResidentEvalData(tensors=arrays, host_data=host, global_batch_size=global_batch_size)
+
+
+def host_form_of(data: Any) -> Any:
+    """`ResidentEvalData`'s tf.data form (`host_data`), for an evaluation that reads an iterator."""
+    return as_eval_form(data.host_data) if isinstance(data, ResidentEvalData) else data

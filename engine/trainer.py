@@ -30,6 +30,15 @@ from engine.data import Data, DataForm, DataPosition
 from engine.ema import WeightAverages, averages_swapped_in, weight_averages
 from engine.errors import DataExhaustedError, NonFiniteLossError, UserError
 from engine.goodput import GoodputClock, ModelFlops, TimedFunction, breakdown_line, scalars
+from engine.keras_model import (
+    KerasEvalRunner,
+    KerasTrainStep,
+    build_compiled_state,
+    keras_arguments,
+    label_and_output_shapes,
+    loss_beyond_keras,
+    metrics_result_or_logs,
+)
 from engine.logger import logger
 from engine.loop.replica_state import replica_local_state
 from engine.loop.rollback import CHECKPOINT_KEY, Rollback, Spike, check_options, holds_position, stop_message
@@ -47,7 +56,13 @@ from engine.options import (
     ThroughputOptions,
     group_options,
 )
-from engine.resident import ResidentData, ResidentEvalData
+from engine.resident import (
+    ResidentData,
+    ResidentEvalData,
+    arrays_as_eval_data,
+    arrays_as_train_data,
+    host_form_of,
+)
 from engine.schedules import is_scheduled
 from engine.stopping import StopAgreement
 from engine.stragglers import StragglerReport
@@ -185,7 +200,7 @@ class Trainer:
         *,
         strategy: tf.distribute.Strategy,
         model: Any,
-        optimizer: Optimizers,
+        optimizer: Optimizers | None = None,
         train_data: Data,
         global_batch_size: int,
         loss_fn: LossFn | None = None,
@@ -238,8 +253,38 @@ class Trainer:
         self.spike_options = SpikeOptions() if spikes is None else spikes
         throughput = ThroughputOptions() if throughput is None else throughput
         self.model_flops = ModelFlops.from_forward(throughput.flops_per_example, throughput.peak_tflops)
+        train_data = arrays_as_train_data(train_data, global_batch_size)
+        if eval_data is not None:
+            eval_data = arrays_as_eval_data(eval_data, global_batch_size)
+        keras_model = keras_arguments(
+            model,
+            optimizer=optimizer,
+            loss_fn=loss_fn,
+            loss_weights=loss_weights,
+            metrics=metrics,
+            weighted_metrics=weighted_metrics,
+            step_fn=step_fn,
+            eval_step_fn=eval_step_fn,
+            shapes=lambda: label_and_output_shapes(model, train_data),
+        )
+        self.keras_model = keras_model
+        optimizer, loss_fn, loss_weights = keras_model.optimizer, keras_model.loss_fn, keras_model.loss_weights
+        metrics, weighted_metrics, step_fn = (
+            keras_model.metrics,
+            keras_model.weighted_metrics,
+            keras_model.step_fn,
+        )
         check_arguments(
-            strategy, loss_fn, step_fn, metrics, weighted_metrics, eval_data, global_batch_size, step_options
+            strategy,
+            loss_fn,
+            step_fn,
+            metrics,
+            weighted_metrics,
+            eval_data,
+            global_batch_size,
+            step_options,
+            loss_from_model=keras_model.own_compute_loss,
+            evaluates_itself=keras_model.own_test_step,
         )
         self.objective = Objective(loss_fn, loss_weights) if loss_fn is not None else None
         check_options(strategy, step_options.on_nonfinite, self.spike_options)
@@ -282,17 +327,26 @@ class Trainer:
         )
 
         self.global_step = prepare_model_state(strategy, model, self.optimizers)
+        if keras_model.uses_compiled_state:
+            build_compiled_state(strategy, model, train_form)
         with strategy.scope():
-            # Keras compile's split: `metrics` see no sample weights, `weighted_metrics` do.
-            train_unweighted = [fresh_copy(m, model) for m in metrics]
-            train_weighted = [fresh_copy(m, model) for m in weighted_metrics]
+            # Keras compile's split: `metrics` see no sample weights, `weighted_metrics` do. A model's
+            # own train_step updates (and reports) its own metrics: the engine's would stay empty.
+            own_step = keras_model.own_train_step
+            train_unweighted = [] if own_step else [fresh_copy(m, model) for m in metrics]
+            train_weighted = [] if own_step else [fresh_copy(m, model) for m in weighted_metrics]
         self.train_metrics = [*train_unweighted, *train_weighted]
         self.replica_step = step_fn or self._standard_step(train_unweighted, train_weighted)
         # Step k trains on stream position k + offset (the batches rollbacks skipped).
         self.data_position = DataPosition()
         self.train_runner = self._make_train_runner(train_form, global_batch_size)
-        self.eval_runner: EvalRunner | None = None
-        if eval_form is not None:
+        self.eval_runner: EvalRunner | KerasEvalRunner | None = None
+        if eval_form is not None and keras_model.own_test_step:
+            self.eval_runner = KerasEvalRunner(
+                strategy, model, host_form_of(eval_form), batches_per_call=self.cadence.steps_per_loop
+            )
+            self.eval_runner.loop = TimedFunction(self.eval_runner.loop, self.goodput_clock, "eval")
+        elif eval_form is not None:
             assert self.objective is not None, "checked above: eval_data needs loss_fn"
             self.eval_runner = self._make_eval_runner(
                 self.objective,
@@ -335,9 +389,11 @@ class Trainer:
             discovery.remove_partial_checkpoints(model_dir)
 
     def _standard_step(self, metrics: list[Any], weighted_metrics: list[Any]) -> ReplicaStep:
-        assert self.objective is not None, "checked: loss_fn or step_fn"
+        own_loss = self.keras_model.own_compute_loss
+        assert self.objective is not None or own_loss, "checked: loss_fn, compute_loss or step_fn"
         return make_train_step(
             model=self.model,
+            extra_loss=functools.partial(loss_beyond_keras, self.model) if own_loss else None,
             optimizer=next(iter(self.optimizers.values())),  # The standard step applies one.
             objective=self.objective,
             global_batch_size=self.global_batch_size,
@@ -363,7 +419,7 @@ class Trainer:
         return checkpointer
 
     def _make_predict_runner(self) -> PredictRunner:
-        return PredictRunner(self.strategy, self.model)
+        return PredictRunner(self.strategy, self.model, own_predict_step=self.keras_model.own_predict_step)
 
     def _make_train_runner(self, data: DataForm | ResidentData, global_batch_size: int) -> TrainRunner:
         return TrainRunner(
@@ -606,6 +662,8 @@ class Trainer:
         rolls back (`on_nonfinite="rollback"`) and returns None."""
         for metric in self.train_metrics:
             metric.reset_state()
+        if isinstance(self.replica_step, KerasTrainStep):
+            self.replica_step.start_loop()  # Its outputs are the model's metrics since their reset.
         began = time.perf_counter()
         with self.goodput_clock.call(self.train_runner.loop, "train") as call:  # A call that traced: compile.
             result = self.train_runner.run(start, num_steps)
@@ -620,6 +678,8 @@ class Trainer:
             self.rollback.recover(spike, self._summaries)
             return None
         logs = dict(result.logs)
+        if isinstance(self.replica_step, KerasTrainStep):
+            logs = metrics_result_or_logs(self.model, logs)
         # The standard step counts its examples (a partial last batch holds fewer); a step_fn's, by the batch.
         examples_per_step = logs.pop(STEP_EXAMPLES, float(self.global_batch_size))
         if self.step_options.on_nonfinite == "skip":  # Under "stop" it is 0, or the run ended above.

@@ -77,10 +77,16 @@ def check_arguments(
     eval_data: Data | None,
     global_batch_size: int,
     step_options: StepOptions,
+    *,
+    loss_from_model: bool = False,
+    evaluates_itself: bool = False,
 ) -> None:
-    """The Trainer's arguments on their own and together, before anything is built."""
-    if loss_fn is None and step_fn is None:
-        raise UserError("pass loss_fn, step_fn or both to Trainer")
+    """The Trainer's arguments on their own and together, before anything is built.
+
+    `loss_from_model`: the model's own `compute_loss` is a loss; `evaluates_itself`: its own
+    `test_step` evaluates it (`engine.keras_model`)."""
+    if loss_fn is None and step_fn is None and not loss_from_model:
+        raise UserError("pass loss_fn, step_fn or both to Trainer (or compile() the model with a loss)")
     check_metric_names(metrics, weighted_metrics)
     if isinstance(eval_data, ResidentData):
         raise UserError(
@@ -88,7 +94,7 @@ def check_arguments(
             "as engine.ResidentEvalData, a tf.data.Dataset of global batches (every example once) or "
             "fn(input_context)"
         )
-    if eval_data is not None and loss_fn is None:
+    if eval_data is not None and loss_fn is None and not evaluates_itself:
         raise UserError("evaluation needs loss_fn (per-example losses) besides step_fn")
     check_batch(global_batch_size, strategy.num_replicas_in_sync, step_options.grad_accum_steps)
     ignored = step_options.changed()

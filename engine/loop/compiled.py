@@ -41,7 +41,7 @@ class LoopResult:
     """What one compiled train call did: the step outputs' means and, apart from them (a
     step output may take any name), the counts the outer loop decides on."""
 
-    logs: dict[str, float]  # Each step output's mean over the loop's finite steps.
+    logs: dict[str, float]  # Each step output's mean over the loop's finite steps (or its last: keep_last).
     steps_run: int  # Fewer than asked when the data ran out; 0: not one batch was left.
     nonfinite_steps: int
     first_nonfinite_index: int  # 0-based in this loop; -1: none.
@@ -146,12 +146,20 @@ def _sized(sums: tf.Tensor, size: int) -> tf.Tensor:
 
 @engine_graph_code
 def _accumulate(
-    state: LoopState, index: tf.Tensor, names: Sequence[str], outputs: dict[str, tf.Tensor], finite: tf.Tensor
+    state: LoopState,
+    index: tf.Tensor,
+    names: Sequence[str],
+    outputs: dict[str, tf.Tensor],
+    finite: tf.Tensor,
+    keep_last: bool = False,
 ) -> LoopState:
-    """Adds step `index` to the loop's running sums of finite outputs and its non-finite count."""
+    """Adds step `index` to the loop's running sums of finite outputs and its non-finite count;
+    with `keep_last`, the sums hold the last finite step's outputs instead (a step that
+    reports running results, such as a Keras model's own train_step)."""
     sums, count, bad, first_bad, first_bad_loss = state
     values = tf.stack([outputs[name] for name in names]) if names else tf.zeros([0])
-    sums = _sized(sums, len(names)) + tf.where(finite, values, 0.0)
+    previous = _sized(sums, len(names))
+    sums = tf.where(finite, values, previous) if keep_last else previous + tf.where(finite, values, 0.0)
     newly_bad = tf.logical_and(tf.logical_not(finite), first_bad < 0)
     first_bad = tf.where(newly_bad, index, first_bad)
     first_bad_loss = tf.where(newly_bad, outputs.get("loss", tf.constant(_NO_LOSS)), first_bad_loss)
@@ -160,10 +168,13 @@ def _accumulate(
 
 
 @engine_graph_code
-def _loop_outputs(state: LoopState, names: Sequence[str], steps_run: tf.Tensor) -> dict[str, tf.Tensor]:
+def _loop_outputs(
+    state: LoopState, names: Sequence[str], steps_run: tf.Tensor, keep_last: bool = False
+) -> dict[str, tf.Tensor]:
     sums, count, bad, first_bad, first_bad_loss = state
     sums = _sized(sums, len(names))
-    means = {name: sums[i] / tf.maximum(count, 1.0) for i, name in enumerate(names)}
+    divisor = tf.constant(1.0) if keep_last else tf.maximum(count, 1.0)
+    means = {name: sums[i] / divisor for i, name in enumerate(names)}
     return {
         "logs": means,
         "nonfinite_steps": bad,
@@ -182,6 +193,7 @@ def make_train_loop(
     max_loss: float | None = None,
     replica_state: Sequence[Any] = (),
     input_clock: InputClock | None = None,
+    keep_last: bool = False,
 ) -> TrainLoop:
     """Returns `loop(iterator, num_steps) -> {name: mean over the loop}`.
 
@@ -207,6 +219,9 @@ def make_train_loop(
     its own, averaged over the replicas after the loop's last step.
 
     `input_clock` (`engine.stragglers`): the time each get_next of the iterator waited is added to it.
+
+    `keep_last`: the logs are the last finite step's outputs, not their mean (a step whose
+    outputs are running results already: `engine.keras_model.KerasTrainStep`).
 
     With `global_step=None` the loop does not count steps: the
     parameter-server coordinator counts the steps it scheduled, because a
@@ -256,7 +271,7 @@ def make_train_loop(
                 outputs, finite = one_step(replica_step, batch.get_value())
                 names[:] = outputs
                 sums, count, bad, first_bad, first_bad_loss = _accumulate(
-                    (sums, count, bad, first_bad, first_bad_loss), index, names, outputs, finite
+                    (sums, count, bad, first_bad, first_bad_loss), index, names, outputs, finite, keep_last
                 )
                 steps_run += 1
                 if index + 1 < num_steps:  # No batch is taken that the loop will not run.
@@ -264,7 +279,7 @@ def make_train_loop(
                 if not batch.has_value():
                     break
             average_over_replicas(strategy, list(replica_state))
-            return _loop_outputs((sums, count, bad, first_bad, first_bad_loss), names, steps_run)
+            return _loop_outputs((sums, count, bad, first_bad, first_bad_loss), names, steps_run, keep_last)
 
         def no_steps() -> dict[str, tf.Tensor]:
             # tf.cond traces run_steps first, so the step's output names are known here.
@@ -312,6 +327,7 @@ def make_resident_train_loop(
     global_batch_size: int,
     max_loss: float | None = None,
     replica_state: Sequence[Any] = (),
+    keep_last: bool = False,
 ) -> TrainLoop:
     """Returns `loop((replica_tensors, start_position), num_steps)`, with the outputs of
     `make_train_loop`'s loop (`replica_state` likewise averaged at its end), for training
@@ -347,11 +363,11 @@ def make_resident_train_loop(
         def step(index: tf.Tensor, state: LoopState) -> LoopState:
             outputs, finite = one_step(replica_tensors, indices, index)
             names[:] = outputs
-            return _accumulate(state, index, names, outputs, finite)
+            return _accumulate(state, index, names, outputs, finite, keep_last)
 
         state = _steps_loop(num_steps, step)
         average_over_replicas(strategy, list(replica_state))
-        return _loop_outputs(state, names, num_steps)
+        return _loop_outputs(state, names, num_steps, keep_last)
 
     return train_loop
 

@@ -99,6 +99,7 @@ class TrainRunner:
                 global_batch_size=self.global_batch_size,
                 max_loss=self.max_loss,
                 replica_state=self.replica_state,
+                keep_last=getattr(self.replica_step, "running_values", False),
             )
         return make_train_loop(
             self.strategy,
@@ -106,6 +107,7 @@ class TrainRunner:
             global_step,
             per_replica_batch_size=self.global_batch_size // self.strategy.num_replicas_in_sync,
             max_loss=self.max_loss,
+            keep_last=getattr(self.replica_step, "running_values", False),
             replica_state=self.replica_state,
             input_clock=self.input_clock,
         )
@@ -283,12 +285,16 @@ class PredictRunner:
     returns it.
     """
 
-    def __init__(self, strategy: tf.distribute.Strategy, model: Any):
+    def __init__(self, strategy: tf.distribute.Strategy, model: Any, *, own_predict_step: bool = False):
+        """`own_predict_step`: the model's own `predict_step` makes each replica's outputs, as
+        in Keras `predict` (`engine.keras_model`)."""
         self.strategy = strategy
         self.model = model
 
         @compat.engine_graph_code
         def replica_outputs(batch: Any) -> Any:
+            if own_predict_step:
+                return compat.user_code(model.predict_step)(batch)
             features, _, _ = keras.utils.unpack_x_y_sample_weight(batch)
             return inference_outputs(model, features)
 

@@ -144,10 +144,11 @@ def make_train_step(
     *,
     model: Any,
     optimizer: keras.optimizers.Optimizer,
-    objective: Objective,
+    objective: Objective | None,
     global_batch_size: int,
     metrics: Sequence[keras.metrics.Metric] = (),
     weighted_metrics: Sequence[keras.metrics.Metric] = (),
+    extra_loss: Callable[[Any, Any, Any, Any], tf.Tensor] | None = None,
     clip_norm: float | None = None,
     grad_accum_steps: int = 1,
     jit_compile: bool = False,
@@ -190,6 +191,10 @@ def make_train_step(
       it comes free; otherwise it costs one more all-reduce of the gradients
       a step, which is why it is asked for. Not under loss scaling, where an
       overflowing (skipped) step has no finite norm to report.
+    - `extra_loss(features, labels, outputs, sample_weight)`: a replica's loss beyond the
+      objective's (a Keras model's own `compute_loss`: `engine.keras_model`), added divided by
+      the number of replicas (and micro-batches): counted once per step, as regularization is.
+      Without an `objective` it is the whole loss.
     - `compute_clock` (`engine.stragglers`) adds each step's time from its batch to its
       gradients, before any all-reduce, to this replica's clock: which worker is slow.
     """
@@ -212,6 +217,7 @@ def make_train_step(
         counted = [index for index, term in enumerate(terms) if term.per_example is None]
         local = [terms[index].count for index in counted]
         if counted and later_parts:
+            assert objective is not None, "a counted term is an objective's"
             for part_features, part_labels, part_weight in later_parts:
                 outputs = call_model(model, part_features, training=False)
                 later = objective.terms(part_labels, outputs, part_weight)
@@ -232,14 +238,18 @@ def make_train_step(
         reg_loss = tf.constant(0.0)
         all_outputs = []
         parts = list(zip(split(features), split(labels), split(sample_weight), strict=True))
+        num_replicas = tf.distribute.get_replica_context().num_replicas_in_sync
         for index, (part_features, part_labels, part_weight) in enumerate(parts):
             with tf.GradientTape() as tape:
                 outputs = call_model(model, part_features, training=True)
-                terms = objective.terms(part_labels, outputs, part_weight)
+                terms = objective.terms(part_labels, outputs, part_weight) if objective is not None else []
                 if counts is None:  # Known before any gradient: every micro-batch divides by them.
                     with tape.stop_recording():
                         counts = step_counts(terms, parts[index + 1 :], num_examples)
-                part_loss = objective.combine(terms, counts)
+                part_loss = objective.combine(terms, counts) if objective is not None else tf.constant(0.0)
+                if extra_loss is not None:
+                    beyond = extra_loss(part_features, part_labels, outputs, part_weight)
+                    part_loss += beyond / float(num_replicas * grad_accum_steps)
                 reg_loss = regularization_loss(model)
                 loss = part_loss + tf.nn.scale_regularization_loss(reg_loss) / grad_accum_steps
                 if uses_loss_scale:
@@ -255,7 +265,6 @@ def make_train_step(
                 "input shape, or call the model once) inside strategy.scope() before creating the Trainer"
             )
         # The loop averages the loss over replicas: R x (this replica's share of the global mean).
-        num_replicas = tf.distribute.get_replica_context().num_replicas_in_sync
         return gradients, num_replicas * data_loss + reg_loss, concat_outputs(all_outputs)
 
     def counted_terms(features, labels, sample_weight) -> bool:
@@ -282,7 +291,7 @@ def make_train_step(
         must be counted, every micro-batch runs forward once more here (without gradients)
         and the counts go into the pass; None where every count is known."""
         parts = list(zip(split(features), split(labels), split(sample_weight), strict=True))
-        if not counted_terms(*parts[0]):
+        if objective is None or not counted_terms(*parts[0]):
             return None
         part_features, part_labels, part_weight = parts[0]
         first = objective.terms(part_labels, call_model(model, part_features, training=False), part_weight)

@@ -619,15 +619,25 @@ def test_a_step_fn_output_that_is_not_a_scalar_is_refused_naming_it(mirrored):
         trainer.train(2)
 
 
-def test_a_reduced_keras_loss_is_refused_naming_reduction_none(mirrored):
-    model, optimizer = make_model(mirrored)
+def test_a_reduced_keras_loss_trains_as_its_per_element_form(mirrored):
+    """Keras compile takes a loss with its default reduction; so does the Trainer (issue 47: it was
+    refused), as the same loss with reduction=None, which the engine averages over the global batch."""
     x, y = make_arrays(16)
-    with pytest.raises(engine.UserError, match=r"SparseCategoricalCrossentropy\(\.\.\., reduction=None\)"):
-        engine.Trainer(
+
+    def weights_after(loss_fn) -> list:
+        model, optimizer = make_model(mirrored)
+        trainer = engine.Trainer(
             strategy=mirrored,
             model=model,
             optimizer=optimizer,
-            loss_fn=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            loss_fn=loss_fn,
             train_data=tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(8),
             global_batch_size=8,
         )
+        trainer.train(2)
+        return [w.numpy() for w in model.weights]
+
+    reduced = weights_after(keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    per_element = weights_after(keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None))
+    for a, b in zip(reduced, per_element, strict=True):
+        np.testing.assert_array_equal(a, b)
