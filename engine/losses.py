@@ -86,6 +86,19 @@ class Objective:
     def num_terms(self) -> int:
         return len(self._losses)
 
+    def term_names(self, model: Any = None) -> list[str]:
+        """Each output's name, in the terms' order, as Keras `evaluate` names each output's loss
+        (`<name>_loss`): a dict's keys, a list's Keras output names (`output_<i>` where unknown);
+        [] for one loss."""
+        if not self.nested:
+            return []
+        if isinstance(self.loss_fn, Mapping):
+            return [str(key) for key in sorted(self.loss_fn)]
+        names = list(getattr(model, "output_names", None) or [])
+        if len(names) != self.num_terms:
+            names = [f"output_{index}" for index in range(self.num_terms)]
+        return names
+
     def _weights(self, loss_weights: Any) -> list[float]:
         if loss_weights is None:
             return [1.0] * self.num_terms
@@ -247,6 +260,10 @@ class EvalLoss(keras.metrics.Metric):
         self.counts.assign_add(tf.stack([term.count for term in terms]))
         self.regularization.assign_add(tf.cast(regularization, tf.float32) * examples)
         self.examples.assign_add(examples)
+
+    def term_results(self) -> tf.Tensor:
+        """Each output's own loss over the eval set (unweighted, as Keras reports `<name>_loss`)."""
+        return tf.math.divide_no_nan(self.totals, self.counts)
 
     def examples_seen(self) -> tf.Tensor:
         """The examples counted so far, over every replica (the evaluation's `num_examples`)."""

@@ -221,6 +221,7 @@ class EvalRunner:
             weighted = [fresh_copy(m, model) for m in weighted_metrics]
             self.loss = EvalLoss(objective)
         self.metrics = [*unweighted, *weighted]
+        self.output_names = objective.term_names(model)  # Each output's loss is logged as Keras names it.
         step = make_eval_step(
             model=model,
             objective=objective,
@@ -243,6 +244,9 @@ class EvalRunner:
         if not self._run_calls(stop_requested):
             return None
         logs = {"loss": float(self.loss.result())}
+        if self.output_names:
+            terms = self.loss.term_results().numpy()
+            logs.update({f"{name}_loss": float(term) for name, term in zip(self.output_names, terms, strict=True)})
         logs.update({m.name: float(m.result()) for m in self.metrics})
         logs["num_examples"] = int(round(float(self.loss.examples_seen())))
         return logs
