@@ -173,6 +173,7 @@ def test_a_copied_model_dirs_summary_is_escaped_and_names_where_it_is_now(tmp_pa
     assert record["model_dir"] == str(original)
     forged = "\x1b[2J\x1b[31mred\rengine.main: error: forged\nengine.main: error: forged"
     record["train"][forged] = 1.0
+    record["exit_status"] = 7  # Not the rerun's status: a model_dir's record is data.
     (copy / "metrics.json").write_text(json.dumps(record))
     rerun = main_in_process(*TINY, "--train_steps=2", f"--model_dir={copy}")
     assert rerun.returncode == 0, rerun.stderr[-3000:]
