@@ -1228,6 +1228,21 @@ def test_eval_into_an_eval_directory_that_is_a_link_is_one_line_and_writes_nothi
 
 
 @pytest.mark.cli
+@pytest.mark.parametrize("mode", ["train", "eval", "predict"])
+def test_a_config_yaml_that_is_a_link_is_refused_before_it_is_read(tmp_path, mode):
+    """Read, it would bring settings from a file outside the model_dir; the first thing every
+    mode reads, so it is refused before anything else."""
+    elsewhere = tmp_path / "settings.yaml"
+    elsewhere.write_text("model: cnn\n")
+    model_dir = tmp_path / "run"
+    model_dir.mkdir()
+    (model_dir / "config.yaml").symlink_to(elsewhere)
+    line = one_error_line(main_in_process(f"--mode={mode}", f"--model_dir={model_dir}"))
+    assert f"{model_dir / 'config.yaml'} is a symbolic link (to {elsewhere})" in line, line
+    assert sorted(p.name for p in model_dir.iterdir()) == ["config.yaml"]
+
+
+@pytest.mark.cli
 def test_an_export_dir_among_other_files_is_refused_before_training(tmp_path):
     home = tmp_path / "home"
     home.mkdir()
