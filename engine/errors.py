@@ -38,6 +38,14 @@ def one_line(error: BaseException | str, limit: int | None = None) -> str:
     return text if limit is None else text[:limit]
 
 
+def printable(text: str) -> str:
+    """`text` with every character that is not printable (escape sequences, newlines, carriage
+    returns, bidirectional overrides) written as Python escapes (`\\x1b`, `\\n`, `\\u202e`): text
+    read from a model_dir someone else made reaches the terminal as data, never as a colour,
+    a moved cursor or a forged `engine.main: error:` line of its own."""
+    return "".join(char if char.isprintable() else repr(char)[1:-1] for char in text)
+
+
 class UserError(Exception):
     """A bad input: the message says what is wrong and what to do."""
 

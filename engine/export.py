@@ -8,12 +8,14 @@ gets the same through `tf.saved_model.save`. Either reloads with
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Any
 
 import keras
 import tensorflow as tf
 
+from engine.errors import UserError
 from engine.logger import logger
 from engine.loop.steps import call_model
 
@@ -25,6 +27,41 @@ OUTPUT_NAMES = {
     "multi_label": ("logits", "probabilities"),
     "values": ("predictions",),
 }
+
+
+# What an export holds (`Model.export`, `tf.saved_model.save`): a directory holding these alone is
+# an earlier export, which the next one replaces (a rerun of a finished run exports again).
+SAVED_MODEL_ENTRIES = frozenset({"saved_model.pb", "saved_model.pbtxt", "fingerprint.pb", "variables", "assets"})
+# What the engine keeps at the top of a model_dir (engine.model_dir): an export there would mix in.
+_MODEL_DIR_ENTRIES = ("checkpoints", "best", "hooks", "train", "eval", "diagnostics")
+
+
+def check_export_dir(export_dir: str, model_dir: str | None) -> None:
+    """Refuses, before anything is written, an `export_dir` that is the model_dir itself or one of
+    the directories the engine keeps in it, is not a directory, or holds anything but an
+    earlier export: the SavedModel's files would be written in among someone's files (and the
+    directory would no longer load as one export). A directory of its own inside the model_dir
+    (`<model_dir>/export`) is fine."""
+    if model_dir and "://" not in export_dir and "://" not in model_dir:
+        export, top = os.path.realpath(export_dir), os.path.realpath(model_dir)
+        kept = [os.path.join(top, name) for name in _MODEL_DIR_ENTRIES]
+        if export == top or any(export == path or export.startswith(path + os.sep) for path in kept):
+            raise UserError(
+                f"`export_dir={export_dir!r}` is inside the model_dir's own files ({model_dir}); "
+                f"pass a directory of its own, e.g. {os.path.join(model_dir, 'export')}"
+            )
+    if not tf.io.gfile.exists(export_dir):
+        return
+    if not tf.io.gfile.isdir(export_dir):
+        raise UserError(f"`export_dir={export_dir!r}` is a file, not a directory; pass a new directory")
+    others = sorted(name.rstrip("/") for name in tf.io.gfile.listdir(export_dir))
+    others = [name for name in others if name not in SAVED_MODEL_ENTRIES]
+    if others:
+        shown = ", ".join(others[:3]) + (", ..." if len(others) > 3 else "")
+        raise UserError(
+            f"`export_dir={export_dir!r}` holds files that are not an export ({shown}); nothing was "
+            "written: pass a new or empty directory, or an earlier export to replace"
+        )
 
 
 def export_saved_model(model: Any, export_dir: str, input_signature: Sequence[tf.TensorSpec]) -> str:

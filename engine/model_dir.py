@@ -20,13 +20,15 @@ import os
 import shutil
 import socket
 import stat
+import tempfile
 import time
+import uuid
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 import tensorflow as tf
 
-from engine.errors import UserError, one_line
+from engine.errors import UserError, one_line, printable
 from engine.logger import logger
 
 LOCK_FILE = ".writer.lock"
@@ -92,18 +94,27 @@ SUBDIRECTORIES = {
     "hooks": "hook state",
     "train": "TensorBoard logs",
     "eval": "TensorBoard logs",
+    "diagnostics": "diagnostics reports",  # engine.diagnostics.DIAGNOSTICS_DIR
 }
 # The directories of a model_dir that hold checkpoints: the rolling ones and the best one.
 CHECKPOINT_SUBDIRECTORIES = ("checkpoints", "best")
+# The records the engine keeps at the top of a model_dir (run_record.METRICS_FILE,
+# config_files.STORED_CONFIG, inputs_record.INPUTS_FILE; tests/unit/test_model_dir_writes.py checks).
+RECORD_FILES = ("metrics.json", "config.yaml", "inputs.json")
 
 
 def check_kinds(model_dir: str) -> None:
     """Refuses a model_dir, or a subdirectory the engine keeps there, that is not a
     directory (a regular file in its place was a FailedPreconditionError traceback
-    after parts of the run had been written)."""
+    after parts of the run had been written). Locally, also any symbolic link the
+    engine would write through (`check_no_links`)."""
     for path, what in [(model_dir, "everything of the run")] + [
         (os.path.join(model_dir, name), what) for name, what in SUBDIRECTORIES.items()
     ]:
+        if not is_remote(path) and path != model_dir:
+            with contextlib.suppress(OSError):
+                if stat.S_ISLNK(os.lstat(path).st_mode):
+                    continue  # check_no_links names it.
         if not tf.io.gfile.exists(path) or tf.io.gfile.isdir(path):
             continue
         kind = "a file"
@@ -115,6 +126,50 @@ def check_kinds(model_dir: str) -> None:
             f"{path} is {kind}, not a directory: the run keeps its {what} there; move it away "
             "or pass another `model_dir`"
         )
+    check_no_links(model_dir)
+
+
+def check_no_links(model_dir: str) -> None:
+    """Refuses a symbolic link where the engine writes in a local model_dir, before anything
+    is written: one of its subdirectories (`SUBDIRECTORIES`), anything below them, or a
+    record at its top (`RECORD_FILES`). A model_dir from someone else is data: a
+    `checkpoints -> elsewhere` link had a run write its checkpoints there (and rename that
+    directory's files), a `metrics.json -> file` link would be read as the run's record.
+    The model_dir itself may be a link: that is the path the user chose."""
+    if is_remote(model_dir) or not os.path.isdir(model_dir):
+        return
+    check_no_record_links(model_dir)
+    for name, what in SUBDIRECTORIES.items():
+        top = os.path.join(model_dir, name)
+        _refuse_link(top, f"its {what}")
+        pending = [top] if os.path.isdir(top) else []
+        while pending:
+            with contextlib.suppress(OSError), os.scandir(pending.pop()) as entries:
+                for entry in entries:
+                    if entry.is_symlink():
+                        _refuse_link(entry.path, f"its {what}")
+                    elif entry.is_dir(follow_symlinks=False):
+                        pending.append(entry.path)
+
+
+def check_no_record_links(model_dir: str) -> None:
+    """Refuses a record at the top of a local model_dir (`RECORD_FILES`) that is a symbolic
+    link: read, it would bring a file from outside into the run's settings or record.
+    Refused rather than replaced, so that nothing the link points to is read or copied."""
+    if not is_remote(model_dir):
+        for name in RECORD_FILES:
+            _refuse_link(os.path.join(model_dir, name), f"the run's {name}")
+
+
+def _refuse_link(path: str, what: str) -> None:
+    try:
+        target = os.readlink(path)
+    except OSError:  # Missing, or not a link.
+        return
+    raise UserError(
+        f"{path} is a symbolic link (to {target}), where the run writes {what}: nothing was written "
+        "through it; remove the link (only it, not what it points to) or pass another `model_dir`"
+    )
 
 
 # ------------------------------------------------------------------ the writer lock
@@ -123,7 +178,8 @@ def check_kinds(model_dir: str) -> None:
 def _describe_holder(text: str) -> str:
     try:
         holder = json.loads(text)
-        return f"pid {holder['pid']} on host {holder['host']} (since {holder['since']})"
+        # Text of the model_dir's lock file, printed escaped.
+        return printable(f"pid {holder['pid']} on host {holder['host']} (since {holder['since']})")
     except (ValueError, KeyError, TypeError):
         return "an unknown process (unreadable lock file)"
 
@@ -468,12 +524,46 @@ def write_json(path: str, payload: Mapping[str, Any]) -> None:
     write_atomically(path, json.dumps(dict(payload), indent=2, sort_keys=True))
 
 
-def write_atomically(path: str, text: str) -> None:
-    """A temporary file, then a rename: a reader (or a crash) never sees half a file."""
-    temporary = f"{path}.tmp{os.getpid()}"  # Private to this process (an evaluator writes too).
-    with tf.io.gfile.GFile(temporary, "w") as handle:
-        handle.write(text)
-    tf.io.gfile.rename(temporary, path, overwrite=True)
+def write_atomically(path: str, text: str | bytes) -> None:
+    """A temporary file, then a rename: a reader (or a crash) never sees half a file.
+
+    Locally the temporary is created exclusively, under a name nobody can guess,
+    never through a symbolic link (`tempfile.mkstemp`: O_CREAT|O_EXCL|O_NOFOLLOW), in
+    `path`'s own directory, and synced before the rename; the rename replaces a link
+    at `path` itself, never what it points to. A model_dir from someone else that
+    holds `metrics.json.tmp<pid> -> ~/.bashrc` links had the user's file replaced
+    with the old predictable name. Remote file systems (gs://, ram://) have no links:
+    their temporary goes through `tf.io.gfile` under a random name.
+    """
+    data = text.encode() if isinstance(text, str) else text
+    if is_remote(path):
+        temporary = f"{path}.tmp-{uuid.uuid4().hex}"  # Private to this process (an evaluator writes too).
+        with tf.io.gfile.GFile(temporary, "wb") as handle:
+            handle.write(data)
+        tf.io.gfile.rename(temporary, path, overwrite=True)
+        return
+    directory, name = os.path.split(path)
+    fd, temporary = tempfile.mkstemp(dir=directory or ".", prefix=f".{name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            os.fchmod(handle.fileno(), 0o666 & ~_umask())  # mkstemp's 0600, as `open` would have made it.
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temporary)
+        raise
+
+
+def _umask() -> int:
+    """This process's umask, read without changing it (`os.umask` sets it for every thread)."""
+    with contextlib.suppress(OSError, ValueError), open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    return 0o022
 
 
 @contextlib.contextmanager

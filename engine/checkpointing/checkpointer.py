@@ -268,6 +268,7 @@ class Checkpointer:
     ):
         options = options or CheckpointOptions()
         model_dir_lib.check_name(model_dir)
+        model_dir_lib.check_no_links(model_dir)  # Before the repairs below: nothing through a link.
         _check_checkpointed(checkpoint, model)
         set_aside_unreadable(model_dir, fallback=options.restore_fallback)
         self.options = options

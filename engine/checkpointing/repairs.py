@@ -84,8 +84,9 @@ def write(path: str, write: Callable[[], None]) -> None:
                 before = handle.read()
 
             def put_back() -> None:
-                with tf.io.gfile.GFile(path, "wb") as handle:
-                    handle.write(before)
+                from engine.model_dir import write_atomically  # engine.model_dir is above this module.
+
+                write_atomically(path, before)  # Never through a link planted meanwhile.
 
             _repairs.undo.append(put_back)
         else:

@@ -17,7 +17,7 @@ from absl import app, flags, logging
 from engine.cli.config import flags as engine_flags
 from engine.cli.config.flag_names import FlagTermsFilter, in_flag_terms
 from engine.cli.process import console
-from engine.errors import USER_ERROR_EXIT, UserError, one_line
+from engine.errors import USER_ERROR_EXIT, UserError, one_line, printable
 from engine.status_line import status_line
 
 # Where absl printed a module docstring and every flag in alphabetical order: engine.cli.config.usage.
@@ -69,7 +69,8 @@ def main_with_clean_errors(argv: list[str]) -> int:
     except UserError as error:
         logging.flush()
         status_line.clear()  # The error's line, not the bar's.
-        print(f"engine.main: error: {in_flag_terms(error)}", file=sys.stderr)
+        # Escaped: a message may quote a model_dir's text (a metric name, a lock's host).
+        print(f"engine.main: error: {printable(in_flag_terms(error))}", file=sys.stderr)
         return getattr(error, "exit_status", USER_ERROR_EXIT)  # PeerLostError: a rerun may help.
 
 
@@ -87,7 +88,8 @@ def parse_flags(argv: list[str]) -> list[str]:
         check_flagfiles(argv[1:])
         return flags.FLAGS(argv)
     except UserError as error:
-        print(f"engine.main: error: {in_flag_terms(error)}", file=sys.stderr)
+        # Escaped: a message may quote a model_dir's text (a metric name, a lock's host).
+        print(f"engine.main: error: {printable(in_flag_terms(error))}", file=sys.stderr)
         sys.exit(USER_ERROR_EXIT)
     except flags.Error as error:
         print(f"engine.main: error: {one_line(error)}; see --helpfull", file=sys.stderr)

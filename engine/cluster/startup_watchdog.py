@@ -24,6 +24,7 @@ import select
 import signal
 import socket
 import sys
+import tempfile
 import time
 
 POLL_SECONDS = 0.1
@@ -98,10 +99,18 @@ def write_report(pid: int, task: str, report: str, stacks: str, *, ended: str) -
         now = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
         name = task.replace(":", "-")
         header = f"engine diagnostics of {name}, pid {pid}, {now}\nphase: start-up\nended: {ended}\n\n"
-        partial = f"{report}.partial-{os.getpid()}"
-        with open(partial, "w") as handle:
-            handle.write((header + dumped)[:MAX_REPORT_BYTES])
-        os.replace(partial, report)
+        # Created exclusively under a name nobody can guess, never through a link (as
+        # engine.model_dir.write_atomically does): a predictable name in a model_dir from
+        # someone else could be a link to a file of the user's.
+        fd, partial = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(report)}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w") as handle:
+                handle.write((header + dumped)[:MAX_REPORT_BYTES])
+            os.replace(partial, report)
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.unlink(partial)
+            raise
         return True
     except OSError:
         return False

@@ -128,7 +128,14 @@ class BestCheckpoint(Callback):
         except (TypeError, KeyError, ValueError):
             metric = mode = value = step = None
             name = ""
-        if value is None or math.isnan(value) or not _CHECKPOINT_NAME.match(name):
+        if value is not None and not math.isfinite(value):
+            # Written by hand or by someone else: the engine keeps only finite bests. A best of
+            # -Infinity (by a max metric) would never be beaten, so no later best would be kept.
+            raise UserError(
+                f"{path} is damaged: its value {state.get('value')!r} is not a finite number, and no "
+                f"evaluation could beat it; restore it or move {directory} away"
+            )
+        if value is None or not _CHECKPOINT_NAME.match(name):
             raise UserError(
                 f"{path} is damaged (expected metric, mode, value, step and checkpoint, got "
                 f"{str(state)[:100]}); restore it or move {directory} away"

@@ -157,6 +157,36 @@ def test_no_absl_prefix_by_default_and_the_prefix_with_log_prefix(tmp_path):
     assert re.search(r"^I\d{4} .*job\.py:\d+\] done: step 4, eval none, ", prefixed.stderr, re.M)
 
 
+@pytest.mark.cli
+def test_a_copied_model_dirs_summary_is_escaped_and_names_where_it_is_now(tmp_path):
+    """metrics.json is text of a model_dir that may come from someone else: a metric name holding
+    an escape sequence and a forged error line reaches the screen escaped, and a copy's summary
+    names the copy, not the directory its metrics.json was written in."""
+    import shutil
+
+    original, copy = tmp_path / "run", tmp_path / "copy"
+    trained = main_in_process(*TINY, "--train_steps=2", f"--model_dir={original}")
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    shutil.copytree(original, copy)
+    shutil.rmtree(original)  # Nothing may name it now.
+    record = json.loads((copy / "metrics.json").read_text())
+    assert record["model_dir"] == str(original)
+    forged = "\x1b[2J\x1b[31mred\rengine.main: error: forged\nengine.main: error: forged"
+    record["train"][forged] = 1.0
+    record["exit_status"] = 7  # Not the rerun's status: a model_dir's record is data.
+    (copy / "metrics.json").write_text(json.dumps(record))
+    rerun = main_in_process(*TINY, "--train_steps=2", f"--model_dir={copy}")
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert "nothing to train" in rerun.stderr
+    assert "\x1b" not in rerun.stderr and "\r" not in rerun.stderr
+    assert not [line for line in rerun.stderr.splitlines() if line.startswith("engine.main: error:")]
+    rows = _summary(rerun.stderr)
+    escaped = "\\x1b[2J\\x1b[31mred\\rengine.main: error: forged\\nengine.main: error: forged"
+    assert rows[escaped] == ["1", "-"], rows  # Its train figure; no eval figure.
+    assert rows["model_dir"] == [str(copy)] and rows["metrics.json"] == [str(copy / "metrics.json")]
+    assert str(original) not in rerun.stderr[rerun.stderr.index("\nsummary\n") :]
+
+
 def _summary(stderr: str) -> dict[str, list[str]]:
     """The summary table's rows: {first cell: the other cells}, cells apart by two spaces or more;
     the header row (no first cell) under ''."""

@@ -947,11 +947,16 @@ def test_a_library_start_removes_partial_checkpoint_folders_and_nothing_else(tmp
         _partial(tmp_path / "checkpoints" / "notes_temp"),  # Not the engine's name.
         _partial(tmp_path / "checkpoints" / "ckpt-8_temp", "mine.txt"),  # Holds a file the engine never writes.
         tmp_path / "checkpoints" / "ckpt-10_temp",  # A file, not a folder.
-        tmp_path / "checkpoints" / "ckpt-9_temp",  # A link, to files outside the model_dir.
     ]
     kept[2].write_text("a user's file")
-    kept[3].symlink_to(outside, target_is_directory=True)
+    link = tmp_path / "checkpoints" / "ckpt-9_temp"  # A link, to files outside the model_dir.
+    link.symlink_to(outside, target_is_directory=True)
     outside_before = snapshot(outside)
+    # A save at step 9 would write through it (issue 48): the start is refused, nothing removed.
+    with pytest.raises(UserError, match=f"{re.escape(str(link))} is a symbolic link"):
+        small_trainer(tmp_path)
+    assert rolling.exists() and best.exists() and snapshot(outside) == outside_before
+    link.unlink()
 
     trainer = small_trainer(tmp_path)  # Research code: no writer lock of its own.
 
@@ -1164,6 +1169,90 @@ def test_a_subdirectory_replaced_by_a_file_is_one_line_and_nothing_changes(train
     message = str(raised.value)
     assert "\n" not in message and f"{model_dir / name} is a regular file, not a directory" in message, message
     assert _tree(model_dir) == before
+
+
+# ------------------------------------------------- a model_dir writes only inside itself
+
+
+@pytest.mark.cli
+def test_eval_of_a_model_dir_planted_with_temporary_links_leaves_their_target_untouched(trained, tmp_path):
+    """A model_dir holding `metrics.json.tmp<pid> -> ~/.bashrc` made --mode=eval replace the
+    user's file with metrics JSON (exit 0, no word) through the old predictable temporary."""
+    victim = tmp_path / "bashrc"
+    victim.write_text("the user's own file\n")
+    model_dir = copy_of(trained, tmp_path / "run")
+    pids = {*range(1, 2049), *range(os.getpid() - 16, os.getpid() + 2049)}  # In-process: this pid.
+    for name in ("metrics.json", "config.yaml", "inputs.json"):
+        for pid in pids:
+            (model_dir / f"{name}.tmp{pid}").symlink_to(victim)
+    result = main_in_process("--mode=eval", f"--model_dir={model_dir}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert victim.read_text() == "the user's own file\n"
+    metrics = model_dir / "metrics.json"
+    assert not metrics.is_symlink() and json.loads(metrics.read_text())["evaluations"][-1]["mode"] == "eval"
+
+
+@pytest.mark.cli
+@pytest.mark.parametrize("name", ["checkpoints", "train", "best", "hooks", "diagnostics"])
+def test_a_subdirectory_that_is_a_link_is_refused_naming_it_and_nothing_is_written(trained, tmp_path, name):
+    """A `checkpoints -> elsewhere` link had a run write its checkpoints there, overwrite that
+    directory's settings.json and rename its `checkpoint` file."""
+    import shutil
+
+    elsewhere = tmp_path / "elsewhere"
+    shutil.copytree(trained / "checkpoints", elsewhere)
+    model_dir = copy_of(trained, tmp_path / "run")
+    if (model_dir / name).exists():
+        shutil.rmtree(model_dir / name)
+    (model_dir / name).symlink_to(elsewhere)
+    before, elsewhere_before = _tree(model_dir), _tree(elsewhere)
+    flags = {"checkpoint_every": 10, "eval_every": 10, "early_stop_metric": "loss", "early_stop_patience": 5}
+    with pytest.raises(UserError) as raised:
+        _run_in_process(model_dir, train_steps=30, best_checkpoint_metric="accuracy", **flags)
+    message = str(raised.value)
+    assert "\n" not in message and f"{model_dir / name} is a symbolic link (to {elsewhere})" in message, message
+    assert _tree(model_dir) == before and _tree(elsewhere) == elsewhere_before
+
+
+@pytest.mark.cli
+def test_eval_into_an_eval_directory_that_is_a_link_is_one_line_and_writes_nothing(trained, tmp_path):
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    model_dir = copy_of(trained, tmp_path / "run")
+    subprocess.run(["rm", "-r", str(model_dir / "eval")], check=True)
+    (model_dir / "eval").symlink_to(elsewhere)
+    before = _tree(model_dir)
+    line = one_error_line(main_in_process("--mode=eval", f"--model_dir={model_dir}"))
+    assert f"{model_dir / 'eval'} is a symbolic link (to {elsewhere})" in line, line
+    assert _tree(model_dir) == before and list(elsewhere.iterdir()) == []
+
+
+@pytest.mark.cli
+@pytest.mark.parametrize("mode", ["train", "eval", "predict"])
+def test_a_config_yaml_that_is_a_link_is_refused_before_it_is_read(tmp_path, mode):
+    """Read, it would bring settings from a file outside the model_dir; the first thing every
+    mode reads, so it is refused before anything else."""
+    elsewhere = tmp_path / "settings.yaml"
+    elsewhere.write_text("model: cnn\n")
+    model_dir = tmp_path / "run"
+    model_dir.mkdir()
+    (model_dir / "config.yaml").symlink_to(elsewhere)
+    line = one_error_line(main_in_process(f"--mode={mode}", f"--model_dir={model_dir}"))
+    assert f"{model_dir / 'config.yaml'} is a symbolic link (to {elsewhere})" in line, line
+    assert sorted(p.name for p in model_dir.iterdir()) == ["config.yaml"]
+
+
+@pytest.mark.cli
+def test_an_export_dir_among_other_files_is_refused_before_training(tmp_path):
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / ".bashrc").write_text("mine")
+    model_dir = tmp_path / "run"
+    line = one_error_line(
+        main_in_process(*MLP, "--train_steps=2", f"--model_dir={model_dir}", f"--export_dir={home}")
+    )
+    assert f"--export_dir={home} holds files that are not an export (.bashrc)" in line, line
+    assert sorted(p.name for p in home.iterdir()) == [".bashrc"] and not model_dir.exists()
 
 
 @pytest.fixture

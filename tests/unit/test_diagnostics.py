@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 
 import keras
@@ -50,6 +51,34 @@ def test_a_second_report_replaces_the_first_and_leaves_no_temporary_file(tmp_pat
     assert (tmp_path / "run" / "diagnostics" / "worker-1.txt").read_text() == "second\n"
     assert [p.name for p in (tmp_path / "run" / "diagnostics").iterdir()] == ["worker-1.txt"]
     assert diagnostics.task_name(None, None) == "main"
+
+
+def test_reports_are_never_written_through_planted_temporary_links(tmp_path):
+    """The old temporaries had predictable names (`<task>.txt.tmp<pid>`, the start-up watchdog's
+    `<task>.txt.partial-<pid>`), opened following links: a model_dir from someone else holding
+    them as links to a user's file had that file replaced by the report."""
+    import subprocess
+    import sys
+
+    from engine.cluster import startup_watchdog
+
+    victim = tmp_path / "victim"
+    victim.write_text("the user's own file\n")
+    directory = tmp_path / "run" / "diagnostics"
+    directory.mkdir(parents=True)
+    dead = subprocess.Popen([sys.executable, "-c", ""])
+    dead.wait()  # A pid nothing answers to: the watchdog's signal to it is a no-op.
+    for pid in {*range(1, 2049), *range(os.getpid() - 16, os.getpid() + 2049), dead.pid}:
+        (directory / f"main.txt.tmp{pid}").symlink_to(victim)
+        (directory / f"worker-0.txt.partial-{pid}").symlink_to(victim)
+    diagnostics.write_report(str(directory), "main", "report\n")
+    stacks = tmp_path / "stacks"
+    stacks.write_text("Thread 0x1 (most recent call first):\n")
+    report = directory / "worker-0.txt"
+    assert startup_watchdog.write_report(dead.pid, "worker:0", str(report), str(stacks), ended="timed out")
+    assert victim.read_text() == "the user's own file\n"
+    assert (directory / "main.txt").read_text() == "report\n" and "Thread 0x1" in report.read_text()
+    assert not [p.name for p in directory.iterdir() if not p.is_symlink() and p.suffix != ".txt"]
 
 
 def test_a_diagnostics_folder_that_is_a_symbolic_link_is_refused_and_nothing_is_written_through_it(tmp_path):

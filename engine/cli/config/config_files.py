@@ -111,6 +111,7 @@ def resolve_config(flag_values) -> RunConfig:
     mode = str(_last_value(layers, "mode") or field_default(_FIELDS["mode"]))
     if model_dir:
         check_model_dir_entries(model_dir)  # No FIFO where a command reads: it would block forever.
+        model_dir_lib.check_no_record_links(model_dir)  # config.yaml is read: not through a link.
     stored = read_stored_config(model_dir) if model_dir else None
     if stored is not None:
         stored = _inherited(stored, mode)

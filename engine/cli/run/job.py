@@ -40,7 +40,7 @@ from engine.cli.run.run_task import RunTask, check_reported, resolve_task
 from engine.cluster import task_model_dir
 from engine.cluster.peer_loss import PEER_LOST_ERRORS, peer_lost_message
 from engine.errors import STOPPED_BY_PEER_EXIT, PeerLostError, UserError, one_line
-from engine.export import export_for_serving
+from engine.export import check_export_dir, export_for_serving
 from engine.goodput import restarts_from_environment
 from engine.layers import describe_tables
 from engine.logger import EVERY_TASK
@@ -99,6 +99,8 @@ def _run(config: RunConfig, started_at: float) -> dict[str, Any]:
     model_dir = config.model_dir or tempfile.mkdtemp(prefix="engine-")
     model_dir_lib.check_name(model_dir)
     model_dir_lib.check_kinds(model_dir)
+    if config.export_dir:
+        check_export_dir(config.export_dir, model_dir)
     # Only the chief writes model_dir; other workers write a private copy they remove.
     write_dir = task_model_dir(model_dir, cluster)
     total_steps = config.total_steps(source.num_train_examples)
@@ -574,4 +576,7 @@ def _finished_result(trainer: Trainer, total_steps: int, metrics_path: str) -> d
     previous = model_dir_lib.read_json(metrics_path, what="the results of the run")
     if not isinstance(previous, dict) or previous.get("global_step") != trainer.step:
         return None
-    return previous
+    # The record's figures, but where the model_dir is now (a copied one names where it was
+    # written) and no exit status of its own: what a model_dir holds is data, not this run's end.
+    previous.pop("exit_status", None)
+    return {**previous, "model_dir": os.path.dirname(metrics_path)}

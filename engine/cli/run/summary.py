@@ -24,6 +24,7 @@ from engine import model_dir as model_dir_lib
 from engine.callbacks.progress import format_logs
 from engine.cli.config.settings import RunConfig
 from engine.cli.run.run_record import read_record, record_path
+from engine.errors import printable
 from engine.goodput import breakdown_line
 from engine.hooks.best_checkpoint import BEST_FILE, BEST_SUBDIR
 
@@ -40,7 +41,8 @@ def summary_table(config: RunConfig, result: Mapping[str, Any]) -> str | None:
     in the progress lines' form. None for a run that has none (predict, stopped by a signal)."""
     if config.mode not in SUMMARY_MODES or "exit_status" in result or result.get("global_step") is None:
         return None
-    model_dir = result.get("model_dir") or config.model_dir
+    # Where the model_dir is now (the flag): a copied one's metrics.json names where it was written.
+    model_dir = config.model_dir or result.get("model_dir")
     evaluating = config.mode in ("eval", "continuous_eval")
     record: Mapping[str, Any] = result if evaluating or not model_dir else read_record(model_dir) or result
     train = {} if evaluating else {k: v for k, v in (record.get("train") or {}).items() if k not in _LOOP_RATES}
@@ -70,6 +72,8 @@ def summary_table(config: RunConfig, result: Mapping[str, Any]) -> str | None:
         rows.append(("export_dir", config.export_dir))
     if model_dir:
         rows.append(("TensorBoard", f"tensorboard --logdir {model_dir}"))
+    # Metric names and figures are metrics.json's and best.json's: text of a model_dir, printed escaped.
+    rows = [(printable(name), printable(value)) for name, value in rows]
     width = max(len(name) for name, _ in rows)
     return "\n".join(["summary", *(f"  {name:<{width}}  {value}".rstrip() for name, value in rows)])
 

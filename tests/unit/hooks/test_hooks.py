@@ -185,6 +185,24 @@ def test_a_nan_or_inf_evaluation_is_never_the_best(caplog):
     assert "eval loss=nan at step 4 is not a number to keep a best checkpoint by" in caplog.text
 
 
+@pytest.mark.parametrize("value", ["-Infinity", "Infinity", "NaN"])
+def test_a_best_json_whose_value_is_not_finite_is_refused_in_one_line_and_left_alone(default, tmp_path, value):
+    """A best.json from someone else holding -Infinity (by a max metric) was taken, and no
+    later evaluation could ever beat it: refused like a damaged record, nothing changed."""
+    scripted_trainer(default, tmp_path, [0.5], [BestCheckpoint("score", mode="max")]).train(2)
+    best = tmp_path / "best"
+    text = (best / "best.json").read_text().replace('"value": 0.5', f'"value": {value}')
+    (best / "best.json").write_text(text)
+    before = {p.name: p.read_bytes() for p in best.iterdir() if p.is_file()}
+    hook = BestCheckpoint("score", mode="max")
+    with pytest.raises(engine.UserError) as raised:
+        hook.restore_state(scripted_trainer(default, tmp_path, [0.9], [hook]))
+    message = str(raised.value)
+    assert "\n" not in message and f"{best / 'best.json'} is damaged: its value" in message, message
+    assert "not a finite number" in message, message
+    assert {p.name: p.read_bytes() for p in best.iterdir() if p.is_file()} == before
+
+
 def test_early_stopping_modes():
     with pytest.raises(engine.UserError, match="mode 'best'"):
         EarlyStopping("loss", patience=3, mode="best")
