@@ -328,6 +328,7 @@ def _refuse_both(what: str, trainer_argument: str) -> UserError:
 def keras_arguments(
     model: Any,
     *,
+    strategy: tf.distribute.Strategy,
     optimizer: Any,
     loss_fn: Any,
     loss_weights: Any,
@@ -344,6 +345,13 @@ def keras_arguments(
     """
     compiled = compat.compile_arguments(model)
     own = set(overrides(model))
+    steps = sorted(own - {"compute_loss"})
+    if steps and isinstance(strategy, tf.distribute.experimental.ParameterServerStrategy):
+        raise UserError(
+            f"{type(model).__name__} overrides {', '.join(steps)}, which the engine runs as Keras does, on "
+            "replicas it drives itself: a parameter-server coordinator schedules the engine's steps only; "
+            "pass loss_fn (or step_fn), or train with another strategy"
+        )
     if "train_step" in own and step_fn is not None:
         raise UserError(
             f"{type(model).__name__} overrides train_step, which is its step; drop step_fn (or the override)"

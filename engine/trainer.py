@@ -258,6 +258,7 @@ class Trainer:
             eval_data = arrays_as_eval_data(eval_data, global_batch_size)
         keras_model = keras_arguments(
             model,
+            strategy=strategy,
             optimizer=optimizer,
             loss_fn=loss_fn,
             loss_weights=loss_weights,

@@ -246,7 +246,7 @@ class EvalRunner:
         logs = {"loss": float(self.loss.result())}
         if self.output_names:
             terms = self.loss.term_results().numpy()
-            logs.update({f"{name}_loss": float(term) for name, term in zip(self.output_names, terms, strict=True)})
+            logs.update({f"{name}_loss": float(t) for name, t in zip(self.output_names, terms, strict=True)})
         logs.update({m.name: float(m.result()) for m in self.metrics})
         logs["num_examples"] = int(round(float(self.loss.examples_seen())))
         return logs

@@ -14,7 +14,16 @@ from helpers import REPO, readme_example, snapshot
 def test_readme_research_example_runs(tmp_path):
     script = "\n".join(
         readme_example(name)
-        for name in ("research", "step_fn", "resident", "data_forms", "callbacks", "wrapped", "two_optimizers")
+        for name in (
+            "research",
+            "step_fn",
+            "resident",
+            "data_forms",
+            "callbacks",
+            "wrapped",
+            "two_optimizers",
+            "from_fit",
+        )
     )
     (tmp_path / "example.py").write_text(script)
     env = dict(os.environ, PYTHONPATH=str(REPO), TF_CPP_MIN_LOG_LEVEL="2")
@@ -36,6 +45,7 @@ def test_readme_research_example_runs(tmp_path):
         ("resident: ", "research-resident"),  # Arrays kept on the devices (ResidentData).
         ("wrapped: ", "research-wrapped"),
         ("two optimizers: ", "research-two-optimizers"),
+        ("from fit: ", "research-from-fit"),  # A compiled Keras model with its own compute_loss, numpy arrays.
     ):
         [evaluation] = [line for line in lines if line.startswith(prefix)]
         logs = ast.literal_eval(evaluation[len(prefix) :])
