@@ -195,9 +195,11 @@ def test_a_models_own_test_step_and_predict_step_are_evaluate_and_predict(replic
     np.testing.assert_allclose(predicted.sum(axis=1), 1.0, rtol=1e-5)  # Its predict_step's probabilities.
 
 
-def test_a_compiled_multi_output_model_trains_with_its_loss_weights_and_named_metrics():
-    """Before: refused without loss_fn, and with one its loss_weights were silently dropped."""
-    strategy = strategy_of(1)
+@pytest.mark.parametrize("replicas", replica_params())
+def test_a_compiled_multi_output_model_trains_with_its_loss_weights(replicas):
+    """Before: refused without loss_fn, and with one its loss_weights were silently dropped.
+    Each output's loss is reported under Keras's name."""
+    strategy = strategy_of(replicas)
 
     def model() -> keras.Model:
         with strategy.scope():
@@ -222,10 +224,20 @@ def test_a_compiled_multi_output_model_trains_with_its_loss_weights_and_named_me
     keras_model = model()
     keras_model.fit(data, epochs=1, verbose=0, shuffle=False)
     trainer = engine.Trainer(
-        strategy=strategy, model=model(), train_data=data, global_batch_size=BATCH, steps_per_loop=TRAIN_STEPS
+        strategy=strategy,
+        model=model(),
+        train_data=data,
+        eval_data=data,
+        global_batch_size=BATCH,
+        steps_per_loop=TRAIN_STEPS,
     )
     trainer.train(TRAIN_STEPS)
     assert_weights_equal(trainer.model.get_weights(), keras_model.get_weights())
+    # One batch holding every example: Keras's per-output means are then exact too.
+    expected = keras_model.evaluate(x, labels, batch_size=len(x), verbose=0, return_dict=True)
+    logs = trainer.evaluate()
+    for key in ("loss", "kind_loss", "size_loss"):
+        assert logs[key] == pytest.approx(expected[key], rel=RTOL), key
 
 
 def test_metric_names_a_reducing_loss_and_numpy_arrays_are_taken_as_compile_and_fit_take_them():
