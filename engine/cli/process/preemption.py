@@ -197,7 +197,7 @@ class _Watcher:
                 )
                 logging.flush()
                 sys.stderr.flush()
-                os._exit(128 + signum)
+                _exit_at_once(128 + signum)
             self._stopping = True
             assert self._record is not None, "registered together with the trainer"
             self._record.signum = signum
@@ -237,6 +237,20 @@ class _Watcher:
                 self._trainer = self._diagnostics = None
                 # A stop in progress keeps the next signal fatal; otherwise one signal ends at once too.
                 self._stopping = self._stopping or record.signum is not None
+
+
+def _exit_at_once(status: int) -> None:
+    """Ends the process now, without the main thread's `finally` blocks: first removes the
+    model_dir's writer lock file it holds, which a start-up cut short left behind (the next run
+    took it over with a warning). Looked up, not imported: an import from this thread could wait
+    on the main thread's, and a process that has not imported it holds no lock."""
+    model_dir = sys.modules.get("engine.model_dir")
+    if model_dir is not None:
+        try:
+            model_dir.abandon_writer_locks()
+        except Exception:  # noqa: BLE001 (a lock file left is the old behaviour; the exit must come)
+            pass
+    os._exit(status)
 
 
 def _sent_by(pid: int) -> str:
