@@ -38,6 +38,63 @@ def test_a_launchers_first_signal_stops_its_tasks_and_a_second_ends_them_at_once
     assert said == ["SIGTERM received again: every task ended at once (SIGKILL), without its save; exit 143"]
 
 
+def test_a_signal_while_a_launcher_stops_its_tasks_anyway_is_one_line_and_a_second_ends_them():
+    killed, said, exits = [], [], []
+    signals = StopSignals(lambda: killed.append(True), say=said.append, exit=exits.append)
+    signals.stop_under_way()
+    signals.handle(signal.SIGTERM, None)  # No Interrupted into the stop under way.
+    assert not killed and not exits
+    assert said == [
+        "SIGTERM received while every task is being stopped already (at most 10 s); "
+        "send SIGTERM again to end them at once"
+    ]
+    signals.handle(signal.SIGTERM, None)
+    assert killed == [True] and exits == [143]
+
+
+@pytest.mark.cli
+def test_sigterm_while_the_launcher_stops_a_failed_cluster_is_one_line_and_keeps_its_status(capsys):
+    """`engine.launch --num_ps=1`: the cluster failed (status 1), and SIGTERM came while the
+    launcher stopped what was left; its `finally` raised `Interrupted: 15` (a traceback)."""
+    from absl import flags
+
+    from engine.launch import launcher as launch
+
+    class FailedCluster:
+        """A Launcher whose run ended with status 1; SIGTERM arrives during its first stop."""
+
+        def __init__(self, *args, **kwargs):
+            self.restarts, self.stops = 0, 0
+
+        def run(self) -> int:
+            return 1
+
+        def stop(self, **kwargs) -> None:
+            self.stops += 1
+            if self.stops == 1:
+                signal.raise_signal(signal.SIGTERM)  # Its handler runs here, in this thread.
+
+        def kill_now(self) -> None:
+            raise AssertionError("a first signal kills nothing")
+
+    previous = {signum: signal.getsignal(signum) for signum in (*preemption.STOP_SIGNALS, signal.SIGUSR1)}
+    try:
+        with mock.patch.object(launch, "Launcher", FailedCluster):
+            status = launch.main(launch.parse_flags(["engine.launch", "--num_workers=1", "--num_ps=1", "--"]))
+    finally:
+        flags.FLAGS.unparse_flags()
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    stderr = capsys.readouterr().err
+    assert status == 1, stderr
+    assert "Traceback" not in stderr and "Interrupted" not in stderr
+    assert stderr.splitlines()[-2:] == [
+        "[launch] SIGTERM received while every task is being stopped already (at most 10 s); "
+        "send SIGTERM again to end them at once",
+        "[launch] done with exit status 1",
+    ], stderr
+
+
 def test_a_launcher_takes_sighup_as_sigterm_and_leaves_a_closed_terminal():
     signals = StopSignals(lambda: None, say=lambda line: None, exit=lambda status: None)
     with (
