@@ -355,6 +355,7 @@ def writer_lock(model_dir: str) -> Iterator[None]:
     except OSError:  # A full disk: leave no empty lock file (nor a model_dir made for it) behind.
         _release(model_dir, path, fd, created)
         raise
+    _lock_files[fd] = (model_dir, path, created)
     try:
         with _held_here(model_dir):
             yield
@@ -364,6 +365,24 @@ def writer_lock(model_dir: str) -> Iterator[None]:
 
 # The model_dirs whose writer lock this process holds (`writer_lock`), by `lock_key`.
 _held: set[str] = set()
+# The lock files this process holds, by descriptor: (model_dir, path, whether it made the model_dir).
+_lock_files: dict[int, tuple[str, str, bool]] = {}
+
+
+def abandon_writer_locks() -> None:
+    """Removes the lock files this process holds, for a process about to end at once (`os._exit`
+    on a signal in start-up, or a second one) without running the `finally` that releases them.
+
+    Called from another thread (the signal watcher) while the main thread runs on: it removes
+    files only, never closes a descriptor (the main thread may be releasing the same lock and
+    a closed number can be reused at once); the kernel drops the `flock` at the exit. A
+    model_dir made for the lock alone is removed too, if it is still empty."""
+    for model_dir, path, created in list(_lock_files.values()):
+        with contextlib.suppress(OSError):
+            os.remove(path)
+        if created:
+            with contextlib.suppress(OSError):
+                os.rmdir(model_dir)
 
 
 def lock_key(path: str) -> str:
@@ -387,6 +406,7 @@ def _held_here(model_dir: str) -> Iterator[None]:
 
 
 def _release(model_dir: str, path: str, fd: int, created: bool) -> None:
+    _lock_files.pop(fd, None)
     with contextlib.suppress(OSError):
         os.remove(path)  # Still holding the lock: nobody else can be between.
     os.close(fd)

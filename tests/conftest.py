@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import started_processes
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 # As every engine command does (engine/command_start.py; importing it here would import TensorFlow
@@ -40,10 +41,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    if not runs_tests(config):
-        return
     if hasattr(config, "workerinput"):
         atexit.register(end_worker_at_once)  # Registered before TensorFlow's and the engine's: runs after them.
+    # The processes the tests start are ended with the run, and on its SIGTERM or SIGINT; in the
+    # controller too, which passes SIGTERM on to its workers. Its exit handler runs before the above.
+    started_processes.install()
+    if not runs_tests(config):
+        return
     if config.getoption("profile_suite"):
         from suite_profile import register
 
@@ -88,7 +92,9 @@ def pytest_collection_modifyitems(items):
     A test that starts processes (tier process or cluster) is in the full suite only: it is
     marked slow, so that -m "not slow" (the fast tier) starts none."""
     for item in items:
-        folder = Path(str(item.path)).relative_to(TESTS).parts[0]
+        path = Path(str(item.path))
+        # A test outside tests/ (a session with this conftest as a plugin) has no folder tier.
+        folder = path.relative_to(TESTS).parts[0] if path.is_relative_to(TESTS) else ""
         if folder in FOLDER_TIERS:
             item.add_marker(FOLDER_TIERS[folder])
         if item.get_closest_marker("process") or item.get_closest_marker("cluster"):

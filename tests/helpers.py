@@ -14,7 +14,6 @@ import io
 import os
 import re
 import select
-import signal
 import socket
 import subprocess
 import sys
@@ -27,6 +26,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from started_processes import group_exists, signal_group  # noqa: F401 (the tests' names for them)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -212,52 +212,6 @@ def popen_main(*flags: str, env: dict[str, str] | None = None) -> subprocess.Pop
         text=True,
         process_group=0,
     )
-
-
-def signal_group(process: subprocess.Popen, signum: int = signal.SIGKILL) -> None:
-    """`signum` to the process group `process` leads (started with
-    process_group=0), and never to a stranger's group.
-
-    A group of its own, not a session (start_new_session): with Linux's
-    autogroup scheduling (on here and on CI) every session is a scheduling
-    group that gets as much CPU as all of pytest's session, so a test's
-    processes in new sessions starved the other xdist worker's in-process
-    tests (a 2-second test seen taking 41 s, with 1 CPU-second).
-
-    Once the leader is reaped and its group is empty, its pid is free: with
-    pid_max at 32768 and TensorFlow's threads drawing from the same counter,
-    the suite wraps it, and a later test's group leader may get the pid
-    (one such kill ended another test's training before its first line). A
-    reaped leader whose pid is alive again is that stranger: left alone. A
-    group whose reaped leader left children keeps its id reserved, so they
-    are still ours to end."""
-    if process.returncode is not None and _pid_exists(process.pid):
-        return
-    try:
-        os.killpg(process.pid, signum)
-    except ProcessLookupError:
-        pass
-
-
-def group_exists(process: subprocess.Popen) -> bool:
-    """Whether any process of the group `process` led still runs (see `signal_group`)."""
-    if process.returncode is not None and _pid_exists(process.pid):
-        return False  # a stranger's group, since ours was reaped
-    try:
-        os.killpg(process.pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
-def _pid_exists(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def kill_group(process: subprocess.Popen) -> None:

@@ -299,16 +299,19 @@ def main(argv: list[str]) -> int:
         max_restarts=FLAGS.max_restarts,
         new_training_tasks=new_training_tasks,
     )
-    StopSignals(launcher.kill_now).install()
+    signals = StopSignals(launcher.kill_now)
+    signals.install()
     forward_report_requests(lambda: launcher)
     started = time.time()
     try:
         status = launcher.run()
+        signals.stop_under_way()  # A signal from here on: one line, never a traceback from the finally.
     except Interrupted as interrupt:
         say(stopping_line(interrupt.signum, "every task"))
         launcher.stop(grace=SAVE_GRACE_SECONDS, signum=interrupt.signum)
         status = 128 + interrupt.signum
     finally:
+        signals.stop_under_way()
         launcher.stop()
     lost = (
         f"; {launcher.restarts} restart(s) lost {launcher.restarts_lost_s:.1f} s "

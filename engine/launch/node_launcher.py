@@ -138,10 +138,13 @@ class NodeLauncher:
             self.say(
                 f"serving the rendezvous at {options.rendezvous_text} for {options.nnodes} node(s){secured}"
             )
-        StopSignals(self._kill_tasks, say=self.say).install()
+        signals = StopSignals(self._kill_tasks, say=self.say)
+        signals.install()
         forward_report_requests(lambda: self._launcher)  # This node's tasks, of the round under way.
         try:
-            return self._rounds()
+            status = self._rounds()
+            signals.stop_under_way()  # A signal from here on: one line, never a traceback from the finally.
+            return status
         except Interrupted as stop:
             name = signal.Signals(stop.signum).name
             self.say(stopping_line(stop.signum, "this node's tasks and the run on every node"))
@@ -152,6 +155,7 @@ class NodeLauncher:
                 self._launcher.stop(grace=SAVE_GRACE_SECONDS, signum=stop.signum)
             return 128 + stop.signum
         finally:
+            signals.stop_under_way()
             if self._launcher is not None:
                 self._launcher.stop()
             if self._client is not None:

@@ -449,6 +449,11 @@ class StopSignals:
     ends engine.main: it never raises into the first one's clean-up, which
     printed a traceback. After SIGHUP the launcher's lines go nowhere instead
     of failing on the closed terminal.
+
+    Once the launcher stops its tasks anyway (its run ended, failed or not: `stop_under_way`),
+    a first signal raises nothing either: it is said in one line, the stop goes on, and the
+    launcher's exit status stays its run's. Raised there, it ended the launcher with an
+    `Interrupted: 15` traceback.
     """
 
     def __init__(
@@ -462,6 +467,13 @@ class StopSignals:
         self.say = say
         self.exit = exit
         self.signum: int | None = None
+        self._under_way = False  # The tasks are being stopped whatever comes.
+
+    def stop_under_way(self) -> None:
+        """From now on a first signal does not raise `Interrupted`: the launcher is stopping its
+        tasks already (call it inside the `try` whose `except Interrupted` handles the signals
+        before, so that none falls between the two)."""
+        self._under_way = True
 
     def install(self) -> None:
         # Explicitly: a process started from a background shell job inherits SIGINT *ignored*.
@@ -471,11 +483,17 @@ class StopSignals:
     def handle(self, signum: int, frame: object) -> None:
         if signum == signal.SIGHUP:
             leave_a_closed_terminal()
+        name = signal.Signals(signum).name
         if self.signum is None:
             self.signum = signum
+            if self._under_way:
+                self.say(
+                    f"{name} received while every task is being stopped already (at most "
+                    f"{STOP_GRACE_SECONDS:g} s); send {name} again to end them at once"
+                )
+                return
             raise Interrupted(signum)
         self.kill_tasks()
-        name = signal.Signals(signum).name
         self.say(
             f"{name} received again: every task ended at once (SIGKILL), without its save; exit {128 + signum}"
         )

@@ -95,6 +95,40 @@ def test_writer_lock_is_exclusive_and_leaves_nothing_behind(tmp_path):
     assert list(model_dir.iterdir()) == []
 
 
+def test_a_process_ending_at_once_removes_the_lock_files_it_holds(tmp_path):
+    """What the signal watcher does before os._exit (a signal in start-up, or a second one):
+    the lock file goes (and a model_dir made for it alone), the lock's own release after it is
+    harmless, and the next writer finds no lock to take over."""
+    made, kept = tmp_path / "made", tmp_path / "kept"
+    kept.mkdir()
+    (kept / "config.yaml").write_text("x: 1\n")
+    with model_dir_lib.writer_lock(str(made)), model_dir_lib.writer_lock(str(kept)):
+        model_dir_lib.abandon_writer_locks()
+        assert not made.exists() and os.listdir(kept) == ["config.yaml"]
+    model_dir_lib.abandon_writer_locks()  # None held: nothing to do.
+    assert os.listdir(kept) == ["config.yaml"]
+
+
+@pytest.mark.process
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_sigterm_in_start_up_exits_143_and_leaves_no_lock_file(tmp_path):
+    model_dir = tmp_path / "run"
+    process = popen_main(*MLP, "--train_steps=1000000", f"--model_dir={model_dir}")
+    try:
+        deadline = time.monotonic() + 240
+        while not (model_dir / model_dir_lib.LOCK_FILE).exists():  # Locked: building, not training yet.
+            assert process.poll() is None and time.monotonic() < deadline, process.communicate()[1][-3000:]
+            time.sleep(0.02)
+        process.send_signal(signal.SIGTERM)
+        _, stderr = process.communicate(timeout=60)
+    finally:
+        stop(process)
+    assert process.returncode == 128 + signal.SIGTERM, stderr[-3000:]
+    assert "SIGTERM received: exiting now with status 143" in stderr, stderr[-3000:]
+    assert not (model_dir / model_dir_lib.LOCK_FILE).exists()
+
+
 def test_a_model_dir_removed_while_makedirs_walks_it_is_made_again_and_a_file_there_is_refused(
     tmp_path, monkeypatch
 ):

@@ -72,6 +72,27 @@ def test_an_evaluator_task_evaluates_beside_a_launched_cluster(tmp_path, launch)
 
 
 @pytest.mark.timeout(500)
+def test_ctrl_z_and_fg_of_a_launchers_group_in_start_up_and_training_let_the_run_finish(tmp_path, launch):
+    """Ctrl-Z then `fg` (SIGTSTP, then SIGCONT, to the launcher's whole process group; a
+    scheduler's suspend and resume): its workers' signal watchers took garbage for SIGQUIT or
+    SIGHUP and ended them (tests/process/test_job_control.py has engine.main alone)."""
+    steps = 600
+    run = launch("--num_workers=2", "--", *MWM, f"--train_steps={steps}", f"--model_dir={tmp_path}")
+    run.wait_for(r"started worker:1", timeout=60)
+    time.sleep(1.0)  # The workers import TensorFlow.
+    for step in ("start-up", r"step \d+", r"step [1-9]\d\d+"):
+        if step != "start-up":
+            run.wait_for(rf"\[worker:0\].*{step}/{steps}", timeout=240)
+        os.killpg(run.process.pid, signal.SIGTSTP)
+        time.sleep(1.0)
+        os.killpg(run.process.pid, signal.SIGCONT)
+    assert run.wait(timeout=300) == 0, run.output[-4000:]
+    assert re.search(rf"\[worker:0\].*done: step {steps},", run.output), run.output[-3000:]
+    assert "received" not in run.output and "Traceback" not in run.output, run.output[-3000:]
+    run.assert_nothing_left()
+
+
+@pytest.mark.timeout(500)
 def test_ctrl_c_saves_once_a_second_sigterm_ends_at_once_and_a_flag_error_exits_2(tmp_path, launch):
     flags = [*MWM, "--train_steps=100000", "--checkpoint_every=100000", f"--model_dir={tmp_path}"]
     # Ctrl-C in a terminal: SIGINT to the launcher's whole process group. The workers took the

@@ -20,9 +20,20 @@ sits in one compiled call a handler would wait for the whole call (and two
 signals would merge into one). `engine.main` therefore calls
 `install_watcher()` before TensorFlow starts any thread: the signals are
 blocked in every thread (`signal.pthread_sigmask`) and one watcher thread
-takes them with `signal.sigwait`, which returns at once whatever the main
+takes them with `signal.sigwaitinfo`, which returns at once whatever the main
 thread is doing. In-process users (tests, notebooks) without the watcher get
 ordinary Python handlers, with the limits above.
+
+Job control (Ctrl-Z then `fg`, a scheduler's suspend and resume: SIGSTOP or
+SIGTSTP, then SIGCONT) must never stop a run. The watcher waits without a
+timeout (`sigwaitinfo`), not with `sigtimedwait`: Python 3.11's
+`sigtimedwait`, interrupted by a stop and resumed past its deadline, returns
+a siginfo it never filled (seen: SIGQUIT, SIGHUP, numbers that are no signal,
+a sender pid of -542834133), on which the watcher exited 131 or died.
+`sigwaitinfo` retries its interrupted wait and returns only a signal the
+kernel delivered; the watcher still acts only on a signal it watches and
+names a sender only where the kernel says a process sent it. To be paused it
+is woken by `WAKE_SIGNAL` sent to its thread alone (`signal.pthread_kill`).
 """
 
 from __future__ import annotations
@@ -32,7 +43,8 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from absl import logging
 
@@ -66,8 +78,30 @@ def leave_a_closed_terminal() -> None:
             pass
 
 
-# How long the watcher waits for a signal before it looks whether it is paused.
-_WAIT_SECONDS = 0.2
+# Sent to the watcher's thread alone (pthread_kill) to wake it from its wait when it is to pause;
+# blocked in every thread with the others, so that one sent from outside is taken and ignored.
+WAKE_SIGNAL = signal.SIGRTMIN + 3
+_WAITED_FOR = (*WATCHED_SIGNALS, WAKE_SIGNAL)
+# si_code of a signal that a process sent (kill, sigqueue, tgkill): only then is si_pid its sender.
+_SENT_BY_A_PROCESS = (0, -1, -6)  # SI_USER, SI_QUEUE, SI_TKILL (Linux)
+
+
+def taken_signal(info: signal.struct_siginfo | None) -> tuple[int, int] | None:
+    """(signal, sender pid or 0) of a siginfo the watcher acts on; None for anything else.
+
+    Only a watched signal counts (never the wake-up, never a value that is no signal), and
+    a sender is named only where the kernel says a process sent it and its pid is one (> 0):
+    a signal from the kernel (a closed terminal's SIGHUP) has none."""
+    if info is None or info.si_signo not in WATCHED_SIGNALS:
+        return None
+    sent = info.si_code in _SENT_BY_A_PROCESS and info.si_pid > 0
+    return info.si_signo, info.si_pid if sent else 0
+
+
+def _wait_for_a_signal() -> signal.struct_siginfo:
+    """The next watched or wake-up signal; never a siginfo the kernel did not fill (see the
+    module's docstring on `sigtimedwait`)."""
+    return signal.sigwaitinfo(_WAITED_FOR)
 
 
 class SignalRecord:
@@ -85,31 +119,40 @@ class _Watcher:
     """The thread that owns SIGTERM/SIGINT: the first asks the registered
     trainer to stop, a second one (or one with nothing to stop) exits at once."""
 
-    def __init__(self):
+    def __init__(self, wait: Callable[[], signal.struct_siginfo | None] = _wait_for_a_signal):
+        self._wait = wait  # Blocks until a signal comes: _wait_for_a_signal, or a test's.
+        self._thread: int | None = None  # The watching thread's ident, which WAKE_SIGNAL wakes.
         self._lock = threading.Lock()
-        self._trainer = None
+        self._trainer: Any = None  # The registered trainer (request_stop, progress), or None.
         self._record: SignalRecord | None = None
         self._stopping = False
         self._paused_changed = threading.Condition()
         self._paused = False
-        self._waiting = False  # Inside sigtimedwait.
+        self._waiting = False  # Inside its wait for a signal.
         self._trained = False  # A trainer was registered: past the start-up.
         self._diagnostics: tuple[str, str] | None = None  # (directory, task name) of the reports.
 
     def watch(self) -> None:
+        """The watcher thread's loop; returns only when its wait raises (a test's end)."""
+        self._thread = threading.get_ident()
         while True:
             with self._paused_changed:
                 while self._paused:
                     self._paused_changed.wait()
                 self._waiting = True
-            info = signal.sigtimedwait(WATCHED_SIGNALS, _WAIT_SECONDS)
-            with self._paused_changed:
-                self._waiting = False
-                self._paused_changed.notify_all()
-            if info is not None and info.si_signo == DIAGNOSTICS_SIGNAL:
+            try:
+                info = self._wait()
+            finally:
+                with self._paused_changed:
+                    self._waiting = False
+                    self._paused_changed.notify_all()
+            taken = taken_signal(info)
+            if taken is None:
+                continue  # The wake-up (to pause), or nothing the watcher acts on.
+            if taken[0] == DIAGNOSTICS_SIGNAL:
                 self._report()
-            elif info is not None:
-                self._take(info.si_signo, info.si_pid)
+            else:
+                self._take(*taken)
 
     def _report(self) -> None:
         """Writes what this process is doing (engine.diagnostics); never raises, since the
@@ -154,7 +197,7 @@ class _Watcher:
                 )
                 logging.flush()
                 sys.stderr.flush()
-                os._exit(128 + signum)
+                _exit_at_once(128 + signum)
             self._stopping = True
             assert self._record is not None, "registered together with the trainer"
             self._record.signum = signum
@@ -170,8 +213,10 @@ class _Watcher:
         """While inside, the watcher takes no signal: they stay pending in the process."""
         with self._paused_changed:
             self._paused = True
-            while self._waiting:  # At most one _WAIT_SECONDS.
-                self._paused_changed.wait()
+            while self._waiting:
+                if self._thread is not None:  # A wake-up sent before its wait begins stays pending for it.
+                    signal.pthread_kill(self._thread, WAKE_SIGNAL)
+                self._paused_changed.wait(timeout=1.0)
         try:
             yield
         finally:
@@ -194,10 +239,24 @@ class _Watcher:
                 self._stopping = self._stopping or record.signum is not None
 
 
+def _exit_at_once(status: int) -> None:
+    """Ends the process now, without the main thread's `finally` blocks: first removes the
+    model_dir's writer lock file it holds, which a start-up cut short left behind (the next run
+    took it over with a warning). Looked up, not imported: an import from this thread could wait
+    on the main thread's, and a process that has not imported it holds no lock."""
+    model_dir = sys.modules.get("engine.model_dir")
+    if model_dir is not None:
+        try:
+            model_dir.abandon_writer_locks()
+        except Exception:  # noqa: BLE001 (a lock file left is the old behaviour; the exit must come)
+            pass
+    os._exit(status)
+
+
 def _sent_by(pid: int) -> str:
     """' (sent by pid N: its command)': a signal that ends a process before it trained names its
     sender, since nothing else will tell who it was."""
-    if not pid:
+    if pid <= 0:
         return ""
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
@@ -211,7 +270,7 @@ _watcher: _Watcher | None = None
 
 
 def install_watcher() -> None:
-    """Blocks SIGTERM/SIGINT/SIGHUP (and SIGUSR1) in this and every later thread and starts the watcher.
+    """Blocks SIGTERM/SIGINT/SIGHUP (SIGUSR1, WAKE_SIGNAL) in this and every later thread, starts the watcher.
 
     Call it first thing in the program's main thread, before TensorFlow
     starts threads: a thread that does not block the signals could take one
@@ -220,7 +279,7 @@ def install_watcher() -> None:
     global _watcher
     if _watcher is not None:
         return
-    signal.pthread_sigmask(signal.SIG_BLOCK, WATCHED_SIGNALS)
+    signal.pthread_sigmask(signal.SIG_BLOCK, _WAITED_FOR)
     _watcher = _Watcher()
     threading.Thread(target=_watcher.watch, name="signal-watcher", daemon=True).start()
 

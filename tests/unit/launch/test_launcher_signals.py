@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import termios
+import threading
 import time
 from unittest import mock
 
@@ -35,6 +36,63 @@ def test_a_launchers_first_signal_stops_its_tasks_and_a_second_ends_them_at_once
     signals.handle(signal.SIGTERM, None)  # while the tasks save: no exception into that clean-up
     assert killed == [True] and exits == [143]
     assert said == ["SIGTERM received again: every task ended at once (SIGKILL), without its save; exit 143"]
+
+
+def test_a_signal_while_a_launcher_stops_its_tasks_anyway_is_one_line_and_a_second_ends_them():
+    killed, said, exits = [], [], []
+    signals = StopSignals(lambda: killed.append(True), say=said.append, exit=exits.append)
+    signals.stop_under_way()
+    signals.handle(signal.SIGTERM, None)  # No Interrupted into the stop under way.
+    assert not killed and not exits
+    assert said == [
+        "SIGTERM received while every task is being stopped already (at most 10 s); "
+        "send SIGTERM again to end them at once"
+    ]
+    signals.handle(signal.SIGTERM, None)
+    assert killed == [True] and exits == [143]
+
+
+@pytest.mark.cli
+def test_sigterm_while_the_launcher_stops_a_failed_cluster_is_one_line_and_keeps_its_status(capsys):
+    """`engine.launch --num_ps=1`: the cluster failed (status 1), and SIGTERM came while the
+    launcher stopped what was left; its `finally` raised `Interrupted: 15` (a traceback)."""
+    from absl import flags
+
+    from engine.launch import launcher as launch
+
+    class FailedCluster:
+        """A Launcher whose run ended with status 1; SIGTERM arrives during its first stop."""
+
+        def __init__(self, *args, **kwargs):
+            self.restarts, self.stops = 0, 0
+
+        def run(self) -> int:
+            return 1
+
+        def stop(self, **kwargs) -> None:
+            self.stops += 1
+            if self.stops == 1:
+                signal.raise_signal(signal.SIGTERM)  # Its handler runs here, in this thread.
+
+        def kill_now(self) -> None:
+            raise AssertionError("a first signal kills nothing")
+
+    previous = {signum: signal.getsignal(signum) for signum in (*preemption.STOP_SIGNALS, signal.SIGUSR1)}
+    try:
+        with mock.patch.object(launch, "Launcher", FailedCluster):
+            status = launch.main(launch.parse_flags(["engine.launch", "--num_workers=1", "--num_ps=1", "--"]))
+    finally:
+        flags.FLAGS.unparse_flags()
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    stderr = capsys.readouterr().err
+    assert status == 1, stderr
+    assert "Traceback" not in stderr and "Interrupted" not in stderr
+    assert stderr.splitlines()[-2:] == [
+        "[launch] SIGTERM received while every task is being stopped already (at most 10 s); "
+        "send SIGTERM again to end them at once",
+        "[launch] done with exit status 1",
+    ], stderr
 
 
 def test_a_launcher_takes_sighup_as_sigterm_and_leaves_a_closed_terminal():
@@ -224,6 +282,54 @@ def test_sighup_saves_like_sigterm_and_exits_129(watcher):
     with mock.patch.object(preemption, "leave_a_closed_terminal") as left, watcher.stopping(trainer) as record:
         watcher._take(signal.SIGHUP, sender=0)
     assert trainer.stops == 1 and record.exit_status == 129 and left.called and not exits
+
+
+def siginfo(signo: int, pid: int, code: int = 0) -> signal.struct_siginfo:
+    """A siginfo as `signal.sigwaitinfo` returns one: (signo, code, errno, pid, uid, status, band)."""
+    return signal.struct_siginfo((signo, code, 0, pid, 0, 0, 0))
+
+
+# What Python 3.11's sigtimedwait returned after Ctrl-Z then `fg`: a siginfo it never filled, with
+# signals the process was not sent and senders that are no pid. Its SIGHUPs no check could tell
+# from a real one: the watcher no longer calls it (tests/process/test_job_control.py).
+GARBAGE = [
+    siginfo(signal.SIGQUIT, -542834133),
+    siginfo(322642408, -1228864816, code=326861104),
+    siginfo(0, 321551064),
+]
+
+
+def test_the_watcher_acts_only_on_a_watched_signal_and_names_only_a_real_sender(watcher, caplog):
+    """Garbage ends nothing and kills no watcher; a real SIGTERM after it still stops the run,
+    and a sender is named only where the kernel says a process sent the signal."""
+    watcher, exits = watcher
+    waits = iter([*GARBAGE, siginfo(preemption.WAKE_SIGNAL, os.getpid(), code=-6)])
+
+    def wait() -> signal.struct_siginfo:
+        return next(waits)  # StopIteration at the end: the loop's end in this test.
+
+    watcher._wait = wait
+    trainer, ended = Trainer(), []
+
+    def watch() -> None:
+        try:
+            watcher.watch()
+        except StopIteration:
+            ended.append(True)  # Every siginfo was taken, the last wait ended the loop.
+
+    with watcher.stopping(trainer) as record:
+        thread = threading.Thread(target=watch, daemon=True)
+        thread.start()
+        thread.join(timeout=10)
+    assert ended == [True]
+    assert trainer.stops == 0 and record.signum is None and exits == []
+    assert preemption.taken_signal(siginfo(signal.SIGTERM, 4321)) == (signal.SIGTERM, 4321)
+    assert preemption.taken_signal(siginfo(signal.SIGHUP, 4321, code=0x80)) == (signal.SIGHUP, 0)  # the kernel's
+    assert preemption.taken_signal(siginfo(signal.SIGHUP, -542834133)) == (signal.SIGHUP, 0)
+    assert preemption.taken_signal(None) is None
+    with pytest.raises(SystemExit):  # nothing registered: a start-up's signal ends the process at once
+        watcher._take(signal.SIGTERM, sender=-542834133)
+    assert exits == [143] and "pid" not in caplog.records[-1].getMessage()
 
 
 def test_a_launcher_pid_that_is_not_the_parent_is_nobodys():
