@@ -17,6 +17,11 @@ and from `fit`. The engine therefore runs such data one step per call, which is
 exactly `steps_per_loop=1`, and says so once. Shapes fixed by the data (a
 `padded_shapes` length) keep the multi-step loop. Evaluation has no collective inside
 its calls and keeps its batches per call.
+
+A partial last batch changes that shape too. Where a dataset of global batches says
+how many it holds (`cardinality()`: `from_tensor_slices(...).batch(B)`), its last batch
+runs in a call of its own, which costs one call and no warning; a dataset that cannot
+tell (a generator, a `filter`) needs `drop_remainder=True` or `repeat()`.
 """
 
 from __future__ import annotations
@@ -31,6 +36,20 @@ from engine.logger import logger
 from engine.resident import ResidentData
 
 
+class LastBatchAlone(Callback):
+    """Ends the loop before the stream position `last` (a finite dataset's last batch, maybe a
+    partial one), so that the batch runs in a call of its own: a partial batch changes the
+    gather's shape as a new length does (an engine hook, made by `one_step_per_call`)."""
+
+    def __init__(self, last: int):
+        self.last = last
+
+    def loop_limit(self, trainer: TrainerView, step: int) -> int | None:
+        position = getattr(trainer, "data_position", None)
+        at = position.at(step) if position is not None else step  # Past the batches rollbacks skipped.
+        return self.last - at if at < self.last else None
+
+
 class OneStepPerCall(Callback):
     """Cuts every training loop to one step (an engine hook, made by `one_step_per_call`)."""
 
@@ -43,15 +62,17 @@ def one_step_per_call(
 ) -> list[Callback]:
     """`[OneStepPerCall()]` where the training data's batches vary in a dimension other than the
     batch (read from its element spec, before anything is traced) and more than one replica
-    sums gradients with collectives inside loops of several steps; else `[]`. Logs one warning
-    line when it cuts the loops."""
+    sums gradients with collectives inside loops of several steps (one warning line says so);
+    else `[LastBatchAlone(...)]` where the data's last batch may be partial (`_last_batch_alone`),
+    or `[]`."""
     if steps_per_loop == 1 or strategy.num_replicas_in_sync == 1 or not _reduces_with_collectives(strategy):
         return []
     if isinstance(data, ResidentData):  # Arrays: one shape for every batch.
         return []
-    varying = _varying_shape(_element_spec(strategy, data))
+    spec = _element_spec(strategy, data)
+    varying = _varying_shape(spec)
     if varying is None:
-        return []
+        return _last_batch_alone(data, spec)
     logger.warning(
         "train_data's batches vary in length (an element of shape %s) on %d replicas: training runs 1 step "
         "per compiled call instead of steps_per_loop=%d (TensorFlow aborts a call whose collectives change "
@@ -63,6 +84,19 @@ def one_step_per_call(
         steps_per_loop,
     )
     return [OneStepPerCall()]
+
+
+def _last_batch_alone(data: DataForm, element_spec: Any) -> list[Callback]:
+    """`[LastBatchAlone(last)]` for a dataset of global batches of a known, finite number whose
+    batch dimension is not fixed (`batch()` without `drop_remainder`): its last batch may be
+    partial. It costs one more call at the end of the data; no warning."""
+    if not isinstance(data, GlobalBatches) or data.dataset is None:
+        return []
+    leaves = [spec for spec in tf.nest.flatten(element_spec) if getattr(spec, "shape", None) is not None]
+    if not leaves or all(spec.shape.rank and spec.shape[0] is not None for spec in leaves):
+        return []
+    batches = int(data.dataset.cardinality())
+    return [LastBatchAlone(batches - 1)] if batches > 1 else []
 
 
 def _reduces_with_collectives(strategy: tf.distribute.Strategy) -> bool:

@@ -175,3 +175,15 @@ def test_variable_length_evaluation_on_two_replicas_counts_every_example_as_kera
     assert logs["num_examples"] == 61
     assert logs["loss"] == pytest.approx(expected["loss"], rel=1e-6)
     assert logs["sparse_categorical_accuracy"] == pytest.approx(expected["sparse_categorical_accuracy"])
+
+
+def test_a_partial_last_batch_of_an_embedding_model_trains_in_a_call_of_its_own(mirrored, caplog):
+    caplog.set_level("INFO", logger="engine")
+    ids, labels = id_sequences(60, vocab=VOCAB, length=6, classes=CLASSES)  # 7 batches of 8, then 4.
+    data = tf.data.Dataset.from_tensor_slices((ids, labels)).batch(BATCH)
+    with pytest.raises(engine.DataExhaustedError, match="after step 8 of 20"):
+        train(mirrored, data, 20)
+    assert loop_ends(caplog) == ["7/20", "8/20"] and warnings_of(caplog) == []
+    looped, _ = train(mirrored, data, 8)  # Ends with the partial batch, as steps_per_loop=1 does.
+    one_per_call, _ = train(mirrored, data, 8, steps_per_loop=1)
+    assert_bitwise(looped, one_per_call)
