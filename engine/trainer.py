@@ -44,6 +44,7 @@ from engine.loop.replica_state import replica_local_state
 from engine.loop.rollback import CHECKPOINT_KEY, Rollback, Spike, check_options, holds_position, stop_message
 from engine.loop.runners import EvalRunner, PredictRunner, TrainRunner, as_prediction_batches, fresh_copy
 from engine.loop.steps import STEP_EXAMPLES, EvalStep, ReplicaStep, make_train_step
+from engine.loop.variable_length import one_step_per_call
 from engine.losses import LossFn, Objective
 from engine.options import (
     DEFAULT_MAX_ROLLBACKS,
@@ -318,6 +319,7 @@ class Trainer:
         self.callbacks = [
             Progress(self.cadence.log_every),
             *as_callbacks(callbacks, steps_per_epoch=self.cadence.steps_per_epoch),
+            *one_step_per_call(strategy, train_form, self.cadence.steps_per_loop),  # Variable-length batches.
         ]
         # Both stay in force for later train() calls until clear_stop():
         self.stop_training = False  # Set by a callback (early stopping): stop after this loop.
