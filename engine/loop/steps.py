@@ -402,21 +402,24 @@ def _global_norm(gradients) -> tf.Tensor:
 def _clip_global_norm(gradients, clip_norm, optimizer, uses_loss_scale):
     """Clips by the norm of the all-reduced gradient; returns the gradients and that norm.
 
-    Each replica holds only its share of the gradient, so the norm must be
-    taken after the sum. The optimizer sums across replicas again, which is
-    why each replica hands it 1/num_replicas of the clipped total.
+    Each replica holds only its share of the gradient, so the norm must be taken after the
+    sum. Each replica then hands the optimizer its OWN gradient times the global clip factor:
+    the optimizer's sum is the clipped total, and sparse gradients keep their rows as
+    without clipping (handing it 1/N of the summed total instead repeated every row N times,
+    which Adam squares one by one: 0.12 from one replica on an Embedding).
     """
     context = tf.distribute.get_replica_context()
-    num_replicas = context.num_replicas_in_sync
     # IndexedSlices rows of one index added up first: the norm of the gradient, not of its pieces.
     total = [combined_rows(g) for g in context.all_reduce(tf.distribute.ReduceOp.SUM, gradients)]
     threshold = clip_norm
     if uses_loss_scale:  # The gradients are still multiplied by the loss scale.
         threshold = clip_norm * tf.cast(optimizer.dynamic_scale, tf.float32)
-    clipped, norm = tf.clip_by_global_norm(total, threshold)
+    norm = tf.linalg.global_norm(total)
+    # tf.clip_by_global_norm's factor: 1 at or below the threshold (NaN where the norm is not finite).
+    factor = threshold * tf.minimum(1.0 / norm, 1.0 / threshold)
     if uses_loss_scale:
         norm = norm / tf.cast(optimizer.dynamic_scale, norm.dtype)
-    return [scale_gradient(g, 1.0 / num_replicas) for g in clipped], norm
+    return [None if g is None else scale_gradient(g, tf.cast(factor, _values(g).dtype)) for g in gradients], norm
 
 
 def combined_rows(gradient: Any) -> Any:
