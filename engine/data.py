@@ -198,6 +198,15 @@ def as_eval_form(data: Any) -> DataForm:
     return form
 
 
+def element_spec(strategy: tf.distribute.Strategy, data: DataForm) -> Any:
+    """The batches' element spec: the dataset's own, or that of one pipeline of a function form
+    (built here once, not iterated: building a tf.data pipeline reads nothing)."""
+    if isinstance(data, GlobalBatches) and data.dataset is not None:
+        return data.dataset.element_spec
+    context = tf.distribute.InputContext(num_replicas_in_sync=strategy.num_replicas_in_sync)
+    return pipeline_at(data, context, start_step=0).element_spec
+
+
 def distribute_eval_data(strategy: tf.distribute.Strategy, form: DataForm) -> tf.distribute.DistributedDataset:
     """Distributes a finite eval set; partial and empty batches are kept."""
     if isinstance(form, GlobalBatches):

@@ -29,9 +29,10 @@ import tensorflow as tf
 
 from engine import compat
 from engine.compat import engine_graph_code, user_code
-from engine.data import DataForm, distribute_eval_data
+from engine.data import DataForm, distribute_eval_data, element_spec
 from engine.errors import UserError
 from engine.loop.iterator_release import release_in_background
+from engine.resident import ResidentData
 
 # The methods of `keras.Model` that make a step; a subclass that overrides one changes the step.
 STEP_METHODS = ("train_step", "test_step", "predict_step", "compute_loss")
@@ -365,6 +366,12 @@ def keras_arguments(
             f"{type(model).__name__} overrides compute_loss, which is its loss: drop loss_fn and compile the "
             "model with the loss its compute_loss builds on (if any)"
         )
+    if steps and not compiled:
+        raise UserError(
+            f"{type(model).__name__} overrides {', '.join(steps)}, which run as Keras runs them, on what "
+            "compile() sets up (self.optimizer, self.compute_loss, self.metrics): compile() it first, as fit "
+            "and evaluate require"
+        )
     model_optimizer = getattr(model, "optimizer", None) if compiled else None
     if optimizer is None:
         if model_optimizer is None:
@@ -433,11 +440,13 @@ def _map_leaves(function: Callable[[Any], Any], structure: Any) -> Any:
     return function(structure)
 
 
-def label_and_output_shapes(model: Any, train_data: Any) -> tuple[Any, Any]:
+def label_and_output_shapes(
+    strategy: tf.distribute.Strategy, model: Any, train_form: DataForm | ResidentData
+) -> tuple[Any, Any]:
     """The labels' spec (from a dataset's element_spec or arrays) and the model's output (a
     functional model's symbolic output, else the model called on one row of zeros), for
     resolving names as `compile` resolves them; None for what cannot be told."""
-    spec = batch_spec(train_data)
+    spec = batch_spec(strategy, train_form)
     if not isinstance(spec, (tuple, list)) or len(spec) not in (2, 3):
         return None, None
     labels = tf.nest.flatten(spec[1])
@@ -453,27 +462,21 @@ def label_and_output_shapes(model: Any, train_data: Any) -> tuple[Any, Any]:
     return y_true, produced[0] if len(produced) == 1 else None
 
 
-def batch_spec(train_data: Any) -> Any:
-    """The spec of one training batch, where the data form tells it (a dataset's element_spec,
-    resident arrays' shapes); None otherwise."""
-    spec = getattr(getattr(train_data, "dataset", None), "element_spec", None)
-    if spec is None and isinstance(train_data, tf.data.Dataset):
-        spec = train_data.element_spec
-    if spec is None and hasattr(train_data, "tensors"):  # ResidentData: arrays.
-        spec = tf.nest.map_structure(lambda t: tf.TensorSpec([None, *t.shape[1:]], t.dtype), train_data.tensors)
-    return spec
+def batch_spec(strategy: tf.distribute.Strategy, train_form: DataForm | ResidentData) -> Any:
+    """The spec of one training batch: resident arrays' shapes, or the form's element spec (a
+    function form's pipeline is built once for it: `engine.data.element_spec`)."""
+    if isinstance(train_form, ResidentData):
+        return tf.nest.map_structure(lambda t: tf.TensorSpec([None, *t.shape[1:]], t.dtype), train_form.tensors)
+    return element_spec(strategy, train_form)
 
 
-def build_compiled_state(strategy: tf.distribute.Strategy, model: Any, train_data: Any) -> None:
+def build_compiled_state(
+    strategy: tf.distribute.Strategy, model: Any, train_form: DataForm | ResidentData
+) -> None:
     """A compiled model's metrics and loss state made in the strategy's scope before the first
     trace, as `fit` makes them (its own train_step, test_step and compute_loss update them)."""
     if not compat.compile_arguments(model):
         return
-    spec = batch_spec(train_data)
-    if spec is None:
-        raise UserError(
-            f"{type(model).__name__} is compiled and its state is made from a batch's shapes, which this "
-            "train_data form does not tell: pass a tf.data.Dataset of global batches, or arrays"
-        )
+    spec = batch_spec(strategy, train_form)
     with strategy.scope():
         compat.build_compiled_state(model, spec)

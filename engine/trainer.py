@@ -257,6 +257,7 @@ class Trainer:
         train_data = arrays_as_train_data(train_data, global_batch_size)
         if eval_data is not None:
             eval_data = arrays_as_eval_data(eval_data, global_batch_size)
+        train_form = train_data_form(strategy, train_data, global_batch_size)
         keras_model = keras_arguments(
             model,
             strategy=strategy,
@@ -267,7 +268,7 @@ class Trainer:
             weighted_metrics=weighted_metrics,
             step_fn=step_fn,
             eval_step_fn=eval_step_fn,
-            shapes=lambda: label_and_output_shapes(model, train_data),
+            shapes=lambda: label_and_output_shapes(strategy, model, train_form),
         )
         self.keras_model = keras_model
         optimizer, loss_fn, loss_weights = keras_model.optimizer, keras_model.loss_fn, keras_model.loss_weights
@@ -297,7 +298,6 @@ class Trainer:
                 f"the standard step applies one optimizer, got {len(self.optimizers)} "
                 f"({', '.join(self.optimizers)}); pass `step_fn` to apply several"
             )
-        train_form = train_data_form(strategy, train_data, global_batch_size)
         eval_form = eval_data_form(strategy, eval_data, global_batch_size) if eval_data is not None else None
         # Before the optimizer is built: Keras makes the averages when it builds it.
         self.weight_averages: WeightAverages | None = weight_averages(self.optimizers, ema_decay)

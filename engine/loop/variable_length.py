@@ -31,7 +31,7 @@ from typing import Any
 import tensorflow as tf
 
 from engine.callbacks.base import Callback, TrainerView
-from engine.data import DataForm, GlobalBatches, pipeline_at
+from engine.data import DataForm, GlobalBatches, element_spec
 from engine.logger import logger
 from engine.resident import ResidentData
 
@@ -69,7 +69,7 @@ def one_step_per_call(
         return []
     if isinstance(data, ResidentData):  # Arrays: one shape for every batch.
         return []
-    spec = _element_spec(strategy, data)
+    spec = element_spec(strategy, data)
     varying = _varying_shape(spec)
     if varying is None:
         return _last_batch_alone(data, spec)
@@ -105,15 +105,6 @@ def _reduces_with_collectives(strategy: tf.distribute.Strategy) -> bool:
     return not isinstance(
         strategy, (tf.distribute.experimental.ParameterServerStrategy, tf.distribute.TPUStrategy)
     )
-
-
-def _element_spec(strategy: tf.distribute.Strategy, data: DataForm) -> Any:
-    """The batches' element spec: the dataset's own, or that of one pipeline of a function form
-    (built here once, not iterated: building a tf.data pipeline reads nothing)."""
-    if isinstance(data, GlobalBatches) and data.dataset is not None:
-        return data.dataset.element_spec
-    context = tf.distribute.InputContext(num_replicas_in_sync=strategy.num_replicas_in_sync)
-    return pipeline_at(data, context, start_step=0).element_spec
 
 
 def _varying_shape(element_spec: Any) -> str | None:

@@ -42,6 +42,12 @@ def batches(data: tuple, batch: int = BATCH) -> tf.data.Dataset:
     return tf.data.Dataset.from_tensor_slices(data).batch(batch)
 
 
+def train_batches(batch: int = BATCH) -> tf.data.Dataset:
+    """Full batches only (a static batch size): on two replicas a batch that may be partial runs
+    in a call of its own (engine.loop.variable_length), and the logs are the last call's."""
+    return tf.data.Dataset.from_tensor_slices(TRAIN).batch(batch, drop_remainder=True)
+
+
 class OwnStep(keras.Model):
     """A research model with its own train_step: a weight penalty added by hand, its metrics
     updated and returned the way Keras's guide writes it."""
@@ -120,7 +126,7 @@ def build(cls: type, strategy: tf.distribute.Strategy, **compile_args) -> keras.
 @functools.cache
 def fit_of(cls: type, replicas: int) -> tuple[list[np.ndarray], dict[str, float]]:
     model = build(cls, strategy_of(replicas))
-    history = model.fit(batches(TRAIN), epochs=1, verbose=0, shuffle=False)
+    history = model.fit(train_batches(), epochs=1, verbose=0, shuffle=False)
     return model.get_weights(), {name: values[-1] for name, values in history.history.items()}
 
 
@@ -132,7 +138,7 @@ def engine_of(cls: type, replicas: int) -> tuple[engine.Trainer, dict[str, float
     trainer = engine.Trainer(
         strategy=strategy,
         model=model,
-        train_data=batches(TRAIN),
+        train_data=train_batches(),
         eval_data=batches(EVAL),
         global_batch_size=BATCH,
         steps_per_loop=TRAIN_STEPS,
@@ -271,6 +277,25 @@ def test_metric_names_a_reducing_loss_and_numpy_arrays_are_taken_as_compile_and_
     assert logs["accuracy"] == pytest.approx(expected["accuracy"], rel=RTOL)
 
 
+def test_a_models_own_train_step_reads_a_function_of_the_input_context(default):
+    """The compiled state is made from the pipeline's spec (the function is called once for it)."""
+
+    def per_replica(context: tf.distribute.InputContext) -> tf.data.Dataset:
+        return train_batches(context.get_per_replica_batch_size(BATCH))
+
+    model = build(OwnStep, default)
+    trainer = engine.Trainer(
+        strategy=default,
+        model=model,
+        train_data=per_replica,
+        global_batch_size=BATCH,
+        steps_per_loop=TRAIN_STEPS,
+    )
+    trainer.train(TRAIN_STEPS)
+    fit_weights, _ = fit_of(OwnStep, 1)
+    assert_weights_equal(model.get_weights(), fit_weights)
+
+
 def test_a_model_with_its_own_train_step_resumes_bitwise(tmp_path):
     """Its optimizer is the compiled one, checkpointed with the model; the metrics restart."""
     strategy = strategy_of(1)
@@ -279,7 +304,7 @@ def test_a_model_with_its_own_train_step_resumes_bitwise(tmp_path):
         return engine.Trainer(
             strategy=strategy,
             model=build(OwnStep, strategy),
-            train_data=batches(TRAIN).repeat(),
+            train_data=train_batches().repeat(),
             global_batch_size=BATCH,
             model_dir=str(model_dir),
             steps_per_loop=2,
@@ -325,6 +350,9 @@ def test_what_conflicts_with_the_model_is_refused_in_one_line():
     ]
     with strategy.scope():
         plain = keras.Sequential([keras.Input((5,)), keras.layers.Dense(3)])
+        uncompiled = OwnStep()
+        uncompiled(TRAIN[0][:1])
+    cases.append((dict(model=uncompiled, optimizer=keras.optimizers.SGD()), "compile\\(\\) it first"))
     cases.append((dict(model=plain, loss_fn=sce), "pass optimizer= to the Trainer, or compile"))
     cases.append(
         (
