@@ -142,7 +142,8 @@ def is_loopback(host: str) -> bool:
 def read_secret(path: str | None, environ: Mapping[str, str]) -> bytes | None:
     """The run's secret: the file `path` names (`--rendezvous_secret_file`) or else `SECRET_ENV`;
     None when neither is given. ValueError, one line naming the source and the fix, for a file
-    that is not a small regular file or a secret too short to resist guessing."""
+    that is not a small regular file, one that users other than its owner may read or write,
+    or a secret too short to resist guessing."""
     if path is not None:
         where = f"{SECRET_FLAG}={path}"
         try:
@@ -154,6 +155,11 @@ def read_secret(path: str | None, environ: Mapping[str, str]) -> bytes | None:
             if not stat.S_ISREG(info.st_mode) or info.st_size > MAX_SECRET_FILE_BYTES:
                 raise ValueError(
                     f"{where} must be a regular file of at most {MAX_SECRET_FILE_BYTES} bytes holding the secret"
+                )
+            if info.st_mode & 0o077:  # As ssh refuses a private key others may read.
+                raise ValueError(
+                    f"{where} may be read or written by other users (mode {stat.S_IMODE(info.st_mode):04o}), "
+                    f"and whoever reads the secret can join and steer the run: `chmod 600 {path}`"
                 )
             raw = os.read(fd, MAX_SECRET_FILE_BYTES + 1)
         finally:

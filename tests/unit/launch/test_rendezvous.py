@@ -574,18 +574,22 @@ def test_the_difference_names_every_differing_flag_and_the_launchers_own():
 def test_the_secret_comes_from_the_file_flag_or_else_the_environment(tmp_path):
     path = tmp_path / "secret"
     path.write_text("from-the-file-0123456789\n")
+    path.chmod(0o600)
     environment = {rendezvous.SECRET_ENV: " from-the-environment-0123 "}
     assert rendezvous.read_secret(str(path), environment) == b"from-the-file-0123456789"
     assert rendezvous.read_secret(None, environment) == b"from-the-environment-0123"
     assert rendezvous.read_secret(None, {}) is None
 
 
-@pytest.mark.parametrize("case", ["short-file", "short-env", "fifo", "missing", "directory"])
+@pytest.mark.parametrize(
+    "case", ["short-file", "short-env", "fifo", "missing", "directory", "world-readable", "group-writable"]
+)
 def test_a_secret_that_is_not_one_is_one_line_naming_its_source(tmp_path, case):
     path = tmp_path / "secret"
     environment: dict[str, str] = {}
     if case == "short-file":
         path.write_text("password\n")
+        path.chmod(0o600)
         expected = f"--rendezvous_secret_file={path} holds a secret of 8 byte(s); use at least 16 random ones"
     elif case == "short-env":
         environment[rendezvous.SECRET_ENV] = "abc"
@@ -596,6 +600,14 @@ def test_a_secret_that_is_not_one_is_one_line_naming_its_source(tmp_path, case):
         expected = f"--rendezvous_secret_file={path} must be a regular file of at most 4096 bytes"
     elif case == "missing":
         expected = f"--rendezvous_secret_file={path}: cannot read it (No such file or directory)"
+    elif case in ("world-readable", "group-writable"):
+        path.write_text("0123456789abcdef0123456789abcdef\n")
+        mode = 0o644 if case == "world-readable" else 0o620
+        path.chmod(mode)  # refused as ssh refuses such a private key
+        expected = (
+            f"--rendezvous_secret_file={path} may be read or written by other users (mode {mode:04o}), and "
+            f"whoever reads the secret can join and steer the run: `chmod 600 {path}`"
+        )
     else:
         path.mkdir()
         expected = f"--rendezvous_secret_file={path} must be a regular file"
