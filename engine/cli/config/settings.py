@@ -222,7 +222,8 @@ class RunConfig:
     heartbeat_timeout: float = setting(
         DEFAULT_HEARTBEAT_TIMEOUT,
         "multi_worker_mirrored: seconds without a heartbeat after which a peer counts as lost; a frozen, "
-        "partitioned or dead peer then ends the run (exit 69) within about this bound.",
+        "partitioned or dead peer then ends the run (exit 69) within about this bound. parameter_server: "
+        "the chief's bound on a ps task that stops answering (exit 69, the latest checkpoint kept).",
     )
     tpu: str | None = setting(
         None,
