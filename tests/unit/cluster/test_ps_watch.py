@@ -72,7 +72,7 @@ def test_the_watch_ends_the_run_naming_the_silent_ps_task_within_its_bound():
         f"chief:0: ps:1 ({frozen}) stopped answering (no answer for 1 s): frozen, partitioned or dead; "
         "the latest checkpoint (ckpt-20) is kept; rerun, or use engine.launch --max_restarts"
     )
-    assert 1.0 < took < 1.0 + 2.0, took  # The bound, plus a probe and a period at most.
+    assert 1.0 < took < 1.0 + 3.0, took  # The bound, plus a period and its probes (0.5 s), and a busy machine.
 
 
 def test_live_ps_tasks_are_watched_without_an_end_and_the_watch_stops_with_its_block():

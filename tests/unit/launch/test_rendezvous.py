@@ -343,7 +343,8 @@ def test_a_node_without_the_secret_or_with_another_is_never_admitted_and_told_at
         assert time.monotonic() - began < 1.0  # rejected, not retried until the deadline
         assert client.rejected and client.unproven is not None
         assert client.unproven.startswith("node 0 rejected this node's proof of the secret: give every node")
-    assert server.status is None and server.dropped == 2 and not server._joined
+    wait_until(lambda: server.dropped == 2)  # The server counts a drop after its `rejected` is sent.
+    assert server.status is None and not server._joined
 
 
 class IdleStranger:
@@ -400,11 +401,10 @@ def test_idle_strangers_at_one_address_never_keep_a_node_at_another_out(sockets)
         second = join(server, 1, [6001])
         rounds = [next_message(client, timeout=5) for client in (first, second)]
         took = time.monotonic() - began
-        held = sum(conn.source == "127.0.0.2" for conn in server._conns.values())
+        held = [conn.source for conn in list(server._conns.values())].count("127.0.0.2")  # list(): at once
     assert [message["kind"] for message in rounds] == ["round", "round"]
-    print(f"node 1 joined in {took:.2f} s; the stranger reopened {stranger.reopened}")
     assert took < 3.0, took
-    assert held <= rendezvous.MAX_UNPROVEN_PER_ADDRESS
+    assert held <= rendezvous.MAX_UNPROVEN_PER_ADDRESS and stranger.reopened > 0  # it kept coming back
     stranger_lines = [line.startswith("warning: dropped a connection from 127.0.0.2: ") for line in warnings]
     assert stranger_lines and all(stranger_lines), warnings
     assert server.status is None and server.alive
@@ -423,7 +423,8 @@ def test_strangers_at_many_addresses_leave_room_for_a_node(monkeypatch):
         # Full: a node at yet another address takes the oldest slot of the address holding the most.
         node = join(server, 0, [6000])
         assert next_message(node)["kind"] == "round"
-        assert sum(conn.stage != "ready" for conn in server._conns.values()) <= 6
+        stages = [conn.stage for conn in list(server._conns.values())]  # list(): at once, as the server runs
+        assert len(stages) - stages.count("ready") <= 6
     finally:
         for sock in held:
             sock.close()
@@ -457,6 +458,7 @@ def test_a_node_with_another_secret_exits_2_at_once_and_node_0_ends_2_at_its_sta
         "of the secret: give every node the same ENGINE_RENDEZVOUS_SECRET or --rendezvous_secret_file"
     ]
     # Node 0 is not ended by a wrong proof (a stranger could send one): one line, and it waits on.
+    wait_until(lambda: server.dropped == 1)  # The server warns and counts after its `rejected` is sent.
     assert server.status is None and server.alive
     assert warnings == [
         "warning: dropped a connection from 127.0.0.1: it did not prove it holds the run's secret "
