@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import keras
@@ -42,17 +42,24 @@ def shard_rows(input_dim: int, num_shards: int) -> list[int]:
     return [base + (1 if index < extra else 0) for index in range(num_shards)]
 
 
-_DEFAULT_NUM_SHARDS: contextvars.ContextVar[int | None] = contextvars.ContextVar("num_shards", default=None)
+# A table's check before its variables exist: (layer, count) -> None, or a UserError.
+ShardCheck = Callable[["ShardedEmbedding", int], None]
+_DEFAULT_NUM_SHARDS: contextvars.ContextVar[tuple[int, ShardCheck | None] | None] = contextvars.ContextVar(
+    "num_shards", default=None
+)
+SHARDS_LISTED = 8  # describe_tables lists each shard up to this many; past it, a summary.
 
 
 @contextlib.contextmanager
-def default_num_shards(count: int | None) -> Iterator[None]:
+def default_num_shards(count: int | None, check: ShardCheck | None = None) -> Iterator[None]:
     """Within: a `ShardedEmbedding` built without `num_shards` holds `count` shards (at most
     one per row) instead of one per ps task, so that a model a builder makes keeps its shard
-    count (and its checkpoints) whatever the cluster. None: no default, as outside."""
+    count (and its checkpoints) whatever the cluster. None: no default, as outside. `check`,
+    called with each such layer and `count` before its variables are made, may refuse the
+    count (the command line's --ps_shards against the table: engine.cli.run.table_shards)."""
     if count is not None and (isinstance(count, bool) or not isinstance(count, int) or count < 1):
         raise UserError(f"default_num_shards({count!r}): it must be a whole number >= 1 or None")
-    token = _DEFAULT_NUM_SHARDS.set(count)
+    token = _DEFAULT_NUM_SHARDS.set(None if count is None else (count, check))
     try:
         yield
     finally:
@@ -124,8 +131,14 @@ class ShardedEmbedding(keras.layers.Layer):
 
     def build(self, input_shape: Any = None) -> None:
         if self.num_shards is None:
-            count = _DEFAULT_NUM_SHARDS.get()
-            self.num_shards = min(count if count is not None else max(ps_tasks_in_scope(), 1), self.input_dim)
+            default = _DEFAULT_NUM_SHARDS.get()
+            if default is None:
+                count = max(ps_tasks_in_scope(), 1)
+            else:
+                count, check = default
+                if check is not None:
+                    check(self, count)
+            self.num_shards = min(count, self.input_dim)
         for index, rows in enumerate(shard_rows(self.input_dim, self.num_shards)):
             # One attribute each (shard_0, shard_1, ...): tf.train.Checkpoint saves a Keras 3
             # layer's variables through its attributes, and one kept in a list is never saved.
@@ -213,20 +226,41 @@ def _short_device(device: str) -> str:
     return f"{spec.device_type}:{spec.device_index}" if spec.device_type else device or "the default device"
 
 
-def describe_tables(model: Any) -> list[str]:
-    """One line per `ShardedEmbedding` of a Keras `model`: its size, its shards and where each
-    lives, e.g. "table 'items': 1000000 x 16 in 2 shards: 500000 rows on ps:0, 500000 on ps:1"."""
+def sharded_tables(model: Any) -> list[ShardedEmbedding]:
+    """The built `ShardedEmbedding`s of a Keras `model` (itself included)."""
     if not isinstance(model, keras.layers.Layer):
         return []
+    layers = [model, *keras_sublayers(model)]
+    return [layer for layer in layers if isinstance(layer, ShardedEmbedding) and layer.built]
+
+
+def describe_tables(model: Any) -> list[str]:
+    """One line per `ShardedEmbedding` of a Keras `model`: its size, its shards and where each
+    lives, e.g. "table 'items': 1000000 x 16 in 2 shards: 500000 rows on ps:0, 500000 on ps:1";
+    past `SHARDS_LISTED` shards, how many of how many rows on each device."""
     lines = []
-    for layer in [model, *keras_sublayers(model)]:
-        if isinstance(layer, ShardedEmbedding) and layer.built:
+    for layer in sharded_tables(model):
+        devices = [_short_device(device) for device in layer.placement()]
+        if len(devices) <= SHARDS_LISTED:
             where = ", ".join(
-                f"{shard.shape[0]} rows on {_short_device(device)}"
-                for shard, device in zip(layer.shards, layer.placement(), strict=True)
+                f"{shard.shape[0]} rows on {device}" for shard, device in zip(layer.shards, devices, strict=True)
             )
-            lines.append(
-                f"table {layer.name!r}: {layer.input_dim} x {layer.output_dim} in {layer.num_shards} "
-                f"shard(s): {where}"
-            )
+            shards = f"{layer.num_shards} shard(s): {where}"
+        else:
+            shards = _shards_summary(layer.input_dim, devices)
+        lines.append(f"table {layer.name!r}: {layer.input_dim} x {layer.output_dim} in {shards}")
     return lines
+
+
+def _shards_summary(rows: int, devices: list[str]) -> str:
+    """'5000 shards of 20 rows: 2500 on ps:0, 2500 on ps:1': a line, however many shards."""
+    sizes = shard_rows(rows, len(devices))
+    low, high = min(sizes), max(sizes)
+    per_device: dict[str, int] = {}
+    for device in devices:
+        per_device[device] = per_device.get(device, 0) + 1
+    shown = [f"{count} on {device}" for device, count in list(per_device.items())[:SHARDS_LISTED]]
+    if len(per_device) > SHARDS_LISTED:
+        shown.append(f"and {len(per_device) - SHARDS_LISTED} more device(s)")
+    of = f"{low} rows" if low == high else f"{low}-{high} rows"
+    return f"{len(devices)} shards of {of}: {', '.join(shown)}"

@@ -115,8 +115,9 @@ flags.DEFINE_string(
 flags.DEFINE_string(
     "rendezvous_secret_file",
     None,
-    "With --nnodes > 1: a file (readable by this user alone) holding the secret the run's nodes "
-    "share, at least 16 random characters, the same on every node; default: the "
+    "With --nnodes > 1: a file holding the secret the run's nodes share, readable by this user "
+    "alone (mode 600, else refused, as ssh refuses such a key), at least 16 random characters, "
+    "the same on every node; default: the "
     "ENGINE_RENDEZVOUS_SECRET environment variable. Required when --rendezvous is not a loopback "
     "address: without it nothing a connection sends can join, stop or steer the run.",
 )

@@ -13,7 +13,8 @@ checkpoint on the nodes that remain, with the same global batch. The
 start-up (every node joining) is bounded by the `--startup_timeout` given to
 engine.main, with one line naming the nodes that never came; a node that
 reaches no rendezvous proving the run's secret gives up after that long in
-all, however many connections it tried. Nodes given different settings (the
+all, however many connections it tried; one whose own secret node 0 rejects
+ends at once (exit 2). Nodes given different settings (the
 flags after `--` that must be equal everywhere) end before any task starts,
 with one line naming them (exit 2). SIGINT, SIGTERM or SIGHUP to any node's
 launcher stops every node's tasks, each saving at the step they agree on.
@@ -221,6 +222,9 @@ class NodeLauncher:
         """The one line (and status) of a node that reached no rendezvous proving the secret."""
         options = self.options
         within = f"within {options.startup_timeout:g} s (--startup_timeout)"
+        if client.rejected:  # Told at once: this node's secret is not node 0's, a rerun fails alike.
+            self.say(f"error: the rendezvous at {options.rendezvous_text}: {client.unproven}")
+            return USER_ERROR_EXIT
         if client.unproven:
             where = f"no rendezvous at {options.rendezvous_text} {within}"
             self.say(f"error: {where} that shares the secret: {client.unproven}")

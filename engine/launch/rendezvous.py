@@ -26,6 +26,7 @@ object, checked against its message's schema (`check_from_node`,
     server -> node   challenge {nonce}
     node -> server   proof {proof}              HMAC(secret, "client" nonces)
     server -> node   welcome {proof}            HMAC(secret, "server" nonces)
+                     or rejected {}             the node's proof is not of node 0's secret
 
 and then, authenticated:
 
@@ -36,7 +37,14 @@ and then, authenticated:
 
 A bad frame, a failed proof, a message off its schema or a handshake not
 finished within `HANDSHAKE_SECONDS` drops that connection with one warning
-line; the server itself never stops on what a connection sends.
+line; the server itself never stops on what a connection sends. A failed
+proof is answered `rejected` first, which tells no more than the close would:
+the node then ends at once (exit 2, another secret) instead of retrying. Node 0
+waits on, so that a stranger's proof never ends a run, and ends with 2 only
+if a node never came. Connections in their handshake hold slots, at most
+`MAX_UNPROVEN_PER_ADDRESS` per address and `MAX_UNPROVEN` in all: a new one
+evicts the oldest of its own address, or of the address holding the most, so
+that idle sockets at one address never keep a node at another out.
 
 A round is one cluster: it starts when every expected node has joined, and
 ends when every member is done (`end` 0) or one fails (`restart`, or `end`
@@ -80,8 +88,15 @@ MIN_SECRET_BYTES = 16  # A shorter secret could be guessed offline from one reco
 MAX_SECRET_FILE_BYTES = 4096
 HANDSHAKE_FRAME_BYTES = 512
 MAX_FRAME_BYTES = 1 << 20  # A round of ~40,000 workers' addresses; TF_CONFIG itself stops far below.
-HANDSHAKE_SECONDS = 10.0  # A connection that has not proved the secret by then is dropped.
-MAX_UNPROVEN = 64  # Connections still in their handshake; more are closed at once.
+# A connection that has not proved the secret by then is dropped: a node proves it in two round
+# trips (milliseconds, a second on a slow link), an idle stranger holds a slot no longer.
+HANDSHAKE_SECONDS = 5.0
+# Connections still in their handshake, from all addresses and from one (an IPv6 /64): a new one
+# past either cap evicts the oldest of its address, or of the address that holds the most, so
+# that strangers at one address, however many sockets they hold, never keep out a node at another.
+MAX_UNPROVEN = 64
+MAX_UNPROVEN_PER_ADDRESS = 8
+MAX_ACCEPTS_PER_WAKE = 64  # Connections taken from the listen queue before the others are served.
 MAX_PORTS = 1024  # engine.launch.task_processes.MAX_TASKS: the tasks one node starts.
 MAX_TEXT = 2000  # A cause, a reason, an address: longer text is not ours.
 MAX_SETTINGS = 512
@@ -127,7 +142,8 @@ def is_loopback(host: str) -> bool:
 def read_secret(path: str | None, environ: Mapping[str, str]) -> bytes | None:
     """The run's secret: the file `path` names (`--rendezvous_secret_file`) or else `SECRET_ENV`;
     None when neither is given. ValueError, one line naming the source and the fix, for a file
-    that is not a small regular file or a secret too short to resist guessing."""
+    that is not a small regular file, one that users other than its owner may read or write,
+    or a secret too short to resist guessing."""
     if path is not None:
         where = f"{SECRET_FLAG}={path}"
         try:
@@ -139,6 +155,11 @@ def read_secret(path: str | None, environ: Mapping[str, str]) -> bytes | None:
             if not stat.S_ISREG(info.st_mode) or info.st_size > MAX_SECRET_FILE_BYTES:
                 raise ValueError(
                     f"{where} must be a regular file of at most {MAX_SECRET_FILE_BYTES} bytes holding the secret"
+                )
+            if info.st_mode & 0o077:  # As ssh refuses a private key others may read.
+                raise ValueError(
+                    f"{where} may be read or written by other users (mode {stat.S_IMODE(info.st_mode):04o}), "
+                    f"and whoever reads the secret can join and steer the run: `chmod 600 {path}`"
                 )
             raw = os.read(fd, MAX_SECRET_FILE_BYTES + 1)
         finally:
@@ -429,6 +450,24 @@ class _Conn:
     stage: str = "hello"  # hello -> proof -> ready
     nonces: bytes = b""
 
+    @property
+    def source(self) -> str:
+        return source_of(self.peer)
+
+
+def source_of(peer: str) -> str:
+    """The address whose connections share handshake slots: an IPv4 address, an IPv6 /64 (what
+    one host is usually given, so that a stranger cannot take a slot per address of its own)."""
+    try:
+        address = ipaddress.ip_address(peer.split("%")[0])
+    except ValueError:
+        return peer
+    if isinstance(address, ipaddress.IPv6Address):
+        if address.ipv4_mapped is not None:
+            return str(address.ipv4_mapped)
+        return str(ipaddress.IPv6Network((address, 64), strict=False))
+    return str(address)
+
 
 @dataclasses.dataclass
 class _Node:
@@ -513,7 +552,8 @@ class RendezvousServer:
         self.reason = ""
         self._ended_at = 0.0
         self.dropped = 0  # Connections dropped for what they sent (or did not send).
-        self._unproven_hosts: set[str] = set()  # Hosts whose connections failed the secret.
+        self._unproven_hosts: set[str] = set()  # Hosts whose connections failed the handshake.
+        self._wrong_secret_hosts: set[str] = set()  # Hosts whose proof was of another secret.
         self._thread = threading.Thread(target=self._serve, name="rendezvous", daemon=True)
 
     def start(self) -> RendezvousServer:
@@ -573,20 +613,38 @@ class RendezvousServer:
         return next_beat
 
     def _accept(self) -> None:
-        try:
-            sock, peer = self._listener.accept()
-        except OSError:
+        for _ in range(MAX_ACCEPTS_PER_WAKE):
+            try:
+                sock, peer = self._listener.accept()
+            except OSError:  # BlockingIOError: the queue is empty.
+                return
+            conn = _Conn(_Channel(sock), str(peer[0]), time.monotonic())
+            self._make_room(conn.source)
+            sock.setblocking(False)
+            self._conns[sock] = conn
+            self._selector.register(sock, selectors.EVENT_READ)
+
+    def _make_room(self, source: str) -> None:
+        """Frees a handshake slot for a connection from `source` where a cap is reached: the
+        oldest unproven one of `source`, or of the address holding the most. A flood then only
+        ever evicts its own; a node with the secret proves it in milliseconds, and retries."""
+        unproven = [conn for conn in self._conns.values() if conn.stage != "ready"]
+        mine = [conn for conn in unproven if conn.source == source]
+        if len(mine) >= MAX_UNPROVEN_PER_ADDRESS:
+            why = f"{len(mine)} connections from {source} are in their handshake"
+        elif len(unproven) >= MAX_UNPROVEN:
+            counts: dict[str, int] = {}
+            for conn in unproven:
+                counts[conn.source] = counts.get(conn.source, 0) + 1
+            busiest = max(counts, key=lambda address: counts[address])
+            mine = [conn for conn in unproven if conn.source == busiest]
+            why = f"{len(unproven)} connections are in their handshake, {len(mine)} of them from {busiest}"
+        else:
             return
-        if sum(conn.stage != "ready" for conn in self._conns.values()) >= MAX_UNPROVEN:
-            sock.close()  # A flood: the run's own nodes retry, and prove themselves in milliseconds.
-            self.dropped += 1
-            self._warn(
-                f"warning: closed a connection from {peer[0]}: {MAX_UNPROVEN} others are in their handshake"
-            )
-            return
-        sock.setblocking(False)
-        self._conns[sock] = _Conn(_Channel(sock), str(peer[0]), time.monotonic())
-        self._selector.register(sock, selectors.EVENT_READ)
+        oldest = min(mine, key=lambda conn: conn.opened)
+        self._warn(f"warning: dropped a connection from {oldest.peer}: {why} (the oldest goes)")
+        self._forget(oldest)
+        self.dropped += 1
 
     def _drop(self, conn: _Conn, why: str) -> None:
         if conn.stage != "ready":
@@ -607,7 +665,9 @@ class RendezvousServer:
                 del self._joined[rank]
         member = self._member_of(conn)
         if member is not None and self.status is None:
-            self._round_failed(f"node {member} left the rendezvous (its launcher ended or its host went down)")
+            self._round_failed(
+                f"node {member} left the rendezvous (its launcher ended or its host went down)", PEER_LOST_EXIT
+            )
 
     def _check_handshakes(self, now: float) -> None:
         for conn in list(self._conns.values()):
@@ -627,6 +687,9 @@ class RendezvousServer:
         elif conn.stage == "proof":
             proof = _nonce(message, "proof") if message.get("kind") == "proof" else b""
             if not hmac.compare_digest(proof, _mac(self._secret, b"client", conn.nonces)):
+                if message.get("kind") == "proof":  # A node of another run, or one given another secret.
+                    self._wrong_secret_hosts.add(conn.peer)
+                    conn.channel.send("rejected")  # Says no more than closing would; the node stops trying.
                 raise ProtocolError(f"it did not prove it holds the run's secret ({SECRET_ENV} / {SECRET_FLAG})")
             conn.channel.send("welcome", proof=_mac(self._secret, b"server", conn.nonces).hex())
             conn.channel.secure(
@@ -675,7 +738,7 @@ class RendezvousServer:
             self._end(USER_ERROR_EXIT, difference or f"node {rank}'s settings differ from node 0's")
             return
         if rank in self._members:  # Its launcher left the round (it failed, or lost us): a failure.
-            self._round_failed(f"node {rank} left its round and joined again")
+            self._round_failed(f"node {rank} left its round and joined again", PEER_LOST_EXIT)
         previous = self._joined.get(rank)
         if previous is not None and previous.conn is not conn:
             conn.channel.send("end", status=USER_ERROR_EXIT, reason=f"two launchers say --node_rank={rank}")
@@ -692,7 +755,7 @@ class RendezvousServer:
                 self._forget(node.conn)
         for rank, node in list(self._members.items()):
             if now - node.conn.channel.last_heard > self.heartbeat_timeout:
-                self._round_failed(f"node {rank} stopped answering the rendezvous")
+                self._round_failed(f"node {rank} stopped answering the rendezvous", PEER_LOST_EXIT)
                 self._forget(node.conn)
                 return
 
@@ -710,23 +773,34 @@ class RendezvousServer:
             self._start_round()
             return
         if self._first_round:
-            reason = (
-                f"node(s) {ranks_text(missing)} of --nnodes={self.nnodes} never joined the rendezvous at "
-                f"{self.address_text} within {self.startup_timeout:g} s (--startup_timeout): start "
-                "engine.launch with their --node_rank there, or check that they reach this address"
-            )
-            if self._unproven_hosts:
-                hosts = ", ".join(sorted(self._unproven_hosts)[:5])
-                reason += (
-                    f"; connections from {hosts} did not prove the run's secret: give every node the same "
-                    f"{SECRET_ENV} or {SECRET_FLAG}"
-                )
-        else:
-            reason = (
-                f"node(s) {ranks_text(missing)} did not come back within {self._wait_for_rejoin():g} s "
-                f"and {len(joined)} node(s) are fewer than --min_nodes={self.min_nodes}"
-            )
+            self._end(*self._never_joined(missing))
+            return
+        reason = (
+            f"node(s) {ranks_text(missing)} did not come back within {self._wait_for_rejoin():g} s "
+            f"and {len(joined)} node(s) are fewer than --min_nodes={self.min_nodes}"
+        )
         self._end(PEER_LOST_EXIT, reason)  # Peers unavailable, as one lost mid-run: a rerun may see them.
+
+    def _never_joined(self, missing: set[int]) -> tuple[int, str]:
+        """The status and line of a start-up that ended without `missing`: peers unavailable
+        (69, a rerun may see them), or 2 where a node offered a proof of another secret. That
+        node was told at once and exits 2 itself; node 0 waits on, so that a stranger's wrong
+        proof never ends a run whose nodes all come, and says so only once they did not."""
+        reason = (
+            f"node(s) {ranks_text(missing)} of --nnodes={self.nnodes} never joined the rendezvous at "
+            f"{self.address_text} within {self.startup_timeout:g} s (--startup_timeout)"
+        )
+        if self._wrong_secret_hosts:
+            hosts = ", ".join(sorted(self._wrong_secret_hosts)[:5])
+            return USER_ERROR_EXIT, (
+                f"{reason}, and node 0 refused a node at {hosts} whose secret is another: give every node "
+                f"the same {SECRET_ENV} or {SECRET_FLAG}"
+            )
+        reason += ": start engine.launch with their --node_rank there, or check that they reach this address"
+        if self._unproven_hosts:
+            hosts = ", ".join(sorted(self._unproven_hosts)[:5])
+            reason += f"; connections from {hosts} did not finish the handshake (another program, or a stranger)"
+        return PEER_LOST_EXIT, reason
 
     def _start_round(self) -> None:
         self._members = dict(sorted(self._joined.items()))
@@ -749,10 +823,12 @@ class RendezvousServer:
             )
             node.conn.channel.last_heard = time.monotonic()
 
-    def _round_failed(self, cause: str, status: int = 1) -> None:
+    def _round_failed(self, cause: str, status: int) -> None:
+        """Restarts the round on `status` (the failed task's, or 69 for a node the rendezvous
+        lost), or ends the run with it once no restart is left (docs/several-machines.md)."""
         failed_round = self._members
         if status == USER_ERROR_EXIT or self.restarts >= self.max_restarts:
-            self._end(*final_status(status or 1, cause, restarts=self.max_restarts, flag="--max_restarts"))
+            self._end(*final_status(status, cause, restarts=self.max_restarts, flag="--max_restarts"))
             return
         self.restarts += 1
         now = time.monotonic()
@@ -808,6 +884,7 @@ class RendezvousClient:
         self._next_beat = 0.0
         self.failure: str | None = None
         self.unproven: str | None = None  # Why a server that answered did not prove the secret.
+        self.rejected = False  # Node 0 said our proof is of another secret: no retry helps.
 
     @property
     def connected(self) -> bool:
@@ -833,6 +910,8 @@ class RendezvousClient:
                 except ProtocolError as error:
                     channel.close()
                     self.failure = str(error)
+                    if self.rejected:
+                        return False
                 else:
                     self._channel = channel
                     self.failure = None
@@ -864,6 +943,13 @@ class RendezvousClient:
             while True:
                 messages = channel.take(1)
                 if messages:
+                    if after_proof and messages[0].get("kind") == "rejected":
+                        self.rejected = True
+                        self.unproven = (
+                            f"node 0 rejected this node's proof of the secret: give every node the same "
+                            f"{SECRET_ENV} or {SECRET_FLAG}"
+                        )
+                        raise ProtocolError(self.unproven)
                     if messages[0].get("kind") != kind:
                         raise ProtocolError(f"the server answered {_shown(messages[0].get('kind'))}, not {kind}")
                     return messages[0]

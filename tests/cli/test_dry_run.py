@@ -107,6 +107,9 @@ def test_a_parameter_server_config_names_its_busiest_ps_task_and_steps_a_workers
     assert result.returncode == 0, result.stderr[-3000:]
     assert "parameter_server, 3 worker(s) x 1 replica each, 2 ps task(s)" in result.stderr
     assert "ran on 1 replica(s), 32 examples each" in result.stderr  # A worker's step: a whole global batch.
+    # Two tables of --ps_shards=4 shards: each shard's gather and update, in the worker's estimate.
+    shards = "dry run: 8 table shard variable(s) (engine.ShardedEmbedding, --ps_shards): about 8 MiB of the step"
+    assert shards in result.stderr
     assert reported_loss(result.stderr) == pytest.approx(loss, rel=1e-4)
     total = reported_bytes(result.stderr, "checkpoint about")
     assert total == pytest.approx(checkpoint, rel=0.02)

@@ -179,7 +179,7 @@ def test_two_hosts_keep_a_stranger_out_and_end_a_round_on_a_frozen_worker_or_a_c
         codes = [first.wait(timeout=400), second.wait(timeout=60)]
         assert codes == [0, 0], first.output[-3000:] + second.output[-3000:]
 
-    # The stranger: never admitted, never answered more than the handshake's challenge.
+    # The stranger: never admitted, never answered more than the handshake's challenge (and `rejected`).
     assert stranger.returncode == 0, stranger.stderr[-3000:]
     seen = json.loads(stranger.stdout)
     assert not seen["admitted"]

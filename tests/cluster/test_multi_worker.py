@@ -4,6 +4,7 @@ survives the run."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -286,3 +287,49 @@ def test_server_without_a_cluster_is_a_one_line_error():
     )
     assert result.returncode == 2
     assert "engine.server: error: --task_type=chief / --task_index=None given without a cluster" in result.stderr
+
+
+@pytest.mark.timeout(600)
+def test_a_frozen_parameter_server_ends_the_chief_within_the_heartbeat_bound_in_one_line(tmp_path, launch):
+    """A SIGSTOPped ps task keeps its connections open, and the chief's call on its variables (a
+    checkpoint save, a step) waited with no line and no bound (180 s); a killed one ended it at once."""
+    run = launch(
+        "--num_workers=1",
+        "--num_ps=1",
+        "--",
+        "--strategy=parameter_server",
+        *SMALL,
+        "--train_steps=100000",
+        "--steps_per_loop=10",
+        "--checkpoint_every=20",
+        "--heartbeat_timeout=5",
+        f"--model_dir={tmp_path}",
+    )
+    pid = int(run.wait_for(r"started ps:0 \(pid (\d+)\)", timeout=60).group(1))
+    run.wait_for(r"\[chief:0\].*step \d+/100000", timeout=240)
+    deadline = time.monotonic() + 120
+    while not list(tmp_path.glob("checkpoints/ckpt-*.index")):
+        assert time.monotonic() < deadline, run.output[-3000:]
+        time.sleep(0.5)
+    kept = tf.train.latest_checkpoint(str(tmp_path / "checkpoints"))
+    os.kill(pid, signal.SIGSTOP)
+    frozen = time.monotonic()
+    try:
+        assert run.wait(timeout=120) == PEER_LOST_EXIT, run.output_without_grpc_noise[-4000:]
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # the launcher killed it, frozen
+            os.kill(pid, signal.SIGCONT)
+    took = time.monotonic() - frozen
+    lines = [line for line in run.lines if "stopped answering" in line and line.startswith("[chief:0]")]
+    assert len(lines) == 1, run.output_without_grpc_noise[-4000:]
+    assert re.search(
+        r"engine.main: error: chief:0: ps:0 \(localhost:\d+\) stopped answering \(no answer for 5 s\): frozen, "
+        r"partitioned or dead; stopped without saving, the latest checkpoint \(.*ckpt-\d+\) is kept",
+        lines[0],
+    ), lines[0]
+    assert took < 5 + 30, took  # The bound, a probe, and the launcher's stop of the others.
+    assert "Traceback" not in run.output
+    latest = tf.train.latest_checkpoint(str(tmp_path / "checkpoints"))
+    assert latest is not None and int(latest.rsplit("-", 1)[1]) >= int(kept.rsplit("-", 1)[1])
+    tf.train.load_checkpoint(latest)  # whole and readable
+    run.assert_nothing_left()

@@ -179,3 +179,45 @@ def test_a_default_count_shards_a_table_built_without_one_and_an_explicit_count_
     with pytest.raises(UserError, match=r"default_num_shards\(0\): it must be a whole number >= 1 or None"):
         with default_num_shards(0):
             pass
+
+
+def test_the_banner_line_summarises_a_table_of_many_shards(default):
+    model = tagger(default, engine.ShardedEmbedding(VOCAB, WIDTH, 10, name="items"))
+    # 23 rows in 10 shards: three of 3 rows, seven of 2; one line however many shards.
+    assert engine.layers.describe_tables(model) == [
+        "table 'items': 23 x 4 in 10 shards of 2-3 rows: 10 on CPU:0"
+    ]
+
+
+def test_ps_shards_that_a_table_cannot_take_is_one_line_before_its_variables_exist(monkeypatch):
+    """The command line's --ps_shards (engine.cli.run.table_shards.ShardBudget) is checked as each
+    table is built: more shards than rows, or more shard variables than the limit in all."""
+    from engine.cli.run import table_shards
+
+    def build(*tables: ShardedEmbedding, count: int) -> None:
+        with default_num_shards(count, table_shards.ShardBudget()):
+            for table in tables:
+                table(tf.constant([[0, 1]]))
+
+    small = ShardedEmbedding(10, 2, name="small")
+    with pytest.raises(UserError) as raised:
+        build(small, count=11)
+    assert str(raised.value) == (
+        "--ps_shards=11 is more than the 10 rows of table 'small': a shard needs at least one row; "
+        "use --ps_shards=10 or fewer (or give that table a num_shards of its own)"
+    )
+    assert not small.built and not small.weights  # Refused before any variable was made.
+
+    monkeypatch.setattr(table_shards, "MAX_SHARD_VARIABLES", 8)
+    first, second = ShardedEmbedding(100, 4, name="first"), ShardedEmbedding(100, 4, name="second")
+    with pytest.raises(UserError) as raised:
+        build(first, second, count=6)
+    assert str(raised.value).startswith(
+        "--ps_shards=6 makes 12 shard variables in the 2 tables built so far (about 12 MiB with their step), "
+        "over the limit of 8: each adds a gather, a gradient and an update to every step"
+    )
+    assert str(raised.value).endswith("; use --ps_shards=4 or fewer")
+    assert len(first.weights) == 6 and not second.weights
+    build(
+        ShardedEmbedding(100, 4), ShardedEmbedding(10, 4, num_shards=1), count=8
+    )  # Its own count: not checked.

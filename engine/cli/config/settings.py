@@ -222,7 +222,8 @@ class RunConfig:
     heartbeat_timeout: float = setting(
         DEFAULT_HEARTBEAT_TIMEOUT,
         "multi_worker_mirrored: seconds without a heartbeat after which a peer counts as lost; a frozen, "
-        "partitioned or dead peer then ends the run (exit 69) within about this bound.",
+        "partitioned or dead peer then ends the run (exit 69) within about this bound. parameter_server: "
+        "the chief's bound on a ps task that stops answering (exit 69, the latest checkpoint kept).",
     )
     tpu: str | None = setting(
         None,
@@ -343,7 +344,9 @@ class RunConfig:
         4,
         "Row shards of each engine.ShardedEmbedding table the --model builds without a num_shards of its own "
         "(wide_deep's): a parameter_server cluster spreads them over its ps tasks. Part of the model: a "
-        "model_dir with checkpoints keeps its count, which restores onto any number of ps tasks.",
+        "model_dir with checkpoints keeps its count, which restores onto any number of ps tasks. At most a "
+        "table's rows, and 1024 shard variables in all the tables (each adds a gather and an update to every "
+        "step).",
     )
     eval_file: str | None = setting(None, "--dataset=PATH.csv: the eval split, a .csv with the same columns.")
     eval_fraction: float = setting(
@@ -599,6 +602,7 @@ class RunConfig:
             "ps_shards",
         ):
             _at_least(name, getattr(self, name), 1)
+        self._check_ps_shards()
         for name in ("eval_every", "checkpoint_every", "log_every", "histogram_every", "device_data_mb"):
             _at_least(name, getattr(self, name), 0)
         if self.num_gpus is not None:
@@ -665,6 +669,18 @@ class RunConfig:
                 raise UserError(f"--{field.name}={value} is more than the engine can count; use at most {limit}")
         if not 1 <= self.slurm_port_base <= 65535:
             raise UserError(f"--slurm_port_base={self.slurm_port_base} must be a port, 1-65535")
+
+    def _check_ps_shards(self) -> None:
+        """A count no table could take is refused with the flags; the tables' own sizes are
+        checked as the model builds them (engine.cli.run.table_shards)."""
+        from engine.cli.run.table_shards import MAX_SHARD_VARIABLES  # No TensorFlow there.
+
+        if self.ps_shards > MAX_SHARD_VARIABLES:
+            raise UserError(
+                f"--ps_shards={self.ps_shards} is over the limit of {MAX_SHARD_VARIABLES} shard variables: each "
+                "adds a gather, a gradient and an update to every step (about 90 ms to trace and 1 MiB each, "
+                f"measured); use --ps_shards={MAX_SHARD_VARIABLES} or fewer, about as many as ps tasks"
+            )
 
     def _validate_problem(self) -> None:
         """--task, --loss and the data-form flags, each against what it applies to."""

@@ -7,7 +7,8 @@ logical CPU devices of this process: multi_worker_mirrored's N workers x R repli
 MirroredStrategy over N x R devices (the same per-replica batch, the same all-reduced sums), a
 parameter-server worker as its own R replicas (each worker's step takes whole global batches).
 It builds the model, runs one batch through one compiled step, and reports the batch split,
-the memory per replica and per ps task, and the checkpoint's size.
+the memory per replica and per ps task (with each table shard's part of the step), and the
+checkpoint's size. A `--ps_shards` the tables cannot take is refused as the model builds.
 
 It writes nothing: the model_dir is read (its stored config, as a rerun would be), never
 written; no port is opened, no peer contacted. Every problem is one line; any problem, exit 2.
@@ -34,7 +35,9 @@ from engine.cli.process.environment import seed_everything
 from engine.cli.run.assembly import build_optimizer, prepare_process
 from engine.cli.run.job import check_batch_fits, train_and_eval_data
 from engine.cli.run.run_task import RunTask, check_reported, resolve_task
+from engine.cli.run.table_shards import SHARD_STEP_BYTES
 from engine.errors import USER_ERROR_EXIT, UserError, one_line
+from engine.layers import sharded_tables
 from engine.options import CheckpointOptions
 from engine.schedules import learning_rate_schedule
 from engine.strategy import build_strategy
@@ -145,6 +148,12 @@ class StateSizes:
     # (bytes, trainable) of each variable, in creation order (the ps tasks' round robin).
     variables: tuple[tuple[int, bool], ...]
     slots_per_weight: int
+    shards: int = 0  # Variables of engine.ShardedEmbedding tables: each a gather and an update in the step.
+
+    @property
+    def shard_step(self) -> int:
+        """The tables' shards' part of the step on a worker (engine.cli.run.table_shards, measured)."""
+        return self.shards * SHARD_STEP_BYTES
 
     @property
     def weights(self) -> int:
@@ -196,9 +205,16 @@ def _check_memory(
     """Reports the state's sizes; a worker or ps task that a host like this one cannot hold is a problem."""
     limit = host_memory.memory_limit_bytes()
     batch = f"a batch of {per_replica_batch} ({_size(batch_bytes)})"
-    whole_copy = sizes.weights + sizes.slots + sizes.trainable + batch_bytes  # A replica holding everything.
+    # A replica holding everything; the step's part per table shard is the worker's, once.
+    whole_copy = sizes.weights + sizes.slots + sizes.trainable + batch_bytes + sizes.shard_step
+    if sizes.shards:
+        logging.info(
+            "%s%d table shard variable(s) (engine.ShardedEmbedding, --ps_shards): about %s of the step on "
+            "each worker (a gather, a gradient and an update each)",
+            *(PREFIX, sizes.shards, _size(sizes.shard_step)),
+        )
     if cluster.strategy == "parameter_server":  # The variables and their slots live on the ps tasks.
-        replica = sizes.trainable + batch_bytes
+        replica = sizes.trainable + batch_bytes + sizes.shard_step
         logging.info(
             "%sper worker replica: gradients %s + %s = %s (activations come on top); on the ps tasks: "
             "weights %s + optimizer slots %s",
@@ -238,12 +254,14 @@ def _state_sizes(config: RunConfig, task: RunTask) -> StateSizes:
     with tf.distribute.get_strategy().scope():
         model = task.build_model()
     trainable = {id(variable) for variable in trainable_variables(model)}
+    shards = sum(len(table.shards) for table in sharded_tables(model))
     return StateSizes(
         variables=tuple(
             (math.prod(tuple(variable.shape)) * tf.as_dtype(variable.dtype).size, id(variable) in trainable)
             for variable in all_variables(model)
         ),
         slots_per_weight=OPTIMIZER_SLOTS[config.optimizer],
+        shards=shards,
     )
 
 

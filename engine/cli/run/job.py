@@ -223,19 +223,21 @@ def _train_and_evaluate(
         # What a rerun, --mode=eval or --mode=predict with only --model_dir rebuilds the model from.
         write_stored_config(model_dir, config)
         inputs_record.write(model_dir, task, config.label_column)  # What predict rebuilds the model from.
-    try:
-        outcome = _train_with_clean_errors(
-            config, strategy, source, trainer, total_steps, evaluates=eval_data is not None, model_dir=model_dir
-        )
-    finally:
-        if write_dir != model_dir:
-            model_dir_lib.remove_tree(write_dir)
-            # The shared parent, once the last worker is done.
-            model_dir_lib.remove_if_empty(os.path.dirname(write_dir))
-    if isinstance(outcome, int):  # Stopped by a signal or a peer: a checkpoint, no results.
-        return {"global_step": trainer.step, "exit_status": outcome}
-    train_logs, eval_logs = outcome
-    _export_if_asked(config, strategy, trainer, model, task)
+    with _watch_ps_tasks(config, write_dir):  # A frozen ps task: one line and 69, not a hang.
+        try:
+            evaluates = eval_data is not None
+            outcome = _train_with_clean_errors(
+                config, strategy, source, trainer, total_steps, evaluates=evaluates, model_dir=model_dir
+            )
+        finally:
+            if write_dir != model_dir:
+                model_dir_lib.remove_tree(write_dir)
+                # The shared parent, once the last worker is done.
+                model_dir_lib.remove_if_empty(os.path.dirname(write_dir))
+        if isinstance(outcome, int):  # Stopped by a signal or a peer: a checkpoint, no results.
+            return {"global_step": trainer.step, "exit_status": outcome}
+        train_logs, eval_logs = outcome
+        _export_if_asked(config, strategy, trainer, model, task)
     if finished is not None and not train_logs:
         train_logs = finished.get("train") or {}
     speed = trainer.steady_examples_per_second or train_logs.get("examples_per_second")
@@ -420,6 +422,26 @@ def _end_background_write(trainer: Trainer) -> None:
         pass  # The same cause as the error under way, whose one line says it.
     except Exception as error:  # Another failure: said once, beside the error under way.
         logging.warning("the checkpoint written in the background failed too: %s", one_line(error, 200))
+
+
+def _watch_ps_tasks(config: RunConfig, write_dir: str) -> contextlib.AbstractContextManager[Any]:
+    """On a parameter-server run's chief: a PsWatch over its ps tasks, bounded by
+    --heartbeat_timeout (engine.cluster.ps_watch); elsewhere nothing."""
+    options = config.multi_host
+    cluster = options.cluster
+    if config.strategy != "parameter_server" or cluster is None or cluster.task_type != "chief":
+        return contextlib.nullcontext()
+    from engine.cluster.ps_watch import PsWatch
+
+    def kept() -> str:  # From the disk: the Checkpointer's own answer may wait on the frozen task.
+        latest = discovery.latest_checkpoint(checkpoint_lib.checkpoint_dir(write_dir))
+        if latest is None:
+            return "stopped without saving (no checkpoint yet)"
+        return f"stopped without saving, the latest checkpoint ({latest}) is kept"
+
+    ps = [(name, address) for name, address in cluster.peers() if name.startswith("ps:")]
+    me = f"{cluster.task_type}:{cluster.task_index}"
+    return PsWatch(me, ps, timeout=options.heartbeat_timeout, kept=kept)
 
 
 def _what_is_kept(trainer: Trainer) -> str:

@@ -20,6 +20,7 @@ import keras
 from engine import objectives
 from engine.cli.config.settings import RunConfig
 from engine.cli.process.own_packages import own_package  # The engine's, beside a user's models.py/input.py.
+from engine.cli.run.table_shards import ShardBudget
 from engine.errors import UserError
 from engine.layers import default_num_shards
 from engine.loop.steps import EvalStep, ReplicaStep
@@ -85,7 +86,7 @@ class RunTask:
         models = own_package("models")
         try:
             try:
-                with default_num_shards(self.ps_shards):
+                with default_num_shards(self.ps_shards, ShardBudget() if self.ps_shards else None):
                     model = self.build(self.input_shape, self.num_outputs)
             except SystemExit as error:  # It ended nothing: the run ends with one line instead.
                 named = self.model_name if self.model_name.startswith("--") else f"--model={self.model_name}"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import selectors
 import socket
 import threading
 import time
@@ -180,6 +181,22 @@ def test_a_node_that_falls_silent_fails_its_round():
     assert time.monotonic() - began < 1.5 + 2
 
 
+@pytest.mark.parametrize("how", ["silent", "gone"])
+def test_a_node_the_rendezvous_loses_ends_a_run_without_restarts_as_restartable(how):
+    server = serve(2, max_restarts=0, heartbeat_timeout=1.5)
+    clients = [join(server, rank, [6000 + rank]) for rank in (0, 1)]
+    [next_message(client) for client in clients]
+    if how == "gone":
+        clients[1].close()  # its launcher ended, or its host went down with its connections
+    message = next_message(clients[0], timeout=10)  # "silent": node 1's client is never polled again
+    cause = {
+        "silent": "node 1 stopped answering the rendezvous",
+        "gone": "node 1 left the rendezvous (its launcher ended or its host went down)",
+    }[how]
+    # 69 (a peer is unavailable: restartable), not 1 (a bug), in the docs' table.
+    assert (message["kind"], message["status"], message["reason"]) == ("end", PEER_LOST_EXIT, cause)
+
+
 def test_two_launchers_with_one_rank_are_refused():
     server = serve(2)
     first = join(server, 0, [6000])
@@ -317,15 +334,155 @@ def test_a_replayed_or_injected_message_drops_the_connection():
     assert "did not prove it holds the run's secret" in warnings[-1] and server.status is None
 
 
-def test_a_node_without_the_secret_or_with_another_is_never_admitted():
+def test_a_node_without_the_secret_or_with_another_is_never_admitted_and_told_at_once():
     server = serve(2)
     for secret in (b"", b"another secret of 32 characters!"):
         client = RendezvousClient(address(server), heartbeat_timeout=10.0, secret=secret)
         began = time.monotonic()
-        assert not client.connect(time.monotonic() + 1.5)
-        assert time.monotonic() - began < 2.5
-        assert client.unproven and "refused this node's proof" in client.unproven
-    assert server.status is None and server.dropped >= 2 and not server._joined
+        assert not client.connect(time.monotonic() + 10)
+        assert time.monotonic() - began < 1.0  # rejected, not retried until the deadline
+        assert client.rejected and client.unproven is not None
+        assert client.unproven.startswith("node 0 rejected this node's proof of the secret: give every node")
+    wait_until(lambda: server.dropped == 2)  # The server counts a drop after its `rejected` is sent.
+    assert server.status is None and not server._joined
+
+
+class IdleStranger:
+    """`count` sockets to the server from another loopback address (127.0.0.2) that never send
+    a byte, each reopened as soon as the server drops it, until `stop` (bounded: 30 s)."""
+
+    def __init__(self, server: RendezvousServer, count: int):
+        self.server, self.count = server, count
+        self.reopened = 0
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._hold, daemon=True)
+
+    def __enter__(self) -> IdleStranger:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        self.thread.join(timeout=10)
+        assert not self.thread.is_alive()
+
+    def _open(self, selector) -> None:
+        sock = socket.create_connection(address(self.server), timeout=2, source_address=("127.0.0.2", 0))
+        sock.setblocking(False)
+        selector.register(sock, selectors.EVENT_READ)
+
+    def _hold(self) -> None:
+        deadline = time.monotonic() + 30
+        with selectors.DefaultSelector() as selector:
+            try:
+                for _ in range(self.count):
+                    self._open(selector)
+                while not self.stop.is_set() and time.monotonic() < deadline:
+                    for key, _ in selector.select(0.05):  # readable: the server dropped it
+                        selector.unregister(key.fileobj)
+                        key.fileobj.close()
+                        if not self.stop.is_set():
+                            self._open(selector)
+                            self.reopened += 1
+            finally:
+                for key in list(selector.get_map().values()):
+                    key.fileobj.close()
+
+
+@pytest.mark.parametrize("sockets", [64, pytest.param(1000, marks=pytest.mark.slow)])  # 1000: ~6 s to open
+def test_idle_strangers_at_one_address_never_keep_a_node_at_another_out(sockets):
+    warnings: list[str] = []
+    server = serve(2, warn=warnings.append)
+    first = join(server, 0, [6000])
+    with IdleStranger(server, sockets) as stranger:
+        wait_until(lambda: server.dropped >= sockets - rendezvous.MAX_UNPROVEN_PER_ADDRESS, timeout=20)
+        # Every slot the stranger holds is one of its own address's: the node's address has its own.
+        began = time.monotonic()
+        second = join(server, 1, [6001])
+        rounds = [next_message(client, timeout=5) for client in (first, second)]
+        took = time.monotonic() - began
+        held = [conn.source for conn in list(server._conns.values())].count("127.0.0.2")  # list(): at once
+    assert [message["kind"] for message in rounds] == ["round", "round"]
+    assert took < 3.0, took
+    assert held <= rendezvous.MAX_UNPROVEN_PER_ADDRESS and stranger.reopened > 0  # it kept coming back
+    stranger_lines = [line.startswith("warning: dropped a connection from 127.0.0.2: ") for line in warnings]
+    assert stranger_lines and all(stranger_lines), warnings
+    assert server.status is None and server.alive
+
+
+def test_strangers_at_many_addresses_leave_room_for_a_node(monkeypatch):
+    monkeypatch.setattr(rendezvous, "MAX_UNPROVEN", 6)
+    monkeypatch.setattr(rendezvous, "MAX_UNPROVEN_PER_ADDRESS", 4)
+    server = serve(1)
+    held = [
+        socket.create_connection(address(server), timeout=2, source_address=(f"127.0.0.{2 + index % 3}", 0))
+        for index in range(12)
+    ]
+    try:
+        wait_until(lambda: len(server._conns) == 6 and server.dropped == 6)
+        # Full: a node at yet another address takes the oldest slot of the address holding the most.
+        node = join(server, 0, [6000])
+        assert next_message(node)["kind"] == "round"
+        stages = [conn.stage for conn in list(server._conns.values())]  # list(): at once, as the server runs
+        assert len(stages) - stages.count("ready") <= 6
+    finally:
+        for sock in held:
+            sock.close()
+
+
+def test_a_slot_is_per_ipv4_address_or_ipv6_64():
+    assert rendezvous.source_of("10.0.0.7") == "10.0.0.7"
+    assert rendezvous.source_of("::ffff:10.0.0.7") == "10.0.0.7"
+    assert rendezvous.source_of("2001:db8:1:2:aaaa::1") == rendezvous.source_of("2001:db8:1:2:bbbb::9")
+    assert rendezvous.source_of("2001:db8:1:2::1") == "2001:db8:1:2::/64"
+    assert rendezvous.source_of("2001:db8:1:3::1") != rendezvous.source_of("2001:db8:1:2::1")
+
+
+def test_a_node_with_another_secret_exits_2_at_once_and_node_0_ends_2_at_its_startup_timeout(capsys):
+    from engine.launch import node_launcher
+
+    warnings: list[str] = []
+    server = serve(2, startup_timeout=3.0, warn=warnings.append)
+    first = join(server, 0, [6000])
+    options = node_launcher.NodeOptions(nnodes=2, node_rank=1, rendezvous=address(server), startup_timeout=30)
+    node = node_launcher.NodeLauncher(options, [], secret=b"another secret of 32 characters!")
+    began = time.monotonic()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(node_launcher.StopSignals, "install", lambda self: None)
+        status = node.run()
+    took = time.monotonic() - began
+    lines = capsys.readouterr().err.splitlines()
+    assert status == 2 and took < 1.5, (status, took)
+    assert lines == [
+        f"[launch node 1] error: the rendezvous at {server.address_text}: node 0 rejected this node's proof "
+        "of the secret: give every node the same ENGINE_RENDEZVOUS_SECRET or --rendezvous_secret_file"
+    ]
+    # Node 0 is not ended by a wrong proof (a stranger could send one): one line, and it waits on.
+    wait_until(lambda: server.dropped == 1)  # The server warns and counts after its `rejected` is sent.
+    assert server.status is None and server.alive
+    assert warnings == [
+        "warning: dropped a connection from 127.0.0.1: it did not prove it holds the run's secret "
+        "(ENGINE_RENDEZVOUS_SECRET / --rendezvous_secret_file)"
+    ]
+    message = next_message(first)
+    assert (message["kind"], message["status"]) == ("end", 2)
+    assert message["reason"] == (
+        f"node(s) 1 of --nnodes=2 never joined the rendezvous at {server.address_text} within 3 s "
+        "(--startup_timeout), and node 0 refused a node at 127.0.0.1 whose secret is another: give every "
+        "node the same ENGINE_RENDEZVOUS_SECRET or --rendezvous_secret_file"
+    )
+
+
+def test_a_wrong_proof_never_ends_a_run_whose_nodes_all_come():
+    server = serve(2, startup_timeout=2.0)
+    guess = b"a stranger's guess, 32 bytes...."
+    stranger = RendezvousClient(address(server), heartbeat_timeout=10.0, secret=guess)
+    assert not stranger.connect(time.monotonic() + 5) and stranger.rejected
+    clients = [join(server, rank, [6000 + rank]) for rank in (0, 1)]
+    assert [next_message(client)["kind"] for client in clients] == ["round", "round"]
+    for client in clients:
+        client.send("done")
+    assert [next_message(client)["status"] for client in clients] == [0, 0]
 
 
 def fake_node_0(listener: socket.socket, *, answer: bool) -> None:
@@ -419,18 +576,22 @@ def test_the_difference_names_every_differing_flag_and_the_launchers_own():
 def test_the_secret_comes_from_the_file_flag_or_else_the_environment(tmp_path):
     path = tmp_path / "secret"
     path.write_text("from-the-file-0123456789\n")
+    path.chmod(0o600)
     environment = {rendezvous.SECRET_ENV: " from-the-environment-0123 "}
     assert rendezvous.read_secret(str(path), environment) == b"from-the-file-0123456789"
     assert rendezvous.read_secret(None, environment) == b"from-the-environment-0123"
     assert rendezvous.read_secret(None, {}) is None
 
 
-@pytest.mark.parametrize("case", ["short-file", "short-env", "fifo", "missing", "directory"])
+@pytest.mark.parametrize(
+    "case", ["short-file", "short-env", "fifo", "missing", "directory", "world-readable", "group-writable"]
+)
 def test_a_secret_that_is_not_one_is_one_line_naming_its_source(tmp_path, case):
     path = tmp_path / "secret"
     environment: dict[str, str] = {}
     if case == "short-file":
         path.write_text("password\n")
+        path.chmod(0o600)
         expected = f"--rendezvous_secret_file={path} holds a secret of 8 byte(s); use at least 16 random ones"
     elif case == "short-env":
         environment[rendezvous.SECRET_ENV] = "abc"
@@ -441,6 +602,14 @@ def test_a_secret_that_is_not_one_is_one_line_naming_its_source(tmp_path, case):
         expected = f"--rendezvous_secret_file={path} must be a regular file of at most 4096 bytes"
     elif case == "missing":
         expected = f"--rendezvous_secret_file={path}: cannot read it (No such file or directory)"
+    elif case in ("world-readable", "group-writable"):
+        path.write_text("0123456789abcdef0123456789abcdef\n")
+        mode = 0o644 if case == "world-readable" else 0o620
+        path.chmod(mode)  # refused as ssh refuses such a private key
+        expected = (
+            f"--rendezvous_secret_file={path} may be read or written by other users (mode {mode:04o}), and "
+            f"whoever reads the secret can join and steer the run: `chmod 600 {path}`"
+        )
     else:
         path.mkdir()
         expected = f"--rendezvous_secret_file={path} must be a regular file"
