@@ -9,7 +9,7 @@ import os
 import numpy as np
 import pytest
 import tensorflow as tf
-from helpers import copy_of, main_in_process, one_error_line, snapshot
+from helpers import copy_of, main_in_process, npz_bomb, one_error_line, snapshot
 
 TRAIN = ["--model=mlp", "--train_steps=20", "--steps_per_loop=10", "--global_batch_size=32", "--eval_every=0"]
 
@@ -88,6 +88,7 @@ def test_uint8_pixels_and_csv_rows_are_prepared_as_in_training(trained, tmp_path
         ("exists", "exists; remove it or pass a new path"),
         ("untrained", "no checkpoint in"),
         ("suffix", "must end in .npy or .csv"),
+        ("inflates", "in.npz: x.npy inflates to 32.0 GiB (34359738368 bytes) from "),
     ],
 )
 def test_bad_predict_input_is_one_line_and_writes_nothing(trained, tmp_path, case, message):
@@ -108,6 +109,8 @@ def test_bad_predict_input_is_one_line_and_writes_nothing(trained, tmp_path, cas
         model_dir.mkdir()
     elif case == "suffix":
         output = tmp_path / "out.txt"
+    elif case == "inflates":  # A few hundred bytes whose x declares 32 GiB: numpy's MemoryError before.
+        npz_bomb(inputs, member="x")
     before = snapshot(tmp_path), snapshot(trained[0])
     line = one_error_line(predict(model_dir, inputs, output))
     assert message in line, line
