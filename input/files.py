@@ -303,9 +303,9 @@ def read_numbers(path: str, flag: str, header: list[str], columns: list[int] | N
     numeric; otherwise `read_rows` and `_numbers` read the cells, and name the line and column
     of a bad one."""
     try:
-        with _past_header(path, flag) as (_, rows, _), warnings.catch_warnings():
+        with _past_header(path, flag) as (_, body, _), warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # Blank lines, or no row at all: said below.
-            values = np.loadtxt(rows, delimiter=",", dtype=np.float64, ndmin=2, comments=None, quotechar='"')
+            values = np.loadtxt(body, delimiter=",", dtype=np.float64, ndmin=2, comments=None, quotechar='"')
     except (ValueError, UnicodeDecodeError, OSError, DataError):
         values = None
     wanted = list(range(len(header))) if columns is None else columns
@@ -346,11 +346,11 @@ def _column_text(path: str, index: int) -> list[str]:
     """The cells of column `index` as written (for "3" against "3.0"): one column, by numpy's
     reader, or by the csv module's where numpy refuses a cell Python's float() took."""
     try:
-        with _past_header(path, "dataset") as (_, rows, _), warnings.catch_warnings():
+        with _past_header(path, "dataset") as (_, body, _), warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # Blank lines.
             return list(
                 np.loadtxt(
-                    rows, delimiter=",", usecols=[index], dtype=str, ndmin=1, comments=None, quotechar='"'
+                    body, delimiter=",", usecols=[index], dtype=str, ndmin=1, comments=None, quotechar='"'
                 )
             )
     except ValueError:
