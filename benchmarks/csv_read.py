@@ -42,7 +42,7 @@ began = time.perf_counter()
 if sys.argv[2] == "numpy":
     _, features, labels = files.read_table(sys.argv[1], "label")
 else:
-    header, rows = files.read_rows(sys.argv[1], "dataset")
+    header, rows = files._numbered_rows(sys.argv[1], "dataset")
     values = files._numbers(sys.argv[1], "dataset", header, rows, list(range(len(header))))
 seconds = time.perf_counter() - began
 grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before

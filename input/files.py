@@ -8,11 +8,15 @@ feature columns and the `--label_column`; the eval split from `--eval_file`
 
 from __future__ import annotations
 
+import contextlib
 import csv
+import math
 import os
 import warnings
 import zipfile
 import zlib
+from collections.abc import Iterator
+from typing import Any, TextIO
 
 import numpy as np
 
@@ -87,9 +91,70 @@ def _check_npz_pair(path: str, x: str, features: np.ndarray, y: str, labels: np.
             raise DataError(f"--dataset={path}: {name} has shape {array.shape}: its examples hold no values")
 
 
+def check_npz_sizes(path: str, members: tuple[str, ...], where: str = "", limit: int | None = None) -> None:
+    """Refuse an .npz whose `members` (array names) would inflate past `limit` bytes (by default
+    half the memory this process may use), before any is read: a few MB of zeros can declare
+    GiBs, which numpy allocates whole (a MemoryError traceback, or the machine swapping). Each
+    member is measured by its size in the zip directory and by its .npy header's shape and
+    dtype, whichever is larger. A file that is no zip is left to the reader to name. `where`
+    names the file in the message (`--dataset=PATH` by default)."""
+    if limit is None:
+        from engine.cli.process.host_memory import memory_limit_bytes
+
+        memory = memory_limit_bytes()
+        if memory is None:
+            return
+        limit = memory // 2
+    total = 0
+    try:
+        with zipfile.ZipFile(path) as archive:
+            for info in archive.infolist():
+                name = info.filename.removesuffix(".npy")
+                if name not in members:
+                    continue
+                size = max(info.file_size, _declared_bytes(archive, info))
+                total += size
+                if total > limit:
+                    raise DataError(_too_large(where or f"--dataset={path}", info, size, total, limit))
+    except (OSError, zipfile.BadZipFile, zlib.error, EOFError, NotImplementedError, RuntimeError):
+        return  # Not a zip, or a damaged one: the reader names it.
+
+
+def _too_large(where: str, info: zipfile.ZipInfo, size: int, total: int, limit: int) -> str:
+    together = "" if total == size else f" ({_size(total, exact=False)} with the arrays before it)"
+    return (
+        f"{where}: {info.filename} inflates to {_size(size)} from {_size(info.compress_size)} in the "
+        f"file{together}, more than the {_size(limit)} it may take here (half the memory this process "
+        "may use); use a smaller array or a machine with more memory"
+    )
+
+
+def _declared_bytes(archive: zipfile.ZipFile, info: zipfile.ZipInfo) -> int:
+    """The bytes an .npy member's header says its array holds (0 where it has no readable header)."""
+    try:
+        with archive.open(info) as member:
+            version = np.lib.format.read_magic(member)
+            read = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}
+            if version not in read:
+                return 0
+            shape, _, dtype = read[version](member)
+    except (ValueError, OSError, EOFError, SyntaxError, TypeError):
+        return 0
+    return math.prod(shape) * dtype.itemsize
+
+
+def _size(count: int, exact: bool = True) -> str:
+    """A byte count as people read it: '4.0 GiB (4294967296 bytes)', or '4.0 GiB' not `exact`."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if count >= scale:
+            return f"{count / scale:.1f} {unit}" + (f" ({count} bytes)" if exact else "")
+    return f"{count} bytes"
+
+
 def _read_npz(path: str) -> dict[str, np.ndarray]:
     if not os.path.isfile(path):
         raise DataError(f"--dataset={path} does not exist or is not a file")
+    check_npz_sizes(path, NPZ_KEYS)
     try:
         with np.load(path, allow_pickle=False) as data:
             if not hasattr(data, "files"):
@@ -109,6 +174,8 @@ def _read_npz(path: str) -> dict[str, np.ndarray]:
             return arrays
     except DataError:
         raise
+    except MemoryError:  # Measured above; what else is in memory may still leave too little.
+        raise DataError(f"--dataset={path} does not fit in the memory left to this process") from None
     except (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error) as error:
         raise DataError(
             f"cannot read --dataset={path}: {type(error).__name__}: {error}; write it with "
@@ -190,11 +257,27 @@ def read_columns(path: str, names: list[str], *, flag: str) -> tuple[np.ndarray,
 
 def csv_header(path: str, flag: str = "dataset") -> list[str]:
     """The column names of `path`'s header row (as `read_table` names them), reading that row only."""
+    with _past_header(path, flag) as (header, _, _):
+        return header
+
+
+@contextlib.contextmanager
+def _past_header(path: str, flag: str) -> Iterator[tuple[list[str], TextIO, Any]]:
+    """(the header's column names, `path` open just past the header, the csv reader that read
+    it): the header is the first record as the csv module parses it, which may span several
+    lines (a quoted newline in a name), so every reader of the rows starts where it ends, never
+    a line count after the top."""
     try:
-        with open(path, newline="", encoding="utf-8-sig") as handle:
-            return [name.strip() for name in next(csv.reader(handle), [])]
-    except (OSError, UnicodeDecodeError, csv.Error) as error:
+        handle = open(path, newline="", encoding="utf-8-sig")  # -sig: a spreadsheet's BOM is not a name.
+    except OSError as error:
         raise DataError(f"cannot read --{flag}={path}: {error}") from None
+    with handle:
+        try:
+            reader = csv.reader(handle)
+            header = [name.strip() for name in next(reader, [])]
+        except (OSError, UnicodeDecodeError, csv.Error) as error:
+            raise DataError(f"cannot read --{flag}={path}: {error}") from None
+        yield header, handle, reader
 
 
 def read_header(path: str, flag: str) -> list[str]:
@@ -220,59 +303,54 @@ def read_numbers(path: str, flag: str, header: list[str], columns: list[int] | N
     numeric; otherwise `read_rows` and `_numbers` read the cells, and name the line and column
     of a bad one."""
     try:
-        with warnings.catch_warnings():
+        with _past_header(path, flag) as (_, body, _), warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # Blank lines, or no row at all: said below.
-            values = np.loadtxt(
-                path,
-                delimiter=",",
-                skiprows=1,
-                dtype=np.float64,
-                ndmin=2,
-                comments=None,
-                quotechar='"',
-                encoding="utf-8-sig",
-            )
-    except (ValueError, UnicodeDecodeError, OSError):
+            values = np.loadtxt(body, delimiter=",", dtype=np.float64, ndmin=2, comments=None, quotechar='"')
+    except (ValueError, UnicodeDecodeError, OSError, DataError):
         values = None
     wanted = list(range(len(header))) if columns is None else columns
     if values is None or values.shape[0] == 0 or values.shape[1] != len(header):
         # A bad cell or row (named in one line), or a column not read that is not numeric (an id):
         # every row is still checked to have a cell under every column (a stray comma shifts them).
-        _, rows = read_rows(path, flag)
+        _, rows = _numbered_rows(path, flag)
         return _numbers(path, flag, header, rows, wanted)
     return values if columns is None else values[:, columns]
 
 
 def read_rows(path: str, flag: str) -> tuple[list[str], list[list[str]]]:
     """The header's column names (each once) and the example rows of a CSV file, as text."""
+    header, rows = _numbered_rows(path, flag)
+    return header, [row for _, row in rows]
+
+
+def _numbered_rows(path: str, flag: str) -> tuple[list[str], list[tuple[int, list[str]]]]:
+    """The header's column names (each once) and the example rows, each with the line it starts
+    on in the file (a quoted newline makes a record longer than a line)."""
     header = read_header(path, flag)
+    rows: list[tuple[int, list[str]]] = []
     try:
-        with open(path, newline="", encoding="utf-8-sig") as handle:  # -sig: a spreadsheet's BOM is not a name.
-            rows = [row for row in csv.reader(handle) if row]
+        with _past_header(path, flag) as (_, _, reader):
+            line = reader.line_num + 1
+            for row in reader:  # line_num counts the lines read: the header's lines first.
+                if row:
+                    rows.append((line, row))
+                line = reader.line_num + 1
     except (OSError, UnicodeDecodeError, csv.Error) as error:
         raise DataError(f"cannot read --{flag}={path}: {error}; save it as UTF-8 text") from None
-    if len(rows) < 2:
+    if not rows:
         raise DataError(f"--{flag}={path} needs a header row and at least one example row")
-    return header, rows[1:]
+    return header, rows
 
 
 def _column_text(path: str, index: int) -> list[str]:
     """The cells of column `index` as written (for "3" against "3.0"): one column, by numpy's
     reader, or by the csv module's where numpy refuses a cell Python's float() took."""
     try:
-        with warnings.catch_warnings():
+        with _past_header(path, "dataset") as (_, body, _), warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # Blank lines.
             return list(
                 np.loadtxt(
-                    path,
-                    delimiter=",",
-                    skiprows=1,
-                    usecols=[index],
-                    dtype=str,
-                    ndmin=1,
-                    comments=None,
-                    quotechar='"',
-                    encoding="utf-8-sig",
+                    body, delimiter=",", usecols=[index], dtype=str, ndmin=1, comments=None, quotechar='"'
                 )
             )
     except ValueError:
@@ -280,17 +358,19 @@ def _column_text(path: str, index: int) -> list[str]:
         return [row[index] for row in rows]
 
 
-def _numbers(path: str, flag: str, header: list[str], rows: list[list[str]], columns: list[int]) -> np.ndarray:
+def _numbers(
+    path: str, flag: str, header: list[str], rows: list[tuple[int, list[str]]], columns: list[int]
+) -> np.ndarray:
     """The cells of `columns` (indices into `header`) as float64 (N, len(columns)); every row must
     have a cell under every column, and those read must be numbers."""
     values = np.empty((len(rows), len(columns)), dtype=np.float64)
-    for line, row in enumerate(rows, start=2):
+    for example, (line, row) in enumerate(rows):
         if len(row) != len(header):
             raise DataError(f"--{flag}={path} line {line} has {len(row)} values under {len(header)} columns")
         for position, column in enumerate(columns):
             cell = row[column]
             try:
-                values[line - 2, position] = float(cell)
+                values[example, position] = float(cell)
             except ValueError:
                 what = (
                     "is empty (a missing value: fill or drop that row)"

@@ -11,6 +11,7 @@ import numpy as np
 import tensorflow as tf
 
 from input.errors import DataError
+from input.files import check_npz_sizes
 from input.images import fit_images
 from input.in_memory import InMemorySource
 from input.labels import classes
@@ -84,6 +85,7 @@ def load_mnist(image_shape: tuple[int, int, int], num_classes: int, data_dir: st
     if num_classes != 10:
         raise DataError(f"mnist has 10 classes, got num_classes={num_classes}; use 10")
     path = find_mnist(data_dir)
+    check_npz_sizes(path, _KEYS, where=f"MNIST's file {path}")
     try:
         with np.load(path) as data:
             arrays = {key: data[key] for key in _KEYS}

@@ -19,6 +19,7 @@ import subprocess
 import sys
 import threading
 import time
+import zipfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -581,3 +582,21 @@ def readme_example(name: str) -> str:
     ]
     assert len(found) == 1, f"README.md and docs/*.md have {len(found)} example blocks {name!r}, not one"
     return found[0]
+
+
+def _npy_declaring(shape: tuple[int, ...]) -> bytes:
+    """An .npy member whose header declares `shape` of float64 but which holds no data."""
+    out = io.BytesIO()
+    np.lib.format.write_array_header_1_0(out, {"descr": "<f8", "fortran_order": False, "shape": shape})
+    return out.getvalue()
+
+
+def npz_bomb(path: Path, member: str = "x_train", shape: tuple[int, ...] = (2**29, 8)) -> Path:
+    """A few hundred bytes of zip whose `member` declares 32 GiB (2**29 x 8 float64) by its header."""
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as archive:
+        archive.writestr(f"{member}.npy", _npy_declaring(shape))
+        for name, array in (("y_train", np.zeros(4)), ("x", np.zeros((4, 8)))):
+            if name != member:
+                with archive.open(f"{name}.npy", "w") as handle:
+                    np.lib.format.write_array(handle, array)
+    return path

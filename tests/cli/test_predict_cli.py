@@ -5,11 +5,13 @@ import csv
 import errno
 import json
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 import tensorflow as tf
-from helpers import copy_of, main_in_process, one_error_line, snapshot
+from helpers import REPO, copy_of, main_in_process, npz_bomb, one_error_line, python_env, snapshot
 
 TRAIN = ["--model=mlp", "--train_steps=20", "--steps_per_loop=10", "--global_batch_size=32", "--eval_every=0"]
 
@@ -88,6 +90,7 @@ def test_uint8_pixels_and_csv_rows_are_prepared_as_in_training(trained, tmp_path
         ("exists", "exists; remove it or pass a new path"),
         ("untrained", "no checkpoint in"),
         ("suffix", "must end in .npy or .csv"),
+        ("inflates", "in.npz: x.npy inflates to 32.0 GiB (34359738368 bytes) from "),
     ],
 )
 def test_bad_predict_input_is_one_line_and_writes_nothing(trained, tmp_path, case, message):
@@ -108,10 +111,59 @@ def test_bad_predict_input_is_one_line_and_writes_nothing(trained, tmp_path, cas
         model_dir.mkdir()
     elif case == "suffix":
         output = tmp_path / "out.txt"
+    elif case == "inflates":  # A few hundred bytes whose x declares 32 GiB: numpy's MemoryError before.
+        npz_bomb(inputs, member="x")
     before = snapshot(tmp_path), snapshot(trained[0])
     line = one_error_line(predict(model_dir, inputs, output))
     assert message in line, line
     assert (snapshot(tmp_path), snapshot(trained[0])) == before
+
+
+def test_predict_reads_a_model_dir_it_may_not_write(trained, tmp_path, monkeypatch):
+    """A shared or archived run (read-only to this user) predicts: it was refused as "not
+    writable" though predict only reads it. As root no permission bites: `os.access` says
+    what a read-only mount says, and the model_dir's files, times and entries stay as they were."""
+    model_dir = copy_of(trained[0], tmp_path / "shared")
+    np.savez(tmp_path / "in.npz", x=trained[2][:5])
+    real_access = os.access
+
+    def read_only(path, mode, *args, **kwargs):
+        where = os.path.abspath(path)
+        inside = where == str(model_dir) or where.startswith(f"{model_dir}/")
+        return False if inside and mode & os.W_OK else real_access(path, mode, *args, **kwargs)
+
+    monkeypatch.setattr(os, "access", read_only)
+    before = {str(p): (p.stat().st_mtime_ns, p.stat().st_size) for p in [model_dir, *model_dir.rglob("*")]}
+    result = predict(model_dir, tmp_path / "in.npz", tmp_path / "out.npy")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert np.load(tmp_path / "out.npy").shape == (5, 10)
+    after = {str(p): (p.stat().st_mtime_ns, p.stat().st_size) for p in [model_dir, *model_dir.rglob("*")]}
+    assert after == before  # No lock file, no record, no touched time.
+
+
+def test_predict_on_a_read_only_mount_of_the_model_dir(trained, tmp_path):
+    """The same on a real read-only file system: a bind mount in a mount namespace of its own
+    (gone with the process, so nothing is left mounted). Needs the right to make one (root)."""
+    if subprocess.run(["unshare", "-m", "true"], capture_output=True).returncode != 0:
+        pytest.skip("no mount namespace here (unshare -m needs root)")
+    model_dir = copy_of(trained[0], tmp_path / "archived")
+    np.savez(tmp_path / "in.npz", x=trained[2][:5])
+    flags = [*TRAIN, "--mode=predict", f"--model_dir={model_dir}", f"--predict_input={tmp_path / 'in.npz'}"]
+    flags.append(f"--predict_output={tmp_path / 'out.npy'}")
+    mount = f"mount --bind {model_dir} {model_dir} && mount -o remount,ro,bind {model_dir}"
+    check = f"touch {model_dir}/probe 2>/dev/null && exit 99"  # The mount must be read-only.
+    command = f'{mount} && {{ {check}; }}; exec "$@"'
+    result = subprocess.run(
+        ["unshare", "-m", "sh", "-c", command, "sh", sys.executable, "-m", "engine.main", *flags],
+        cwd=REPO,
+        env=python_env(),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert np.load(tmp_path / "out.npy").shape == (5, 10)
+    assert not (model_dir / "probe").exists()
 
 
 def test_predict_flags_without_predict_mode_are_refused(trained, tmp_path):

@@ -71,6 +71,42 @@ def test_an_evaluator_task_evaluates_beside_a_launched_cluster(tmp_path, launch)
     run.assert_nothing_left()
 
 
+# Holds a model_dir's writer lock as a running engine.main does (engine.model_dir.writer_lock).
+_HOLD_LOCK = """
+import fcntl, json, os, socket, sys, time
+fd = os.open(os.path.join(sys.argv[1], ".writer.lock"), os.O_RDWR | os.O_CREAT, 0o644)
+fcntl.flock(fd, fcntl.LOCK_EX)
+os.pwrite(fd, json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "since": "then"}).encode(), 0)
+print("held", flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.timeout(400)
+def test_a_second_launcher_on_a_model_dir_in_use_is_one_line_naming_its_holder(tmp_path, launch):
+    """worker:0 is refused in one line naming the lock's holder; worker:1, left in the broadcast
+    of its first variable, died with a 45-line UnavailableError traceback. Nothing is written."""
+    command = [sys.executable, "-c", _HOLD_LOCK, str(tmp_path)]
+    holder = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "held\n"
+        record = (tmp_path / ".writer.lock").read_bytes()
+        run = launch("--num_workers=2", "--", *MWM, "--train_steps=20", f"--model_dir={tmp_path}")
+        assert run.wait(timeout=300) == 2, run.output[-5000:]
+        refused = [line for line in run.lines if "engine.main: error:" in line]
+        in_use = f"[worker:0] engine.main: error: --model_dir={tmp_path} is in use by pid {holder.pid} on host"
+        assert refused[0].startswith(in_use), refused
+        # worker:1 ends by the launcher's SIGTERM or, if worker:0's exit reaches it first, in one line too.
+        assert all("stopped answering" in line and "before training" in line for line in refused[1:]), refused
+        assert "Traceback" not in run.output, run.output[-5000:]
+        assert os.listdir(tmp_path) == [".writer.lock"] and (tmp_path / ".writer.lock").read_bytes() == record
+        assert holder.poll() is None  # The run in use keeps its lock.
+        run.assert_nothing_left()
+    finally:
+        holder.kill()
+        holder.wait(timeout=30)
+
+
 @pytest.mark.timeout(500)
 def test_ctrl_z_and_fg_of_a_launchers_group_in_start_up_and_training_let_the_run_finish(tmp_path, launch):
     """Ctrl-Z then `fg` (SIGTSTP, then SIGCONT, to the launcher's whole process group; a

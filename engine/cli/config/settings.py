@@ -637,7 +637,8 @@ class RunConfig:
             from engine.model_dir import check_name
 
             check_name(self.model_dir)
-            check_model_dir(self.model_dir)
+            # Predict only reads the model_dir: a read-only one (a shared or archived run) will do.
+            check_model_dir(self.model_dir, writable=self.mode != "predict")
         if self.export_dir:
             check_model_dir(self.export_dir, flag="export_dir")
         self._validate_schedule_and_hooks()
@@ -940,8 +941,8 @@ class _ChoiceParser(flags.EnumParser):
         return argument
 
 
-def check_model_dir(model_dir: str, flag: str = "model_dir") -> None:
-    """A local model_dir (or export_dir) must be a writable directory, or creatable as one;
+def check_model_dir(model_dir: str, flag: str = "model_dir", writable: bool = True) -> None:
+    """A local model_dir (or export_dir) must be a directory, `writable` or creatable as one;
     a remote one (gs://, ram://) is TensorFlow's to check when it is first written."""
     from engine.model_dir import is_remote
 
@@ -950,6 +951,8 @@ def check_model_dir(model_dir: str, flag: str = "model_dir") -> None:
     path = os.path.abspath(model_dir)
     if os.path.exists(path) and not os.path.isdir(path):
         raise UserError(f"--{flag}={model_dir} is a file; pass a directory")
+    if not writable:
+        return
     existing = path
     while not os.path.exists(existing):
         existing = os.path.dirname(existing)

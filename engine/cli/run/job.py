@@ -14,7 +14,7 @@ import os
 import re
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import tensorflow as tf
@@ -65,8 +65,24 @@ def run(config: RunConfig, *, started_at: float | None = None) -> dict[str, Any]
     from engine.cli.config.flag_names import errors_in_flag_terms
 
     started_at = time.time() if started_at is None else started_at
-    with errors_in_flag_terms():
+    with errors_in_flag_terms(), _peer_loss_before_training_is_one_line(config):
         return _run(config, started_at)
+
+
+@contextlib.contextmanager
+def _peer_loss_before_training_is_one_line(config: RunConfig) -> Iterator[None]:
+    """A peer that ends while this task builds or restores its model is one line, as one lost
+    mid-training is (`_train`): a chief refused in one line (its model_dir in use by another
+    run) left the other workers in a collective broadcast that never came, each ending in a
+    45-line UnavailableError traceback."""
+    try:
+        yield
+    except PEER_LOST_ERRORS as error:
+        cluster, timeout = config.multi_host.cluster, config.multi_host.heartbeat_timeout
+        message = peer_lost_message(error, cluster, heartbeat_timeout=timeout, kept="it stopped before training")
+        if message is None:
+            raise
+        raise PeerLostError(message) from None
 
 
 def _run(config: RunConfig, started_at: float) -> dict[str, Any]:

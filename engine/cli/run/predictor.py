@@ -87,6 +87,13 @@ def read_examples(
     A .csv's `columns` (the training's feature columns) are read by name; without them, every
     column by position but `label_column` (the training's --label_column), if it has one."""
     if path.endswith(".npz"):
+        from engine.cli.process.own_packages import own_package
+
+        input_files = own_package("input").files
+        try:
+            input_files.check_npz_sizes(path, ("x",), where=f"--predict_input={path}")
+        except own_package("input").DataError as error:
+            raise UserError(str(error)) from None
         try:
             loaded = np.load(path, allow_pickle=False)
             if not hasattr(loaded, "files"):  # np.save's single array, whatever the file's name.
@@ -95,6 +102,8 @@ def read_examples(
                 if "x" not in arrays:
                     raise UserError(f"--predict_input={path} holds {sorted(arrays)}, no `x` array of examples")
                 examples = arrays["x"]
+        except MemoryError:  # Measured above; what else is in memory may still leave too little.
+            raise UserError(f"--predict_input={path} does not fit in the memory left to this process") from None
         except (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error) as error:
             raise UserError(f"--predict_input={path} is not a readable .npz ({error})") from None
     else:

@@ -1,11 +1,14 @@
 """A peer that stops answering mid-run: TF's errors become one line naming it, and the
 heartbeat bound reaches TF (the real frozen and partitioned peers: tests/cluster/test_multi_host.py)."""
 
+import json
+
+import pytest
 import tensorflow as tf
 
 from engine.cluster import resolve_cluster
 from engine.cluster.peer_loss import peer_lost_message
-from engine.errors import PEER_LOST_EXIT
+from engine.errors import PEER_LOST_EXIT, PeerLostError
 
 # TF 2.21's words for a worker frozen by SIGSTOP (seen on worker:0, its peer worker:1).
 UNHEALTHY = (
@@ -80,3 +83,45 @@ def test_the_launchers_restart_line_names_the_peer_that_stopped_answering():
     restart = cause_of(workers[0], PEER_LOST_EXIT, workers)
     assert restart == "worker:1 stopped answering (worker:0 exited with status 69)"
     assert cause_of(workers[0], 1, workers) == "worker:0 exited with status 1"
+
+
+# TF 2.21's words on worker:1 when worker:0 exits (refused in one line: its model_dir in use)
+# while worker:1 waits in the collective broadcast of its first variable's initial value.
+REFUSED = (
+    "{{function_node __wrapped__CollectiveBcastRecv_device_/job:worker/replica:0/task:1/device:CPU:0}} "
+    "Collective ops is aborted by: failed to connect to all addresses; last error: UNKNOWN: "
+    "ipv4:127.0.0.1:1111: Failed to connect to remote host: Connection refused\n"
+    "Additional GRPC error information from remote target /job:worker/replica:0/task:0 while calling "
+    "/tensorflow.WorkerService/CompleteInstance:\n"
+    "The error could be from a previous operation. Restart your program to reset. [Op:CollectiveBcastRecv]"
+)
+
+
+@pytest.mark.parametrize("cluster", [True, False])
+def test_a_peer_lost_while_the_model_is_built_is_one_line_not_a_traceback(monkeypatch, cluster):
+    """Before training (building, restoring) a lost peer is the same line as mid-training: the
+    other workers of a chief refused for its model_dir in use ended in a 45-line traceback.
+    Without a cluster there is no peer to name, and TF's error is left as it is."""
+    from helpers import run_config
+
+    from engine.cli.run import job
+
+    workers = {"worker": ["localhost:1111", "localhost:2222"]}
+    tf_config = {"cluster": workers, "task": {"type": "worker", "index": 1}}
+    env = {"TF_CONFIG": json.dumps(tf_config) if cluster else None}
+    config = run_config("--strategy=multi_worker_mirrored", "--model=mlp", "--dataset=synthetic", env=env)
+
+    def collective_refused(*args):
+        raise tf.errors.UnavailableError(None, None, REFUSED)
+
+    monkeypatch.setattr(job, "_run", collective_refused)
+    if not cluster:
+        with pytest.raises(tf.errors.UnavailableError):
+            job.run(config)
+        return
+    with pytest.raises(PeerLostError) as raised:
+        job.run(config)
+    message = str(raised.value)
+    assert "\n" not in message and raised.value.exit_status == PEER_LOST_EXIT
+    assert message.startswith("worker:1: worker:0 (localhost:1111) stopped answering (Collective ops is aborted")
+    assert "; it stopped before training; rerun, or use engine.launch --max_restarts" in message
