@@ -47,6 +47,7 @@ from engine.options import (
     ThroughputOptions,
     group_options,
 )
+from engine.precision import with_loss_scaling
 from engine.resident import ResidentData, ResidentEvalData
 from engine.schedules import is_scheduled
 from engine.stopping import StopAgreement
@@ -100,7 +101,10 @@ class Trainer:
         here if it is not built yet: one optimizer on all trainable
         variables, a named one on those of `getattr(model, name)`. All are
         checkpointed; their rates are logged as `learning_rate` or
-        `learning_rate/<name>`.
+        `learning_rate/<name>`. Under a `mixed_float16` dtype policy (the
+        model's) the standard step's optimizer is wrapped in a dynamic
+        `keras.optimizers.LossScaleOptimizer`, as `compile()` wraps it
+        (`engine.precision`); `trainer.optimizer` is then the wrapper.
       train_data: one of the declared data forms (`engine.data`): a
         `tf.data.Dataset` of global batches (`GlobalBatches`),
         `fn(input_context)` of per-replica batches (`PerReplicaBatches`), a
@@ -250,6 +254,9 @@ class Trainer:
                 f"the standard step applies one optimizer, got {len(self.optimizers)} "
                 f"({', '.join(self.optimizers)}); pass `step_fn` to apply several"
             )
+        if step_fn is None:  # As compile() under mixed_float16; a step_fn's loss scaling is its own.
+            with strategy.scope():  # Before it is built or restored: the scale is optimizer state.
+                self.optimizers = {name: with_loss_scaling(opt, model) for name, opt in self.optimizers.items()}
         train_form = train_data_form(strategy, train_data, global_batch_size)
         eval_form = eval_data_form(strategy, eval_data, global_batch_size) if eval_data is not None else None
         # Before the optimizer is built: Keras makes the averages when it builds it.
@@ -257,7 +264,9 @@ class Trainer:
         self.strategy = strategy
         self.model = model
         # The optimizer (None when several are named: see `optimizers`).
-        self.optimizer = optimizer if isinstance(optimizer, keras.optimizers.Optimizer) else None
+        self.optimizer = (
+            self.optimizers["optimizer"] if isinstance(optimizer, keras.optimizers.Optimizer) else None
+        )
         self.global_batch_size = global_batch_size
         self.model_dir = model_dir
         self.target_step: int | None = None  # The `steps` of the running train() call.
