@@ -36,6 +36,7 @@ from engine.loop.rollback import CHECKPOINT_KEY, Rollback, Spike, check_options,
 from engine.loop.runners import EvalRunner, PredictRunner, TrainRunner, as_prediction_batches, fresh_copy
 from engine.loop.steps import STEP_EXAMPLES, EvalStep, ReplicaStep, make_train_step
 from engine.losses import LossFn, Objective
+from engine.metric_values import metric_logs
 from engine.options import (
     DEFAULT_MAX_ROLLBACKS,
     DEFAULT_STEPS_PER_LOOP,
@@ -633,7 +634,7 @@ class Trainer:
         examples_per_step = logs.pop(STEP_EXAMPLES, float(self.global_batch_size))
         if self.step_options.on_nonfinite == "skip":  # Under "stop" it is 0, or the run ended above.
             logs["nonfinite_steps"] = float(result.nonfinite_steps)
-        logs.update({m.name: float(m.result()) for m in self.train_metrics})
+        logs.update(metric_logs(self.train_metrics))  # A vector-valued one per entry (`f1_score/0`, ...).
         logs.update(self._speed(result.steps_run, examples_per_step * result.steps_run, seconds))
         logs.update(self._learning_rates())
         self._summaries.write("train", self.step, logs)
