@@ -17,7 +17,7 @@ import tensorflow as tf
 from engine.compat import engine_graph_code, user_code
 from engine.errors import UserError
 from engine.loop.replica_state import average_over_replicas
-from engine.loop.steps import STEP_FINITE, Batch, ReplicaStep
+from engine.loop.steps import STEP_EXAMPLES, STEP_FINITE, Batch, ReplicaStep
 from engine.resident import ResidentData, ResidentEvalData
 from engine.stragglers import InputClock
 
@@ -41,7 +41,9 @@ class LoopResult:
     """What one compiled train call did: the step outputs' means and, apart from them (a
     step output may take any name), the counts the outer loop decides on."""
 
-    logs: dict[str, float]  # Each step output's mean over the loop's finite steps.
+    logs: dict[
+        str, float
+    ]  # Each step output's mean over the loop's finite steps (the loss weighted by examples).
     steps_run: int  # Fewer than asked when the data ran out; 0: not one batch was left.
     nonfinite_steps: int
     first_nonfinite_index: int  # 0-based in this loop; -1: none.
@@ -150,7 +152,7 @@ def _accumulate(
 ) -> LoopState:
     """Adds step `index` to the loop's running sums of finite outputs and its non-finite count."""
     sums, count, bad, first_bad, first_bad_loss = state
-    values = tf.stack([outputs[name] for name in names]) if names else tf.zeros([0])
+    values = tf.stack([_summand(outputs, name) for name in names]) if names else tf.zeros([0])
     sums = _sized(sums, len(names)) + tf.where(finite, values, 0.0)
     newly_bad = tf.logical_and(tf.logical_not(finite), first_bad < 0)
     first_bad = tf.where(newly_bad, index, first_bad)
@@ -159,11 +161,29 @@ def _accumulate(
     return sums, count, bad + 1 - tf.cast(finite, tf.int32), first_bad, first_bad_loss
 
 
+def _weighs_loss_by_examples(outputs: Mapping[str, Any]) -> bool:
+    """Whether the step counts its examples (`STEP_EXAMPLES`, the standard step): its "loss" is then
+    averaged over the loop weighted by them, as `fit`'s loss tracker weighs each batch by its size,
+    so that a partial last batch weighs what it holds (a step_fn's outputs are plain means)."""
+    return "loss" in outputs and STEP_EXAMPLES in outputs
+
+
+@engine_graph_code
+def _summand(outputs: Mapping[str, tf.Tensor], name: str) -> tf.Tensor:
+    """What step output `name` adds to the loop's sum: the loss times the step's examples where
+    it is weighted by them (`_weighs_loss_by_examples`), else the output."""
+    if name == "loss" and _weighs_loss_by_examples(outputs):
+        return outputs["loss"] * outputs[STEP_EXAMPLES]
+    return outputs[name]
+
+
 @engine_graph_code
 def _loop_outputs(state: LoopState, names: Sequence[str], steps_run: tf.Tensor) -> dict[str, tf.Tensor]:
     sums, count, bad, first_bad, first_bad_loss = state
     sums = _sized(sums, len(names))
     means = {name: sums[i] / tf.maximum(count, 1.0) for i, name in enumerate(names)}
+    if _weighs_loss_by_examples(means):  # Over the finite steps' examples (none: 0, as the plain mean).
+        means["loss"] = tf.math.divide_no_nan(sums[names.index("loss")], sums[names.index(STEP_EXAMPLES)])
     return {
         "logs": means,
         "nonfinite_steps": bad,
