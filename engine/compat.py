@@ -238,3 +238,34 @@ def run_exit_handlers() -> None:
     import atexit
 
     atexit._run_exitfuncs()
+
+
+def give_collective_group(strategy: tf.distribute.MirroredStrategy, group_key_start: int) -> bool:
+    """Makes `strategy`'s all-reduces number their collective group from `group_key_start`.
+
+    Every MirroredStrategy numbers its collective groups and instances from the same start
+    (`CollectiveKeys(group_key_start=1 + _collective_key_base)`, a class attribute), so the ops of
+    a second one over the same devices pair with those of the first one's programs and abort
+    every later collective in the process ("Shape mismatch in the collective instance"). The
+    public API sets the start only before a strategy exists; this gives an existing one (not yet
+    traced through the engine) a CollectiveAllReduce of its own with new keys, the devices and
+    communication options unchanged. False where the strategy has no such collective ops (a
+    user's own `cross_device_ops` keeps working as it was: it is not replaced)."""
+    from tensorflow.python.distribute import cross_device_ops, cross_device_utils
+
+    extended = strategy.extended
+    old = getattr(extended, "_collective_ops", None)
+    if not isinstance(old, cross_device_ops.CollectiveAllReduce):
+        return False
+    keys = cross_device_utils.CollectiveKeys(group_key_start=group_key_start)
+    new = cross_device_ops.CollectiveAllReduce(
+        devices=extended._devices,
+        group_size=len(extended._devices),
+        options=extended._communication_options,
+        collective_keys=keys,
+    )
+    if extended._cross_device_ops is old:
+        extended._cross_device_ops = new
+    extended._collective_ops = new
+    extended._collective_keys = keys
+    return True

@@ -53,6 +53,7 @@ from engine.resident import ResidentData, ResidentEvalData
 from engine.schedules import is_scheduled
 from engine.stopping import StopAgreement
 from engine.stragglers import StragglerReport
+from engine.strategy import own_collectives
 from engine.summaries import SummaryWriters
 from engine.trainer_checks import (
     Optimizers,
@@ -246,6 +247,7 @@ class Trainer:
         check_arguments(
             strategy, loss_fn, step_fn, metrics, weighted_metrics, eval_data, global_batch_size, step_options
         )
+        own_collectives(strategy)  # A user's raw MirroredStrategy beside another one (engine.strategy).
         self.objective = Objective(loss_fn, loss_weights) if loss_fn is not None else None
         check_options(strategy, step_options.on_nonfinite, self.spike_options)
         self.step_options = step_options
