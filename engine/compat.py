@@ -269,3 +269,30 @@ def give_collective_group(strategy: tf.distribute.MirroredStrategy, group_key_st
     extended._collective_ops = new
     extended._collective_keys = keys
     return True
+
+
+# The names under which `tf.custom_gradient` registers a graph-mode gradient function
+# (tensorflow/python/ops/custom_gradient.py: "CustomGradient-<uid>").
+CUSTOM_GRADIENT_PREFIX = "CustomGradient-"
+
+
+def custom_gradient_names() -> set[str]:
+    """The gradient functions `tf.custom_gradient` has registered so far in graph mode.
+
+    Each trace that calls a custom-gradient function (`ReplicaContext.all_reduce` is one: every
+    optimizer update under MirroredStrategy) registers its gradient in TensorFlow's global
+    gradient registry, with the tensors of the traced graph it closes over, and nothing ever
+    removes it: the whole traced loop outlives the Trainer that traced it. No public API lists
+    or removes the registrations."""
+    from tensorflow.python.framework import ops
+
+    return {name for name in list(ops._gradient_registry._registry) if name.startswith(CUSTOM_GRADIENT_PREFIX)}
+
+
+def forget_custom_gradients(names: Sequence[str]) -> None:
+    """Removes the registrations `names` (see `custom_gradient_names`): for graphs that will not be
+    differentiated again, whose functions are gone or going."""
+    from tensorflow.python.framework import ops
+
+    for name in names:
+        ops._gradient_registry._registry.pop(name, None)

@@ -15,7 +15,8 @@ import dataclasses
 import functools
 import inspect
 import time
-from collections.abc import Callable, Mapping, Sequence
+import weakref
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NoReturn
 
 import keras
@@ -26,6 +27,7 @@ from engine.callbacks.progress import Progress, format_logs
 from engine.checkpointing import discovery
 from engine.checkpointing.background import writes_in_background
 from engine.checkpointing.checkpointer import Checkpointer, checkpoint_of
+from engine.compat import custom_gradient_names, forget_custom_gradients
 from engine.data import Data, DataForm, DataPosition
 from engine.ema import WeightAverages, averages_swapped_in, weight_averages
 from engine.errors import DataExhaustedError, NonFiniteLossError, UserError
@@ -232,6 +234,10 @@ class Trainer:
         max_rollbacks: int = DEFAULT_MAX_ROLLBACKS,
     ):
         self.goodput_clock = GoodputClock()  # Research code's run starts here (`goodput()`).
+        # The custom gradients its traces register in TensorFlow's global registry, with the graphs
+        # they close over: removed once the Trainer is gone, or every Trainer of a sweep stays.
+        self._custom_gradients: list[str] = []
+        weakref.finalize(self, forget_custom_gradients, self._custom_gradients)
         # The global step as the host last read it, for a diagnostics report (`progress()`), which
         # must not read a variable: its device, or the parameter server holding it, may be stuck.
         self._step_seen: int | None = None
@@ -619,7 +625,10 @@ class Trainer:
         for metric in self.train_metrics:
             metric.reset_state()
         began = time.perf_counter()
-        with self.goodput_clock.call(self.train_runner.loop, "train") as call:  # A call that traced: compile.
+        with (
+            self.goodput_clock.call(self.train_runner.loop, "train") as call,  # A call that traced: compile.
+            self._owning_custom_gradients(),
+        ):
             result = self.train_runner.run(start, num_steps)
             call.steps = result.steps_run
         seconds = time.perf_counter() - began
@@ -641,6 +650,16 @@ class Trainer:
         logs.update(self._learning_rates())
         self._summaries.write("train", self.step, logs)
         return logs
+
+    @contextlib.contextmanager
+    def _owning_custom_gradients(self) -> Iterator[None]:
+        """Around a call that may trace: the custom gradients it registers are this Trainer's, removed
+        when it is dropped (`engine.compat.custom_gradient_names`); its functions are never differentiated."""
+        before = custom_gradient_names()
+        try:
+            yield
+        finally:
+            self._custom_gradients.extend(custom_gradient_names() - before)
 
     def _save_unless_saved(self, last_saved: int) -> None:
         """The end of a run: a checkpoint at its last step, and at least one."""
@@ -748,7 +767,7 @@ class Trainer:
         """
         if self.eval_runner is None:
             raise UserError("evaluate() needs eval_data and a loss_fn")
-        with self.goodput_clock.phase("eval"), self.averaged_weights():
+        with self.goodput_clock.phase("eval"), self.averaged_weights(), self._owning_custom_gradients():
             # Several workers must run the same chunks (each batch is agreed by all-reduce).
             result = self.eval_runner.run(lambda: self.stopping.requested and self.stopping.all_reduce is None)
         if result is None:
@@ -775,7 +794,7 @@ class Trainer:
         """
         if self._predict_runner is None:
             self._predict_runner = self._make_predict_runner()
-        with self.averaged_weights():
+        with self.averaged_weights(), self._owning_custom_gradients():
             return self._predict_runner.run(as_prediction_batches(data, self.global_batch_size))
 
     def evaluate_current(self) -> dict[str, float]:

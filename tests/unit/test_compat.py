@@ -224,3 +224,19 @@ def test_a_mirrored_strategy_given_a_collective_group_of_its_own_all_reduces_in_
     )
     assert compat.give_collective_group(mirrored, 7_001_000)  # Its collective ops (XLA's) only.
     assert isinstance(mirrored.extended._cross_device_ops, tf.distribute.HierarchicalCopyAllReduce)  # noqa: SLF001
+
+
+def test_custom_gradients_traced_in_graph_mode_are_listed_and_forgotten():
+    """A dropped Trainer forgets the ones its traces registered (tests/unit/test_trainer_sweep.py)."""
+
+    @tf.custom_gradient
+    def doubled(x):
+        return 2.0 * x, lambda upstream: 2.0 * upstream
+
+    before = compat.custom_gradient_names()
+    with private_api("ops._gradient_registry._registry"):
+        tf.function(doubled).get_concrete_function(tf.TensorSpec([], tf.float32))
+        new = compat.custom_gradient_names() - before
+        assert len(new) == 1 and next(iter(new)).startswith(compat.CUSTOM_GRADIENT_PREFIX)
+        compat.forget_custom_gradients(sorted(new))
+        assert compat.custom_gradient_names() == before
