@@ -42,8 +42,8 @@ def with_loss_scaling(optimizer: keras.optimizers.Optimizer, model: Any = None) 
     if not needs_loss_scaling(optimizer, model):
         return optimizer
     logger.info(
-        "mixed_float16: %s trains under a dynamic loss scale (keras.optimizers.LossScaleOptimizer, "
-        "as Keras compile() wraps it); pass a LossScaleOptimizer yourself to choose its settings",
+        "mixed_float16: %s trains under a dynamic loss scale (keras.optimizers.LossScaleOptimizer), "
+        "as Keras compile() wraps it",
         type(optimizer).__name__,
     )
     return keras.optimizers.LossScaleOptimizer(optimizer, name="loss_scale_optimizer")
