@@ -41,9 +41,8 @@ class LoopResult:
     """What one compiled train call did: the step outputs' means and, apart from them (a
     step output may take any name), the counts the outer loop decides on."""
 
-    logs: dict[
-        str, float
-    ]  # Each step output's mean over the loop's finite steps (the loss weighted by examples).
+    # Each step output's mean over the loop's finite steps (the loss's weighted by their examples).
+    logs: dict[str, float]
     steps_run: int  # Fewer than asked when the data ran out; 0: not one batch was left.
     nonfinite_steps: int
     first_nonfinite_index: int  # 0-based in this loop; -1: none.
