@@ -29,6 +29,7 @@ def engine_graphs() -> int:
 @pytest.mark.slow  # Three Trainers trace their loops on two replicas: 8 s.
 def test_a_dropped_trainer_keeps_none_of_its_traced_graphs(mirrored):
     x, y = make_arrays(40)
+    gc.collect()  # What earlier tests dropped goes first.
     graphs_before, gradients_before = engine_graphs(), custom_gradient_names()
     for _ in range(3):
         trainer = make_trainer(
@@ -42,5 +43,5 @@ def test_a_dropped_trainer_keeps_none_of_its_traced_graphs(mirrored):
         del trainer
         gc.collect()
         assert dropped() is None
-        assert engine_graphs() == graphs_before
+        assert engine_graphs() <= graphs_before  # Not one graph more a Trainer (13 each before).
     assert custom_gradient_names() <= gradients_before
