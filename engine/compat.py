@@ -277,3 +277,61 @@ def build_compiled_state(model: Any, data_batch: Any) -> None:
     tracker) from a batch's specs, as `fit` does before its first step (Keras's
     `_symbolic_build`, not public): made inside a step on several replicas instead, they fail it."""
     model._symbolic_build(data_batch=data_batch)
+
+
+def give_collective_group(strategy: tf.distribute.MirroredStrategy, group_key_start: int) -> bool:
+    """Makes `strategy`'s all-reduces number their collective group from `group_key_start`.
+
+    Every MirroredStrategy numbers its collective groups and instances from the same start
+    (`CollectiveKeys(group_key_start=1 + _collective_key_base)`, a class attribute), so the ops of
+    a second one over the same devices pair with those of the first one's programs and abort
+    every later collective in the process ("Shape mismatch in the collective instance"). The
+    public API sets the start only before a strategy exists; this gives an existing one (not yet
+    traced through the engine) a CollectiveAllReduce of its own with new keys, the devices and
+    communication options unchanged. False where the strategy has no such collective ops (a
+    user's own `cross_device_ops` keeps working as it was: it is not replaced)."""
+    from tensorflow.python.distribute import cross_device_ops, cross_device_utils
+
+    extended = strategy.extended
+    old = getattr(extended, "_collective_ops", None)
+    if not isinstance(old, cross_device_ops.CollectiveAllReduce):
+        return False
+    keys = cross_device_utils.CollectiveKeys(group_key_start=group_key_start)
+    new = cross_device_ops.CollectiveAllReduce(
+        devices=extended._devices,
+        group_size=len(extended._devices),
+        options=extended._communication_options,
+        collective_keys=keys,
+    )
+    if extended._cross_device_ops is old:
+        extended._cross_device_ops = new
+    extended._collective_ops = new
+    extended._collective_keys = keys
+    return True
+
+
+# The names under which `tf.custom_gradient` registers a graph-mode gradient function
+# (tensorflow/python/ops/custom_gradient.py: "CustomGradient-<uid>").
+CUSTOM_GRADIENT_PREFIX = "CustomGradient-"
+
+
+def custom_gradient_names() -> set[str]:
+    """The gradient functions `tf.custom_gradient` has registered so far in graph mode.
+
+    Each trace that calls a custom-gradient function (`ReplicaContext.all_reduce` is one: every
+    optimizer update under MirroredStrategy) registers its gradient in TensorFlow's global
+    gradient registry, with the tensors of the traced graph it closes over, and nothing ever
+    removes it: the whole traced loop outlives the Trainer that traced it. No public API lists
+    or removes the registrations."""
+    from tensorflow.python.framework import ops
+
+    return {name for name in list(ops._gradient_registry._registry) if name.startswith(CUSTOM_GRADIENT_PREFIX)}
+
+
+def forget_custom_gradients(names: Sequence[str]) -> None:
+    """Removes the registrations `names` (see `custom_gradient_names`): for graphs that will not be
+    differentiated again, whose functions are gone or going."""
+    from tensorflow.python.framework import ops
+
+    for name in names:
+        ops._gradient_registry._registry.pop(name, None)

@@ -7,11 +7,15 @@ into logical devices, which TensorFlow allows only before its runtime starts:
 
 from __future__ import annotations
 
+import itertools
+import weakref
 from typing import TYPE_CHECKING
 
 import tensorflow as tf
 
+from engine.compat import give_collective_group
 from engine.errors import UserError
+from engine.logger import logger
 from engine.options import MULTI_HOST_STRATEGIES, STRATEGY_NAMES
 
 if TYPE_CHECKING:
@@ -98,6 +102,30 @@ def build_strategy(
 
 
 _MIRRORED: dict[tuple[str, ...], tf.distribute.MirroredStrategy] = {}
+# The collective group keys the engine gives MirroredStrategies, far above the ones every
+# MirroredStrategy starts from (1), a thousand apart (a strategy takes one key per device set).
+_GROUP_KEYS = itertools.count(start=1_000_000, step=1_000)
+# The strategies that hold keys of their own (`own_collectives`): keyed once, before the engine traces.
+_KEYED: weakref.WeakSet = weakref.WeakSet()
+
+
+def own_collectives(strategy: tf.distribute.Strategy) -> None:
+    """Gives a MirroredStrategy collective keys no other strategy of the process uses, once.
+
+    Two MirroredStrategy objects in one process (two made by hand, or one used by Keras `fit`
+    and another by the engine) would otherwise pair their all-reduces and abort every later
+    collective ("Shape mismatch in the collective instance", `engine.compat.give_collective_group`).
+    The Trainer calls it for the strategy it is given, `build_strategy` for the ones it makes;
+    `build_strategy("mirrored")` still returns one strategy per device list and process.
+    """
+    if not isinstance(strategy, tf.distribute.MirroredStrategy) or strategy in _KEYED:
+        return
+    if not give_collective_group(strategy, next(_GROUP_KEYS)):
+        logger.info(
+            "%s has its own cross_device_ops: its collective keys are left as they are",
+            type(strategy).__name__,
+        )
+    _KEYED.add(strategy)
 
 
 def _mirrored(devices: list[str]) -> tf.distribute.MirroredStrategy:
@@ -112,4 +140,5 @@ def _mirrored(devices: list[str]) -> tf.distribute.MirroredStrategy:
     key = tuple(devices)
     if key not in _MIRRORED:
         _MIRRORED[key] = tf.distribute.MirroredStrategy(devices)
+        own_collectives(_MIRRORED[key])
     return _MIRRORED[key]

@@ -15,7 +15,8 @@ import dataclasses
 import functools
 import inspect
 import time
-from collections.abc import Callable, Mapping, Sequence
+import weakref
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NoReturn
 
 import keras
@@ -26,6 +27,7 @@ from engine.callbacks.progress import Progress, format_logs
 from engine.checkpointing import discovery
 from engine.checkpointing.background import writes_in_background
 from engine.checkpointing.checkpointer import Checkpointer, checkpoint_of
+from engine.compat import custom_gradient_names, forget_custom_gradients
 from engine.data import Data, DataForm, DataPosition
 from engine.ema import WeightAverages, averages_swapped_in, weight_averages
 from engine.errors import DataExhaustedError, NonFiniteLossError, UserError
@@ -46,6 +48,7 @@ from engine.loop.runners import EvalRunner, PredictRunner, TrainRunner, as_predi
 from engine.loop.steps import STEP_EXAMPLES, EvalStep, ReplicaStep, make_train_step
 from engine.loop.variable_length import one_step_per_call
 from engine.losses import LossFn, Objective
+from engine.metric_values import metric_logs
 from engine.options import (
     DEFAULT_MAX_ROLLBACKS,
     DEFAULT_STEPS_PER_LOOP,
@@ -57,6 +60,7 @@ from engine.options import (
     ThroughputOptions,
     group_options,
 )
+from engine.precision import with_loss_scaling
 from engine.resident import (
     ResidentData,
     ResidentEvalData,
@@ -67,6 +71,7 @@ from engine.resident import (
 from engine.schedules import is_scheduled
 from engine.stopping import StopAgreement
 from engine.stragglers import StragglerReport
+from engine.strategy import own_collectives
 from engine.summaries import SummaryWriters
 from engine.trainer_checks import (
     Optimizers,
@@ -116,7 +121,10 @@ class Trainer:
         here if it is not built yet: one optimizer on all trainable
         variables, a named one on those of `getattr(model, name)`. All are
         checkpointed; their rates are logged as `learning_rate` or
-        `learning_rate/<name>`.
+        `learning_rate/<name>`. Under a `mixed_float16` dtype policy (the
+        model's) the standard step's optimizer is wrapped in a dynamic
+        `keras.optimizers.LossScaleOptimizer`, as `compile()` wraps it
+        (`engine.precision`); `trainer.optimizer` is then the wrapper.
       train_data: one of the declared data forms (`engine.data`): a
         `tf.data.Dataset` of global batches (`GlobalBatches`),
         `fn(input_context)` of per-replica batches (`PerReplicaBatches`), a
@@ -242,6 +250,10 @@ class Trainer:
         max_rollbacks: int = DEFAULT_MAX_ROLLBACKS,
     ):
         self.goodput_clock = GoodputClock()  # Research code's run starts here (`goodput()`).
+        # The custom gradients its traces register in TensorFlow's global registry, with the graphs
+        # they close over: removed once the Trainer is gone, or every Trainer of a sweep stays.
+        self._custom_gradients: list[str] = []
+        weakref.finalize(self, forget_custom_gradients, self._custom_gradients)
         # The global step as the host last read it, for a diagnostics report (`progress()`), which
         # must not read a variable: its device, or the parameter server holding it, may be stuck.
         self._step_seen: int | None = None
@@ -289,6 +301,7 @@ class Trainer:
             loss_from_model=keras_model.own_compute_loss,
             evaluates_itself=keras_model.own_test_step,
         )
+        own_collectives(strategy)  # A user's raw MirroredStrategy beside another one (engine.strategy).
         self.objective = Objective(loss_fn, loss_weights) if loss_fn is not None else None
         check_options(strategy, step_options.on_nonfinite, self.spike_options)
         self.step_options = step_options
@@ -298,13 +311,18 @@ class Trainer:
                 f"the standard step applies one optimizer, got {len(self.optimizers)} "
                 f"({', '.join(self.optimizers)}); pass `step_fn` to apply several"
             )
+        if step_fn is None:  # As compile() under mixed_float16; a step_fn's loss scaling is its own.
+            with strategy.scope():  # Before it is built or restored: the scale is optimizer state.
+                self.optimizers = {name: with_loss_scaling(opt, model) for name, opt in self.optimizers.items()}
         eval_form = eval_data_form(strategy, eval_data, global_batch_size) if eval_data is not None else None
         # Before the optimizer is built: Keras makes the averages when it builds it.
         self.weight_averages: WeightAverages | None = weight_averages(self.optimizers, ema_decay)
         self.strategy = strategy
         self.model = model
         # The optimizer (None when several are named: see `optimizers`).
-        self.optimizer = optimizer if isinstance(optimizer, keras.optimizers.Optimizer) else None
+        self.optimizer = (
+            self.optimizers["optimizer"] if isinstance(optimizer, keras.optimizers.Optimizer) else None
+        )
         self.global_batch_size = global_batch_size
         self.model_dir = model_dir
         self.target_step: int | None = None  # The `steps` of the running train() call.
@@ -319,7 +337,9 @@ class Trainer:
         self.callbacks = [
             Progress(self.cadence.log_every),
             *as_callbacks(callbacks, steps_per_epoch=self.cadence.steps_per_epoch),
-            *one_step_per_call(strategy, train_form, self.cadence.steps_per_loop),  # Variable-length batches.
+            *one_step_per_call(
+                strategy, train_form, self.cadence.steps_per_loop, model
+            ),  # Variable-length batches.
         ]
         # Both stay in force for later train() calls until clear_stop():
         self.stop_training = False  # Set by a callback (early stopping): stop after this loop.
@@ -668,7 +688,10 @@ class Trainer:
         if isinstance(self.replica_step, KerasTrainStep):
             self.replica_step.start_loop()  # Its outputs are the model's metrics since their reset.
         began = time.perf_counter()
-        with self.goodput_clock.call(self.train_runner.loop, "train") as call:  # A call that traced: compile.
+        with (
+            self.goodput_clock.call(self.train_runner.loop, "train") as call,  # A call that traced: compile.
+            self._owning_custom_gradients(),
+        ):
             result = self.train_runner.run(start, num_steps)
             call.steps = result.steps_run
         seconds = time.perf_counter() - began
@@ -687,11 +710,21 @@ class Trainer:
         examples_per_step = logs.pop(STEP_EXAMPLES, float(self.global_batch_size))
         if self.step_options.on_nonfinite == "skip":  # Under "stop" it is 0, or the run ended above.
             logs["nonfinite_steps"] = float(result.nonfinite_steps)
-        logs.update({m.name: float(m.result()) for m in self.train_metrics})
+        logs.update(metric_logs(self.train_metrics))  # A vector-valued one per entry (`f1_score/0`, ...).
         logs.update(self._speed(result.steps_run, examples_per_step * result.steps_run, seconds))
         logs.update(self._learning_rates())
         self._summaries.write("train", self.step, logs)
         return logs
+
+    @contextlib.contextmanager
+    def _owning_custom_gradients(self) -> Iterator[None]:
+        """Around a call that may trace: the custom gradients it registers are this Trainer's, removed
+        when it is dropped (`engine.compat.custom_gradient_names`); its functions are never differentiated."""
+        before = custom_gradient_names()
+        try:
+            yield
+        finally:
+            self._custom_gradients.extend(custom_gradient_names() - before)
 
     def _save_unless_saved(self, last_saved: int) -> None:
         """The end of a run: a checkpoint at its last step, and at least one."""
@@ -799,7 +832,7 @@ class Trainer:
         """
         if self.eval_runner is None:
             raise UserError("evaluate() needs eval_data and a loss_fn")
-        with self.goodput_clock.phase("eval"), self.averaged_weights():
+        with self.goodput_clock.phase("eval"), self.averaged_weights(), self._owning_custom_gradients():
             # Several workers must run the same chunks (each batch is agreed by all-reduce).
             result = self.eval_runner.run(lambda: self.stopping.requested and self.stopping.all_reduce is None)
         if result is None:
@@ -826,7 +859,7 @@ class Trainer:
         """
         if self._predict_runner is None:
             self._predict_runner = self._make_predict_runner()
-        with self.averaged_weights():
+        with self.averaged_weights(), self._owning_custom_gradients():
             return self._predict_runner.run(as_prediction_batches(data, self.global_batch_size))
 
     def evaluate_current(self) -> dict[str, float]:

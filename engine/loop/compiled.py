@@ -17,7 +17,7 @@ import tensorflow as tf
 from engine.compat import engine_graph_code, user_code
 from engine.errors import UserError
 from engine.loop.replica_state import average_over_replicas
-from engine.loop.steps import STEP_FINITE, Batch, ReplicaStep
+from engine.loop.steps import STEP_EXAMPLES, STEP_FINITE, Batch, ReplicaStep
 from engine.resident import ResidentData, ResidentEvalData
 from engine.stragglers import InputClock
 
@@ -41,7 +41,9 @@ class LoopResult:
     """What one compiled train call did: the step outputs' means and, apart from them (a
     step output may take any name), the counts the outer loop decides on."""
 
-    logs: dict[str, float]  # Each step output's mean over the loop's finite steps (or its last: keep_last).
+    # Each step output's mean over the loop's finite steps (the loss's weighted by their examples),
+    # or its last value (keep_last).
+    logs: dict[str, float]
     steps_run: int  # Fewer than asked when the data ran out; 0: not one batch was left.
     nonfinite_steps: int
     first_nonfinite_index: int  # 0-based in this loop; -1: none.
@@ -157,7 +159,7 @@ def _accumulate(
     with `keep_last`, the sums hold the last finite step's outputs instead (a step that
     reports running results, such as a Keras model's own train_step)."""
     sums, count, bad, first_bad, first_bad_loss = state
-    values = tf.stack([outputs[name] for name in names]) if names else tf.zeros([0])
+    values = tf.stack([_summand(outputs, name) for name in names]) if names else tf.zeros([0])
     previous = _sized(sums, len(names))
     sums = tf.where(finite, values, previous) if keep_last else previous + tf.where(finite, values, 0.0)
     newly_bad = tf.logical_and(tf.logical_not(finite), first_bad < 0)
@@ -165,6 +167,22 @@ def _accumulate(
     first_bad_loss = tf.where(newly_bad, outputs.get("loss", tf.constant(_NO_LOSS)), first_bad_loss)
     count = count + tf.cast(finite, tf.float32)
     return sums, count, bad + 1 - tf.cast(finite, tf.int32), first_bad, first_bad_loss
+
+
+def _weighs_loss_by_examples(outputs: Mapping[str, Any]) -> bool:
+    """Whether the step counts its examples (`STEP_EXAMPLES`, the standard step): its "loss" is then
+    averaged over the loop weighted by them, as `fit`'s loss tracker weighs each batch by its size,
+    so that a partial last batch weighs what it holds (a step_fn's outputs are plain means)."""
+    return "loss" in outputs and STEP_EXAMPLES in outputs
+
+
+@engine_graph_code
+def _summand(outputs: Mapping[str, tf.Tensor], name: str) -> tf.Tensor:
+    """What step output `name` adds to the loop's sum: the loss times the step's examples where
+    it is weighted by them (`_weighs_loss_by_examples`), else the output."""
+    if name == "loss" and _weighs_loss_by_examples(outputs):
+        return outputs["loss"] * outputs[STEP_EXAMPLES]
+    return outputs[name]
 
 
 @engine_graph_code
@@ -175,6 +193,8 @@ def _loop_outputs(
     sums = _sized(sums, len(names))
     divisor = tf.constant(1.0) if keep_last else tf.maximum(count, 1.0)
     means = {name: sums[i] / divisor for i, name in enumerate(names)}
+    if not keep_last and _weighs_loss_by_examples(means):  # Over the finite steps' examples (none: 0).
+        means["loss"] = tf.math.divide_no_nan(sums[names.index("loss")], sums[names.index(STEP_EXAMPLES)])
     return {
         "logs": means,
         "nonfinite_steps": bad,

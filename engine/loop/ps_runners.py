@@ -34,7 +34,7 @@ from engine.data import Data, DataForm, as_train_form, eval_dataset_on_one_repli
 from engine.errors import UserError
 from engine.loop.compiled import CHECK_NONE, LoopResult, make_train_loop
 from engine.loop.runners import EvalRunner, PredictRunner, TrainRunner
-from engine.loop.steps import ReplicaStep
+from engine.loop.steps import STEP_EXAMPLES, ReplicaStep
 from engine.losses import Objective
 from engine.resident import ResidentData, ResidentEvalData
 from engine.trainer import Trainer
@@ -131,6 +131,7 @@ class CoordinatedTrainRunner(TrainRunner):
         ]
         self.coordinator.join()
         totals: dict[str, float] = {}
+        weights: dict[str, float] = {}
         nonfinite_steps, first_nonfinite, offset, steps_run = 0, -1, 0, 0
         first_nonfinite_loss = float("nan")
         for steps, remote in scheduled:
@@ -143,10 +144,14 @@ class CoordinatedTrainRunner(TrainRunner):
                 first_nonfinite_loss = result.first_nonfinite_loss
             offset += steps
             for name, value in result.logs.items():
-                totals[name] = totals.get(name, 0.0) + steps * value
+                # The loss weighted by the examples, as within each worker's loop (engine.loop.compiled).
+                examples = result.logs.get(STEP_EXAMPLES) if name == "loss" else None
+                weight = steps * (1.0 if examples is None else examples)
+                totals[name] = totals.get(name, 0.0) + weight * value
+                weights[name] = weights.get(name, 0.0) + weight
         self.global_step.assign_add(steps_run)  # Fewer than num_steps where a worker's data ran out.
         return LoopResult(
-            logs={name: total / num_steps for name, total in totals.items()},
+            logs={name: total / weights[name] if weights[name] else 0.0 for name, total in totals.items()},
             steps_run=steps_run,
             nonfinite_steps=nonfinite_steps,
             first_nonfinite_index=first_nonfinite,

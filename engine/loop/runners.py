@@ -42,6 +42,7 @@ from engine.loop.compiled import (
 from engine.loop.iterator_release import release_in_background
 from engine.loop.steps import EvalStep, ReplicaStep, inference_outputs, make_eval_step
 from engine.losses import EvalLoss, Objective
+from engine.metric_values import metric_logs
 from engine.resident import ResidentData, ResidentEvalData, place_on_replicas
 from engine.stragglers import InputClock
 
@@ -247,7 +248,7 @@ class EvalRunner:
         if self.output_names:
             terms = self.loss.term_results().numpy()
             logs.update({f"{name}_loss": float(t) for name, t in zip(self.output_names, terms, strict=True)})
-        logs.update({m.name: float(m.result()) for m in self.metrics})
+        logs.update(metric_logs(self.metrics))  # A vector-valued one per entry (`f1_score/0`, ...).
         logs["num_examples"] = int(round(float(self.loss.examples_seen())))
         return logs
 

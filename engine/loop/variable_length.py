@@ -28,9 +28,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import keras
 import tensorflow as tf
 
 from engine.callbacks.base import Callback, TrainerView
+from engine.compat import keras_sublayers
 from engine.data import DataForm, GlobalBatches, element_spec
 from engine.logger import logger
 from engine.resident import ResidentData
@@ -57,15 +59,29 @@ class OneStepPerCall(Callback):
         return 1
 
 
+def may_have_sparse_gradients(model: Any) -> bool:
+    """Whether a gradient of `model` may be `IndexedSlices` (a row per looked-up id, whose all-reduce
+    gathers rows: the collective whose shape follows the batch): a Keras model with an `Embedding`
+    (or a subclass) among its layers; a plain `tf.Module`, whose lookups cannot be told, is
+    taken to. A Keras model without one has only dense, fixed-shape gradients."""
+    if not isinstance(model, keras.layers.Layer):
+        return True
+    layers = [model, *keras_sublayers(model)]
+    return any(isinstance(layer, keras.layers.Embedding) for layer in layers)
+
+
 def one_step_per_call(
-    strategy: tf.distribute.Strategy, data: DataForm | ResidentData, steps_per_loop: int
+    strategy: tf.distribute.Strategy, data: DataForm | ResidentData, steps_per_loop: int, model: Any = None
 ) -> list[Callback]:
     """`[OneStepPerCall()]` where the training data's batches vary in a dimension other than the
     batch (read from its element spec, before anything is traced) and more than one replica
     sums gradients with collectives inside loops of several steps (one warning line says so);
     else `[LastBatchAlone(...)]` where the data's last batch may be partial (`_last_batch_alone`),
-    or `[]`."""
+    or `[]`. Only for a `model` whose gradients may be sparse (`may_have_sparse_gradients`): dense
+    gradients keep their shape whatever the batch."""
     if steps_per_loop == 1 or strategy.num_replicas_in_sync == 1 or not _reduces_with_collectives(strategy):
+        return []
+    if model is not None and not may_have_sparse_gradients(model):
         return []
     if isinstance(data, ResidentData):  # Arrays: one shape for every batch.
         return []

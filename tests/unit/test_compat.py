@@ -203,3 +203,40 @@ def test_op_determinism_enabled_says_whether_a_timestamp_would_fail():
     except tf.errors.FailedPreconditionError:
         fails = True
     assert compat.op_determinism_enabled() == fails
+
+
+def test_a_mirrored_strategy_given_a_collective_group_of_its_own_all_reduces_in_it():
+    """`engine.strategy.own_collectives` relies on it (tests/process/test_raw_mirrored_strategies.py)."""
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    with private_api("MirroredExtended._collective_ops, CollectiveAllReduce, CollectiveKeys"):
+        assert compat.give_collective_group(strategy, 7_000_000)
+
+    @tf.function
+    def total() -> tf.Tensor:
+        def one_plus_id() -> tf.Tensor:
+            return tf.cast(tf.distribute.get_replica_context().replica_id_in_sync_group + 1, tf.float32)
+
+        return strategy.reduce(tf.distribute.ReduceOp.SUM, strategy.run(one_plus_id), axis=None)
+
+    assert float(total()) == 3.0
+    mirrored = tf.distribute.MirroredStrategy(
+        ["/cpu:0", "/cpu:1"], cross_device_ops=tf.distribute.HierarchicalCopyAllReduce()
+    )
+    assert compat.give_collective_group(mirrored, 7_001_000)  # Its collective ops (XLA's) only.
+    assert isinstance(mirrored.extended._cross_device_ops, tf.distribute.HierarchicalCopyAllReduce)  # noqa: SLF001
+
+
+def test_custom_gradients_traced_in_graph_mode_are_listed_and_forgotten():
+    """A dropped Trainer forgets the ones its traces registered (tests/unit/test_trainer_sweep.py)."""
+
+    @tf.custom_gradient
+    def doubled(x):
+        return 2.0 * x, lambda upstream: 2.0 * upstream
+
+    before = compat.custom_gradient_names()
+    with private_api("ops._gradient_registry._registry"):
+        tf.function(doubled).get_concrete_function(tf.TensorSpec([], tf.float32))
+        new = compat.custom_gradient_names() - before
+        assert len(new) == 1 and next(iter(new)).startswith(compat.CUSTOM_GRADIENT_PREFIX)
+        compat.forget_custom_gradients(sorted(new))
+        assert compat.custom_gradient_names() == before

@@ -62,6 +62,7 @@ def test_cli_run_logs_profiles_and_keeps_the_best(finished_run):
         "devices=",
         "global_batch=64",
         "per_replica_batch=64",
+        "precision=float32",
         "params=",
         f"model_dir={model_dir}",
     ):

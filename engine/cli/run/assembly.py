@@ -18,6 +18,7 @@ from engine.cli.config.settings import RunConfig
 from engine.cli.process.environment import seed_everything, set_precision
 from engine.cli.run.run_task import RunTask, resolve_task
 from engine.ema import averages_swapped_in, weight_averages
+from engine.precision import with_loss_scaling
 from engine.schedules import LearningRate, learning_rate_schedule
 from engine.strategy import build_strategy, configure_cpu_devices
 from engine.trainer_checks import prepare_model_state
@@ -44,22 +45,20 @@ def build_model_and_optimizer(
         learning_rate = learning_rate_schedule(
             config.lr_schedule, config.learning_rate, total_steps, config.warmup_steps
         )
-        optimizer = build_optimizer(config.optimizer, learning_rate, config.mixed_precision)
+        optimizer = build_optimizer(config.optimizer, learning_rate, model)
     return model, optimizer
 
 
-def build_optimizer(name: str, learning_rate: LearningRate, mixed_precision: str) -> keras.optimizers.Optimizer:
+def build_optimizer(name: str, learning_rate: LearningRate, model: keras.Model) -> keras.optimizers.Optimizer:
+    """The `--optimizer` named `name`; under `--mixed_precision=float16` (the model's mixed_float16
+    policy) wrapped in a dynamic loss scale, as the Trainer and Keras `compile()` wrap it."""
     optimizers = {
         "sgd": lambda: keras.optimizers.SGD(learning_rate),
         "momentum": lambda: keras.optimizers.SGD(learning_rate, momentum=0.9),
         "adam": lambda: keras.optimizers.Adam(learning_rate),
         "adamw": lambda: keras.optimizers.AdamW(learning_rate),
     }
-    optimizer = optimizers[name]()
-    if mixed_precision == "float16":
-        # float16 gradients underflow without a (dynamic) loss scale.
-        optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
-    return optimizer
+    return with_loss_scaling(optimizers[name](), model)
 
 
 class CheckpointedModel:

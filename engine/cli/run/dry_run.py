@@ -284,7 +284,7 @@ def _one_step(
         learning_rate = learning_rate_schedule(
             config.lr_schedule, config.learning_rate, total_steps, config.warmup_steps
         )
-        optimizer = build_optimizer(config.optimizer, learning_rate, config.mixed_precision)
+        optimizer = build_optimizer(config.optimizer, learning_rate, model)
     train_data, _ = train_and_eval_data(
         dataclasses.replace(config, global_batch_size=batch, mode="train"), task.source
     )

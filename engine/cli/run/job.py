@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import keras
 import tensorflow as tf
 from absl import logging
 
@@ -573,12 +574,14 @@ def _log_banner(config, strategy, model, task: RunTask, model_dir, total_steps, 
         devices = ("default device",)
     logging.info(
         "strategy=%s replicas=%d devices=%s global_batch=%d per_replica_batch=%d "
-        "model=%s params=%d dataset=%s (%s train / %s eval, %s, examples %s) %s steps=%d->%d model_dir=%s",
+        "precision=%s model=%s params=%d dataset=%s (%s train / %s eval, %s, examples %s) %s steps=%d->%d "
+        "model_dir=%s",
         config.strategy,
         replicas,
         ",".join(devices),
         config.global_batch_size,
         config.global_batch_size // replicas,
+        _precision(config, trainer),
         task.model_name,
         model.count_params(),
         config.task or config.dataset,
@@ -594,6 +597,12 @@ def _log_banner(config, strategy, model, task: RunTask, model_dir, total_steps, 
     logging.info("model %s:\n%s", task.model_name, model_summary(model))
     for line in describe_tables(model):  # Where each engine.ShardedEmbedding's shards live.
         logging.info(line)
+
+
+def _precision(config: RunConfig, trainer: Trainer) -> str:
+    """The compute precision, and the loss scale float16 trains under (`engine.precision`)."""
+    scaled = isinstance(trainer.optimizer, keras.optimizers.LossScaleOptimizer)
+    return config.mixed_precision + ("+dynamic_loss_scale" if scaled else "")
 
 
 def _optimizer_settings(config: RunConfig) -> dict[str, str]:

@@ -342,6 +342,32 @@ def test_a_partial_last_batch_trains_as_fit_for_any_loop_length(mirrored, tmp_pa
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("replicas", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_the_loss_of_a_loop_with_a_partial_batch_is_fits_example_weighted_epoch_loss(mirrored, replicas):
+    """fit's loss tracker weighs each batch by its size: the last batch of 8 weighs a quarter of a
+    full one (a mean of the step losses reported 1.967 where fit reported 1.280)."""
+    x, y = make_arrays(200, seed=4)
+    finite = tf.data.Dataset.from_tensor_slices((x, y)).batch(32)  # 6 batches of 32 and one of 8.
+    reference, _ = make_model(engine.build_strategy("default"), l2=0.01)
+    reference.compile(optimizer=keras.optimizers.SGD(0.5), loss=keras.losses.SparseCategoricalCrossentropy(True))
+    fit_loss = reference.fit(finite, epochs=1, verbose=0).history["loss"][-1]
+
+    strategy = mirrored if replicas > 1 else engine.build_strategy("default")
+    model, optimizer = make_model(strategy, l2=0.01)
+    trainer = engine.Trainer(
+        strategy=strategy,
+        model=model,
+        optimizer=optimizer,
+        train_data=finite,
+        global_batch_size=32,
+        loss_fn=loss_fn(),
+        steps_per_loop=7,  # One loop, the whole epoch.
+    )
+    logs = trainer.train(7)
+    assert trainer.step == 7
+    np.testing.assert_allclose(logs["loss"], fit_loss, rtol=1e-6, atol=1e-6)
+
+
 def test_a_partial_batch_splits_over_accumulation_steps_as_the_whole_batch(mirrored):
     x, y = make_arrays(40, seed=6)
     finite = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)  # 16, 16, 8.
