@@ -346,79 +346,101 @@ def keras_arguments(
     """
     compiled = compat.compile_arguments(model)
     own = set(overrides(model))
-    steps = sorted(own - {"compute_loss"})
-    if steps and isinstance(strategy, tf.distribute.experimental.ParameterServerStrategy):
-        raise UserError(
-            f"{type(model).__name__} overrides {', '.join(steps)}, which the engine runs as Keras does, on "
-            "replicas it drives itself: a parameter-server coordinator schedules the engine's steps only; "
-            "pass loss_fn (or step_fn), or train with another strategy"
-        )
-    if "train_step" in own and step_fn is not None:
-        raise UserError(
-            f"{type(model).__name__} overrides train_step, which is its step; drop step_fn (or the override)"
-        )
-    if "test_step" in own and eval_step_fn is not None:
-        raise UserError(
-            f"{type(model).__name__} overrides test_step, which evaluates it; drop eval_step_fn or the override"
-        )
-    if "compute_loss" in own and loss_fn is not None:
-        raise UserError(
-            f"{type(model).__name__} overrides compute_loss, which is its loss: drop loss_fn and compile the "
-            "model with the loss its compute_loss builds on (if any)"
-        )
-    if steps and not compiled:
-        raise UserError(
-            f"{type(model).__name__} overrides {', '.join(steps)}, which run as Keras runs them, on what "
-            "compile() sets up (self.optimizer, self.compute_loss, self.metrics): compile() it first, as fit "
-            "and evaluate require"
-        )
-    model_optimizer = getattr(model, "optimizer", None) if compiled else None
-    if optimizer is None:
-        if model_optimizer is None:
-            raise UserError("pass optimizer= to the Trainer, or compile() the model with one")
-        optimizer = model_optimizer
-    elif "train_step" in own and model_optimizer is not None and optimizer is not model_optimizer:
-        raise UserError(
-            f"{type(model).__name__}.train_step applies self.optimizer ({type(model_optimizer).__name__}), "
-            f"not the Trainer's optimizer ({type(optimizer).__name__}): pass optimizer=None or the model's"
-        )
-    y_true = y_pred = None
+    _check_own_steps(model, own, strategy, compiled, step_fn=step_fn, eval_step_fn=eval_step_fn, loss_fn=loss_fn)
+    optimizer = _optimizer_of(model, own, compiled, optimizer)
     needs_shapes = any(
         isinstance(item, str)
         for item in (*_leaves(compiled.get("loss")), *_leaves(compiled.get("metrics")), *metrics)
     )
-    if needs_shapes:
-        y_true, y_pred = shapes()
-    compiled_loss = compiled.get("loss")
-    if compiled_loss is not None:
-        if loss_fn is not None:
-            raise _refuse_both("loss=", "loss_fn")
-        if loss_weights is not None:
-            raise _refuse_both("a loss", "loss_weights")
-        loss_fn = _map_leaves(lambda loss: per_element_loss(loss, y_true, y_pred), compiled_loss)
-        loss_weights = compiled.get("loss_weights")
-    elif loss_fn is not None:
-        loss_fn = _map_leaves(lambda loss: per_element_loss(loss, y_true, y_pred), loss_fn)
+    y_true, y_pred = shapes() if needs_shapes else (None, None)
+    loss_fn, loss_weights = _losses_of(compiled, loss_fn, loss_weights, y_true, y_pred)
     for argument, given in (("metrics", metrics), ("weighted_metrics", weighted_metrics)):
         if compiled.get(argument) is not None and given:
             raise _refuse_both(f"{argument}=", argument)
-    metrics = resolve_metrics(metrics or compiled.get("metrics"), y_true, y_pred, argument="metrics")
-    weighted_metrics = resolve_metrics(
-        weighted_metrics or compiled.get("weighted_metrics"), y_true, y_pred, argument="weighted_metrics"
-    )
     own_train_step = "train_step" in own
     return KerasArguments(
         optimizer=optimizer,
         loss_fn=loss_fn,
         loss_weights=loss_weights,
-        metrics=metrics,
-        weighted_metrics=weighted_metrics,
+        metrics=resolve_metrics(metrics or compiled.get("metrics"), y_true, y_pred, argument="metrics"),
+        weighted_metrics=resolve_metrics(
+            weighted_metrics or compiled.get("weighted_metrics"), y_true, y_pred, argument="weighted_metrics"
+        ),
         step_fn=KerasTrainStep(model) if own_train_step else step_fn,
         own_train_step=own_train_step,
         own_test_step="test_step" in own,
         own_predict_step="predict_step" in own,
         own_compute_loss="compute_loss" in own,
     )
+
+
+def _check_own_steps(
+    model: Any,
+    own: set[str],
+    strategy: tf.distribute.Strategy,
+    compiled: Mapping[str, Any],
+    *,
+    step_fn: Any,
+    eval_step_fn: Any,
+    loss_fn: Any,
+) -> None:
+    """Refuses what cannot go with the model's own step methods, naming both."""
+    name = type(model).__name__
+    steps = sorted(own - {"compute_loss"})
+    if steps and isinstance(strategy, tf.distribute.experimental.ParameterServerStrategy):
+        raise UserError(
+            f"{name} overrides {', '.join(steps)}, which the engine runs as Keras does, on replicas it "
+            "drives itself: a parameter-server coordinator schedules the engine's steps only; pass loss_fn "
+            "(or step_fn), or train with another strategy"
+        )
+    conflicts = (
+        ("train_step", step_fn, "which is its step; drop step_fn (or the override)"),
+        ("test_step", eval_step_fn, "which evaluates it; drop eval_step_fn or the override"),
+        (
+            "compute_loss",
+            loss_fn,
+            "which is its loss: drop loss_fn and compile the model with the loss its compute_loss builds on "
+            "(if any)",
+        ),
+    )
+    for method, given, what in conflicts:
+        if method in own and given is not None:
+            raise UserError(f"{name} overrides {method}, {what}")
+    if steps and not compiled:
+        raise UserError(
+            f"{name} overrides {', '.join(steps)}, which run as Keras runs them, on what compile() sets up "
+            "(self.optimizer, self.compute_loss, self.metrics): compile() it first, as fit and evaluate require"
+        )
+
+
+def _optimizer_of(model: Any, own: set[str], compiled: Mapping[str, Any], optimizer: Any) -> Any:
+    """The Trainer's optimizer, else the compiled one; the model's own train_step applies only its own."""
+    model_optimizer = getattr(model, "optimizer", None) if compiled else None
+    if optimizer is None:
+        if model_optimizer is None:
+            raise UserError("pass optimizer= to the Trainer, or compile() the model with one")
+        return model_optimizer
+    if "train_step" in own and model_optimizer is not None and optimizer is not model_optimizer:
+        raise UserError(
+            f"{type(model).__name__}.train_step applies self.optimizer ({type(model_optimizer).__name__}), "
+            f"not the Trainer's optimizer ({type(optimizer).__name__}): pass optimizer=None or the model's"
+        )
+    return optimizer
+
+
+def _losses_of(compiled: Mapping[str, Any], loss_fn: Any, loss_weights: Any, y_true: Any, y_pred: Any) -> tuple:
+    """`(loss_fn, loss_weights)`: the compiled ones where the Trainer has none, each loss per element."""
+    compiled_loss = compiled.get("loss")
+    if compiled_loss is None:
+        if loss_fn is None:
+            return None, loss_weights
+        return _map_leaves(lambda loss: per_element_loss(loss, y_true, y_pred), loss_fn), loss_weights
+    if loss_fn is not None:
+        raise _refuse_both("loss=", "loss_fn")
+    if loss_weights is not None:
+        raise _refuse_both("a loss", "loss_weights")
+    per_element = _map_leaves(lambda loss: per_element_loss(loss, y_true, y_pred), compiled_loss)
+    return per_element, compiled.get("loss_weights")
 
 
 def _leaves(structure: Any) -> list[Any]:
