@@ -24,6 +24,8 @@ engine is compared with fit on one replica (`Form.fit_replicas`); BatchNormaliza
 moving statistics, which each of fit's replicas keeps for itself, are compared with the
 mean of fit's replica copies, which is what the engine keeps (`engine.loop.replica_state`).
 Tolerances: 1e-5 relative (and 1e-6 absolute, for values near 0) unless a form says why.
+
+Covers: engine/loop/steps.py, engine/loop/replica_state.py.
 """
 
 from __future__ import annotations
