@@ -1,6 +1,10 @@
 """The multi-host launcher's rendezvous (engine.launch.rendezvous), with clients in this process:
 who is in a round, when a round restarts, shrinks or ends, and the one line of each end; who
-gets in (the secret, both ways), what a connection may send, and how long a node waits."""
+gets in (the secret, both ways), what a connection may send, and how long a node waits.
+
+Covers: engine/launch/rendezvous/protocol.py, engine/launch/rendezvous/secret.py,
+engine/launch/rendezvous/server_side.py, engine/launch/rendezvous/client_side.py
+"""
 
 from __future__ import annotations
 
