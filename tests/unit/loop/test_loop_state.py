@@ -1,5 +1,8 @@
 """The train loop's running state (`engine.loop.compiled.LoopState`): what it adds up from step
-to step and what the loop reports from it, checked against the same sums done in numpy."""
+to step and what the loop reports from it, checked against the same sums done in numpy.
+
+Covers: engine/loop/compiled.py.
+"""
 
 from __future__ import annotations
 
