@@ -724,30 +724,47 @@ def _measure(
     config: BenchConfig, strategy, model_spec, source, files: tuple[str, ...], data: dict
 ) -> dict[str, Any]:
     """Sets up the runners, times their interleaved windows, measures the peak."""
-    import tensorflow as tf
-
-    from engine.cli.process.environment import set_precision
-    from models import flops_per_example
-
     specs = [parse_runner(token, config) for token in config.runners]
-    replicas = strategy.num_replicas_in_sync
-    runners: list[Runner] = []
-    for spec in specs:
-        runner = RUNNER_CLASSES[spec.kind](
-            spec=spec, config=config, strategy=strategy, source=source, model_spec=model_spec, files=files
-        )
-        began = time.perf_counter()
-        try:
-            runner.setup()
-        except Exception as error:  # noqa: BLE001 -- a row with the error, not a crash
-            runner.error = f"{type(error).__name__}: {_first_line(error)}"
-        runner.extra["setup_seconds"] = round(time.perf_counter() - began, 2)
-        _log(
-            f"set up {spec.name}: {runner.extra['setup_seconds']} s"
-            + (f"  ERROR {runner.error}" if runner.error else "")
-        )
-        runners.append(runner)
+    runners = [_set_up(spec, config, strategy, model_spec, source, files) for spec in specs]
+    windows = _time_windows(config, runners)
+    peaks = _measure_peaks(config, strategy, specs)
+    rows = [
+        _row(runner, config, windows[runner.spec.name], peaks, strategy.num_replicas_in_sync)
+        for runner in runners
+    ]
+    return {
+        "results": rows,
+        "ratios": compute_ratios(rows),
+        "peak_tflops": peaks.get("float32", 0.0),
+        "peak_tflops_by_dtype": peaks,
+        "config": {**config.__dict__, "runners": list(config.runners)},
+        "data": data,
+        "machine": machine_info(),
+    }
 
+
+def _set_up(
+    spec: RunnerSpec, config: BenchConfig, strategy, model_spec, source, files: tuple[str, ...]
+) -> Runner:
+    """One runner, set up and its setup timed; an error in setup is its row's error, not a crash."""
+    runner = RUNNER_CLASSES[spec.kind](
+        spec=spec, config=config, strategy=strategy, source=source, model_spec=model_spec, files=files
+    )
+    began = time.perf_counter()
+    try:
+        runner.setup()
+    except Exception as error:  # noqa: BLE001 -- a row with the error, not a crash
+        runner.error = f"{type(error).__name__}: {_first_line(error)}"
+    runner.extra["setup_seconds"] = round(time.perf_counter() - began, 2)
+    _log(
+        f"set up {spec.name}: {runner.extra['setup_seconds']} s"
+        + (f"  ERROR {runner.error}" if runner.error else "")
+    )
+    return runner
+
+
+def _time_windows(config: BenchConfig, runners: list[Runner]) -> dict[str, list[float]]:
+    """Each runner's examples/s in each repeat, the runners interleaved within a repeat."""
     windows: dict[str, list[float]] = {runner.spec.name: [] for runner in runners}
     for repeat in range(config.repeats):
         for runner in runners:
@@ -761,77 +778,80 @@ def _measure(
             rate = config.steps * config.global_batch_size / seconds
             windows[runner.spec.name].append(rate)
             _log(f"repeat {repeat + 1}/{config.repeats} {runner.spec.name}: {rate:,.1f} examples/s")
+    return windows
+
+
+def _measure_peaks(config: BenchConfig, strategy, specs: list[RunnerSpec]) -> dict[str, float]:
+    """The peak matmul TFLOP/s of each dtype the runners compute in (none: peak_matmul_size 0)."""
+    import tensorflow as tf
+
+    from engine.cli.process.environment import set_precision
 
     peaks: dict[str, float] = {}
-    if config.peak_matmul_size > 0:
-        set_precision("float32")
-        dtypes = ["float32"] + (["bfloat16"] if any(s.mixed_precision == "bfloat16" for s in specs) else [])
-        single = tf.distribute.OneDeviceStrategy("/cpu:0")
-        for dtype in dtypes:
-            try:
-                # All replicas at once, and one device alone (logical CPUs share
-                # the cores, so either can be the higher): the peak is the best.
-                on_replicas = measure_peak_tflops(strategy, dtype, config.peak_matmul_size)
-                peaks[dtype] = on_replicas
-                if replicas > 1:
-                    alone = measure_peak_tflops(single, dtype, config.peak_matmul_size)
-                    peaks[dtype] = max(on_replicas, alone)
-                    _log(f"peak {dtype}: {on_replicas:.3f} on {replicas} replicas, {alone:.3f} on one device")
-            except Exception as error:  # noqa: BLE001
-                _log(f"peak {dtype} failed: {error}")
-        _log("peak TFLOP/s: " + ", ".join(f"{k}={v:.3f}" for k, v in peaks.items()))
+    if config.peak_matmul_size <= 0:
+        return peaks
+    set_precision("float32")
+    replicas = strategy.num_replicas_in_sync
+    dtypes = ["float32"] + (["bfloat16"] if any(s.mixed_precision == "bfloat16" for s in specs) else [])
+    single = tf.distribute.OneDeviceStrategy("/cpu:0")
+    for dtype in dtypes:
+        try:
+            # All replicas at once, and one device alone (logical CPUs share
+            # the cores, so either can be the higher): the peak is the best.
+            on_replicas = measure_peak_tflops(strategy, dtype, config.peak_matmul_size)
+            peaks[dtype] = on_replicas
+            if replicas > 1:
+                alone = measure_peak_tflops(single, dtype, config.peak_matmul_size)
+                peaks[dtype] = max(on_replicas, alone)
+                _log(f"peak {dtype}: {on_replicas:.3f} on {replicas} replicas, {alone:.3f} on one device")
+        except Exception as error:  # noqa: BLE001
+            _log(f"peak {dtype} failed: {error}")
+    _log("peak TFLOP/s: " + ", ".join(f"{k}={v:.3f}" for k, v in peaks.items()))
+    return peaks
 
-    rows = []
-    for runner in runners:
-        rates = windows[runner.spec.name]
-        flops = 0
-        if runner.model is not None:
-            try:
-                flops = int(flops_per_example(runner.model))
-            except Exception as error:  # noqa: BLE001
-                runner.extra["flops_error"] = str(error)
-        median = statistics.median(rates) if rates else 0.0
-        achieved = 3 * flops * median / 1e12
-        compute_dtype = "bfloat16" if runner.spec.mixed_precision == "bfloat16" else "float32"
-        peak = peaks.get(compute_dtype)
-        jit = runner.spec.jit_compile
-        if runner.spec.kind == "fit" and hasattr(runner, "used_jit"):
-            jit = runner.used_jit
-        error = runner.error
-        if not rates and error is None:
-            error = "no timed window completed"
-        rows.append(
-            {
-                "runner": runner.spec.name,
-                "kind": runner.spec.kind,
-                "model": config.model,
-                "strategy": config.strategy,
-                "examples_per_second": median,
-                "min": min(rates) if rates else 0.0,
-                "max": max(rates) if rates else 0.0,
-                "windows": rates,
-                "global_batch_size": config.global_batch_size,
-                "replicas": replicas,
-                "mixed_precision": runner.spec.mixed_precision,
-                "jit_compile": bool(jit),
-                "flops_per_example": flops,
-                "train_flops_per_example": 3 * flops,
-                "achieved_tflops": achieved,
-                "peak_tflops": peak,
-                "fraction_of_peak": (achieved / peak) if peak else None,
-                "error": error,
-                **runner.extra,
-            }
-        )
 
+def _row(
+    runner: Runner, config: BenchConfig, rates: list[float], peaks: dict[str, float], replicas: int
+) -> dict:
+    """A runner's row of the results: its median rate, its FLOPs and their fraction of the peak."""
+    from models import flops_per_example
+
+    flops = 0
+    if runner.model is not None:
+        try:
+            flops = int(flops_per_example(runner.model))
+        except Exception as error:  # noqa: BLE001
+            runner.extra["flops_error"] = str(error)
+    median = statistics.median(rates) if rates else 0.0
+    achieved = 3 * flops * median / 1e12
+    compute_dtype = "bfloat16" if runner.spec.mixed_precision == "bfloat16" else "float32"
+    peak = peaks.get(compute_dtype)
+    jit = runner.spec.jit_compile
+    if runner.spec.kind == "fit" and hasattr(runner, "used_jit"):
+        jit = runner.used_jit
+    error = runner.error
+    if not rates and error is None:
+        error = "no timed window completed"
     return {
-        "results": rows,
-        "ratios": compute_ratios(rows),
-        "peak_tflops": peaks.get("float32", 0.0),
-        "peak_tflops_by_dtype": peaks,
-        "config": {**config.__dict__, "runners": list(config.runners)},
-        "data": data,
-        "machine": machine_info(),
+        "runner": runner.spec.name,
+        "kind": runner.spec.kind,
+        "model": config.model,
+        "strategy": config.strategy,
+        "examples_per_second": median,
+        "min": min(rates) if rates else 0.0,
+        "max": max(rates) if rates else 0.0,
+        "windows": rates,
+        "global_batch_size": config.global_batch_size,
+        "replicas": replicas,
+        "mixed_precision": runner.spec.mixed_precision,
+        "jit_compile": bool(jit),
+        "flops_per_example": flops,
+        "train_flops_per_example": 3 * flops,
+        "achieved_tflops": achieved,
+        "peak_tflops": peak,
+        "fraction_of_peak": (achieved / peak) if peak else None,
+        "error": error,
+        **runner.extra,
     }
 
 

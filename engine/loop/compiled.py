@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import tensorflow as tf
 
@@ -122,22 +122,33 @@ def run_step(
     return reduced, finite
 
 
-# A loop's running state: (sums of the finite steps' outputs, in the order of the loop's `names`;
-# finite steps; non-finite steps; first non-finite index; that step's loss). The sums start empty
-# and take the step's length at its first step, so that the step is traced once, inside the loop:
-# a step peeled off the loop to learn its outputs would be traced, optimized and held twice.
-LoopState = tuple[tf.Tensor, tf.Tensor, tf.Tensor, tf.Tensor, tf.Tensor]
+class LoopState(NamedTuple):
+    """A train loop's running state, carried from step to step inside the compiled loop.
+
+    The sums start empty and take the step's length at its first step, so that the step is
+    traced once, inside the loop: a step peeled off the loop to learn its outputs would be
+    traced, optimized and held twice.
+    """
+
+    sums: tf.Tensor  # The finite steps' outputs summed (keep_last: the last one's), in the order of `names`.
+    finite_steps: tf.Tensor  # float32.
+    nonfinite_steps: tf.Tensor  # int32.
+    first_nonfinite_index: tf.Tensor  # 0-based in this loop; -1: none yet.
+    first_nonfinite_loss: tf.Tensor  # That step's "loss" output; _NO_LOSS: none yet.
+
+
 # The graph's placeholder for "no loss to report" (no non-finite step yet, or a step without a
 # "loss" output): a finite 0, since --check_numerics fails on any NaN constant; LoopResult reads
 # it as NaN where it means nothing.
 _NO_LOSS = 0.0
-# The shape the sums keep across the loop's iterations (empty before the first step).
-_SUMS_SHAPE = tf.TensorShape([None])
+# The shapes the state keeps across the loop's iterations (the sums are empty before the first step).
+_SCALAR = tf.TensorShape([])
+_STATE_SHAPES = LoopState(tf.TensorShape([None]), _SCALAR, _SCALAR, _SCALAR, _SCALAR)
 
 
 @engine_graph_code
 def _empty_state() -> LoopState:
-    return tf.zeros([0]), tf.constant(0.0), tf.constant(0), tf.constant(-1), tf.constant(_NO_LOSS)
+    return LoopState(tf.zeros([0]), tf.constant(0.0), tf.constant(0), tf.constant(-1), tf.constant(_NO_LOSS))
 
 
 @engine_graph_code
@@ -158,15 +169,19 @@ def _accumulate(
     """Adds step `index` to the loop's running sums of finite outputs and its non-finite count;
     with `keep_last`, the sums hold the last finite step's outputs instead (a step that
     reports running results, such as a Keras model's own train_step)."""
-    sums, count, bad, first_bad, first_bad_loss = state
     values = tf.stack([_summand(outputs, name) for name in names]) if names else tf.zeros([0])
-    previous = _sized(sums, len(names))
+    previous = _sized(state.sums, len(names))
     sums = tf.where(finite, values, previous) if keep_last else previous + tf.where(finite, values, 0.0)
-    newly_bad = tf.logical_and(tf.logical_not(finite), first_bad < 0)
-    first_bad = tf.where(newly_bad, index, first_bad)
-    first_bad_loss = tf.where(newly_bad, outputs.get("loss", tf.constant(_NO_LOSS)), first_bad_loss)
-    count = count + tf.cast(finite, tf.float32)
-    return sums, count, bad + 1 - tf.cast(finite, tf.int32), first_bad, first_bad_loss
+    newly_bad = tf.logical_and(tf.logical_not(finite), state.first_nonfinite_index < 0)
+    return LoopState(
+        sums=sums,
+        finite_steps=state.finite_steps + tf.cast(finite, tf.float32),
+        nonfinite_steps=state.nonfinite_steps + 1 - tf.cast(finite, tf.int32),
+        first_nonfinite_index=tf.where(newly_bad, index, state.first_nonfinite_index),
+        first_nonfinite_loss=tf.where(
+            newly_bad, outputs.get("loss", tf.constant(_NO_LOSS)), state.first_nonfinite_loss
+        ),
+    )
 
 
 def _weighs_loss_by_examples(outputs: Mapping[str, Any]) -> bool:
@@ -189,17 +204,16 @@ def _summand(outputs: Mapping[str, tf.Tensor], name: str) -> tf.Tensor:
 def _loop_outputs(
     state: LoopState, names: Sequence[str], steps_run: tf.Tensor, keep_last: bool = False
 ) -> dict[str, tf.Tensor]:
-    sums, count, bad, first_bad, first_bad_loss = state
-    sums = _sized(sums, len(names))
-    divisor = tf.constant(1.0) if keep_last else tf.maximum(count, 1.0)
+    sums = _sized(state.sums, len(names))
+    divisor = tf.constant(1.0) if keep_last else tf.maximum(state.finite_steps, 1.0)
     means = {name: sums[i] / divisor for i, name in enumerate(names)}
     if not keep_last and _weighs_loss_by_examples(means):  # Over the finite steps' examples (none: 0).
         means["loss"] = tf.math.divide_no_nan(sums[names.index("loss")], sums[names.index(STEP_EXAMPLES)])
     return {
         "logs": means,
-        "nonfinite_steps": bad,
-        "first_nonfinite_index": first_bad,
-        "first_nonfinite_loss": first_bad_loss,
+        "nonfinite_steps": state.nonfinite_steps,
+        "first_nonfinite_index": state.first_nonfinite_index,
+        "first_nonfinite_loss": state.first_nonfinite_loss,
         "steps_run": steps_run,
     }
 
@@ -217,125 +231,152 @@ def make_train_loop(
 ) -> TrainLoop:
     """Returns `loop(iterator, num_steps) -> {name: mean over the loop}`.
 
-    Each step's outputs are averaged over replicas, then over the steps of
-    the loop whose outputs are all finite. More entries say whether any
-    were not: `nonfinite_steps` (how many) and `first_nonfinite_index` (the
-    0-based index in this loop of the first, or -1), so the host can stop
-    or count without a per-step sync (a loss above `max_loss` counts as
-    non-finite; `first_nonfinite_loss` is that step's); and `steps_run`, fewer than
-    `num_steps` when the data ran out (0: not one batch was left). The
-    step is traced once, inside the `tf.range` loop.
+    Each step's outputs are averaged over replicas, then over the steps of the loop whose outputs
+    are all finite. More entries say whether any were not: `nonfinite_steps` (how many) and
+    `first_nonfinite_index` (the 0-based index in this loop of the first, or -1), so the host can
+    stop or count without a per-step sync (a loss above `max_loss` counts as non-finite;
+    `first_nonfinite_loss` is that step's); and `steps_run`, fewer than `num_steps` when the data
+    ran out (0: not one batch was left). The step is traced once, inside the `tf.range` loop.
 
-    With `per_replica_batch_size`, the call's first batch can be checked on
-    every replica before any step runs, as `first_batch_check` asks: not
-    at all (`CHECK_NONE`, the default: a batch inside the stream, which
-    may be its partial last one), not larger (`CHECK_NOT_LARGER`: the
-    first batch after a resume) or exactly (`CHECK_EXACT`: the first batch
-    of a run from step 0). Where it fails, the call runs no step and
-    returns `steps_run=0` and the offending size as `first_batch_size`
-    (where the shape is static, tracing raises `BatchSizeMismatch`).
+    With `per_replica_batch_size`, the call's first batch can be checked on every replica before
+    any step runs, as `first_batch_check` asks: not at all (`CHECK_NONE`, the default: a batch
+    inside the stream, which may be its partial last one), not larger (`CHECK_NOT_LARGER`: the
+    first batch after a resume) or exactly (`CHECK_EXACT`: the first batch of a run from step 0).
+    Where it fails, the call runs no step and returns `steps_run=0` and the offending size as
+    `first_batch_size` (where the shape is static, tracing raises `BatchSizeMismatch`).
 
-    `replica_state` (`engine.loop.replica_state`): variables each replica updates on
-    its own, averaged over the replicas after the loop's last step.
+    `replica_state` (`engine.loop.replica_state`): variables each replica updates on its own,
+    averaged over the replicas after the loop's last step. `input_clock` (`engine.stragglers`):
+    the time each get_next of the iterator waited is added to it. `keep_last`: the logs are the
+    last finite step's outputs, not their mean (a step whose outputs are running results
+    already: `engine.keras_model.KerasTrainStep`).
 
-    `input_clock` (`engine.stragglers`): the time each get_next of the iterator waited is added to it.
-
-    `keep_last`: the logs are the last finite step's outputs, not their mean (a step whose
-    outputs are running results already: `engine.keras_model.KerasTrainStep`).
-
-    With `global_step=None` the loop does not count steps: the
-    parameter-server coordinator counts the steps it scheduled, because a
-    closure retried after a worker failure may have run some steps twice.
+    With `global_step=None` the loop does not count steps: the parameter-server coordinator
+    counts the steps it scheduled, because a closure retried after a worker failure may have
+    run some steps twice.
     """
-
-    @engine_graph_code
-    def one_step(step_fn: ReplicaStep, batch) -> tuple[dict[str, tf.Tensor], tf.Tensor]:
-        reduced = run_step(strategy, step_fn, (batch,), max_loss=max_loss)
-        if global_step is not None:
-            global_step.assign_add(1)
-        return reduced
-
-    @engine_graph_code
-    def next_batch(iterator) -> tf.experimental.Optional:
-        if input_clock is None:
-            return iterator.get_next_as_optional()
-        started = input_clock.start()
-        batch = iterator.get_next_as_optional()
-        input_clock.stop(started, batch)
-        return batch
+    parts = _TrainLoopParts(
+        strategy=strategy,
+        replica_step=replica_step,
+        global_step=global_step,
+        per_replica_batch_size=per_replica_batch_size,
+        max_loss=max_loss,
+        replica_state=replica_state,
+        input_clock=input_clock,
+        keep_last=keep_last,
+    )
 
     @tf.function
     def train_loop(iterator, num_steps: tf.Tensor, first_batch_check=CHECK_NONE) -> dict[str, tf.Tensor]:
-        # Every batch is taken as an optional, so a finite dataset ends the
-        # loop early instead of failing it, and a call with no batch at all
-        # runs no step (a step whose batch is missing might still count an
-        # optimizer iteration).
-        first_batch = next_batch(iterator)
-        names: list[str] = []
-        run, first_size = first_batch.has_value(), tf.constant(-1, tf.int64)
-        if per_replica_batch_size is not None:
-            check = tf.convert_to_tensor(first_batch_check, tf.int32)
-            first_size = tf.cond(
-                tf.logical_and(run, check > CHECK_NONE),
-                lambda: _mismatched_size(first_batch.get_value(), exact=check >= CHECK_EXACT),
-                lambda: tf.constant(-1, tf.int64),
-            )
-            run = tf.logical_and(run, first_size < 0)
+        # Every batch is taken as an optional, so a finite dataset ends the loop early instead of
+        # failing it, and a call with no batch at all runs no step (a step whose batch is missing
+        # might still count an optimizer iteration).
+        first_batch = parts.next_batch(iterator)
+        run, first_size = parts.check_first_batch(first_batch, first_batch_check)
+        names: list[str] = []  # The step's output names, known once the step is traced.
 
         def run_steps() -> dict[str, tf.Tensor]:
-            batch = first_batch
-            sums, count, bad, first_bad, first_bad_loss = _empty_state()
-            steps_run = tf.constant(0)
+            batch, state, steps_run = first_batch, _empty_state(), tf.constant(0)
             for index in tf.range(num_steps):
-                tf.autograph.experimental.set_loop_options(shape_invariants=[(sums, _SUMS_SHAPE)])
-                outputs, finite = one_step(replica_step, batch.get_value())
+                tf.autograph.experimental.set_loop_options(shape_invariants=[(state, _STATE_SHAPES)])
+                outputs, finite = parts.one_step(batch.get_value())
                 names[:] = outputs
-                sums, count, bad, first_bad, first_bad_loss = _accumulate(
-                    (sums, count, bad, first_bad, first_bad_loss), index, names, outputs, finite, keep_last
-                )
+                state = _accumulate(state, index, names, outputs, finite, keep_last)
                 steps_run += 1
                 if index + 1 < num_steps:  # No batch is taken that the loop will not run.
-                    batch = next_batch(iterator)
+                    batch = parts.next_batch(iterator)
                 if not batch.has_value():
                     break
-            average_over_replicas(strategy, list(replica_state))
-            return _loop_outputs((sums, count, bad, first_bad, first_bad_loss), names, steps_run, keep_last)
+            return parts.outputs(state, names, steps_run)
 
-        def no_steps() -> dict[str, tf.Tensor]:
-            # tf.cond traces run_steps first, so the step's output names are known here.
-            return {
-                "logs": {name: tf.constant(0.0) for name in names},
-                "nonfinite_steps": tf.constant(0),
-                "first_nonfinite_index": tf.constant(-1),
-                "first_nonfinite_loss": tf.constant(_NO_LOSS),
-                "steps_run": tf.constant(0),
-            }
-
-        outputs = tf.cond(run, run_steps, no_steps)
+        # tf.cond traces run_steps first, so the step's output names are known to _no_steps.
+        outputs = tf.cond(run, run_steps, lambda: _no_steps(names))
         if per_replica_batch_size is not None:
             outputs["first_batch_size"] = first_size
         return outputs
 
+    return train_loop
+
+
+@dataclass(frozen=True, eq=False)
+class _TrainLoopParts:
+    """The parts of `make_train_loop`'s loop that need no AutoGraph (its steps loop does)."""
+
+    strategy: tf.distribute.Strategy
+    replica_step: ReplicaStep
+    global_step: tf.Variable | None
+    per_replica_batch_size: int | None
+    max_loss: float | None
+    replica_state: Sequence[Any]  # Read when the loop is traced.
+    input_clock: InputClock | None
+    keep_last: bool
+
     @engine_graph_code
-    def _mismatched_size(batch, *, exact: tf.Tensor) -> tf.Tensor:
+    def one_step(self, batch: Batch) -> tuple[dict[str, tf.Tensor], tf.Tensor]:
+        reduced = run_step(self.strategy, self.replica_step, (batch,), max_loss=self.max_loss)
+        if self.global_step is not None:
+            self.global_step.assign_add(1)
+        return reduced
+
+    @engine_graph_code
+    def next_batch(self, iterator) -> tf.experimental.Optional:
+        if self.input_clock is None:
+            return iterator.get_next_as_optional()
+        started = self.input_clock.start()
+        batch = iterator.get_next_as_optional()
+        self.input_clock.stop(started, batch)
+        return batch
+
+    @engine_graph_code
+    def check_first_batch(self, first_batch, first_batch_check) -> tuple[tf.Tensor, tf.Tensor]:
+        """(whether the loop runs: a first batch came and passed `first_batch_check`; the size
+        that failed it, or -1)."""
+        run, first_size = first_batch.has_value(), tf.constant(-1, tf.int64)
+        if self.per_replica_batch_size is None:
+            return run, first_size
+        check = tf.convert_to_tensor(first_batch_check, tf.int32)
+        first_size = tf.cond(
+            tf.logical_and(run, check > CHECK_NONE),
+            lambda: self.mismatched_size(first_batch.get_value(), exact=check >= CHECK_EXACT),
+            lambda: tf.constant(-1, tf.int64),
+        )
+        return tf.logical_and(run, first_size < 0), first_size
+
+    @engine_graph_code
+    def mismatched_size(self, batch, *, exact: tf.Tensor) -> tf.Tensor:
         """The first replica batch size that is larger than `per_replica_batch_size` (or, where
         `exact`, other than it), or -1. Not `exact`: a smaller batch may be the data's last."""
+        expected = self.per_replica_batch_size
         leaves = tf.nest.flatten(batch)
         if not leaves:
             return tf.constant(-1, tf.int64)
         sizes = []
-        for local in strategy.experimental_local_results(leaves[0]):
+        for local in self.strategy.experimental_local_results(leaves[0]):
             static = local.shape[0] if local.shape.rank else None
-            if static is not None and static != per_replica_batch_size:
+            if static is not None and static != expected:
                 raise BatchSizeMismatch(static)
             sizes.append(tf.shape(local, out_type=tf.int64)[0])
         sizes = tf.stack(sizes)
-        wrong = tf.logical_or(
-            sizes > per_replica_batch_size, tf.logical_and(exact, tf.not_equal(sizes, per_replica_batch_size))
-        )
+        wrong = tf.logical_or(sizes > expected, tf.logical_and(exact, tf.not_equal(sizes, expected)))
         return tf.where(tf.reduce_any(wrong), tf.gather(sizes, tf.argmax(tf.cast(wrong, tf.int32))), -1)
 
-    return train_loop
+    @engine_graph_code
+    def outputs(self, state: LoopState, names: Sequence[str], steps_run: tf.Tensor) -> dict[str, tf.Tensor]:
+        """What the loop returns after its last step, the replicas' own state averaged first."""
+        average_over_replicas(self.strategy, list(self.replica_state))
+        return _loop_outputs(state, names, steps_run, self.keep_last)
+
+
+@engine_graph_code
+def _no_steps(names: Sequence[str]) -> dict[str, tf.Tensor]:
+    """What a call that runs no step returns, with the step's output names."""
+    return {
+        "logs": {name: tf.constant(0.0) for name in names},
+        "nonfinite_steps": tf.constant(0),
+        "first_nonfinite_index": tf.constant(-1),
+        "first_nonfinite_loss": tf.constant(_NO_LOSS),
+        "steps_run": tf.constant(0),
+    }
 
 
 def make_resident_train_loop(
@@ -402,12 +443,11 @@ def _steps_loop(num_steps: tf.Tensor, step: Callable[[tf.Tensor, LoopState], Loo
     def body(index: tf.Tensor, state: LoopState) -> tuple[tf.Tensor, LoopState]:
         return index + 1, step(index, state)
 
-    scalar = tf.TensorShape([])
     _, state = tf.while_loop(
         lambda index, state: index < num_steps,
         body,
         (tf.constant(0, num_steps.dtype), _empty_state()),
-        shape_invariants=(scalar, (_SUMS_SHAPE, scalar, scalar, scalar, scalar)),
+        shape_invariants=(_SCALAR, _STATE_SHAPES),
         maximum_iterations=num_steps,
     )
     return state

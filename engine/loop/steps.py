@@ -14,6 +14,7 @@ number of replicas for the same reason.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -156,7 +157,33 @@ def make_train_step(
     grad_norm: bool = False,
     compute_clock: ComputeClock | None = None,
 ) -> ReplicaStep:
-    """The standard supervised replica step for `(features, labels)` batches.
+    """The standard supervised replica step for `(features, labels)` batches: a
+    `StandardStep`, whose docstring says what each argument does."""
+    return StandardStep(
+        model=model,
+        optimizer=optimizer,
+        objective=objective,
+        global_batch_size=global_batch_size,
+        metrics=metrics,
+        weighted_metrics=weighted_metrics,
+        extra_loss=extra_loss,
+        clip_norm=clip_norm,
+        grad_accum_steps=grad_accum_steps,
+        jit_compile=jit_compile,
+        skip_nonfinite=skip_nonfinite,
+        grad_norm=grad_norm,
+        compute_clock=compute_clock,
+    )
+
+
+# One micro-batch of a replica's batch: (features, labels, sample_weight).
+Part = tuple[Any, Any, Any]
+
+
+@dataclasses.dataclass(eq=False, repr=False, kw_only=True)
+class StandardStep:
+    """The standard supervised replica step for `(features, labels)` batches, as methods of
+    one object (`__call__` is the replica step); `make_train_step` builds it.
 
     - The loss is `objective`'s (`engine.losses`): each output's per-element
       losses summed over its real elements (Keras's output mask) on every
@@ -198,29 +225,75 @@ def make_train_step(
     - `compute_clock` (`engine.stragglers`) adds each step's time from its batch to its
       gradients, before any all-reduce, to this replica's clock: which worker is slow.
     """
-    uses_loss_scale = isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
-    variables = trainable_variables(model)
-    grad_norm = grad_norm and not uses_loss_scale
 
-    def split(structure):
-        if structure is None or grad_accum_steps == 1:
-            return [structure] * grad_accum_steps
-        leaves = [_split_examples(t, grad_accum_steps) for t in tf.nest.flatten(structure)]
-        return [
-            tf.nest.pack_sequence_as(structure, [parts[i] for parts in leaves]) for i in range(grad_accum_steps)
-        ]
+    model: Any
+    optimizer: keras.optimizers.Optimizer
+    objective: Objective | None
+    global_batch_size: int
+    metrics: Sequence[keras.metrics.Metric] = ()
+    weighted_metrics: Sequence[keras.metrics.Metric] = ()
+    extra_loss: Callable[[Any, Any, Any, Any], tf.Tensor] | None = None
+    clip_norm: float | None = None
+    grad_accum_steps: int = 1
+    jit_compile: bool = False
+    skip_nonfinite: bool = False
+    grad_norm: bool = False
+    compute_clock: ComputeClock | None = None
 
-    def step_counts(terms: list[LossTerm], later_parts: list[tuple], num_examples: tf.Tensor) -> list[tf.Tensor]:
+    def __post_init__(self) -> None:
+        self.uses_loss_scale = isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer)
+        self.variables = trainable_variables(self.model)
+        self.reports_norm = self.grad_norm and not self.uses_loss_scale
+        # Under XLA the forward and backward pass only; the counts' all-reduce stays outside it.
+        self.compiled_gradients = (
+            tf.function(self.compute_gradients, jit_compile=True) if self.jit_compile else None
+        )
+
+    @engine_graph_code
+    def __call__(self, batch: Batch) -> dict[str, tf.Tensor]:
+        """The replica step: gradients, then the update, then the metrics; returns the outputs."""
+        features, labels, sample_weight = unpack_batch(batch)
+        num_examples = examples_in_step(labels, self.global_batch_size)
+        clock = self.compute_clock
+        started = clock.start(features) if clock is not None else None
+        gradients, loss, outputs = self.gradients_of(features, labels, sample_weight, num_examples)
+        if clock is not None:
+            clock.stop(started, gradients)
+        result = {"loss": loss, STEP_EXAMPLES: num_examples}
+        gradients = self.clipped(gradients, result)
+        # The loop counts a step with a non-finite gradient as it counts a non-finite loss.
+        result[STEP_FINITE] = self.apply(loss, gradients)
+        for metric in self.metrics:
+            user_code(metric.update_state)(labels, outputs)
+        for metric in self.weighted_metrics:
+            user_code(metric.update_state)(labels, outputs, sample_weight=sample_weight)
+        return result
+
+    def split(self, structure: Any) -> list[Any]:
+        """`structure` cut into `grad_accum_steps` micro-batches (None stays None in each)."""
+        parts = self.grad_accum_steps
+        if structure is None or parts == 1:
+            return [structure] * parts
+        leaves = [_split_examples(t, parts) for t in tf.nest.flatten(structure)]
+        return [tf.nest.pack_sequence_as(structure, [pieces[i] for pieces in leaves]) for i in range(parts)]
+
+    def micro_batches(self, features: Any, labels: Any, sample_weight: Any) -> list[Part]:
+        """The batch as `grad_accum_steps` micro-batches of (features, labels, sample_weight)."""
+        return list(zip(self.split(features), self.split(labels), self.split(sample_weight), strict=True))
+
+    def step_counts(
+        self, terms: list[LossTerm], later_parts: list[Part], num_examples: tf.Tensor
+    ) -> list[tf.Tensor]:
         """Each term's count of real elements over the whole step: from the example count
         where it follows from it, else counted (the later micro-batches run forward once
         for it) and all-reduced."""
         counted = [index for index, term in enumerate(terms) if term.per_example is None]
         local = [terms[index].count for index in counted]
         if counted and later_parts:
-            assert objective is not None, "a counted term is an objective's"
+            assert self.objective is not None, "a counted term is an objective's"
             for part_features, part_labels, part_weight in later_parts:
-                outputs = call_model(model, part_features, training=False)
-                later = objective.terms(part_labels, outputs, part_weight)
+                outputs = call_model(self.model, part_features, training=False)
+                later = self.objective.terms(part_labels, outputs, part_weight)
                 local = [total + later[index].count for total, index in zip(local, counted, strict=True)]
         reduced = _sum_over_replicas(local)
         counts: list[tf.Tensor] = []
@@ -231,47 +304,65 @@ def make_train_step(
                 counts.append(num_examples * float(term.per_example))
         return counts
 
+    def part_loss(
+        self, tape: tf.GradientTape, parts: list[Part], index: int, num_examples: tf.Tensor, counts: Any
+    ) -> tuple[Any, tf.Tensor, Any]:
+        """Micro-batch `index`'s forward pass and its share of the step's data loss (the
+        objective's and `extra_loss`'s); returns (outputs, that loss, the step's counts, taken
+        at the first micro-batch where not given: every micro-batch divides by them)."""
+        part_features, part_labels, part_weight = parts[index]
+        outputs = call_model(self.model, part_features, training=True)
+        objective = self.objective
+        terms = objective.terms(part_labels, outputs, part_weight) if objective is not None else []
+        if counts is None:  # Known before any gradient: every micro-batch divides by them.
+            with tape.stop_recording():
+                counts = self.step_counts(terms, parts[index + 1 :], num_examples)
+        loss = objective.combine(terms, counts) if objective is not None else tf.constant(0.0)
+        if self.extra_loss is not None:
+            beyond = self.extra_loss(part_features, part_labels, outputs, part_weight)
+            loss += beyond / float(_num_replicas() * self.grad_accum_steps)
+        return outputs, loss, counts
+
     @engine_graph_code
-    def compute_gradients(features, labels, sample_weight, num_examples, counts=None):
+    def compute_gradients(self, features, labels, sample_weight, num_examples, counts=None):
+        """(the replica's gradients summed over its micro-batches, its loss as the loop averages
+        it, the model's outputs for the whole batch)."""
         gradients = None
         data_loss = tf.constant(0.0)
         reg_loss = tf.constant(0.0)
         all_outputs = []
-        parts = list(zip(split(features), split(labels), split(sample_weight), strict=True))
-        num_replicas = tf.distribute.get_replica_context().num_replicas_in_sync
-        for index, (part_features, part_labels, part_weight) in enumerate(parts):
+        parts = self.micro_batches(features, labels, sample_weight)
+        for index in range(len(parts)):
             with tf.GradientTape() as tape:
-                outputs = call_model(model, part_features, training=True)
-                terms = objective.terms(part_labels, outputs, part_weight) if objective is not None else []
-                if counts is None:  # Known before any gradient: every micro-batch divides by them.
-                    with tape.stop_recording():
-                        counts = step_counts(terms, parts[index + 1 :], num_examples)
-                part_loss = objective.combine(terms, counts) if objective is not None else tf.constant(0.0)
-                if extra_loss is not None:
-                    beyond = extra_loss(part_features, part_labels, outputs, part_weight)
-                    part_loss += beyond / float(num_replicas * grad_accum_steps)
-                reg_loss = regularization_loss(model)
-                loss = part_loss + tf.nn.scale_regularization_loss(reg_loss) / grad_accum_steps
-                if uses_loss_scale:
-                    loss = optimizer.scale_loss(loss)
-            part_gradients = tape.gradient(loss, variables)
+                outputs, part_loss, counts = self.part_loss(tape, parts, index, num_examples, counts)
+                reg_loss = regularization_loss(self.model)
+                loss = part_loss + tf.nn.scale_regularization_loss(reg_loss) / self.grad_accum_steps
+                if self.uses_loss_scale:
+                    loss = self.optimizer.scale_loss(loss)
+            part_gradients = tape.gradient(loss, self.variables)
             gradients = part_gradients if gradients is None else add_gradients(gradients, part_gradients)
             data_loss += part_loss
             all_outputs.append(outputs)
-        if len(trainable_variables(model)) != len(variables):
+        self.check_variables()
+        # The loop averages the loss over replicas: R x (this replica's share of the global mean).
+        return gradients, _num_replicas() * data_loss + reg_loss, concat_outputs(all_outputs)
+
+    def check_variables(self) -> None:
+        """Refuses a model that created variables in its first call: they would not train."""
+        if len(trainable_variables(self.model)) != len(self.variables):
             raise UserError(
-                f"the model ({type(model).__name__}) created variables in its first call, after the "
+                f"the model ({type(self.model).__name__}) created variables in its first call, after the "
                 "Trainer had collected them, so they would not train: build every layer (give it an "
                 "input shape, or call the model once) inside strategy.scope() before creating the Trainer"
             )
-        # The loop averages the loss over replicas: R x (this replica's share of the global mean).
-        return gradients, num_replicas * data_loss + reg_loss, concat_outputs(all_outputs)
 
-    def counted_terms(features, labels, sample_weight) -> bool:
+    def counted_terms(self, part: Part) -> bool:
         """Whether a loss term's count is counted (a mask, a dynamic shape) rather than known
         from the example count: found by tracing the forward pass in a graph of its own (never
         run), so the step's graph gains nothing where every count is known."""
         found: list[bool] = []
+        model, objective = self.model, self.objective
+        assert objective is not None, "asked only of an objective"
 
         @engine_graph_code
         def probe(part_features, part_labels, part_weight):
@@ -280,62 +371,56 @@ def make_train_step(
             return tf.constant(0)
 
         specs = [
-            None if part is None else tf.nest.map_structure(tf.TensorSpec.from_tensor, part)
-            for part in (features, labels, sample_weight)
+            None if piece is None else tf.nest.map_structure(tf.TensorSpec.from_tensor, piece) for piece in part
         ]
         tf.function(probe).get_concrete_function(*specs)
         return any(found)
 
-    def counts_outside_xla(features, labels, sample_weight, num_examples):
+    def counts_outside_xla(self, features, labels, sample_weight, num_examples) -> list[tf.Tensor] | None:
         """Under XLA the counts' all-reduce cannot run inside the compiled pass: where a count
         must be counted, every micro-batch runs forward once more here (without gradients)
         and the counts go into the pass; None where every count is known."""
-        parts = list(zip(split(features), split(labels), split(sample_weight), strict=True))
-        if objective is None or not counted_terms(*parts[0]):
+        parts = self.micro_batches(features, labels, sample_weight)
+        if self.objective is None or not self.counted_terms(parts[0]):
             return None
         part_features, part_labels, part_weight = parts[0]
-        first = objective.terms(part_labels, call_model(model, part_features, training=False), part_weight)
-        return step_counts(first, parts[1:], num_examples)
+        outputs = call_model(self.model, part_features, training=False)
+        first = self.objective.terms(part_labels, outputs, part_weight)
+        return self.step_counts(first, parts[1:], num_examples)
 
-    compiled_gradients = tf.function(compute_gradients, jit_compile=True) if jit_compile else None
+    def gradients_of(self, features, labels, sample_weight, num_examples):
+        """`compute_gradients`, compiled with XLA under `jit_compile` (the counts taken outside it)."""
+        if self.compiled_gradients is None:
+            return self.compute_gradients(features, labels, sample_weight, num_examples)
+        counts = self.counts_outside_xla(features, labels, sample_weight, num_examples)
+        return self.compiled_gradients(features, labels, sample_weight, num_examples, counts)
 
-    def gradients_of(features, labels, sample_weight, num_examples):
-        if compiled_gradients is None:
-            return compute_gradients(features, labels, sample_weight, num_examples)
-        counts = counts_outside_xla(features, labels, sample_weight, num_examples)
-        return compiled_gradients(features, labels, sample_weight, num_examples, counts)
-
-    @engine_graph_code
-    def train_step(batch: Batch) -> dict[str, tf.Tensor]:
-        features, labels, sample_weight = unpack_batch(batch)
-        num_examples = examples_in_step(labels, global_batch_size)
-        started = compute_clock.start(features) if compute_clock is not None else None
-        gradients, loss, outputs = gradients_of(features, labels, sample_weight, num_examples)
-        if compute_clock is not None:
-            compute_clock.stop(started, gradients)
-        result = {"loss": loss, STEP_EXAMPLES: num_examples}
-        if clip_norm is not None:
-            gradients, norm = _clip_global_norm(gradients, clip_norm, optimizer, uses_loss_scale)
-            if grad_norm:
+    def clipped(self, gradients: list[Any], result: dict[str, tf.Tensor]) -> list[Any]:
+        """The gradients clipped by `clip_norm`, the global norm added to `result` where asked."""
+        if self.clip_norm is not None:
+            gradients, norm = _clip_global_norm(gradients, self.clip_norm, self.optimizer, self.uses_loss_scale)
+            if self.reports_norm:
                 result["grad_norm"] = norm
-        elif grad_norm:
+        elif self.reports_norm:
             result["grad_norm"] = _global_norm(gradients)
-        checked = [] if uses_loss_scale else gradients  # Overflow under loss scaling is the scale's business.
-        if skip_nonfinite:
+        return gradients
+
+    def apply(self, loss: tf.Tensor, gradients: list[Any]) -> tf.Tensor:
+        """Applies the update (with `skip_nonfinite`, only where finite on every replica);
+        returns 1.0 where the step was finite on this replica (`STEP_FINITE`), else 0.0."""
+        # Overflow under loss scaling is the scale's business.
+        checked = [] if self.uses_loss_scale else gradients
+        if self.skip_nonfinite:
             finite = _finite_on_all_replicas(loss, checked)
-            _apply_if_finite(finite, optimizer, gradients, variables)
+            _apply_if_finite(finite, self.optimizer, gradients, self.variables)
         else:
             finite = _locally_finite(loss, checked)
-            optimizer.apply(gradients, variables)
-        # The loop counts a step with a non-finite gradient as it counts a non-finite loss.
-        result[STEP_FINITE] = tf.cast(finite, tf.float32)
-        for metric in metrics:
-            user_code(metric.update_state)(labels, outputs)
-        for metric in weighted_metrics:
-            user_code(metric.update_state)(labels, outputs, sample_weight=sample_weight)
-        return result
+            self.optimizer.apply(gradients, self.variables)
+        return tf.cast(finite, tf.float32)
 
-    return train_step
+
+def _num_replicas() -> int:
+    return tf.distribute.get_replica_context().num_replicas_in_sync
 
 
 def _sum_over_replicas(values: list[tf.Tensor]) -> list[tf.Tensor]:

@@ -411,16 +411,7 @@ def _converted(base: str, value: Any, optional: bool, raw: str | None) -> Any:
             return value.lower() == "true"
         return value if isinstance(value, bool) else _WRONG
     if base in ("int", "float"):
-        if isinstance(value, str):
-            try:
-                value = int(value) if base == "int" else float(value)
-            except ValueError:
-                return _WRONG
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            return _WRONG
-        if base == "int":
-            return value if isinstance(value, int) else _WRONG
-        return float(value)
+        return _number(base, value)
     if base == "str":
         if isinstance(value, str):
             return value
@@ -437,6 +428,20 @@ def _converted(base: str, value: Any, optional: bool, raw: str | None) -> Any:
             return _WRONG
         return value
     raise AssertionError(f"no conversion from config files to {base}")
+
+
+def _number(base: str, value: Any) -> Any:
+    """`value` as the int or float `base` names (a string parsed), or _WRONG."""
+    if isinstance(value, str):
+        try:
+            value = int(value) if base == "int" else float(value)
+        except ValueError:
+            return _WRONG
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return _WRONG
+    if base == "int":
+        return value if isinstance(value, int) else _WRONG
+    return float(value)
 
 
 def plain_text(value: Any) -> str:
