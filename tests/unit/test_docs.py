@@ -23,7 +23,7 @@ def test_docs_flags_md_is_what_run_config_renders():
     page = REPO / "docs" / "flags.md"
     assert page.exists(), f"docs/flags.md is missing; write it with `{flag_reference.COMMAND}`"
     assert page.read_text() == flag_reference.render(), (
-        f"docs/flags.md is not what engine/cli/config/settings.py's RunConfig says; regenerate it with "
+        f"docs/flags.md is not what engine/cli/config/settings/'s RunConfig says; regenerate it with "
         f"`{flag_reference.COMMAND}`"
     )
 

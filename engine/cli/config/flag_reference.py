@@ -1,5 +1,5 @@
 """`docs/flags.md`, rendered from the one settings source: `RunConfig`'s fields
-(`engine/cli/config/settings.py`), whose default, help and choices also define the flags.
+(`engine/cli/config/settings/`), whose default, help and choices also define the flags.
 
     python -m engine.cli.config.flag_reference > docs/flags.md
 
@@ -44,10 +44,10 @@ SEE_ALSO = {
 HEADER = f"""\
 # Flags
 
-<!-- Generated from engine/cli/config/settings.py (RunConfig) by `{COMMAND}`; do not edit. -->
+<!-- Generated from engine/cli/config/settings/ (RunConfig) by `{COMMAND}`; do not edit. -->
 
 Every flag of `python -m engine.main`, from `RunConfig` in
-[`engine/cli/config/settings.py`](../engine/cli/config/settings.py), the one place each setting is defined
+[`engine/cli/config/settings/`](../engine/cli/config/settings/), the one place each setting is defined
 (its default, help and choices; `python -m engine.main --help` prints the same
 help). The cluster flags (marked *also `engine.server`*) are defined by
 `engine/cli/config/cluster_flags.py` and taken by `python -m engine.server` too; the rest by

@@ -1,6 +1,6 @@
 """Every command-line flag of `python -m engine.main`, and nothing else.
 
-Each flag is a `RunConfig` field (`engine/cli/config/settings.py` holds its default, help and
+Each flag is a `RunConfig` field (`engine/cli/config/settings/` holds its default, help and
 choices); this module only says which ones `engine.main` defines. Names with a
 fixed set of values are enums that `--help` lists; models and datasets stay
 strings (`--model` also takes package.module:function), checked by `RunConfig`.

@@ -1,19 +1,5 @@
-"""`RunConfig`: the validated settings of one run of `engine.main`, and the one
-place each setting is defined.
-
-Each field carries its default, help and choices (`setting`); `engine.cli.config.flags`
-and `engine.cli.config.cluster_flags` define the command-line flags from them
-(`define_flags`), and `engine.cli.config.config_files` reads the same names from config
-files (`--config_file`, `--params_override`, `<model_dir>/config.yaml`), so a new
-setting is one field here. A setting named like an option of the Trainer's
-groups (`engine.options`: `max_checkpoints` of `CheckpointOptions`) is that
-option: it takes the option's default and, unless the command line says it
-otherwise, its help (`option_setting`), and `trainer_options` builds the groups
-from the settings. Every user mistake in the flags is caught here, before
-anything is written, as a `UserError` naming the bad value. This module
-imports no TensorFlow (flag parsing and `--help` stay fast); `validate`
-imports the model and data packages.
-"""
+"""`RunConfig`: the validated settings of one run of `engine.main`. This module imports no
+TensorFlow (flag parsing and `--help` stay fast); `validate` imports the model and data packages."""
 
 from __future__ import annotations
 
@@ -21,133 +7,52 @@ import dataclasses
 import functools
 import math
 import os
-from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from absl import flags
-
-from engine.cluster.resolve import DEFAULT_SLURM_PORT_BASE, RESOLVERS
-from engine.errors import UserError
-from engine.options import (  # noqa: F401 (re-exported: the command line's names in one place)
+from engine.cli.config.settings.fields import (
+    CLUSTER_SETTINGS,
     COMMUNICATIONS,
     DEFAULT_COLLECTIVE_TIMEOUT,
+    DEFAULT_DEVICE_DATA_MB,
+    DEFAULT_EPOCHS,
     DEFAULT_HEARTBEAT_TIMEOUT,
-    DEFAULT_MAX_ROLLBACKS,
+    DEFAULT_MIN_STEPS,
+    DEFAULT_SLURM_PORT_BASE,
     DEFAULT_STARTUP_TIMEOUT,
-    DEFAULT_STEPS_PER_LOOP,
+    INPUT_PIPELINES,
+    INT32_MAX,
+    INT64_MAX,
+    MAX_CPU_DEVICES,
     MAX_ROLLBACKS,
+    MAX_TIMEOUT_SECONDS,
     METRIC_MODES,
-    MULTI_HOST_STRATEGIES,
+    MODES,
     NONFINITE_POLICIES,
+    OPTIMIZER_NAMES,
+    OPTIONS_WITHOUT_SETTINGS,
     PRECISION_POLICIES,
+    RESOLVERS,
     SCHEDULE_NAMES,
-    SINGLE_HOST_STRATEGIES,
     STRATEGY_NAMES,
+    TIMEOUTS,
+    at_least,
+    choice_message,
+    choose,
+    option_setting,
+    setting,
+    settings_of,
+)
+from engine.cli.config.settings.paths import check_model_dir, check_predict_paths
+from engine.errors import UserError
+from engine.options import (
     TRAINER_GROUPS,
     Cadence,
     CheckpointOptions,
     SpikeOptions,
     StepOptions,
     ThroughputOptions,
-    default_of,
-    help_of,
     options_from,
 )
-
-# The library's own choices and defaults (engine.options); the command line's below.
-OPTIMIZER_NAMES = ("sgd", "momentum", "adam", "adamw")
-INPUT_PIPELINES = ("per_replica", "global")
-MODES = (
-    "train",
-    "eval",
-    "train_and_eval",
-    "continuous_eval",
-    "predict",
-)  # TF Model Garden's names, and predict.
-DEFAULT_EPOCHS = 20.0
-# The fewest steps of a run whose length is not given: 20 epochs of a 400-row table are 125 steps
-# at the default batch, too few to fit it (wine: 0.94 accuracy at 60 steps, 1.0 at 160).
-DEFAULT_MIN_STEPS = 500
-# Per-device memory (MiB) up to which an in-memory train split is kept on the replicas' devices.
-DEFAULT_DEVICE_DATA_MB = 1024
-# What the engine can count: loop lengths, cadences and batch sizes are int32 in the compiled
-# loop and tf.data; steps and stream positions (step x global batch) are int64.
-INT32_MAX = 2**31 - 1
-INT64_MAX = 2**63 - 1
-# The longest timeout (about 31 years): TensorFlow takes timeouts in int64 milliseconds.
-MAX_TIMEOUT_SECONDS = 1e9
-TIMEOUTS = ("collective_timeout", "startup_timeout", "heartbeat_timeout", "eval_timeout")
-# Logical CPU devices to split the host into: each is a replica with its own copy of the model.
-MAX_CPU_DEVICES = 1024
-
-# The settings `engine.cli.config.cluster_flags` defines for `engine.server` too;
-# `engine.cli.config.flags` defines the rest.
-CLUSTER_SETTINGS = (
-    "worker_hosts",
-    "ps_hosts",
-    "chief_host",
-    "task_type",
-    "task_index",
-    "cluster_resolver",
-    "slurm_port_base",
-)
-# The settings that say how this command reads its settings or what it does instead of a run:
-# flags only, never in a config file.
-COMMAND_LINE_ONLY_SETTINGS = (
-    "print_config",
-    "dry_run",
-    "dry_run_workers",
-    "dry_run_ps",
-    "config_file",
-    "params_override",
-)
-# The settings that belong to one invocation: a rerun on a model_dir never inherits them from the
-# `config.yaml` stored there (engine.cli.config.config_files), and that file does not hold them.
-PER_INVOCATION_SETTINGS = (
-    "mode",
-    *COMMAND_LINE_ONLY_SETTINGS,
-    "model_dir",
-    "export_dir",
-    "predict_input",
-    "predict_output",
-    "eval_timeout",
-    "reset_optimizer",
-    "restore_fallback",
-    "check_numerics",
-    "profile_steps",
-    *CLUSTER_SETTINGS,
-)
-# The settings that define the model or the data its checkpoints were trained on: a model_dir with
-# checkpoints refuses a change (its config.yaml holds the values they were trained with). Where the
-# data live (data_dir, eval_file) may change: data sets get copied to local disks.
-MODEL_AND_DATA_SETTINGS = (
-    "task",
-    "task_params",
-    "model",
-    "dataset",
-    "label_column",
-    "normalize",
-    "ps_shards",
-    "eval_fraction",
-    "num_classes",
-    "image_shape",
-    "loss",
-)
-# Settings that are alternatives to each other: a config layer that sets one of them (a flag over a
-# stored config.yaml, a later file over an earlier one) unsets the others it does not set itself.
-ALTERNATIVE_SETTINGS = (("train_steps", "epochs"),)
-# The options of the Trainer's groups (`engine.options.TRAINER_GROUPS`) that no setting holds, and why;
-# every other option is the setting of its name (`trainer_options`). The job computes these.
-OPTIONS_WITHOUT_SETTINGS = {
-    "restore_dir": "a worker of a cluster writes to a private model_dir and restores from --model_dir",
-    "steps_per_epoch": "the train split's size over --global_batch_size, for Keras callbacks' epochs",
-    "flops_per_example": "counted from the model, where models.known_flops_per_example can",
-}
-
-
-def settings_of(values: Any, names: tuple[str, ...]) -> dict[str, Any]:
-    """`{name: values.name}`: the named settings of a RunConfig, or of parsed absl flags."""
-    return {name: getattr(values, name) for name in names}
 
 
 def trainer_options(config: RunConfig, **computed: Any) -> dict[str, Any]:
@@ -160,33 +65,9 @@ def trainer_options(config: RunConfig, **computed: Any) -> dict[str, Any]:
     return {keyword: options_from(group, values) for keyword, group in TRAINER_GROUPS.items()}
 
 
-def option_setting(group: type, name: str, help: str | None = None, **options: Any) -> Any:
-    """The setting that is the Trainer's option `name` of `group` (`engine.options`): the option's
-    default and its help, unless the command line's differs (`help`, naming flags)."""
-    return setting(default_of(group, name), help_of(group, name) if help is None else help, **options)
-
-
-def setting(default: Any, help: str, *, choices: tuple[str, ...] | None = None, flag: bool = True) -> Any:
-    """A `RunConfig` field and its command-line flag: `engine.cli.config.flags` defines `--NAME` from
-    the default, this help and, with `choices`, as an enum that `--help` lists. `flag=False`: a
-    setting of config files and --params_override only (a mapping has no flag syntax); a dict
-    default is copied for each config."""
-    metadata = {"help": help, "choices": choices, "flag": flag}
-    if isinstance(default, dict):
-        return dataclasses.field(default_factory=lambda: dict(default), metadata=metadata)
-    return dataclasses.field(default=default, metadata=metadata)
-
-
 def flag_settings() -> tuple[str, ...]:
     """The names of the settings that are flags (every field but the config-file-only ones)."""
     return tuple(field.name for field in dataclasses.fields(RunConfig) if field.metadata["flag"])
-
-
-def field_default(field: dataclasses.Field) -> Any:
-    """A field's default value (a fresh copy of a mutable one)."""
-    if field.default_factory is not dataclasses.MISSING:
-        return field.default_factory()
-    return field.default
 
 
 if TYPE_CHECKING:
@@ -559,26 +440,26 @@ class RunConfig:
         from engine.cli.process.own_packages import own_package  # Imports TensorFlow: only when validating.
 
         input_lib, models = own_package("input"), own_package("models")
-        _choose("strategy", self.strategy, STRATEGY_NAMES)
+        choose("strategy", self.strategy, STRATEGY_NAMES)
         if models.is_user_model(self.model):  # package.module:function: import it now, before any write.
             try:
                 models.get_model_spec(self.model)
             except models.ModelError as error:
                 raise UserError(str(error)) from None
         else:
-            _choose("model", self.model, models.model_names())
+            choose("model", self.model, models.model_names())
         try:
             input_lib.check_dataset_name(self.dataset)
         except input_lib.DataError:
             forms = ", ".join(input_lib.DATASET_FORMS)
             raise UserError(
-                f"{_choice_message('dataset', self.dataset, input_lib.dataset_names())}, or {forms}"
+                f"{choice_message('dataset', self.dataset, input_lib.dataset_names())}, or {forms}"
             ) from None
-        _choose("optimizer", self.optimizer, OPTIMIZER_NAMES)
-        _choose("input_pipeline", self.input_pipeline, INPUT_PIPELINES)
-        _choose("on_nonfinite", self.on_nonfinite, NONFINITE_POLICIES)
-        _choose("communication", self.communication, COMMUNICATIONS)
-        _choose("mixed_precision", self.mixed_precision, tuple(PRECISION_POLICIES))
+        choose("optimizer", self.optimizer, OPTIMIZER_NAMES)
+        choose("input_pipeline", self.input_pipeline, INPUT_PIPELINES)
+        choose("on_nonfinite", self.on_nonfinite, NONFINITE_POLICIES)
+        choose("communication", self.communication, COMMUNICATIONS)
+        choose("mixed_precision", self.mixed_precision, tuple(PRECISION_POLICIES))
         self.validate_numbers()
         spike_problem = SpikeOptions(
             max_loss=self.max_loss,
@@ -601,18 +482,18 @@ class RunConfig:
             "max_checkpoints",
             "ps_shards",
         ):
-            _at_least(name, getattr(self, name), 1)
+            at_least(name, getattr(self, name), 1)
         self._check_ps_shards()
         for name in ("eval_every", "checkpoint_every", "log_every", "histogram_every", "device_data_mb"):
-            _at_least(name, getattr(self, name), 0)
+            at_least(name, getattr(self, name), 0)
         if self.num_gpus is not None:
-            _at_least("num_gpus", self.num_gpus, 0)
+            at_least("num_gpus", self.num_gpus, 0)
         if self.train_steps is not None and self.epochs is not None:
             raise UserError(
                 f"--train_steps={self.train_steps} and --epochs={self.epochs} are alternatives; pass only one"
             )
         if self.train_steps is not None:
-            _at_least("train_steps", self.train_steps, 1)
+            at_least("train_steps", self.train_steps, 1)
         if self.train_steps is not None and self.train_steps > INT64_MAX // self.global_batch_size:
             raise UserError(_too_many_steps("train_steps", self.train_steps, self.global_batch_size))
         if self.epochs is not None and not self.epochs > 0:
@@ -688,7 +569,7 @@ class RunConfig:
         from engine.objectives import LOSS_NAMES
 
         if self.loss is not None:
-            _choose("loss", self.loss, LOSS_NAMES)
+            choose("loss", self.loss, LOSS_NAMES)
         if self.task:
             from engine.user_code import UserCodeError, import_callable
 
@@ -707,7 +588,7 @@ class RunConfig:
         if not 0.0 <= self.eval_fraction < 1.0:
             raise UserError(f"--eval_fraction={self.eval_fraction} must be in [0, 1); 0 holds out nothing")
         if self.num_classes is not None:
-            _at_least("num_classes", self.num_classes, 2)
+            at_least("num_classes", self.num_classes, 2)
         if self.image_shape is not None:
             if self.dataset not in ("digits", "mnist", "synthetic", "tfrecord") or self.task:
                 raise UserError(
@@ -762,7 +643,7 @@ class RunConfig:
             )
 
     def _validate_mode(self) -> None:
-        _choose("mode", self.mode, MODES)
+        choose("mode", self.mode, MODES)
         if not self.eval_timeout > 0:
             raise UserError(f"--eval_timeout={self.eval_timeout} must be positive (seconds)")
         needs_eval = [
@@ -778,16 +659,16 @@ class RunConfig:
         if self.mode in ("eval", "continuous_eval") and not self.model_dir:
             raise UserError(f"--mode={self.mode} evaluates the checkpoints of a --model_dir; pass one")
         if self.mode == "predict":
-            _check_predict_paths(self.model_dir, self.predict_input, self.predict_output)
+            check_predict_paths(self.model_dir, self.predict_input, self.predict_output)
         elif self.predict_input or self.predict_output:
             raise UserError("--predict_input/--predict_output need --mode=predict")
 
     def _validate_schedule_and_hooks(self) -> None:
-        _choose("lr_schedule", self.lr_schedule, SCHEDULE_NAMES)
-        _choose("early_stop_mode", self.early_stop_mode, METRIC_MODES)
-        _at_least("warmup_steps", self.warmup_steps, 0)
+        choose("lr_schedule", self.lr_schedule, SCHEDULE_NAMES)
+        choose("early_stop_mode", self.early_stop_mode, METRIC_MODES)
+        at_least("warmup_steps", self.warmup_steps, 0)
         for name in ("early_stop_patience", "reduce_lr_patience"):
-            _at_least(name, getattr(self, name), 1)
+            at_least(name, getattr(self, name), 1)
         for name in ("early_stop_metric", "best_checkpoint_metric", "reduce_lr_metric"):
             metric = getattr(self, name)
             if metric is None:
@@ -892,102 +773,3 @@ def _too_many_steps(flag: str, value: Any, global_batch_size: int) -> str:
         f"--{flag}={value} trains beyond what the engine can count: at --global_batch_size="
         f"{global_batch_size}, a run counts at most {most} steps (int64 examples); train fewer"
     )
-
-
-_DEFINE_BY_TYPE = {  # A field's annotation (a string under `from __future__ import annotations`) -> its flag.
-    "str": "DEFINE_string",
-    "str | None": "DEFINE_string",
-    "int": "DEFINE_integer",
-    "int | None": "DEFINE_integer",
-    "float": "DEFINE_float",
-    "float | None": "DEFINE_float",
-    "bool": "DEFINE_boolean",
-    "list[str] | None": "DEFINE_list",
-    "tuple[str, ...]": "DEFINE_multi_string",
-}
-
-
-def define_flags(names: Sequence[str], *, module_name: str, flag_values=None) -> None:
-    """Defines `--NAME` for each named `RunConfig` field from its default and help, as flags of
-    `module_name` (what `--help` and `adopt_module_key_flags` go by); a field with choices becomes
-    an enum (listed by `--help`) whose bad value gets `validate`'s one-line message."""
-    flag_values = flags.FLAGS if flag_values is None else flag_values
-    fields = {field.name: field for field in dataclasses.fields(RunConfig)}
-    for name in names:
-        field = fields[name]
-        assert field.metadata["flag"], f"{name} is a setting of config files only, not a flag"
-        choices = field.metadata["choices"]
-        if choices is None:
-            define = getattr(flags, _DEFINE_BY_TYPE[str(field.type)])
-            define(name, field.default, field.metadata["help"], flag_values=flag_values, module_name=module_name)
-            continue
-        assert field.default is not dataclasses.MISSING, f"the choice field {name} needs a default"
-        flag = flags.EnumFlag(name, field.default, field.metadata["help"], choices)
-        flag.parser = _ChoiceParser(name, choices)
-        flags.DEFINE_flag(flag, flag_values=flag_values, module_name=module_name)
-
-
-class _ChoiceParser(flags.EnumParser):
-    """absl's enum parser with `_choose`'s message, so that a bad --NAME=VALUE reads the same
-    on the command line as from `RunConfig(...).validate()`."""
-
-    def __init__(self, name: str, choices: Sequence[str]):
-        super().__init__(choices)
-        self.name = name
-
-    def parse(self, argument: str) -> str:
-        if argument not in self.enum_values:
-            raise ValueError(_choice_message(self.name, argument, self.enum_values))
-        return argument
-
-
-def check_model_dir(model_dir: str, flag: str = "model_dir", writable: bool = True) -> None:
-    """A local model_dir (or export_dir) must be a directory, `writable` or creatable as one;
-    a remote one (gs://, ram://) is TensorFlow's to check when it is first written."""
-    from engine.model_dir import is_remote
-
-    if is_remote(model_dir):
-        return
-    path = os.path.abspath(model_dir)
-    if os.path.exists(path) and not os.path.isdir(path):
-        raise UserError(f"--{flag}={model_dir} is a file; pass a directory")
-    if not writable:
-        return
-    existing = path
-    while not os.path.exists(existing):
-        existing = os.path.dirname(existing)
-    if not os.path.isdir(existing) or not os.access(existing, os.W_OK | os.X_OK):
-        raise UserError(f"--{flag}={model_dir} is not writable ({existing}); pass a writable directory")
-
-
-def _check_predict_paths(model_dir: str | None, predict_input: str | None, predict_output: str | None) -> None:
-    """--mode=predict reads a trained --model_dir and an input file, and writes a new output file."""
-    if not model_dir:
-        raise UserError("--mode=predict restores the latest checkpoint of a --model_dir; pass one")
-    if not predict_input or not predict_output:
-        raise UserError("--mode=predict needs --predict_input=PATH (.npz or .csv) and --predict_output=PATH")
-    if os.path.splitext(predict_input)[1] not in (".npz", ".csv"):
-        raise UserError(f"--predict_input={predict_input} must be an .npz (with an x array) or a .csv file")
-    if not os.path.isfile(predict_input):
-        raise UserError(f"--predict_input={predict_input} does not exist or is not a file")
-    if os.path.splitext(predict_output)[1] not in (".npy", ".csv"):
-        raise UserError(f"--predict_output={predict_output} must end in .npy or .csv")
-    if os.path.lexists(predict_output):
-        raise UserError(f"--predict_output={predict_output} exists; remove it or pass a new path")
-    parent = os.path.dirname(os.path.abspath(predict_output))
-    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
-        raise UserError(f"--predict_output={predict_output}: {parent} is not a writable directory")
-
-
-def _choose(name: str, value: str, choices) -> None:
-    if value not in choices:
-        raise UserError(_choice_message(name, value, choices))
-
-
-def _choice_message(name: str, value: str, choices) -> str:
-    return f"unknown --{name}={value!r}; choose one of: {', '.join(choices)}"
-
-
-def _at_least(name: str, value: int, minimum: int) -> None:
-    if value < minimum:
-        raise UserError(f"--{name}={value} must be at least {minimum}")
