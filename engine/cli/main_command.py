@@ -40,9 +40,10 @@ def main(argv: list[str]) -> int:
     with optional_libraries_hidden():  # Keras's scikit-learn, IPython, matplotlib; TensorBoard's boto3.
         import_tensorflow_quietly()  # The first import of TensorFlow (the flags do not import it).
         from engine.cli.run.job import run  # TensorBoard's hparams summaries among its imports.
-    from engine.cli.config.config_files import as_yaml, config_from_flags, printed_settings
+    from engine.cli.config.config_files import as_yaml, printed_settings, run_from_flags
 
-    config = config_from_flags(engine_flags.FLAGS)  # Over --config_file and <model_dir>/config.yaml.
+    # Over --config_file and <model_dir>/config.yaml; the cluster resolved once, passed down.
+    config, multi_host = run_from_flags(engine_flags.FLAGS)
     if config.print_config:  # Checked, printed as a --config_file, nothing run or written.
         print(as_yaml(printed_settings(config)), end="")
         return 0
@@ -51,12 +52,12 @@ def main(argv: list[str]) -> int:
         from engine.cli.run.dry_run import dry_run
 
         with console.configured(console.Console.for_run(config, None)), errors_in_flag_terms():
-            return dry_run(config)
+            return dry_run(config, multi_host)
     from engine.cli.run.summary import summary_table
 
-    this_console = console.Console.for_run(config, config.multi_host.cluster)
+    this_console = console.Console.for_run(config, multi_host.cluster)
     with console.configured(this_console):
-        result = run(config, started_at=started_at)
+        result = run(config, multi_host, started_at=started_at)
         table = summary_table(config, result) if this_console.speaks_for_the_run else None
         if table is not None:
             logging.info("%s", table)

@@ -65,6 +65,11 @@ class MultiHostOptions:
     diagnostics_dir: str | None = None
 
     def check(self, strategy: str) -> None:
+        self.check_settings(strategy)
+        check_strategy_cluster(strategy, self.cluster)
+
+    def check_settings(self, strategy: str) -> None:
+        """What needs no cluster: the collectives, the timeouts, the TPU against `strategy`."""
         if self.communication not in COMMUNICATIONS:
             raise UserError(
                 f"unknown `communication={self.communication!r}`; choose one of: {', '.join(COMMUNICATIONS)}"
@@ -79,7 +84,6 @@ class MultiHostOptions:
             raise UserError("`strategy='tpu'` needs `tpu='local'` (a TPU VM) or `tpu='grpc://HOST:PORT'`")
         if self.tpu and strategy != "tpu":
             raise UserError(f"`tpu={self.tpu!r}` needs `strategy='tpu'`")
-        check_strategy_cluster(strategy, self.cluster)
 
 
 def build_multi_host_strategy(name: str, options: MultiHostOptions) -> tf.distribute.Strategy:

@@ -127,6 +127,40 @@ def test_override_values_are_typed_as_their_settings():
     assert values["task_params"] == {"encoder": {"depth": 2}, "sizes": [1, 2], "name": "wide"}
 
 
+@pytest.mark.cli
+def test_a_config_file_may_write_the_settings_under_their_sections(tmp_path):
+    """RunConfig's sections are a second spelling of the same settings: a file and an override
+    may use them, --print_config (and config.yaml) keep the flat names, a flag still wins."""
+    path = tmp_path / "sections.yaml"
+    path.write_text(
+        "problem: {model: mlp, eval_fraction: 0.2}\n"
+        "schedule:\n  global_batch_size: 16\n  train_steps: 9\n"
+        "state: {max_checkpoints: 4}\n"
+        "spikes: {on_nonfinite: skip}\n"
+        "seed: 7\n"
+    )
+    settings = printed(f"--config_file={path}", "--params_override=optimization.learning_rate=0.02", "--seed=8")
+    assert (settings["model"], settings["eval_fraction"], settings["global_batch_size"]) == ("mlp", 0.2, 16)
+    assert (settings["train_steps"], settings["max_checkpoints"], settings["on_nonfinite"]) == (9, 4, "skip")
+    assert settings["learning_rate"] == 0.02 and settings["seed"] == 8
+    assert not {"problem", "schedule", "state", "spikes", "optimization"} & set(settings)  # Printed flat.
+
+
+@pytest.mark.cli
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("seed: 1\nnumerics: {seed: 2}\n", "sets seed twice, as seed and as numerics.seed; keep one"),
+        ("schedule: {model: mlp}\n", "schedule.model is not an option of schedule"),
+        ("state: [model_dir]\n", "state holds a list, not a mapping of its options; write e.g. state: {"),
+    ],
+)
+def test_a_bad_section_in_a_config_file_is_one_line(tmp_path, text, message):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    assert message in refused(f"--config_file={path}", "--print_config")
+
+
 @pytest.mark.parametrize(
     "override, named",
     [

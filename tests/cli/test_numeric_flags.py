@@ -6,16 +6,14 @@ In-process: absl parses the flags and `RunConfig` validates them, as engine.main
 Covers: engine/cli/config/settings.py.
 """
 
-import dataclasses
-
 import pytest
 from helpers import main_in_process, one_error_line, run_config, snapshot
 
-from engine.cli.config.settings import CLUSTER_SETTINGS, RunConfig
+from engine.cli.config.settings import CLUSTER_SETTINGS, setting_fields
 from engine.errors import UserError
 
-NUMERIC = [f.name for f in dataclasses.fields(RunConfig) if str(f.type).split(" |")[0] in ("int", "float")]
-FLOATS = [f.name for f in dataclasses.fields(RunConfig) if str(f.type).startswith("float")]
+NUMERIC = [f.name for f in setting_fields() if str(f.type).split(" |")[0] in ("int", "float")]
+FLOATS = [f.name for f in setting_fields() if str(f.type).startswith("float")]
 # The first integer each flag refuses: int32 unless the engine counts it in another type.
 FIRST_REFUSED = {"train_steps": 2**63, "seed": 2**32, "cpu_devices": 1025}
 INTS = [name for name in NUMERIC if name not in FLOATS]

@@ -306,6 +306,7 @@ def test_kubernetes_manifest_gives_each_pod_its_task_in_one_cluster():
     yaml = pytest.importorskip("yaml")
     from engine.cli.config import flags as engine_flags
     from engine.cli.config.settings import RunConfig
+    from engine.cli.config.settings.cluster import resolve_multi_host
 
     documents = list(yaml.safe_load_all((KUBERNETES / "train.yaml").read_text()))
     by_kind = {(d["kind"], d["metadata"]["name"]): d for d in documents}
@@ -333,7 +334,7 @@ def test_kubernetes_manifest_gives_each_pod_its_task_in_one_cluster():
         ]
         assert container["command"] == ["python", "-m", "engine.main"]
         config = parse_engine_flags(engine_flags.FLAGS, RunConfig, args)
-        cluster = config.multi_host.cluster
+        cluster = resolve_multi_host(config).cluster
         # Pod <job>-<index> of subdomain <service> resolves as <job>-<index>.<service>.
         assert cluster.address == f"{train['metadata']['name']}-{index}.{service['metadata']['name']}:{port}"
         assert (cluster.task_type, cluster.task_index, cluster.num_workers) == ("worker", index, workers)
@@ -342,7 +343,7 @@ def test_kubernetes_manifest_gives_each_pod_its_task_in_one_cluster():
 
     (evaluator,) = by_kind[("Job", "engine-eval")]["spec"]["template"]["spec"]["containers"]
     config = parse_engine_flags(engine_flags.FLAGS, RunConfig, evaluator["args"])
-    assert config.multi_host.cluster.is_evaluator
+    assert resolve_multi_host(config).cluster.is_evaluator
     assert config.model_dir == parse_engine_flags(engine_flags.FLAGS, RunConfig, args).model_dir
     assert config.train_steps == parse_engine_flags(engine_flags.FLAGS, RunConfig, args).train_steps
 
@@ -470,5 +471,7 @@ def parse_engine_flags(flag_values, run_config, args: list[str]):
     """engine.main's flags parsed (on a copy: the global FLAGS stay untouched) into a RunConfig."""
     values = copy.deepcopy(flag_values)
     values(["engine.main", *args])
-    names = [name for name in run_config.__dataclass_fields__ if name in values]  # task_params: no flag
+    from engine.cli.config.settings import flag_settings  # task_params: no flag
+
+    names = [name for name in flag_settings() if name in values]
     return run_config(**{name: values[name].value for name in names})

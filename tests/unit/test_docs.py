@@ -4,7 +4,6 @@ and anchor resolves, and every example block is found once.
 Covers: engine/cli/config/flag_reference.py.
 """
 
-import dataclasses
 import os
 import re
 import subprocess
@@ -14,7 +13,7 @@ import pytest
 from helpers import REPO, readme_example
 
 from engine.cli.config import flag_reference
-from engine.cli.config.settings import RunConfig
+from engine.cli.config.settings import setting_fields
 
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 
@@ -30,7 +29,7 @@ def test_docs_flags_md_is_what_run_config_renders():
 
 def test_every_setting_is_in_the_flag_reference_with_its_help():
     text = flag_reference.render()
-    for field in dataclasses.fields(RunConfig):
+    for field in setting_fields():
         # A setting without a flag (task_params) has its own table.
         row = f"| `--{field.name}` |" if field.metadata["flag"] else f"| `{field.name}` |"
         assert row in text, field.name
@@ -82,7 +81,7 @@ def test_every_relative_link_and_anchor_resolves(page):
 
 
 def test_the_readme_flag_table_agrees_with_run_config():
-    fields = {field.name: field for field in dataclasses.fields(RunConfig)}
+    fields = {field.name: field for field in setting_fields()}
     readme = (REPO / "README.md").read_text()
     rows = re.findall(r"^\| (`--[^|]*) \| ([^|]*) \|", readme, re.M)
     assert len(rows) >= 5, "the README's Flags section has no table of the most used flags"

@@ -14,7 +14,7 @@ import yaml
 from helpers import global_batches, loss_fn, main_in_process, make_arrays, make_model, one_error_line
 
 import engine
-from engine.cli.config.settings import OPTIONS_WITHOUT_SETTINGS, RunConfig, trainer_options
+from engine.cli.config.settings import OPTIONS_WITHOUT_SETTINGS, RunConfig, setting_fields, trainer_options
 from engine.errors import UserError
 from engine.options import (
     DEFAULT_STEPS_PER_LOOP,
@@ -31,7 +31,7 @@ from engine.options import (
 )
 
 GROUP_FIELDS = [(group, field) for group in TRAINER_GROUPS.values() for field in dataclasses.fields(group)]
-RUN_CONFIG_FIELDS = {field.name: field for field in dataclasses.fields(RunConfig)}
+RUN_CONFIG_FIELDS = {field.name: field for field in setting_fields()}
 
 
 def ids(item):

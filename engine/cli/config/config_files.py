@@ -45,7 +45,10 @@ from engine.cli.config.settings import (
     field_default,
     flag_settings,
 )
+from engine.cli.config.settings.cluster import check_cluster, resolve_multi_host
+from engine.cli.config.settings.run_config import SECTIONS, setting_fields
 from engine.cli.config.small_files import check_model_dir_entries, read_small_file
+from engine.cluster.multi_host import MultiHostOptions
 from engine.errors import UserError, one_line
 from engine.options import TRAINER_GROUPS
 
@@ -60,7 +63,7 @@ STORED_HEADER = (
     "# cluster, ...) are not kept. `--config_file=<this file> --model_dir=NEW` repeats the run.\n"
 )
 
-_FIELDS = {field.name: field for field in dataclasses.fields(RunConfig)}
+_FIELDS = {field.name: field for field in setting_fields()}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,10 +97,18 @@ class Layer:
 
 
 def config_from_flags(flag_values) -> RunConfig:
-    """What `engine.main` runs: the checked `RunConfig` of parsed absl flags (`resolve_config`)."""
+    """The checked `RunConfig` of parsed absl flags (`run_from_flags`, its cluster checked too)."""
+    return run_from_flags(flag_values)[0]
+
+
+def run_from_flags(flag_values) -> tuple[RunConfig, MultiHostOptions]:
+    """What `engine.main` runs: the checked `RunConfig` of parsed absl flags (`resolve_config`) and
+    the cluster it runs in, resolved once (`resolve_multi_host`) and checked against it."""
     config = resolve_config(flag_values)
     config.validate()
-    return config
+    multi_host = resolve_multi_host(config)
+    check_cluster(config, multi_host)
+    return config, multi_host
 
 
 def resolve_config(flag_values) -> RunConfig:
@@ -271,15 +282,28 @@ def read_config_file(path: str) -> Layer:
     return Layer("file", path, values)
 
 
-def _ungrouped(data: dict[Any, Any], where: str) -> dict[Any, Any]:
-    """A config file's mapping with each Trainer option group spelled as one (its keyword over its
-    options: `checkpoint: {max_checkpoints: 5}`, `engine.options.TRAINER_GROUPS`) as the settings
-    of its options' names (`max_checkpoints: 5`); an option set both ways is refused."""
-    flat = {key: value for key, value in data.items() if key not in TRAINER_GROUPS or key in _FIELDS}
+def _grouped_names() -> dict[str, tuple[str, ...]]:
+    """The keys a config file may spell as a group, each with the settings it holds: `RunConfig`'s
+    sections (`schedule: {train_steps: 100}`) and the Trainer's option groups (`checkpoint:
+    {max_checkpoints: 5}`, `engine.options.TRAINER_GROUPS`, their options that are settings)."""
+    names = {
+        key: tuple(field.name for field in dataclasses.fields(section)) for key, section in SECTIONS.items()
+    }
     for key, group in TRAINER_GROUPS.items():
+        options = tuple(field.name for field in dataclasses.fields(group) if field.name in _FIELDS)
+        names[key] = tuple(dict.fromkeys((*names.get(key, ()), *options)))
+    return names
+
+
+def _ungrouped(data: dict[Any, Any], where: str) -> dict[Any, Any]:
+    """A config file's mapping with each group spelled as one (a section or an option group over
+    its settings, `_grouped_names`) as the settings of their flat names (`max_checkpoints: 5`); a
+    setting given both ways is refused."""
+    groups = _grouped_names()
+    flat = {key: value for key, value in data.items() if key not in groups or key in _FIELDS}
+    for key, options in groups.items():
         if key not in data or key in _FIELDS:
             continue
-        options = [field.name for field in dataclasses.fields(group) if field.name in _FIELDS]
         if not isinstance(data[key], dict):
             raise UserError(
                 f"{where}: {key} holds {_kind_of(data[key])}, not a mapping of its options; write e.g. "
@@ -308,6 +332,8 @@ def parse_overrides(text: str | None) -> Layer:
         where = f"--params_override item {item!r}"
         dotted, sep, raw = item.partition("=")
         head, *path = dotted.strip().split(".")
+        if head in SECTIONS and head not in _FIELDS and len(path) == 1:  # A section's spelling: schedule.epochs.
+            head, path = path[0], []
         if not sep or not head:
             raise UserError(f"--params_override: {item!r} is not NAME=VALUE; write e.g. {OVERRIDE_EXAMPLE}")
         name = setting_name(head, where, fix="use the flags' names (docs/flags.md) or task_params")
@@ -635,18 +661,12 @@ def read_stored_config(model_dir: str) -> Layer | None:
 
 def stored_settings(config: RunConfig) -> dict[str, Any]:
     """What config.yaml holds: every setting a rerun on the model_dir inherits."""
-    return {
-        name: value for name, value in dataclasses.asdict(config).items() if name not in PER_INVOCATION_SETTINGS
-    }
+    return {name: value for name, value in config.settings().items() if name not in PER_INVOCATION_SETTINGS}
 
 
 def printed_settings(config: RunConfig) -> dict[str, Any]:
     """What --print_config shows: every setting a --config_file may hold."""
-    return {
-        name: value
-        for name, value in dataclasses.asdict(config).items()
-        if name not in COMMAND_LINE_ONLY_SETTINGS
-    }
+    return {name: value for name, value in config.settings().items() if name not in COMMAND_LINE_ONLY_SETTINGS}
 
 
 def as_yaml(settings: Mapping[str, Any]) -> str:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.cli.config.settings import CLUSTER_SETTINGS, DEFAULT_EPOCHS, field_default
+from engine.cli.config.settings import CLUSTER_SETTINGS, DEFAULT_EPOCHS, SECTIONS, field_default
 from engine.cli.config.usage import grouped_settings
 
 COMMAND = "python -m engine.cli.config.flag_reference > docs/flags.md"
@@ -114,7 +114,9 @@ def render() -> str:
             default = _default(field.name, field.default)
             rows.append(f"| `--{field.name}` | {default} | {choice_cell} | {meaning} |\n")
         if rows:
-            sections.append(f"\n## {title}\n\n{TABLE_HEADER}{''.join(rows)}")
+            key = next(key for key, section in SECTIONS.items() if section.TITLE == title)
+            where = f"Section `{key}` of `RunConfig`; a config file may group these as `{key}: {{...}}`.\n\n"
+            sections.append(f"\n## {title}\n\n{where}{TABLE_HEADER}{''.join(rows)}")
     return HEADER + "".join(sections) + (FILE_ONLY_HEADER + "".join(file_only) if file_only else "")
 
 

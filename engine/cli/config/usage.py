@@ -4,8 +4,8 @@ grouped by concern; `--helpfull` stays absl's list of every flag with its help.
 
 absl's own `--help` opened with a module docstring and an absolute disk path, then listed
 77 flags in alphabetical order over 290 lines: nothing told a new user where to start.
-The groups are `RunConfig`'s sections (`FLAG_GROUPS`, by the first field of each, so a
-new field joins the section it is written in); docs/flags.md is grouped the same way.
+The groups are `RunConfig`'s sections (`SECTIONS`, each its `TITLE`, so a new field joins
+the section it is written in); docs/flags.md is grouped the same way.
 Imports no TensorFlow.
 """
 
@@ -17,21 +17,11 @@ import textwrap
 from collections.abc import Iterable
 from typing import Any
 
-from engine.cli.config.settings import RunConfig, flag_settings
+from engine.cli.config.settings.run_config import SECTIONS, flag_settings, setting_fields
 
-# RunConfig's sections, each named at its first field; the fields after it up to the next belong to it.
-FLAG_GROUPS: tuple[tuple[str, str], ...] = (
-    ("strategy", "Strategy and devices"),
-    ("worker_hosts", "Several machines"),
-    ("print_config", "What the command does"),
-    ("task", "The problem: model, data, loss, metrics"),
-    ("global_batch_size", "Length, batches and output"),
-    ("optimizer", "Optimization"),
-    ("on_nonfinite", "Loss spikes"),
-    ("model_dir", "State on disk"),
-    ("early_stop_metric", "Decisions from evaluations"),
-    ("profile_steps", "TensorBoard"),
-    ("seed", "Numerics and speed"),
+# RunConfig's sections, each named at its first field (what --help and docs/flags.md head them with).
+FLAG_GROUPS: tuple[tuple[str, str], ...] = tuple(
+    (dataclasses.fields(section)[0].name, section.TITLE) for section in SECTIONS.values()
 )
 
 # The flags a first run needs, in the order a user meets them.
@@ -96,21 +86,14 @@ Examples:
 
 
 def grouped_settings() -> list[tuple[str, list[dataclasses.Field]]]:
-    """RunConfig's fields (flags and config-file settings) in their sections, in order."""
-    starts = dict(FLAG_GROUPS)
-    groups: list[tuple[str, list[dataclasses.Field]]] = []
-    for field in dataclasses.fields(RunConfig):
-        if field.name in starts:
-            groups.append((starts[field.name], []))
-        assert groups, f"RunConfig's first field {field.name!r} starts no group of FLAG_GROUPS"
-        groups[-1][1].append(field)
-    return groups
+    """RunConfig's settings (flags and config-file settings) by section, in order."""
+    return [(section.TITLE, list(dataclasses.fields(section))) for section in SECTIONS.values()]
 
 
 def main_help(width: int | None = None) -> str:
     """`python -m engine.main --help`."""
     width = width or _terminal_width()
-    fields = {field.name: field for field in dataclasses.fields(RunConfig)}
+    fields = {field.name: field for field in setting_fields()}
     common = [
         _flag_entry(
             name, fields[name].default, fields[name].metadata["help"], fields[name].metadata["choices"], width

@@ -36,6 +36,8 @@ from engine.cli.run.assembly import build_optimizer, prepare_process
 from engine.cli.run.job import check_batch_fits, train_and_eval_data
 from engine.cli.run.run_task import RunTask, check_reported, resolve_task
 from engine.cli.run.table_shards import SHARD_STEP_BYTES
+from engine.cluster import Cluster
+from engine.cluster.multi_host import MultiHostOptions
 from engine.errors import USER_ERROR_EXIT, UserError, one_line
 from engine.layers import sharded_tables
 from engine.options import CheckpointOptions
@@ -81,8 +83,9 @@ class SimulatedCluster:
         return f"{self.strategy}, {replicas} ({self.source})"
 
 
-def simulated_cluster(config: RunConfig) -> SimulatedCluster:
-    """The cluster `config` describes: --dry_run_workers/--dry_run_ps, else its cluster flags or TF_CONFIG."""
+def simulated_cluster(config: RunConfig, cluster: Cluster | None) -> SimulatedCluster:
+    """The cluster `config` describes: --dry_run_workers/--dry_run_ps, else `cluster` (the one its
+    cluster flags or TF_CONFIG give)."""
     per_worker = config.num_gpus or (config.cpu_devices if config.strategy == "mirrored" else 1)
     if config.strategy not in ("multi_worker_mirrored", "parameter_server"):
         return SimulatedCluster(config.strategy, 1, per_worker, 0, "one host")
@@ -91,7 +94,6 @@ def simulated_cluster(config: RunConfig) -> SimulatedCluster:
         return SimulatedCluster(
             config.strategy, config.dry_run_workers, per_worker, ps_tasks, "--dry_run_workers"
         )
-    cluster = config.multi_host.cluster
     if cluster is None:  # multi_worker_mirrored alone on this host (parameter_server refused it).
         return SimulatedCluster(config.strategy, 1, per_worker, 0, "no cluster given: one worker")
     spec = cluster.training_spec()
@@ -101,10 +103,11 @@ def simulated_cluster(config: RunConfig) -> SimulatedCluster:
     return SimulatedCluster(config.strategy, workers, per_worker, len(spec.get("ps", ())), "the cluster's tasks")
 
 
-def dry_run(config: RunConfig) -> int:
-    """Checks `config` as its cluster would run it (see the module docstring); the exit status."""
+def dry_run(config: RunConfig, multi_host: MultiHostOptions) -> int:
+    """Checks `config` as its cluster (`multi_host`'s, or the one it simulates) would run it (see the
+    module docstring); the exit status."""
     problems = _Problems()
-    cluster = simulated_cluster(config)
+    cluster = simulated_cluster(config, multi_host.cluster)
     logging.info("%s%s", PREFIX, cluster.describe())
     simulated = _simulated_replicas(config, min(cluster.replicas_in_sync, MAX_SIMULATED_REPLICAS))
     task = resolve_task(config)

@@ -34,6 +34,7 @@ from engine.cli.config.settings import RunConfig
 from engine.cli.run.assembly import CheckpointedModel
 from engine.cli.run.run_record import read_record, record_evaluations, record_path
 from engine.cli.run.run_task import check_reported
+from engine.cluster import Cluster
 from engine.data import as_eval_form
 from engine.errors import UserError
 from engine.hooks.best_checkpoint import BestCheckpoint
@@ -48,11 +49,11 @@ TRAINER_FINISH_SECONDS = 60.0
 _CHECKPOINT_STEP = re.compile(r"-(\d+)$")
 
 
-def evaluation_mode(config: RunConfig) -> str | None:
-    """ "eval" or "continuous_eval" when this process evaluates instead of training, else None."""
-    if config.mode in ("eval", "continuous_eval"):
-        return config.mode
-    cluster = config.multi_host.cluster
+def evaluation_mode(mode: str, cluster: Cluster | None) -> str | None:
+    """ "eval" or "continuous_eval" when this process (in --mode=`mode`, a task of `cluster`)
+    evaluates instead of training, else None."""
+    if mode in ("eval", "continuous_eval"):
+        return mode
     if cluster is not None and cluster.is_evaluator:
         return "continuous_eval"
     return None

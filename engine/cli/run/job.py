@@ -28,6 +28,7 @@ from engine.checkpointing import checkpointer as checkpoint_lib
 from engine.checkpointing import discovery, repairs
 from engine.cli.config.config_files import check_stored_config_writable, write_stored_config
 from engine.cli.config.settings import RunConfig, trainer_options
+from engine.cli.config.settings.cluster import resolve_multi_host
 from engine.cli.process import host_memory
 from engine.cli.process.own_packages import own_package
 from engine.cli.process.preemption import stop_on_signals
@@ -39,6 +40,7 @@ from engine.cli.run.model_summary import model_summary
 from engine.cli.run.run_record import read_record, record_path, record_training
 from engine.cli.run.run_task import RunTask, check_reported, resolve_task
 from engine.cluster import task_model_dir
+from engine.cluster.multi_host import MultiHostOptions
 from engine.cluster.peer_loss import PEER_LOST_ERRORS, peer_lost_message
 from engine.errors import STOPPED_BY_PEER_EXIT, PeerLostError, UserError, one_line
 from engine.export import check_export_dir, export_for_serving
@@ -50,8 +52,11 @@ from engine.strategy import build_strategy
 from engine.trainer import Trainer
 
 
-def run(config: RunConfig, *, started_at: float | None = None) -> dict[str, Any]:
-    """Trains and evaluates as `config` says; returns what metrics.json holds.
+def run(
+    config: RunConfig, multi_host: MultiHostOptions | None = None, *, started_at: float | None = None
+) -> dict[str, Any]:
+    """Trains and evaluates as `config` says, in the cluster `multi_host` (as `engine.main`
+    resolved it; None: resolved here, for callers without it); returns what metrics.json holds.
 
     `started_at` (`time.time()`; default: now) is where the run's goodput clock starts:
     `engine.main` passes its process's start, so that start-up counts.
@@ -66,12 +71,14 @@ def run(config: RunConfig, *, started_at: float | None = None) -> dict[str, Any]
     from engine.cli.config.flag_names import errors_in_flag_terms
 
     started_at = time.time() if started_at is None else started_at
-    with errors_in_flag_terms(), _peer_loss_before_training_is_one_line(config):
-        return _run(config, started_at)
+    with errors_in_flag_terms():
+        multi_host = resolve_multi_host(config) if multi_host is None else multi_host
+        with _peer_loss_before_training_is_one_line(multi_host):
+            return _run(config, multi_host, started_at)
 
 
 @contextlib.contextmanager
-def _peer_loss_before_training_is_one_line(config: RunConfig) -> Iterator[None]:
+def _peer_loss_before_training_is_one_line(multi_host: MultiHostOptions) -> Iterator[None]:
     """A peer that ends while this task builds or restores its model is one line, as one lost
     mid-training is (`_train`): a chief refused in one line (its model_dir in use by another
     run) left the other workers in a collective broadcast that never came, each ending in a
@@ -79,25 +86,24 @@ def _peer_loss_before_training_is_one_line(config: RunConfig) -> Iterator[None]:
     try:
         yield
     except PEER_LOST_ERRORS as error:
-        cluster, timeout = config.multi_host.cluster, config.multi_host.heartbeat_timeout
+        cluster, timeout = multi_host.cluster, multi_host.heartbeat_timeout
         message = peer_lost_message(error, cluster, heartbeat_timeout=timeout, kept="it stopped before training")
         if message is None:
             raise
         raise PeerLostError(message) from None
 
 
-def _run(config: RunConfig, started_at: float) -> dict[str, Any]:
+def _run(config: RunConfig, multi_host: MultiHostOptions, started_at: float) -> dict[str, Any]:
     for flag in ("export_dir", "predict_output"):  # --model_dir's: RunConfig's check of its name.
         model_dir_lib.check_path_length(getattr(config, flag) or "", flag)
     if config.mode == "predict":  # Reads a trained model_dir, writes the --predict_output file only.
         return predictor.run(config)
-    evaluation_mode = evaluator.evaluation_mode(config)
+    evaluation_mode = evaluator.evaluation_mode(config.mode, multi_host.cluster)
     if evaluation_mode is not None:  # --mode=eval/continuous_eval or an evaluator task: never trains.
         return evaluator.run(config, evaluation_mode)
     prepare_process(config)
     if config.check_numerics:
         tf.debugging.enable_check_numerics()  # Names the first op that makes a NaN or Inf.
-    multi_host = config.multi_host
     strategy = build_strategy(
         config.strategy, cpu_devices=config.cpu_devices, num_gpus=config.num_gpus, multi_host=multi_host
     )
@@ -131,7 +137,7 @@ def _run(config: RunConfig, started_at: float) -> dict[str, Any]:
         repairs.undone_on_error(),
     ):
         return _train_and_evaluate(
-            config, strategy, cluster, task, model_dir, write_dir, total_steps, started_at, watch
+            config, strategy, multi_host, task, model_dir, write_dir, total_steps, started_at, watch
         )
 
 
@@ -164,7 +170,7 @@ def check_batch_fits_memory(global_batch_size: int, num_workers: int, feature_sh
 def _train_and_evaluate(
     config,
     strategy,
-    cluster,
+    multi_host: MultiHostOptions,
     task: RunTask,
     model_dir: str,
     write_dir: str,
@@ -175,6 +181,7 @@ def _train_and_evaluate(
     """The part of `run` that reads and writes model_dir: under the writer lock
     on the chief. Everything is checked before the first byte is written; `watch`
     tells whether the model_dir is still the one the run began with."""
+    cluster = multi_host.cluster
     metrics_path = record_path(model_dir)
     if write_dir == model_dir:
         if tf.io.gfile.isdir(metrics_path):
@@ -235,16 +242,24 @@ def _train_and_evaluate(
     repairs.keep()  # Everything is checked: the repairs stay, the first bytes are written.
     # (The Trainer removed the partial folders of saves cut short by kill -9 or a full disk.)
     if strategy.extended.should_checkpoint:
-        write_hparams(model_dir, dataclasses.asdict(config))
+        write_hparams(model_dir, config.settings())
         checkpoint_lib.record_settings(model_dir, _optimizer_settings(config))
         # What a rerun, --mode=eval or --mode=predict with only --model_dir rebuilds the model from.
         write_stored_config(model_dir, config)
         inputs_record.write(model_dir, task, config.label_column)  # What predict rebuilds the model from.
-    with _watch_ps_tasks(config, write_dir):  # A frozen ps task: one line and 69, not a hang.
+    # A frozen ps task: one line and 69, not a hang.
+    with _watch_ps_tasks(config.strategy, multi_host, write_dir):
         try:
             evaluates = eval_data is not None
             outcome = _train_with_clean_errors(
-                config, strategy, source, trainer, total_steps, evaluates=evaluates, model_dir=model_dir
+                config,
+                multi_host,
+                strategy,
+                source,
+                trainer,
+                total_steps,
+                evaluates=evaluates,
+                model_dir=model_dir,
             )
         finally:
             if write_dir != model_dir:
@@ -346,12 +361,20 @@ def train_and_eval_data(config: RunConfig, source) -> tuple[Any, Any]:
 
 
 def _train_with_clean_errors(
-    config: RunConfig, strategy, source, trainer: Trainer, total_steps: int, *, evaluates: bool, model_dir: str
+    config: RunConfig,
+    multi_host: MultiHostOptions,
+    strategy,
+    source,
+    trainer: Trainer,
+    total_steps: int,
+    *,
+    evaluates: bool,
+    model_dir: str,
 ) -> tuple[dict[str, float], dict[str, float]] | int:
     """Trains to `total_steps` and evaluates; (train logs, eval logs), or the exit status of a
     run stopped by a signal or a peer worker. Errors of the data or the memory the run meets
     mid-run become one line naming what is kept."""
-    cluster = config.multi_host.cluster
+    cluster = multi_host.cluster
     task_type, task_index = (cluster.task_type, cluster.task_index) if cluster else (None, None)
     # Where SIGUSR1 (and a lost peer) write this task's report: engine.diagnostics.
     task = diagnostics.task_name(task_type, task_index)
@@ -373,9 +396,8 @@ def _train_with_clean_errors(
             trainer.close()
             raise UserError(message) from None
         except PEER_LOST_ERRORS as error:  # A frozen, partitioned or dead peer of the cluster.
-            options = config.multi_host
             message = peer_lost_message(
-                error, options.cluster, heartbeat_timeout=options.heartbeat_timeout, kept=_what_is_kept(trainer)
+                error, cluster, heartbeat_timeout=multi_host.heartbeat_timeout, kept=_what_is_kept(trainer)
             )
             if message is None:
                 raise
@@ -441,12 +463,13 @@ def _end_background_write(trainer: Trainer) -> None:
         logging.warning("the checkpoint written in the background failed too: %s", one_line(error, 200))
 
 
-def _watch_ps_tasks(config: RunConfig, write_dir: str) -> contextlib.AbstractContextManager[Any]:
+def _watch_ps_tasks(
+    strategy: str, multi_host: MultiHostOptions, write_dir: str
+) -> contextlib.AbstractContextManager[Any]:
     """On a parameter-server run's chief: a PsWatch over its ps tasks, bounded by
     --heartbeat_timeout (engine.cluster.ps_watch); elsewhere nothing."""
-    options = config.multi_host
-    cluster = options.cluster
-    if config.strategy != "parameter_server" or cluster is None or cluster.task_type != "chief":
+    cluster = multi_host.cluster
+    if strategy != "parameter_server" or cluster is None or cluster.task_type != "chief":
         return contextlib.nullcontext()
     from engine.cluster.ps_watch import PsWatch
 
@@ -458,7 +481,7 @@ def _watch_ps_tasks(config: RunConfig, write_dir: str) -> contextlib.AbstractCon
 
     ps = [(name, address) for name, address in cluster.peers() if name.startswith("ps:")]
     me = f"{cluster.task_type}:{cluster.task_index}"
-    return PsWatch(me, ps, timeout=options.heartbeat_timeout, kept=kept)
+    return PsWatch(me, ps, timeout=multi_host.heartbeat_timeout, kept=kept)
 
 
 def _what_is_kept(trainer: Trainer) -> str:

@@ -102,14 +102,17 @@ def test_a_peer_lost_while_the_model_is_built_is_one_line_not_a_traceback(monkey
     """Before training (building, restoring) a lost peer is the same line as mid-training: the
     other workers of a chief refused for its model_dir in use ended in a 45-line traceback.
     Without a cluster there is no peer to name, and TF's error is left as it is."""
-    from helpers import run_config
+    from helpers import environment, run_config
 
+    from engine.cli.config.settings.cluster import resolve_multi_host
     from engine.cli.run import job
 
     workers = {"worker": ["localhost:1111", "localhost:2222"]}
     tf_config = {"cluster": workers, "task": {"type": "worker", "index": 1}}
     env = {"TF_CONFIG": json.dumps(tf_config) if cluster else None}
     config = run_config("--strategy=multi_worker_mirrored", "--model=mlp", "--dataset=synthetic", env=env)
+    with environment(env):  # As engine.main resolves it, once, and passes it down.
+        multi_host = resolve_multi_host(config)
 
     def collective_refused(*args):
         raise tf.errors.UnavailableError(None, None, REFUSED)
@@ -117,10 +120,10 @@ def test_a_peer_lost_while_the_model_is_built_is_one_line_not_a_traceback(monkey
     monkeypatch.setattr(job, "_run", collective_refused)
     if not cluster:
         with pytest.raises(tf.errors.UnavailableError):
-            job.run(config)
+            job.run(config, multi_host)
         return
     with pytest.raises(PeerLostError) as raised:
-        job.run(config)
+        job.run(config, multi_host)
     message = str(raised.value)
     assert "\n" not in message and raised.value.exit_status == PEER_LOST_EXIT
     assert message.startswith("worker:1: worker:0 (localhost:1111) stopped answering (Collective ops is aborted")

@@ -37,7 +37,13 @@ from engine.cli.config.settings.fields import (
 )
 from engine.cli.config.settings.flag_definitions import define_flags
 from engine.cli.config.settings.paths import check_model_dir
-from engine.cli.config.settings.run_config import RunConfig, flag_settings, trainer_options
+from engine.cli.config.settings.run_config import (
+    SECTIONS,
+    RunConfig,
+    flag_settings,
+    setting_fields,
+    trainer_options,
+)
 
 __all__ = [
     "ALTERNATIVE_SETTINGS",
@@ -55,10 +61,12 @@ __all__ = [
     "PER_INVOCATION_SETTINGS",
     "PRECISION_POLICIES",
     "RunConfig",
+    "SECTIONS",
     "check_model_dir",
     "define_flags",
     "field_default",
     "flag_settings",
+    "setting_fields",
     "settings_of",
     "trainer_options",
 ]

@@ -5,6 +5,7 @@ one-line checks the sections share. Imports no TensorFlow."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 from engine.cluster.resolve import DEFAULT_SLURM_PORT_BASE, RESOLVERS  # noqa: F401 (re-exported)
@@ -130,12 +131,20 @@ def option_setting(group: type, name: str, help: str | None = None, **options: A
     return setting(default_of(group, name), help_of(group, name) if help is None else help, **options)
 
 
-def setting(default: Any, help: str, *, choices: tuple[str, ...] | None = None, flag: bool = True) -> Any:
-    """A `RunConfig` field and its command-line flag: `engine.cli.config.flags` defines `--NAME` from
-    the default, this help and, with `choices`, as an enum that `--help` lists. `flag=False`: a
-    setting of config files and --params_override only (a mapping has no flag syntax); a dict
-    default is copied for each config."""
-    metadata = {"help": help, "choices": choices, "flag": flag}
+def setting(
+    default: Any,
+    help: str,
+    *,
+    choices: tuple[str, ...] | None = None,
+    minimum: int | None = None,
+    flag: bool = True,
+) -> Any:
+    """A `RunConfig` setting (a field of its section) and its command-line flag: `engine.cli.config.flags`
+    defines `--NAME` from the default, this help and, with `choices`, as an enum that `--help` lists.
+    `choices` and `minimum` (the least integer; None stays allowed) are its checks (`check_fields`).
+    `flag=False`: a setting of config files and --params_override only (a mapping has no flag syntax);
+    a dict default is copied for each config."""
+    metadata = {"help": help, "choices": choices, "minimum": minimum, "flag": flag}
     if isinstance(default, dict):
         return dataclasses.field(default_factory=lambda: dict(default), metadata=metadata)
     return dataclasses.field(default=default, metadata=metadata)
@@ -160,3 +169,34 @@ def choice_message(name: str, value: str, choices) -> str:
 def at_least(name: str, value: int, minimum: int) -> None:
     if value < minimum:
         raise UserError(f"--{name}={value} must be at least {minimum}")
+
+
+def check_numbers(section: Any) -> None:
+    """Every numeric setting of a section, from the fields' types (so a new flag is covered):
+    floats finite, integers within what the engine counts, timeouts within int64 ms."""
+    for field in dataclasses.fields(section):
+        value = getattr(section, field.name)
+        if isinstance(value, bool) or value is None:
+            continue
+        if isinstance(value, float) and not math.isfinite(value):
+            hint = " (0 waits forever)" if field.name in ("collective_timeout", "startup_timeout") else ""
+            raise UserError(f"--{field.name}={value} must be a finite number{hint}")
+        if field.name in TIMEOUTS and value > MAX_TIMEOUT_SECONDS:
+            raise UserError(
+                f"--{field.name}={value:g} is beyond the longest timeout, {MAX_TIMEOUT_SECONDS:g} seconds"
+            )
+        limit = {"train_steps": INT64_MAX, "seed": 2**32 - 1, "cpu_devices": MAX_CPU_DEVICES}.get(
+            field.name, INT32_MAX
+        )
+        if isinstance(value, int) and value > limit:
+            raise UserError(f"--{field.name}={value} is more than the engine can count; use at most {limit}")
+
+
+def check_fields(section: Any) -> None:
+    """The checks a section's fields carry in their metadata: `choices` and `minimum`."""
+    for field in dataclasses.fields(section):
+        value = getattr(section, field.name)
+        if field.metadata.get("choices") is not None:
+            choose(field.name, value, field.metadata["choices"])
+        if field.metadata.get("minimum") is not None and value is not None:
+            at_least(field.name, value, field.metadata["minimum"])

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from absl import flags
 
 from engine.cli.config.settings.fields import choice_message
-from engine.cli.config.settings.run_config import RunConfig
+from engine.cli.config.settings.run_config import setting_fields
 
 _DEFINE_BY_TYPE = {  # A field's annotation (a string under `from __future__ import annotations`) -> its flag.
     "str": "DEFINE_string",
@@ -28,7 +28,7 @@ def define_flags(names: Sequence[str], *, module_name: str, flag_values=None) ->
     `module_name` (what `--help` and `adopt_module_key_flags` go by); a field with choices becomes
     an enum (listed by `--help`) whose bad value gets `validate`'s one-line message."""
     flag_values = flags.FLAGS if flag_values is None else flag_values
-    fields = {field.name: field for field in dataclasses.fields(RunConfig)}
+    fields = {field.name: field for field in setting_fields()}
     for name in names:
         field = fields[name]
         assert field.metadata["flag"], f"{name} is a setting of config files only, not a flag"
