@@ -51,11 +51,11 @@ def main(argv: list[str]) -> int:
         from engine.cli.config.flag_names import errors_in_flag_terms
         from engine.cli.run.dry_run import dry_run
 
-        with console.configured(console.Console.for_run(config, None)), errors_in_flag_terms():
+        with console.configured(console.Console.for_run(config.schedule, None)), errors_in_flag_terms():
             return dry_run(config, multi_host)
     from engine.cli.run.summary import summary_table
 
-    this_console = console.Console.for_run(config, multi_host.cluster)
+    this_console = console.Console.for_run(config.schedule, multi_host.cluster)
     with console.configured(this_console):
         result = run(config, multi_host, started_at=started_at)
         table = summary_table(config, result) if this_console.speaks_for_the_run else None

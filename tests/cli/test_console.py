@@ -90,11 +90,14 @@ def test_lines_are_their_message_with_a_marker_for_warnings_and_errors(root_line
 
 def test_a_worker_that_is_not_the_chief_prints_warnings_and_its_done_line_prefixed(root_lines):
     config = RunConfig()
-    worker = Console.for_run(config, Cluster(WORKERS, "worker", 1))
+    worker = Console.for_run(config.schedule, Cluster(WORKERS, "worker", 1))
     assert (worker.task_prefix, worker.speaks) == ("[worker:1] ", False)
     for chief in (None, Cluster(WORKERS, "worker", 0), Cluster({**WORKERS, "chief": ("c:1",)}, "chief", 0)):
-        assert Console.for_run(config, chief) == Console()
-    assert Console.for_run(config, Cluster({**WORKERS, "evaluator": ("e:1",)}, "evaluator", 0)) == Console()
+        assert Console.for_run(config.schedule, chief) == Console()
+    assert (
+        Console.for_run(config.schedule, Cluster({**WORKERS, "evaluator": ("e:1",)}, "evaluator", 0))
+        == Console()
+    )
     with configured(worker):
         logging.info("step 2/4  loss=1.5")
         logging.warning("stopped at step 2")
@@ -106,7 +109,7 @@ def test_a_worker_that_is_not_the_chief_prints_warnings_and_its_done_line_prefix
         "[worker:1] error: two",
         "[worker:1] lines",
     ]
-    everything = Console.for_run(RunConfig(log_all_tasks=True), Cluster(WORKERS, "worker", 1))
+    everything = Console.for_run(RunConfig(log_all_tasks=True).schedule, Cluster(WORKERS, "worker", 1))
     assert everything.task_prefix == "[worker:1] " and everything.speaks and not everything.speaks_for_the_run
 
 

@@ -25,7 +25,7 @@ from collections.abc import Iterator
 
 from absl import logging as absl_logging
 
-from engine.cli.config.settings import RunConfig
+from engine.cli.config.settings.sections import ScheduleSettings
 from engine.cluster import Cluster
 from engine.status_line import status_line
 
@@ -44,11 +44,13 @@ class Console:
         return self.speaks and not self.task_prefix
 
     @classmethod
-    def for_run(cls, config: RunConfig, cluster: Cluster | None) -> Console:
+    def for_run(cls, schedule: ScheduleSettings, cluster: Cluster | None) -> Console:
+        """The console that --log_prefix and --log_all_tasks (`RunConfig.schedule`) ask for, as a
+        task of `cluster`."""
         if cluster is None or cluster.is_chief or cluster.is_evaluator:
-            return cls(log_prefix=config.log_prefix)
+            return cls(log_prefix=schedule.log_prefix)
         prefix = f"[{cluster.task_type}:{cluster.task_index}] "
-        return cls(log_prefix=config.log_prefix, task_prefix=prefix, speaks=config.log_all_tasks)
+        return cls(log_prefix=schedule.log_prefix, task_prefix=prefix, speaks=schedule.log_all_tasks)
 
 
 class MessageFormatter(logging.Formatter):

@@ -15,6 +15,12 @@ from absl import logging
 
 from engine.checkpointing.checkpointer import CheckpointReader, checkpoint_of, recorded_settings
 from engine.cli.config.settings import RunConfig
+from engine.cli.config.settings.sections import (
+    DeviceSettings,
+    NumericSettings,
+    OptimizationSettings,
+    StateSettings,
+)
 from engine.cli.process.environment import seed_everything, set_precision
 from engine.cli.run.run_task import RunTask, resolve_task
 from engine.ema import averages_swapped_in, weight_averages
@@ -24,28 +30,28 @@ from engine.strategy import build_strategy, configure_cpu_devices
 from engine.trainer_checks import prepare_model_state
 
 
-def prepare_process(config: RunConfig) -> None:
+def prepare_process(devices: DeviceSettings, numerics: NumericSettings) -> None:
     """Process-wide settings, before any model or strategy exists: logical CPU
     devices, the Keras dtype policy, seeds (and op determinism)."""
     # tf.distribute logs every cross-device reduction at INFO; keep the engine's lines readable.
     tf.get_logger().setLevel("WARNING")
-    if config.cpu_devices > 1:
-        configure_cpu_devices(config.cpu_devices)
-    set_precision(config.mixed_precision)
-    seed_everything(config.seed, deterministic=config.deterministic)
+    if devices.cpu_devices > 1:
+        configure_cpu_devices(devices.cpu_devices)
+    set_precision(numerics.mixed_precision)
+    seed_everything(numerics.seed, deterministic=numerics.deterministic)
 
 
 def build_model_and_optimizer(
-    config: RunConfig, strategy: tf.distribute.Strategy, task: RunTask, total_steps: int
+    optimization: OptimizationSettings, strategy: tf.distribute.Strategy, task: RunTask, total_steps: int
 ) -> tuple[keras.Model, keras.optimizers.Optimizer]:
     """The task's model (checked against the data before anything is written) and its optimizer,
     created in `strategy`'s scope; the learning-rate schedule spans `total_steps`."""
     with strategy.scope():
         model = task.build_model()
         learning_rate = learning_rate_schedule(
-            config.lr_schedule, config.learning_rate, total_steps, config.warmup_steps
+            optimization.lr_schedule, optimization.learning_rate, total_steps, optimization.warmup_steps
         )
-        optimizer = build_optimizer(config.optimizer, learning_rate, model)
+        optimizer = build_optimizer(optimization.optimizer, learning_rate, model)
     return model, optimizer
 
 
@@ -69,19 +75,21 @@ class CheckpointedModel:
     def __init__(self, config: RunConfig, *, model_dir: str, source=None):
         """`source`: an input.DescribedSource of the training's examples (predict), so that no
         data is read; None reads the data the settings name (eval needs its examples)."""
-        prepare_process(config)
+        prepare_process(config.devices, config.numerics)
         # The cluster's strategy needs its peers; a reader works alone on this host.
         local = "mirrored" if config.cpu_devices > 1 or config.num_gpus else "default"
         name = config.strategy if config.strategy in ("default", "one_device", "mirrored") else local
         self.strategy = build_strategy(name, cpu_devices=config.cpu_devices, num_gpus=config.num_gpus)
-        self.task = resolve_task(config, source=source)
+        self.task = resolve_task(config.problem, source=source)
         self.source = self.task.source
         self.final_step = config.total_steps(self.source.num_train_examples)
         # As training builds them (checked against the data before anything is read or written).
-        self.model, self.optimizer = build_model_and_optimizer(config, self.strategy, self.task, self.final_step)
+        self.model, self.optimizer = build_model_and_optimizer(
+            config.optimization, self.strategy, self.task, self.final_step
+        )
         # As the Trainer prepares them: the averages (--ema_decay) exist once the optimizer is built.
         self.weight_averages = weight_averages(
-            {"optimizer": self.optimizer}, trained_ema_decay(config, model_dir)
+            {"optimizer": self.optimizer}, trained_ema_decay(config.state, model_dir)
         )
         self.global_step = prepare_model_state(self.strategy, self.model, {"optimizer": self.optimizer})
         self.reader = CheckpointReader(
@@ -97,11 +105,11 @@ class CheckpointedModel:
         return averages_swapped_in(self.weight_averages)
 
 
-def trained_ema_decay(config: RunConfig, model_dir: str) -> float | None:
+def trained_ema_decay(state: StateSettings, model_dir: str) -> float | None:
     """The --ema_decay the checkpoints were trained with (their averages are what is
     evaluated or predicted with), else this command's."""
     recorded = recorded_settings(model_dir).get("ema_decay")
-    decay = float(recorded) if recorded is not None else config.ema_decay
-    if decay != config.ema_decay:
+    decay = float(recorded) if recorded is not None else state.ema_decay
+    if decay != state.ema_decay:
         logging.info("using --ema_decay=%s, as the checkpoints were trained", decay)
     return decay or None

@@ -110,8 +110,8 @@ def dry_run(config: RunConfig, multi_host: MultiHostOptions) -> int:
     cluster = simulated_cluster(config, multi_host.cluster)
     logging.info("%s%s", PREFIX, cluster.describe())
     simulated = _simulated_replicas(config, min(cluster.replicas_in_sync, MAX_SIMULATED_REPLICAS))
-    task = resolve_task(config)
-    check_reported(config, task)
+    task = resolve_task(config.problem)
+    check_reported(config.decisions, task)
     source = task.source
     batch, accumulation = config.global_batch_size, config.grad_accum_steps
     if batch % (cluster.replicas_in_sync * accumulation):
@@ -189,9 +189,12 @@ def _simulated_replicas(config: RunConfig, wanted: int) -> int:
     (precision, seeds); where TensorFlow already started with fewer (an embedding notebook, a
     test), the step runs on those: each replica still takes its own per-replica batch."""
     try:
-        prepare_process(dataclasses.replace(config, cpu_devices=max(config.cpu_devices, wanted)))
+        devices = config.devices
+        prepare_process(
+            dataclasses.replace(devices, cpu_devices=max(devices.cpu_devices, wanted)), config.numerics
+        )
     except UserError:  # TensorFlow already started with fewer CPU devices.
-        prepare_process(dataclasses.replace(config, cpu_devices=1))
+        prepare_process(dataclasses.replace(config.devices, cpu_devices=1), config.numerics)
     return min(wanted, len(tf.config.list_logical_devices("CPU")))
 
 

@@ -31,6 +31,7 @@ from engine.checkpointing import checkpointer as checkpoint_lib
 from engine.checkpointing.checkpointer import CheckpointVanished, files_gone
 from engine.checkpointing.discovery import latest_checkpoint
 from engine.cli.config.settings import RunConfig
+from engine.cli.config.settings.sections import DecisionSettings, StateSettings
 from engine.cli.run.assembly import CheckpointedModel
 from engine.cli.run.run_record import read_record, record_evaluations, record_path
 from engine.cli.run.run_task import check_reported
@@ -59,24 +60,24 @@ def evaluation_mode(mode: str, cluster: Cluster | None) -> str | None:
     return None
 
 
-def _model_dir(config: RunConfig) -> str:
+def _model_dir(state: StateSettings) -> str:
     """The model_dir an evaluator reads; RunConfig.validate requires one for both eval modes."""
-    assert config.model_dir, "validated: --mode=eval/continuous_eval needs --model_dir"
-    return config.model_dir
+    assert state.model_dir, "validated: --mode=eval/continuous_eval needs --model_dir"
+    return state.model_dir
 
 
 def run(config: RunConfig, mode: str) -> dict[str, Any]:
     """Evaluates as `mode` says; returns the step and the logs of the last evaluation
     (`record_evaluations` adds them to metrics.json)."""
-    model_dir_lib.check_kinds(_model_dir(config))
-    read_record(_model_dir(config))  # Damaged: refused now, not after evaluating.
-    with model_dir_lib.disk_full_is_a_user_error(_model_dir(config)):
+    model_dir_lib.check_kinds(_model_dir(config.state))
+    read_record(_model_dir(config.state))  # Damaged: refused now, not after evaluating.
+    with model_dir_lib.disk_full_is_a_user_error(_model_dir(config.state)):
         return _run(config, mode)
 
 
 def _run(config: RunConfig, mode: str) -> dict[str, Any]:
     if mode == "eval":
-        model_dir = _model_dir(config)
+        model_dir = _model_dir(config.state)
         path = latest_checkpoint(checkpoint_lib.checkpoint_dir(model_dir))
         if path is None:
             raise UserError(
@@ -99,7 +100,7 @@ class Evaluator:
 
     def __init__(self, config: RunConfig):
         self.config = config
-        self.model_dir = _model_dir(config)
+        self.model_dir = _model_dir(config.state)
         restored = CheckpointedModel(config, model_dir=self.model_dir)
         source = restored.source
         if source.num_eval_examples is None:
@@ -107,7 +108,7 @@ class Evaluator:
         self.restored, self.strategy, self.final_step = restored, restored.strategy, restored.final_step
         self.model, self.optimizer, self.reader = restored.model, restored.optimizer, restored.reader
         batch = config.global_batch_size
-        check_reported(config, restored.task)
+        check_reported(config.decisions, restored.task)
         task = restored.task.trainer_arguments(restored.model)
         self.runner = EvalRunner(
             self.strategy,
@@ -119,7 +120,7 @@ class Evaluator:
             batches_per_call=config.steps_per_loop,
         )
         self.summaries = SummaryWriters(config.model_dir)
-        self._best = self._best_checkpoint(config)
+        self._best = self._best_checkpoint(config.decisions)
 
     @property
     def step(self) -> int:
@@ -128,12 +129,12 @@ class Evaluator:
     def averaged_weights(self) -> contextlib.AbstractContextManager:
         return self.restored.averaged_weights()
 
-    def _best_checkpoint(self, config: RunConfig) -> BestCheckpoint | None:
+    def _best_checkpoint(self, decisions: DecisionSettings) -> BestCheckpoint | None:
         """--best_checkpoint_metric: the hook the trainer would run, keeping <model_dir>/best
         (its own manager there; the training's checkpoints are never touched)."""
-        if not config.best_checkpoint_metric:
+        if not decisions.best_checkpoint_metric:
             return None
-        hook = BestCheckpoint(config.best_checkpoint_metric)
+        hook = BestCheckpoint(decisions.best_checkpoint_metric)
         hook.on_train_begin(self._view())
         return hook
 

@@ -1,4 +1,4 @@
-"""The built-in hooks a `RunConfig` (the command-line flags) asks for."""
+"""The built-in hooks the command-line flags ask for: their decisions and summaries sections."""
 
 from __future__ import annotations
 
@@ -13,31 +13,34 @@ from engine.hooks.plateau import ReduceLROnPlateau
 from engine.hooks.profiler import ProfileWindow
 
 if TYPE_CHECKING:
-    from engine.cli.config.settings import RunConfig
+    from engine.cli.config.settings.sections import DecisionSettings, SummarySettings
 
 
-def hooks_from_config(config: RunConfig) -> list[Callback]:
+def hooks_from_config(decisions: DecisionSettings, summaries: SummarySettings) -> list[Callback]:
+    """`RunConfig.decisions` and `.summaries` as the hooks that act on them."""
     hooks: list[Callback] = [TrainGraph()]
-    window = config.profile_window()
+    window = summaries.profile_window()
     if window is not None:
         hooks.append(ProfileWindow(*window))
-    if config.histogram_every:
-        hooks.append(WeightHistograms(config.histogram_every))
-    if config.best_checkpoint_metric:
-        hooks.append(BestCheckpoint(config.best_checkpoint_metric))
-    if config.reduce_lr_metric:
+    if summaries.histogram_every:
+        hooks.append(WeightHistograms(summaries.histogram_every))
+    if decisions.best_checkpoint_metric:
+        hooks.append(BestCheckpoint(decisions.best_checkpoint_metric))
+    if decisions.reduce_lr_metric:
         hooks.append(
             ReduceLROnPlateau(
-                config.reduce_lr_metric,
-                patience=config.reduce_lr_patience,
-                factor=config.reduce_lr_factor,
-                min_rate=config.min_learning_rate,
+                decisions.reduce_lr_metric,
+                patience=decisions.reduce_lr_patience,
+                factor=decisions.reduce_lr_factor,
+                min_rate=decisions.min_learning_rate,
             )
         )
-    if config.early_stop_metric:  # Last: the others still see the evaluation that stops training.
+    if decisions.early_stop_metric:  # Last: the others still see the evaluation that stops training.
         hooks.append(
             EarlyStopping(
-                config.early_stop_metric, patience=config.early_stop_patience, mode=config.early_stop_mode
+                decisions.early_stop_metric,
+                patience=decisions.early_stop_patience,
+                mode=decisions.early_stop_mode,
             )
         )
     return hooks

@@ -29,6 +29,7 @@ from engine.checkpointing import discovery, repairs
 from engine.cli.config.config_files import check_stored_config_writable, write_stored_config
 from engine.cli.config.settings import RunConfig, trainer_options
 from engine.cli.config.settings.cluster import resolve_multi_host
+from engine.cli.config.settings.sections import NumericSettings, ProblemSettings
 from engine.cli.process import host_memory
 from engine.cli.process.own_packages import own_package
 from engine.cli.process.preemption import stop_on_signals
@@ -101,7 +102,7 @@ def _run(config: RunConfig, multi_host: MultiHostOptions, started_at: float) -> 
     evaluation_mode = evaluator.evaluation_mode(config.mode, multi_host.cluster)
     if evaluation_mode is not None:  # --mode=eval/continuous_eval or an evaluator task: never trains.
         return evaluator.run(config, evaluation_mode)
-    prepare_process(config)
+    prepare_process(config.devices, config.numerics)
     if config.check_numerics:
         tf.debugging.enable_check_numerics()  # Names the first op that makes a NaN or Inf.
     strategy = build_strategy(
@@ -113,8 +114,8 @@ def _run(config: RunConfig, multi_host: MultiHostOptions, started_at: float) -> 
             "--jit_compile on a host without GPUs: XLA's CPU kernels ran the cnn "
             "5-7x slower than TensorFlow's oneDNN kernels here (benchmarks/RESULTS.md)"
         )
-    task = resolve_task(config)
-    check_reported(config, task)
+    task = resolve_task(config.problem)
+    check_reported(config.decisions, task)
     source = task.source
     check_batch_fits(config.global_batch_size, source.num_train_examples, config.dataset)
     workers = cluster.num_workers if cluster else 1
@@ -136,9 +137,10 @@ def _run(config: RunConfig, multi_host: MultiHostOptions, started_at: float) -> 
         model_dir_lib.lost_directory_is_a_user_error(model_dir) as watch,
         repairs.undone_on_error(),
     ):
-        return _train_and_evaluate(
+        job = TrainingJob(
             config, strategy, multi_host, task, model_dir, write_dir, total_steps, started_at, watch
         )
+        return job.run()
 
 
 def check_batch_fits(global_batch_size: int, num_train_examples: int | None, dataset: str) -> None:
@@ -167,23 +169,62 @@ def check_batch_fits_memory(global_batch_size: int, num_workers: int, feature_sh
         )
 
 
-def _train_and_evaluate(
-    config,
-    strategy,
-    multi_host: MultiHostOptions,
-    task: RunTask,
-    model_dir: str,
-    write_dir: str,
-    total_steps: int,
-    started_at: float,
-    watch: model_dir_lib.DirectoryWatch,
-) -> dict[str, Any]:
-    """The part of `run` that reads and writes model_dir: under the writer lock
-    on the chief. Everything is checked before the first byte is written; `watch`
-    tells whether the model_dir is still the one the run began with."""
-    cluster = multi_host.cluster
-    metrics_path = record_path(model_dir)
-    if write_dir == model_dir:
+@dataclasses.dataclass
+class TrainingJob:
+    """The part of `run` that reads and writes model_dir (under the writer lock on the chief),
+    a method per phase: check the model_dir, build the Trainer, write the run's records, train,
+    report. Everything is checked before the first byte is written; `watch` tells whether the
+    model_dir is still the one the run began with."""
+
+    config: RunConfig
+    strategy: tf.distribute.Strategy
+    multi_host: MultiHostOptions
+    task: RunTask
+    model_dir: str
+    write_dir: str  # model_dir on the chief; a private copy on another worker.
+    total_steps: int
+    started_at: float
+    watch: model_dir_lib.DirectoryWatch
+    trainer: Trainer = dataclasses.field(init=False)
+    model: Any = dataclasses.field(init=False)
+
+    @property
+    def writes_model_dir(self) -> bool:
+        return self.write_dir == self.model_dir
+
+    @property
+    def metrics_path(self) -> str:
+        return record_path(self.model_dir)
+
+    def run(self) -> dict[str, Any]:
+        """Trains and evaluates; what metrics.json holds (or the exit status of a stopped run)."""
+        if self.writes_model_dir:
+            self.check_model_dir()
+        evaluates = self.build_trainer()
+        finished = (
+            _finished_result(self.trainer, self.total_steps, self.metrics_path)
+            if self.writes_model_dir
+            else None
+        )
+        # Synchronous workers evaluate together, so there the chief evaluates again with them
+        # and keeps the train part of metrics.json; everywhere else a finished run does nothing.
+        if finished is not None and self.config.strategy != "multi_worker_mirrored":
+            return self.nothing_to_train(finished)
+        repairs.keep()  # Everything is checked: the repairs stay, the first bytes are written.
+        # (The Trainer removed the partial folders of saves cut short by kill -9 or a full disk.)
+        if self.strategy.extended.should_checkpoint:
+            self.write_records()
+        outcome = self.train(evaluates)
+        if isinstance(outcome, int):  # Stopped by a signal or a peer: a checkpoint, no results.
+            return {"global_step": self.trainer.step, "exit_status": outcome}
+        train_logs, eval_logs = outcome
+        if finished is not None and not train_logs:
+            train_logs = finished.get("train") or {}
+        return self.report(train_logs, eval_logs)
+
+    def check_model_dir(self) -> None:
+        """What the chief will write, checked (and what a crash left, recovered) before any write."""
+        config, model_dir, metrics_path = self.config, self.model_dir, self.metrics_path
         if tf.io.gfile.isdir(metrics_path):
             raise UserError(f"{metrics_path} is a directory; move it away, the run writes its results there")
         read_record(model_dir)  # Damaged: refused now, not after training.
@@ -194,110 +235,131 @@ def _train_and_evaluate(
             model_dir, _optimizer_settings(config), flags_may_change=config.reset_optimizer
         )
 
-    model, optimizer = build_model_and_optimizer(config, strategy, task, total_steps)
-    source = task.source
+    def build_trainer(self) -> bool:
+        """The model, its optimizer, the data and the Trainer over them (restored from the latest
+        checkpoint); whether the run evaluates."""
+        config, strategy, task, model_dir, write_dir = (
+            self.config,
+            self.strategy,
+            self.task,
+            self.model_dir,
+            self.write_dir,
+        )
+        model, optimizer = build_model_and_optimizer(config.optimization, strategy, task, self.total_steps)
+        source = task.source
 
-    train_data, eval_data = train_and_eval_data(config, source)
-    batch = config.global_batch_size
-    if write_dir != model_dir:  # A restarted worker's scratch from the run it died in.
-        model_dir_lib.remove_tree(write_dir)
-    trainer_class = Trainer
-    if config.strategy == "parameter_server":
-        from engine.loop.ps_runners import CoordinatedTrainer as trainer_class
-    trainer = trainer_class(
-        strategy=strategy,
-        model=model,
-        optimizer=optimizer,
-        train_data=train_data,
-        eval_data=eval_data,
-        global_batch_size=batch,
-        model_dir=write_dir,
-        callbacks=hooks_from_config(config),
-        ema_decay=config.ema_decay or None,
-        **task.trainer_arguments(model),
-        **trainer_options(  # The option groups, from the settings of their options' names.
-            config,
-            restore_dir=model_dir if write_dir != model_dir else None,
-            steps_per_epoch=max(1, source.num_train_examples // batch) if source.num_train_examples else None,
-            flops_per_example=own_package("models").known_flops_per_example(model),  # None: not counted.
-        ),
-    )
-    trainer.goodput_clock.start_from(started_at)  # Start-up counts from the process's start.
-    trainer.reports_goodput = False  # Once, after the final evaluation (_train_with_clean_errors).
-    _log_banner(config, strategy, model, task, model_dir, total_steps, trainer)
-    finished = _finished_result(trainer, total_steps, metrics_path) if write_dir == model_dir else None
-    # Synchronous workers evaluate together, so there the chief evaluates again with them
-    # and keeps the train part of metrics.json; everywhere else a finished run does nothing.
-    if finished is not None and config.strategy != "multi_worker_mirrored":
-        _export_if_asked(config, strategy, trainer, model, task)  # Of the finished run's weights.
-        trainer.close()
+        train_data, eval_data = train_and_eval_data(config, source)
+        batch = config.global_batch_size
+        if write_dir != model_dir:  # A restarted worker's scratch from the run it died in.
+            model_dir_lib.remove_tree(write_dir)
+        trainer_class = Trainer
+        if config.strategy == "parameter_server":
+            from engine.loop.ps_runners import CoordinatedTrainer as trainer_class
+        trainer = trainer_class(
+            strategy=strategy,
+            model=model,
+            optimizer=optimizer,
+            train_data=train_data,
+            eval_data=eval_data,
+            global_batch_size=batch,
+            model_dir=write_dir,
+            callbacks=hooks_from_config(config.decisions, config.summaries),
+            ema_decay=config.ema_decay or None,
+            **task.trainer_arguments(model),
+            **trainer_options(  # The option groups, from the settings of their options' names.
+                config,
+                restore_dir=model_dir if write_dir != model_dir else None,
+                steps_per_epoch=max(1, source.num_train_examples // batch)
+                if source.num_train_examples
+                else None,
+                flops_per_example=own_package("models").known_flops_per_example(model),  # None: not counted.
+            ),
+        )
+        trainer.goodput_clock.start_from(self.started_at)  # Start-up counts from the process's start.
+        trainer.reports_goodput = False  # Once, after the final evaluation (_train_with_clean_errors).
+        _log_banner(config, strategy, model, task, model_dir, self.total_steps, trainer)
+        self.trainer, self.model = trainer, model
+        return eval_data is not None
+
+    def nothing_to_train(self, finished: dict[str, Any]) -> dict[str, Any]:
+        """A rerun of a finished run: its export (of the finished run's weights) if asked, nothing else."""
+        _export_if_asked(self.config, self.strategy, self.trainer, self.model, self.task)
+        self.trainer.close()
         logging.info(
             "the run is already at step %d (the target is %d): nothing to train; %s left as it was; "
             "raise --train_steps or --epochs to continue",
-            trainer.step,
-            total_steps,
-            metrics_path,
+            self.trainer.step,
+            self.total_steps,
+            self.metrics_path,
         )
         return finished
-    repairs.keep()  # Everything is checked: the repairs stay, the first bytes are written.
-    # (The Trainer removed the partial folders of saves cut short by kill -9 or a full disk.)
-    if strategy.extended.should_checkpoint:
+
+    def write_records(self) -> None:
+        """The chief's first writes: the hparams, the optimizer's settings, the settings a rerun,
+        --mode=eval or --mode=predict with only --model_dir rebuilds the model from, its inputs."""
+        config, model_dir = self.config, self.model_dir
         write_hparams(model_dir, config.settings())
         checkpoint_lib.record_settings(model_dir, _optimizer_settings(config))
-        # What a rerun, --mode=eval or --mode=predict with only --model_dir rebuilds the model from.
         write_stored_config(model_dir, config)
-        inputs_record.write(model_dir, task, config.label_column)  # What predict rebuilds the model from.
-    # A frozen ps task: one line and 69, not a hang.
-    with _watch_ps_tasks(config.strategy, multi_host, write_dir):
-        try:
-            evaluates = eval_data is not None
-            outcome = _train_with_clean_errors(
-                config,
-                multi_host,
-                strategy,
-                source,
-                trainer,
-                total_steps,
-                evaluates=evaluates,
-                model_dir=model_dir,
-            )
-        finally:
-            if write_dir != model_dir:
-                model_dir_lib.remove_tree(write_dir)
-                # The shared parent, once the last worker is done.
-                model_dir_lib.remove_if_empty(os.path.dirname(write_dir))
-        if isinstance(outcome, int):  # Stopped by a signal or a peer: a checkpoint, no results.
-            return {"global_step": trainer.step, "exit_status": outcome}
-        train_logs, eval_logs = outcome
-        _export_if_asked(config, strategy, trainer, model, task)
-    if finished is not None and not train_logs:
-        train_logs = finished.get("train") or {}
-    speed = trainer.steady_examples_per_second or train_logs.get("examples_per_second")
-    result = {
-        "global_step": trainer.step,
-        "train": train_logs,
-        "eval": eval_logs,
-        "examples_per_second": speed,
-        "goodput": trainer.last_goodput,
-        "model_dir": model_dir,
-    }
-    if trainer.stragglers is not None:  # Each worker's compute and input wait per step, in the last loop.
-        result.update(trainer.stragglers.watch.last)
-    if config.on_nonfinite == "rollback" or trainer.rollbacks:  # Loss spikes survived (engine.loop.rollback).
-        result["rollbacks"] = trainer.rollbacks
-    if write_dir == model_dir:
-        model_dir_lib.check_still_there(watch)  # Not a new model_dir holding only metrics.json.
-        result = record_training(model_dir, result, mode=config.mode)
-    logging.info(
-        "done: step %d, eval %s, %.0f examples/s; wrote %s%s",
-        trainer.step,
-        format_logs(eval_logs) if eval_logs else "none",
-        speed or 0.0,
-        metrics_path if write_dir == model_dir else "nothing (not the chief)",
-        "" if cluster is None else f"; weights_digest={_weights_digest(model)}",
-        extra=EVERY_TASK,  # Every worker's digest, to compare.
-    )
-    return result
+        inputs_record.write(model_dir, self.task, config.label_column)
+
+    def train(self, evaluates: bool) -> tuple[dict[str, float], dict[str, float]] | int:
+        """Trains and evaluates (`_train_with_clean_errors`), then exports if asked; a worker's
+        private model_dir is removed whatever happens."""
+        config, trainer, write_dir = self.config, self.trainer, self.write_dir
+        # A frozen ps task: one line and 69, not a hang.
+        with _watch_ps_tasks(config.strategy, self.multi_host, write_dir):
+            try:
+                outcome = _train_with_clean_errors(
+                    config,
+                    self.multi_host,
+                    self.strategy,
+                    self.task.source,
+                    trainer,
+                    self.total_steps,
+                    evaluates=evaluates,
+                    model_dir=self.model_dir,
+                )
+            finally:
+                if write_dir != self.model_dir:
+                    model_dir_lib.remove_tree(write_dir)
+                    # The shared parent, once the last worker is done.
+                    model_dir_lib.remove_if_empty(os.path.dirname(write_dir))
+            if not isinstance(outcome, int):
+                _export_if_asked(config, self.strategy, trainer, self.model, self.task)
+        return outcome
+
+    def report(self, train_logs: dict[str, Any], eval_logs: dict[str, Any]) -> dict[str, Any]:
+        """The run's results: recorded in metrics.json by the chief, and its `done:` line."""
+        trainer, model_dir = self.trainer, self.model_dir
+        speed = trainer.steady_examples_per_second or train_logs.get("examples_per_second")
+        result = {
+            "global_step": trainer.step,
+            "train": train_logs,
+            "eval": eval_logs,
+            "examples_per_second": speed,
+            "goodput": trainer.last_goodput,
+            "model_dir": model_dir,
+        }
+        if trainer.stragglers is not None:  # Each worker's compute and input wait per step, in the last loop.
+            result.update(trainer.stragglers.watch.last)
+        if (
+            self.config.on_nonfinite == "rollback" or trainer.rollbacks
+        ):  # Loss spikes survived (engine.loop.rollback).
+            result["rollbacks"] = trainer.rollbacks
+        if self.writes_model_dir:
+            model_dir_lib.check_still_there(self.watch)  # Not a new model_dir holding only metrics.json.
+            result = record_training(model_dir, result, mode=self.config.mode)
+        logging.info(
+            "done: step %d, eval %s, %.0f examples/s; wrote %s%s",
+            trainer.step,
+            format_logs(eval_logs) if eval_logs else "none",
+            speed or 0.0,
+            self.metrics_path if self.writes_model_dir else "nothing (not the chief)",
+            "" if self.multi_host.cluster is None else f"; weights_digest={_weights_digest(self.model)}",
+            extra=EVERY_TASK,  # Every worker's digest, to compare.
+        )
+        return result
 
 
 def _export_if_asked(
@@ -384,7 +446,7 @@ def _train_with_clean_errors(
             train_logs = trainer.train(total_steps)
             eval_logs = trainer.evaluate_current() if evaluates and not trainer.stop_agreed else {}
         except tf.errors.DataLossError as error:  # A record whose bytes fail their CRC, read mid-run.
-            message = damaged_data_message(config, source, error, _what_is_kept(trainer))
+            message = damaged_data_message(config.problem, source, error, _what_is_kept(trainer))
             if message is None:
                 raise
             trainer.close()
@@ -509,7 +571,9 @@ def _some(paths: tuple[str, ...], shown: int = 5) -> str:
     return ", ".join(paths[:shown]) + more
 
 
-def damaged_data_message(config: RunConfig, source, error: tf.errors.DataLossError, kept: str) -> str | None:
+def damaged_data_message(
+    problem: ProblemSettings, source, error: tf.errors.DataLossError, kept: str
+) -> str | None:
     """One line for a data file whose record fails its checksum mid-run (its framing was
     checked at start-up, its bytes were not: that would read the whole data set); None for
     a DataLossError that is not a data file's (a damaged checkpoint keeps its traceback)."""
@@ -520,8 +584,8 @@ def damaged_data_message(config: RunConfig, source, error: tf.errors.DataLossErr
     files = damaged_files(str(error))
     where = f"TFRecord file {files[0]}" if len(files) == 1 else f"one of the TFRecord files {_some(files)}"
     return (
-        f"damaged data in {where} ({text}); copy the file again or remove it from --data_dir={config.data_dir}; "
-        f"{kept}"
+        f"damaged data in {where} ({text}); copy the file again or remove it from "
+        f"--data_dir={problem.data_dir}; {kept}"
     )
 
 
@@ -604,7 +668,7 @@ def _log_banner(config, strategy, model, task: RunTask, model_dir, total_steps, 
         ",".join(devices),
         config.global_batch_size,
         config.global_batch_size // replicas,
-        _precision(config, trainer),
+        _precision(config.numerics, trainer),
         task.model_name,
         model.count_params(),
         config.task or config.dataset,
@@ -622,10 +686,10 @@ def _log_banner(config, strategy, model, task: RunTask, model_dir, total_steps, 
         logging.info(line)
 
 
-def _precision(config: RunConfig, trainer: Trainer) -> str:
+def _precision(numerics: NumericSettings, trainer: Trainer) -> str:
     """The compute precision, and the loss scale float16 trains under (`engine.precision`)."""
     scaled = isinstance(trainer.optimizer, keras.optimizers.LossScaleOptimizer)
-    return config.mixed_precision + ("+dynamic_loss_scale" if scaled else "")
+    return numerics.mixed_precision + ("+dynamic_loss_scale" if scaled else "")
 
 
 def _optimizer_settings(config: RunConfig) -> dict[str, str]:

@@ -18,7 +18,7 @@ from typing import Any
 import keras
 
 from engine import objectives
-from engine.cli.config.settings import RunConfig
+from engine.cli.config.settings.sections import DecisionSettings, ProblemSettings
 from engine.cli.process.own_packages import own_package  # The engine's, beside a user's models.py/input.py.
 from engine.cli.run.table_shards import ShardBudget
 from engine.errors import UserError
@@ -129,20 +129,20 @@ def _heads(model: Any) -> int:
         return 1
 
 
-def user_task(config: RunConfig) -> Task:
+def user_task(problem: ProblemSettings) -> Task:
     """The `engine.Task` of --task (called with the config's task_params), else an empty one."""
-    if not config.task:
+    if not problem.task:
         return Task()
     try:
-        function, where = import_callable(config.task, setting="task")
+        function, where = import_callable(problem.task, setting="task")
     except UserCodeError as error:
         raise UserError(str(error)) from None
-    params = dict(config.task_params)
+    params = dict(problem.task_params)
     try:
         inspect.signature(function).bind(**params)
     except TypeError:
         raise UserError(
-            f"--task={config.task}: {function.__name__}{signature_text(function)} ({where}) cannot take the "
+            f"--task={problem.task}: {function.__name__}{signature_text(function)} ({where}) cannot take the "
             f"task_params {sorted(params)}; give the function those keyword parameters"
         ) from None
     except ValueError:  # No signature to inspect.
@@ -150,84 +150,44 @@ def user_task(config: RunConfig) -> Task:
     try:
         task = function(**params)
     except SystemExit as error:  # It ended nothing: the run ends with one line instead.
-        raise UserError(f"--task={config.task} ({where}) {exited(error, 'an engine.Task')}") from None
+        raise UserError(f"--task={problem.task} ({where}) {exited(error, 'an engine.Task')}") from None
     except UserError:
         raise
     except Exception as error:  # Whatever the user's function raises.
         raise UserError(
-            f"--task={config.task} ({where}) raised {type(error).__name__}: {first_line(error)}"
+            f"--task={problem.task} ({where}) raised {type(error).__name__}: {first_line(error)}"
         ) from None
     if not isinstance(task, Task):
         raise UserError(
-            f"--task={config.task} ({where}) returned {type(task).__name__}, not an engine.Task; "
+            f"--task={problem.task} ({where}) returned {type(task).__name__}, not an engine.Task; "
             "return engine.Task(model=..., data=..., loss=..., metrics=...)"
         )
     return task
 
 
-def resolve_task(config: RunConfig, *, source: Any = None) -> RunTask:
+def resolve_task(problem: ProblemSettings, *, source: Any = None) -> RunTask:
     """The run's task, its data loaded (or checked) and its loss and metrics chosen. With a
     `source` (an input.DescribedSource: what the data were, recorded by the training), no data
     are read: predict rebuilds the model from it."""
-    task = user_task(config)
-    models, input_lib = own_package("models"), own_package("input")
-    loss = task.loss if task.loss is not None else config.loss
-    wanted_kind = objectives.loss_kind(loss) if isinstance(loss, str) else None
+    task = user_task(problem)
+    models = own_package("models")
+    loss = task.loss if task.loss is not None else problem.loss
     if task.model is not None:
-        model_name, build, default_shape = f"--task={config.task}'s model", task.model, None
+        model_name, build, default_shape = f"--task={problem.task}'s model", task.model, None
     else:
         try:
-            spec = models.get_model_spec(config.model)
+            spec = models.get_model_spec(problem.model)
         except models.ModelError as error:
             raise UserError(str(error)) from None
-        model_name, build, default_shape = config.model, spec.build, spec.default_input_shape
-    options = {
-        "num_classes": config.num_classes,
-        "data_dir": config.data_dir,
-        "label_column": config.label_column,
-        "eval_file": config.eval_file,
-        "eval_fraction": config.eval_fraction,
-        "label_kind": wanted_kind,
-    }
+        model_name, build, default_shape = problem.model, spec.build, spec.default_input_shape
     feature_columns = None
-    try:
-        if source is not None:
-            pass  # Described by the training's record: nothing to read.
-        elif task.data is not None:
-            source = input_lib.as_data_source(
-                task.data,
-                input_lib.DataOptions(**options),
-                name=config.task,
-                where=f"--task={config.task}'s data",
-            )
-        else:
-            shape = config.served_image_shape()
-            if shape is None and config.dataset in IMAGE_SETS_AT_MODEL_SHAPE:
-                shape = default_shape or models.USER_MODEL_INPUT_SHAPE
-            source = input_lib.get_data_source(config.dataset, image_shape=shape, **options)
-            if config.dataset.endswith(".csv"):  # What predict reads a CSV's columns by.
-                header = input_lib.files.csv_header(config.dataset)
-                feature_columns = tuple(name for name in header if name != config.label_column)
-    except input_lib.DataError as error:
-        raise UserError(str(error)) from None
+    if source is None:  # Else described by the training's record: nothing to read.
+        wanted_kind = objectives.loss_kind(loss) if isinstance(loss, str) else None
+        source, feature_columns = _data_source(problem, task, wanted_kind, default_shape)
     labels = source.labels
-    if loss is None:
-        loss = objectives.DEFAULT_LOSSES[labels.kind]
-    if isinstance(loss, str):
-        if objectives.loss_kind(loss) != labels.kind:
-            raise UserError(
-                f"--loss={loss} reads {objectives.loss_kind(loss)} labels but the data's labels are "
-                f"{labels.describe()} ({labels.kind}); use a loss for them, e.g. "
-                f"--loss={objectives.DEFAULT_LOSSES[labels.kind]}"
-            )
-        loss_fn: LossFn = objectives.PerExampleLoss(loss, labels.width)
-        loss_name = loss
-        num_outputs = labels.width
-    else:
-        loss_fn, loss_name = loss, getattr(loss, "__name__", type(loss).__name__)
-        num_outputs = task.num_outputs or labels.width
-    metric_specs = list(task.metrics if task.metrics is not None else config.metrics or ())
-    if task.metrics is None and config.metrics is None:
+    loss_fn, loss_name, num_outputs = _loss(loss, labels, task)
+    metric_specs = list(task.metrics if task.metrics is not None else problem.metrics or ())
+    if task.metrics is None and problem.metrics is None:
         metric_specs = list(objectives.DEFAULT_METRICS[labels.kind])
     names = tuple(spec if isinstance(spec, str) else spec.name for spec in metric_specs)
     if len(set(names)) != len(names) or "loss" in names:
@@ -242,6 +202,7 @@ def resolve_task(config: RunConfig, *, source: Any = None) -> RunTask:
         ]
 
     metrics()  # Unknown names fail now, before anything is written.
+    csv_file = task.data is None and problem.dataset.endswith(".csv")
     return RunTask(
         model_name=model_name,
         build=build,
@@ -255,15 +216,66 @@ def resolve_task(config: RunConfig, *, source: Any = None) -> RunTask:
         eval_step_fn=task.eval_step_fn,
         loss_weights=task.loss_weights,
         feature_columns=feature_columns,
-        standardizes=config.normalize == "standardize" and task.data is None and config.dataset.endswith(".csv"),
-        ps_shards=config.ps_shards,
+        standardizes=problem.normalize == "standardize" and csv_file,
+        ps_shards=problem.ps_shards,
     )
 
 
-def check_reported(config: RunConfig, task: RunTask) -> None:
+def _data_source(
+    problem: ProblemSettings, task: Task, wanted_kind: str | None, default_shape: Any
+) -> tuple[Any, tuple[str, ...] | None]:
+    """The task's data, else --dataset's, as an input.DataSource; and for a CSV the feature
+    columns, what predict reads a CSV's columns by."""
+    models, input_lib = own_package("models"), own_package("input")
+    options = {
+        "num_classes": problem.num_classes,
+        "data_dir": problem.data_dir,
+        "label_column": problem.label_column,
+        "eval_file": problem.eval_file,
+        "eval_fraction": problem.eval_fraction,
+        "label_kind": wanted_kind,
+    }
+    try:
+        if task.data is not None:
+            source = input_lib.as_data_source(
+                task.data,
+                input_lib.DataOptions(**options),
+                name=problem.task,
+                where=f"--task={problem.task}'s data",
+            )
+            return source, None
+        shape = problem.served_image_shape()
+        if shape is None and problem.dataset in IMAGE_SETS_AT_MODEL_SHAPE:
+            shape = default_shape or models.USER_MODEL_INPUT_SHAPE
+        source = input_lib.get_data_source(problem.dataset, image_shape=shape, **options)
+        if not problem.dataset.endswith(".csv"):
+            return source, None
+        header = input_lib.files.csv_header(problem.dataset)
+    except input_lib.DataError as error:
+        raise UserError(str(error)) from None
+    return source, tuple(name for name in header if name != problem.label_column)
+
+
+def _loss(loss: Any, labels: Any, task: Task) -> tuple[LossFn, str, int]:
+    """The loss function, its name and the outputs the model needs: a named loss (by default
+    the labels' own) checked against the labels, or the task's own callable."""
+    if loss is None:
+        loss = objectives.DEFAULT_LOSSES[labels.kind]
+    if not isinstance(loss, str):
+        return loss, getattr(loss, "__name__", type(loss).__name__), task.num_outputs or labels.width
+    if objectives.loss_kind(loss) != labels.kind:
+        raise UserError(
+            f"--loss={loss} reads {objectives.loss_kind(loss)} labels but the data's labels are "
+            f"{labels.describe()} ({labels.kind}); use a loss for them, e.g. "
+            f"--loss={objectives.DEFAULT_LOSSES[labels.kind]}"
+        )
+    return objectives.PerExampleLoss(loss, labels.width), loss, labels.width
+
+
+def check_reported(decisions: DecisionSettings, task: RunTask) -> None:
     """The metrics the decision flags name must be ones the run reports (checked before writing)."""
-    for name in ("early_stop_metric", "best_checkpoint_metric", "reduce_lr_metric"):
-        metric = getattr(config, name)
+    for name in decisions.METRICS:
+        metric = getattr(decisions, name)
         if metric is not None and metric not in task.reported:
             raise UserError(
                 f"--{name}={metric} is not an eval metric of this run; it reports: {', '.join(task.reported)}"

@@ -23,6 +23,7 @@ from typing import Any
 from engine import model_dir as model_dir_lib
 from engine.callbacks.progress import format_logs
 from engine.cli.config.settings import RunConfig
+from engine.cli.config.settings.sections import DecisionSettings
 from engine.cli.run.run_record import read_record, record_path
 from engine.errors import printable
 from engine.goodput import breakdown_line
@@ -62,7 +63,7 @@ def summary_table(config: RunConfig, result: Mapping[str, Any]) -> str | None:
     if isinstance(goodput, Mapping) and not evaluating:
         with contextlib.suppress(KeyError, TypeError, ValueError):  # A record an older engine wrote.
             rows.append(("goodput", breakdown_line(goodput).removeprefix("goodput ")))
-    best = _best_checkpoint(config, model_dir)
+    best = _best_checkpoint(config.decisions, model_dir)
     if best is not None:
         rows.append(("best checkpoint", best))
     if model_dir:
@@ -102,9 +103,9 @@ def _figure(value: Any) -> str:
     return format_logs({"": value})[1:]
 
 
-def _best_checkpoint(config: RunConfig, model_dir: str | None) -> str | None:
+def _best_checkpoint(decisions: DecisionSettings, model_dir: str | None) -> str | None:
     """--best_checkpoint_metric: `accuracy=0.9764 at step 400: <model_dir>/best/ckpt-400` (best/best.json)."""
-    if not config.best_checkpoint_metric or not model_dir:
+    if not decisions.best_checkpoint_metric or not model_dir:
         return None
     best = model_dir_lib.read_json(os.path.join(model_dir, BEST_SUBDIR, BEST_FILE), what="the best checkpoint")
     if not isinstance(best, dict) or "checkpoint" not in best:

@@ -58,9 +58,12 @@ def test_every_weight_is_written_every_n_steps_without_a_retrace(mirrored, tmp_p
 
 def test_the_flag_builds_the_hook_and_is_validated():
     assert any(
-        isinstance(h, WeightHistograms) and h.every == 7 for h in hooks_from_config(RunConfig(histogram_every=7))
+        isinstance(h, WeightHistograms) and h.every == 7
+        for h in hooks_from_config(RunConfig().decisions, RunConfig(histogram_every=7).summaries)
     )
-    assert not any(isinstance(h, WeightHistograms) for h in hooks_from_config(RunConfig()))
+    assert not any(
+        isinstance(h, WeightHistograms) for h in hooks_from_config(RunConfig().decisions, RunConfig().summaries)
+    )
     with pytest.raises(engine.UserError, match="--histogram_every=-1 must be at least 0"):
         RunConfig(histogram_every=-1).validate()
 

@@ -272,7 +272,7 @@ def test_flags_build_the_hooks_and_refuse_bad_combinations():
         reduce_lr_factor=0.2,
     )
     config.validate()
-    hooks = hooks_from_config(config)
+    hooks = hooks_from_config(config.decisions, config.summaries)
     assert [type(h).__name__ for h in hooks] == [
         "TrainGraph",
         "BestCheckpoint",
