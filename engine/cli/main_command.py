@@ -1,4 +1,5 @@
-"""The program behind `python -m engine.main`: flags (over config files) -> RunConfig -> job -> exit code.
+"""The program behind `python -m engine.main`: flags (over config files) -> RunConfig and its cluster
+(resolved once, passed down) -> job -> exit code.
 
 User errors (bad flags, data, model_dir, checkpoints) end the process with
 one line on stderr and exit status 2; anything else is a bug and keeps its

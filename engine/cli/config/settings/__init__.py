@@ -1,20 +1,27 @@
 """`RunConfig`: the validated settings of one run of `engine.main`, and the one
 place each setting is defined.
 
-- `fields`: how a setting is written (`setting`, `option_setting`: default, help and choices in
-  the field's metadata), the command line's choices and limits, the groups of setting names;
-- `run_config`: `RunConfig` and its checks, `trainer_options` (the Trainer's groups from it);
+- `sections`: the settings by concern (devices, cluster, command, problem, schedule,
+  optimization, spikes, state, decisions, summaries, numerics), each a frozen dataclass with
+  its own `check`; a new setting is one field of its section;
+- `fields`: how a setting is written (`setting`, `option_setting`: default, help, choices and
+  least value in the field's metadata, the checks `check_fields` runs), the command line's
+  choices and limits, the groups of setting names;
+- `run_config`: `RunConfig` (the sections; built and read also by the settings' flat names,
+  as flags and files spell them), `validate` (each section's checks, then those across
+  sections), `trainer_options` (the Trainer's option groups from the settings);
+- `cluster`: the cluster resolved once per command (`resolve_multi_host`, the settings' only
+  look outside themselves) and the checks that need it;
 - `flag_definitions`: the absl flags defined from the fields (`define_flags`);
 - `paths`: the checks that look at the disk (a model_dir, predict's files).
 
 `engine.cli.config.flags` and `engine.cli.config.cluster_flags` define the command-line
 flags from the fields, and `engine.cli.config.config_files` reads the same names from config
-files (`--config_file`, `--params_override`, `<model_dir>/config.yaml`), so a new setting is one
-field. A setting named like an option of the Trainer's groups (`engine.options`:
-`max_checkpoints` of `CheckpointOptions`) is that option: it takes the option's default and,
-unless the command line says it otherwise, its help (`option_setting`), and `trainer_options`
-builds the groups from the settings. Every user mistake in the flags is caught here, before
-anything is written, as a `UserError` naming the bad value. Imports no TensorFlow.
+files (`--config_file`, `--params_override`, `<model_dir>/config.yaml`). A setting named like
+an option of the Trainer's groups (`engine.options`: `max_checkpoints` of `CheckpointOptions`)
+is that option: it takes the option's default and, unless the command line says it otherwise,
+its help (`option_setting`). Every user mistake in the flags is caught here, before anything is
+written, as a `UserError` naming the bad value. Imports no TensorFlow.
 """
 
 from engine.cli.config.settings.fields import (
