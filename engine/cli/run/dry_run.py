@@ -30,6 +30,7 @@ import tensorflow as tf
 from absl import logging
 
 from engine.cli.config.settings import RunConfig, trainer_options
+from engine.cli.config.settings.sections import OptimizationSettings
 from engine.cli.process import host_memory
 from engine.cli.process.environment import seed_everything
 from engine.cli.run.assembly import build_optimizer, prepare_process
@@ -125,7 +126,7 @@ def dry_run(config: RunConfig, multi_host: MultiHostOptions) -> int:
     total_steps = config.total_steps(source.num_train_examples)
 
     # The state's size from one copy of the model, before any replica holds one.
-    sizes = problems.check(_state_sizes, config, task)  # A model that cannot be built: a UserError.
+    sizes = problems.check(_state_sizes, config.optimization, task)  # A model that cannot be built: a UserError.
     if sizes is not None:
         example_bytes = math.prod(source.feature_shape) * 4 + 4  # float32 features, an int32 label
         batch_bytes = per_replica_batch * example_bytes
@@ -256,7 +257,7 @@ def _check_memory(
         )
 
 
-def _state_sizes(config: RunConfig, task: RunTask) -> StateSizes:
+def _state_sizes(optimization: OptimizationSettings, task: RunTask) -> StateSizes:
     with tf.distribute.get_strategy().scope():
         model = task.build_model()
     trainable = {id(variable) for variable in trainable_variables(model)}
@@ -266,7 +267,7 @@ def _state_sizes(config: RunConfig, task: RunTask) -> StateSizes:
             (math.prod(tuple(variable.shape)) * tf.as_dtype(variable.dtype).size, id(variable) in trainable)
             for variable in all_variables(model)
         ),
-        slots_per_weight=OPTIMIZER_SLOTS[config.optimizer],
+        slots_per_weight=OPTIMIZER_SLOTS[optimization.optimizer],
         shards=shards,
     )
 

@@ -29,7 +29,7 @@ from engine.checkpointing import discovery, repairs
 from engine.cli.config.config_files import check_stored_config_writable, write_stored_config
 from engine.cli.config.settings import RunConfig, trainer_options
 from engine.cli.config.settings.cluster import resolve_multi_host
-from engine.cli.config.settings.sections import NumericSettings, ProblemSettings
+from engine.cli.config.settings.sections import NumericSettings, ProblemSettings, StateSettings
 from engine.cli.process import host_memory
 from engine.cli.process.own_packages import own_package
 from engine.cli.process.preemption import stop_on_signals
@@ -283,7 +283,7 @@ class TrainingJob:
 
     def nothing_to_train(self, finished: dict[str, Any]) -> dict[str, Any]:
         """A rerun of a finished run: its export (of the finished run's weights) if asked, nothing else."""
-        _export_if_asked(self.config, self.strategy, self.trainer, self.model, self.task)
+        _export_if_asked(self.config.state, self.strategy, self.trainer, self.model, self.task)
         self.trainer.close()
         logging.info(
             "the run is already at step %d (the target is %d): nothing to train; %s left as it was; "
@@ -326,7 +326,7 @@ class TrainingJob:
                     # The shared parent, once the last worker is done.
                     model_dir_lib.remove_if_empty(os.path.dirname(write_dir))
             if not isinstance(outcome, int):
-                _export_if_asked(config, self.strategy, trainer, self.model, self.task)
+                _export_if_asked(config.state, self.strategy, trainer, self.model, self.task)
         return outcome
 
     def report(self, train_logs: dict[str, Any], eval_logs: dict[str, Any]) -> dict[str, Any]:
@@ -363,16 +363,16 @@ class TrainingJob:
 
 
 def _export_if_asked(
-    config: RunConfig, strategy: tf.distribute.Strategy, trainer: Trainer, model: Any, task: RunTask
+    state: StateSettings, strategy: tf.distribute.Strategy, trainer: Trainer, model: Any, task: RunTask
 ) -> None:
     """`--export_dir`: the SavedModel of the trained weights (the averages under `--ema_decay`:
     the model to serve), written by the chief alone."""
-    if not config.export_dir or not strategy.extended.should_checkpoint:
+    if not state.export_dir or not strategy.extended.should_checkpoint:
         return
     with trainer.averaged_weights():
         export_for_serving(
             model,
-            config.export_dir,
+            state.export_dir,
             input_shape=task.input_shape,
             input_dtype=task.source.feature_dtype,
             label_kind=task.source.labels.kind,

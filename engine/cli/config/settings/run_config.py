@@ -31,7 +31,7 @@ from engine.errors import UserError
 from engine.options import TRAINER_GROUPS, options_from
 
 # RunConfig's sections by their field names, in the order --help and docs/flags.md list them.
-SECTIONS: dict[str, type] = {
+SECTIONS: dict[str, Any] = {  # Section classes: each with its TITLE and check()
     "devices": DeviceSettings,
     "cluster": ClusterSettings,
     "command": CommandSettings,
