@@ -292,9 +292,13 @@ def _one_step(
             config.lr_schedule, config.learning_rate, total_steps, config.warmup_steps
         )
         optimizer = build_optimizer(config.optimizer, learning_rate, model)
-    train_data, _ = train_and_eval_data(
-        dataclasses.replace(config, global_batch_size=batch, mode="train"), task.source
+    schedule, command = config.schedule, config.command
+    one_batch = dataclasses.replace(
+        config,
+        schedule=dataclasses.replace(schedule, global_batch_size=batch),
+        command=dataclasses.replace(command, mode="train"),
     )
+    train_data, _ = train_and_eval_data(one_batch, task.source)
     options = trainer_options(config, steps_per_epoch=None)
     options["cadence"] = dataclasses.replace(options["cadence"], steps_per_loop=1, eval_every=None)
     options["checkpoint"] = CheckpointOptions()  # No model_dir: nothing saved.
