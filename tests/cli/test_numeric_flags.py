@@ -3,7 +3,7 @@ NaN and infinities, integers beyond int32 (loop lengths, cadences, batch sizes) 
 int64 (steps), timeouts beyond int64 milliseconds; and a task of a cluster without one.
 In-process: absl parses the flags and `RunConfig` validates them, as engine.main does.
 
-Covers: engine/cli/config/settings.py.
+Covers: engine/cli/config/settings/fields.py, engine/cli/config/settings/flag_definitions.py.
 """
 
 import pytest

@@ -1,5 +1,8 @@
 """`RunConfig` (`engine/cli/config/settings/`): composed of sections, each setting in one of them,
-built and read by the flat names the flags and files use as well as by section."""
+built and read by the flat names the flags and files use as well as by section.
+
+Covers: engine/cli/config/settings/sections.py.
+"""
 
 import dataclasses
 
