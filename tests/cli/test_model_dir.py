@@ -36,6 +36,7 @@ from helpers import (
 from engine import model_dir as model_dir_lib
 from engine.checkpointing import discovery
 from engine.errors import UserError
+from engine.options import CheckpointOptions
 
 MLP = ["--model=mlp", "--checkpoint_every=10", "--eval_every=0"]
 
@@ -1162,14 +1163,14 @@ def test_a_refused_run_after_state_damage_leaves_the_model_dir_byte_identical(
 def test_restore_fallback_finds_the_newest_readable_checkpoint_when_the_state_names_only_missing_ones(tmp_path):
     import tensorflow as tf
 
-    small_trainer(tmp_path, max_checkpoints=5).train(6)  # ckpt-2, ckpt-4, ckpt-6
+    small_trainer(tmp_path, checkpoint=CheckpointOptions(max_checkpoints=5)).train(6)  # ckpt-2, ckpt-4, ckpt-6
     directory = str(tmp_path / "checkpoints")
     tf.compat.v1.train.update_checkpoint_state(directory, "ckpt-999", all_model_checkpoint_paths=["ckpt-999"])
     before = _tree(tmp_path)
     with pytest.raises(UserError, match="ckpt-999 cannot be read.*`restore_fallback=True`"):
         small_trainer(tmp_path)
     assert _tree(tmp_path) == before  # Without the flag, nothing changes.
-    trainer = small_trainer(tmp_path, restore_fallback=True)
+    trainer = small_trainer(tmp_path, checkpoint=CheckpointOptions(restore_fallback=True))
     assert trainer.step == 6
     assert trainer.checkpoint_manager.latest_checkpoint == os.path.join(directory, "ckpt-6")
     trainer.train(8)
