@@ -3,28 +3,26 @@
 Every `python -m engine.<module>` (a run, each task of a cluster, a server) imports
 TensorFlow and Keras and traces its functions: about a million objects that live as long
 as the process, built in its first seconds. Two defaults of the interpreter cost CPU there
-that the run never gets back (measured on the quick start, 2 CPU cores):
+that the run never gets back (figures: benchmarks/RESULTS.md, "Figures behind the code's
+choices"):
 
-- Python's cyclic collector runs every 700 net allocations: some 900 times in that
-  start-up, 0.4 s of CPU. An engine command runs its first generation every
-  `FIRST_GENERATION_THRESHOLD` allocations instead (30 collections, 0.16 s); what a
-  compiled training loop allocates per call is small, so the threshold stays.
-- numpy's OpenBLAS starts a thread per core at its import and they spin waiting for work
-  (0.4 s of CPU during TensorFlow's import). An engine command computes with TensorFlow;
-  numpy only holds its data and figures. So numpy's BLAS gets one thread, unless the
-  environment already says how many (`OPENBLAS_NUM_THREADS`, `OMP_NUM_THREADS`).
+- Python's cyclic collector runs every 700 net allocations, hundreds of times in that
+  start-up. An engine command runs its first generation every
+  `FIRST_GENERATION_THRESHOLD` allocations instead; what a compiled training loop
+  allocates per call is small, so the threshold stays.
+- numpy's OpenBLAS starts a thread per core at its import and they spin waiting for work.
+  An engine command computes with TensorFlow; numpy only holds its data and figures. So
+  numpy's BLAS gets one thread, unless the environment already says how many
+  (`OPENBLAS_NUM_THREADS`, `OMP_NUM_THREADS`).
 
-Together about 5-8 % of a short run's CPU, in every process of a cluster. And at the end:
-
-- the interpreter's finalization runs a last full collection, which traverses every one of
-  those objects (TensorFlow's traced graphs among them): 0.2-0.25 s of the 0.4 s of CPU
-  between a short run's last line and its exit (`--model=mlp --train_steps=1`: 3.2 -> 2.95
-  user-s), in a process that is ending. The last exit handler freezes the collector
-  (`gc.freeze`), so that collection skips them; the modules are still torn down and every
-  object still released by its reference count (open files closed, buffers flushed), as
-  without it. Only a finalizer of an object in a reference cycle that nothing reaches would
-  no longer run at exit. (`engine.main` ends before finalization, after its exit handlers:
-  `engine.cli.main_command.exit_process`; the servers and the launcher go through it.)
+And at the end, the interpreter's finalization runs a last full collection, which would
+traverse every one of those objects in a process that is ending. The last exit handler
+freezes the collector (`gc.freeze`), so that collection skips them; the modules are still
+torn down and every object still released by its reference count (open files closed,
+buffers flushed), as without it. Only a finalizer of an object in a reference cycle that
+nothing reaches would no longer run at exit. (`engine.main` ends before finalization,
+after its exit handlers: `engine.cli.main_command.exit_process`; the servers and the
+launcher go through it.)
 
 Research code that imports `engine` keeps its interpreter's settings: only the commands
 call this.

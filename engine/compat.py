@@ -28,8 +28,8 @@ AUTOGRAPH_PASS_THROUGH = "ag_pass_through"
 def engine_graph_code(function: Callable) -> Callable:
     """Marks `function` (the engine's own code run while a step is traced) as code AutoGraph
     calls as written: converting it gains nothing (its control flow is TF ops or Python
-    over Python values) and cost every process about 200 conversions, some 3 s of CPU, before
-    the first step. The caller's AutoGraph status is left as it is, so `strategy.run` inside
+    over Python values) and cost every process seconds of CPU before the first step
+    (benchmarks/RESULTS.md). The caller's AutoGraph status is left as it is, so `strategy.run` inside
     still converts the function it runs, as it would from converted code. The public
     `tf.autograph.experimental.do_not_convert` also turns AutoGraph off for the user code called
     inside; this marker (impl.api.autograph_artifact) does not."""

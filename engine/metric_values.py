@@ -32,6 +32,8 @@ def log_scalars(name: str, value: Any) -> dict[str, float]:
         for key, item in value.items():
             scalars.update(log_scalars(f"{name}/{key}", item))
         return scalars
+    if isinstance(value, (int, float)):  # A Python number as it is (through float32 0.8 would read 0.800000011).
+        return {name: float(value)}
     array = np.asarray(tf.convert_to_tensor(value))
     if array.ndim == 0:
         return {name: float(array)}

@@ -99,7 +99,7 @@ SUBDIRECTORIES = {
 # The directories of a model_dir that hold checkpoints: the rolling ones and the best one.
 CHECKPOINT_SUBDIRECTORIES = ("checkpoints", "best")
 # The records the engine keeps at the top of a model_dir (run_record.METRICS_FILE,
-# config_files.STORED_CONFIG, inputs_record.INPUTS_FILE; tests/unit/test_model_dir_writes.py checks).
+# config_files.STORED_CONFIG, inputs_record.INPUTS_FILE; tests/unit/test_model_dir.py checks).
 RECORD_FILES = ("metrics.json", "config.yaml", "inputs.json")
 
 

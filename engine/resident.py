@@ -3,8 +3,8 @@
 For a data set that fits in device memory, the tf.data iterator is the
 largest cost the engine adds to a bare compiled loop on a small model: each
 step pulls a batch through the distributed iterator, which splits it and
-places each replica's part (measured on the cnn, 2 replicas on 2 CPU cores:
-~6 % of the step). With `ResidentData` the arrays are copied to each
+places each replica's part (figures: benchmarks/RESULTS.md, "Figures behind
+the code's choices"). With `ResidentData` the arrays are copied to each
 replica's device once, and every step computes its batch from the step
 number inside the compiled loop: the same stateless `(seed, step)` stream
 the `input` package's tf.data pipelines yield, so a resumed run gets exactly
@@ -12,9 +12,9 @@ the batches it would have had, with no iterator at all.
 
 `ResidentEvalData` does the same for an eval split: every evaluation reads
 it in order, global batch after global batch, the last one partial, with no
-iterator to make. A MirroredStrategy eval iterator costs ~0.1 s to make
-(its MultiDeviceIterator traces six functions a device), which is most of an
-evaluation of a few hundred examples: the quick start's five evaluations.
+iterator to make: a MirroredStrategy eval iterator traces six functions a
+device when it is made, most of an evaluation of a few hundred examples (the
+quick start's five evaluations).
 
 Strategies that do not run the loop on the replicas' own devices
 (parameter-server training, TPU) train and evaluate from `host_data`, the
@@ -155,12 +155,9 @@ def epoch_shuffled(positions: tf.Tensor, num_examples: int, seed: int) -> tf.Ten
 def gather_pipeline_options() -> tf.data.Options:
     """Deterministic, and one tf.data thread with single-threaded ops.
 
-    A gather-by-index pipeline needs ~0.2 ms of CPU a batch; with tf.data's
-    default thread pools its threads contend with the training step for the
-    cores. Measured with the cnn in bfloat16 on 2 cores (default strategy,
-    4 interleaved windows of 300 steps): 8,719 examples/s with the default
-    pools, 11,611 with these options, 11,933 feeding one fixed in-memory
-    batch (no pipeline at all).
+    A gather-by-index pipeline needs little CPU a batch; with tf.data's default
+    thread pools its threads contend with the training step for the cores, and
+    the step loses a quarter of its speed (benchmarks/RESULTS.md).
     """
     options = tf.data.Options()
     options.deterministic = True

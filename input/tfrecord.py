@@ -89,10 +89,9 @@ class _Parser:
     int32 labels).
 
     Works on batches, not single records, and decodes a batch without a loop
-    where it can: per batch of 64 PNG records of 28x28 (the cnn's input, 2
-    cores), one tf.data element per record took ~6.7 ms of CPU, one per batch
-    with `map_fn` ~2.9 ms, the unrolled decode ~1.9 ms: time the training step
-    gets back. Every image is decoded on its own, exactly as a single record
+    where it can: a tf.data element per record costs over three times the CPU
+    of the unrolled decode, time the training step gets back
+    (benchmarks/RESULTS.md). Every image is decoded on its own, exactly as a single record
     would be, so files may hold images of different sizes.
     """
 

@@ -436,6 +436,31 @@ def snapshot(directory: Path) -> dict[str, str]:
     }
 
 
+def checkpoint_files(model_dir: Path) -> dict[str, tuple[bytes, int]]:
+    """Bytes and mtime of every ckpt-* file: what must never be overwritten."""
+    return {
+        p.name: (p.read_bytes(), p.stat().st_mtime_ns)
+        for p in sorted((model_dir / "checkpoints").glob("ckpt-*"))
+        if p.is_file()
+    }
+
+
+def file_tree(directory: Path) -> dict[str, object]:
+    """Every entry under `directory` by kind: a file's bytes, a link's target, a directory or FIFO."""
+    entries: dict[str, object] = {}
+    for path in sorted(directory.rglob("*")):
+        name = str(path.relative_to(directory))
+        if path.is_symlink():
+            entries[name] = ("link", os.readlink(path))
+        elif path.is_fifo():
+            entries[name] = "fifo"
+        elif path.is_dir():
+            entries[name] = "dir"
+        else:
+            entries[name] = (path.read_bytes(), oct(path.stat().st_mode), path.stat().st_nlink)
+    return entries
+
+
 def copy_of(source: Path, destination: Path) -> Path:
     subprocess.run(["cp", "-r", str(source), str(destination)], check=True)
     return destination

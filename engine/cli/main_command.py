@@ -116,15 +116,11 @@ def exit_process(status: int) -> NoReturn:
     for the run happens first (the threads that are not daemons, such as a checkpoint write,
     are joined, the exit handlers run, the output is flushed), then the process ends at once.
 
-    The interpreter's finalization that this skips has nothing left to give a finished run, and
-    its teardown of TensorFlow's modules and objects costs CPU at the end of every run (0.15-0.2 s
-    of a one-step run's 3; without `command_start`'s frozen collector, 0.9 s), paid again by every
-    task of a cluster. For a parameter-server coordinator it was also unsafe: TensorFlow's
-    `ClusterCoordinator` keeps daemon threads that may be inside a call into TensorFlow at the
-    end (retrying a worker that died), and Python 3.11 ends a daemon thread that returns to
-    Python during finalization with a forced unwind, which TensorFlow's C++ catches and
-    swallows: the process aborted (`FATAL: exception not rethrown`, exit -6) after a run that
-    had succeeded and written its files (seen once in tests/cluster/test_multi_worker.py)."""
+    The interpreter's finalization that this skips has nothing left to give a finished run:
+    its teardown of TensorFlow's modules costs CPU in every task of a cluster, and it is unsafe
+    where a TensorFlow daemon thread (a `ClusterCoordinator`'s) is still inside a call, which
+    Python 3.11 unwinds and TensorFlow's C++ swallows, aborting a run that succeeded (figures
+    and the incident: benchmarks/RESULTS.md, "Figures behind the code's choices")."""
     from engine.compat import run_exit_handlers
 
     iterator_release = sys.modules.get("engine.loop.iterator_release")  # Imported where the run freed one.

@@ -3,9 +3,8 @@
 Freeing a tf.data iterator that was read to its end can block the freeing thread for
 seconds, up to a minute, with every thread asleep (TensorFlow 2.21: the MultiDeviceIterator
 a MirroredStrategy evaluation reads; its host iterator waits for its tf.data autotuning
-thread to end). Measured on a 14 s evaluation: 2-57 s more in the loop's thread, which
-goodput books as evaluation. Now and then the wait never ends (seen in the suite: over ten
-minutes in `~LogicalThreadWrapper`, the autotuning thread asleep in `Model::OptimizeLoop`).
+thread to end), time goodput would book as evaluation; now and then the wait never ends
+(figures and the incident: benchmarks/RESULTS.md, "Figures behind the code's choices").
 The wait holds nothing Python needs, so an `EvalRunner` and a `PredictRunner` hand each
 finished iterator here (a `TrainRunner` the one it replaces, is closed with or is dropped
 with: a Trainer let go without close()), and a daemon thread of its own drops it while

@@ -3,7 +3,10 @@
 
 The precedence and each refusal are checked in-process on `--print_config` or a refused run
 (nothing trains); one training run, then `--mode=eval`, `--mode=predict` and reruns on its
-model_dir, checks that later commands need no flag repeated (slow: it trains for seconds)."""
+model_dir, checks that later commands need no flag repeated (slow: it trains for seconds).
+
+Covers: engine/cli/config/config_files.py, engine/cli/config/small_files.py.
+"""
 
 import json
 import os

@@ -2,7 +2,10 @@
 is its message unless --log_prefix asks for absl's prefix; the progress bar on a terminal never
 shares a line with a log line; a summary table with metrics.json's figures ends a run; in a
 cluster only the chief prints INFO lines and every worker its done line (asserted on a real
-cluster's output in tests/cluster/test_multi_worker.py)."""
+cluster's output in tests/cluster/test_multi_worker.py).
+
+Covers: engine/cli/run/summary.py, engine/status_line.py.
+"""
 
 from __future__ import annotations
 

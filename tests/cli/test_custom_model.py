@@ -2,7 +2,10 @@
 run from a working directory that also holds the user's `models.py` and
 `input.py` (which neither break the CLI nor are replaced by the engine's). The
 training run is a real process started there; the refusals of bad user models run
-in-process as if started there (`helpers.main_in_process(cwd=...)`)."""
+in-process as if started there (`helpers.main_in_process(cwd=...)`).
+
+Covers: engine/cli/process/own_packages.py, engine/user_code.py.
+"""
 
 import json
 import textwrap

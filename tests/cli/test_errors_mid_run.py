@@ -170,7 +170,7 @@ def test_a_model_dir_removed_or_replaced_mid_run_is_one_line(copy, monkeypatch, 
 @pytest.mark.cli
 def test_a_model_dir_made_unwritable_mid_run_is_one_line_and_the_latest_checkpoint_stays(copy, monkeypatch):
     """Injected: as root (the suite's machines) permissions do not stop a write; the error is
-    TensorFlow's for a directory made read-only (the real one: tests/cli/test_model_dir.py)."""
+    TensorFlow's for a directory made read-only (the real one: tests/cli/test_model_dir_cli.py)."""
     save = tf.train.CheckpointManager.save
 
     def denied(self, checkpoint_number=None, **kwargs):

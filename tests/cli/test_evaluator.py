@@ -1,7 +1,10 @@
 """--mode and the evaluator: it reads checkpoints another process writes, evaluates
 each once at its step, and writes metrics.json only when it may. The evaluators that
 wait for checkpoints are real processes, each with a timeout; the trainers beside them,
-the single evaluations and the refusal of --mode=eval without a checkpoint run in-process."""
+the single evaluations and the refusal of --mode=eval without a checkpoint run in-process.
+
+Covers: engine/cli/run/assembly.py.
+"""
 
 from __future__ import annotations
 

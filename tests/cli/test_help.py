@@ -1,7 +1,10 @@
 """`--help` of `python -m engine.main` and `python -m engine.launch`: what the tool is and how
 to start in its first lines, the most used flags with their help, every other flag by name
 in its group, no disk path, and nothing wider than the terminal. (The commands themselves,
-their exit status and that they import no TensorFlow: tests/process/test_cli_output.py.)"""
+their exit status and that they import no TensorFlow: tests/process/test_cli_output.py.)
+
+Covers: engine/cli/config/usage.py.
+"""
 
 import re
 

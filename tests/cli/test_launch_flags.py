@@ -1,6 +1,9 @@
 """engine.launch refuses numbers it cannot count, its own and those after `--` that every
 engine.main task would die of, with one line naming the flag and exit 2, before it starts a
-task. In-process: absl parses the flags and `launch.main` checks them (no task starts)."""
+task. In-process: absl parses the flags and `launch.main` checks them (no task starts).
+
+Covers: engine/launch/launcher.py.
+"""
 
 from __future__ import annotations
 

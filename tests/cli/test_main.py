@@ -1,6 +1,9 @@
 """The command line as a user runs it: real subprocesses and real exit codes for the
 runs; refusals (exit 2, one line, model_dir untouched) through the same parsing and
-job in-process (`helpers.main_in_process`), with one refusal kept as a real process."""
+job in-process (`helpers.main_in_process`), with one refusal kept as a real process.
+
+Covers: engine/cli/main_command.py, engine/cli/run/job.py.
+"""
 
 import json
 from pathlib import Path

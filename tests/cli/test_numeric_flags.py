@@ -1,7 +1,10 @@
 """Every numeric flag refuses what the engine cannot count, with one line naming it:
 NaN and infinities, integers beyond int32 (loop lengths, cadences, batch sizes) or
 int64 (steps), timeouts beyond int64 milliseconds; and a task of a cluster without one.
-In-process: absl parses the flags and `RunConfig` validates them, as engine.main does."""
+In-process: absl parses the flags and `RunConfig` validates them, as engine.main does.
+
+Covers: engine/cli/config/settings.py.
+"""
 
 import dataclasses
 

@@ -1,6 +1,9 @@
 """Every file engine.main parses before it runs (flagfiles, a user's model module)
 fails with one line naming it and what is wrong, exit 2, nothing written. In-process.
-TF_CONFIG and Slurm variables: tests/unit/cluster/test_cluster.py."""
+TF_CONFIG and Slurm variables: tests/unit/cluster/test_cluster.py.
+
+Covers: engine/cli/config/flagfiles.py.
+"""
 
 import textwrap
 

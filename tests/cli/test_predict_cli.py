@@ -1,5 +1,8 @@
 """`python -m engine.main --mode=predict`, as a user runs it after training: the outputs agree
-with the run's own evaluation and with the exported SavedModel, for .npz and .csv inputs."""
+with the run's own evaluation and with the exported SavedModel, for .npz and .csv inputs.
+
+Covers: engine/cli/run/predictor.py, engine/cli/run/inputs_record.py.
+"""
 
 import csv
 import errno

@@ -4,6 +4,8 @@ task module; every bad input one line and exit 2 before anything is written.
 
 Numbers are checked against references computed here: numpy on the exported model's
 outputs for the eval loss, the predict-the-mean baseline, the data's own shapes.
+
+Covers: engine/cli/run/run_task.py, engine/task.py.
 """
 
 from __future__ import annotations

@@ -7,7 +7,10 @@ join and a forged stop, and is kept out; then a frozen worker and a partitioned 
 their round within the detection bound, and --max_restarts recovers the uninterrupted weights;
 a host that never comes back leaves a cluster of three to go on with two (--min_nodes).
 On loopback (no namespaces needed): nodes given other flags end before any task starts,
-and SIGHUP to one node's launcher saves on every node."""
+and SIGHUP to one node's launcher saves on every node.
+
+Covers: engine/launch/node_launcher.py.
+"""
 
 from __future__ import annotations
 

@@ -1,5 +1,8 @@
 """A signal to ONE worker of a multi-worker run stops every worker at the same
-step with a checkpoint, and the cluster resumes from it."""
+step with a checkpoint, and the cluster resumes from it.
+
+Covers: engine/stopping.py.
+"""
 
 from __future__ import annotations
 

@@ -1,6 +1,9 @@
 """engine.ShardedEmbedding under ParameterServerStrategy: a table split over the ps tasks
 trains as the whole table does in one process, and its checkpoint restores onto another
-number of ps tasks and onto one device. One process per task (engine.server), as users run it."""
+number of ps tasks and onto one device. One process per task (engine.server), as users run it.
+
+Covers: engine/launch/task_server.py, engine/loop/ps_runners.py, engine/trainer/coordinated.py.
+"""
 
 from __future__ import annotations
 

@@ -1,6 +1,9 @@
 """What a user sees: `--help` lists the engine's flags at once and exits 0, a run's output
 holds none of TensorFlow's C++ start-up lines unless TF_CPP_MIN_LOG_LEVEL asks for them, and
-the launcher checks engine.main's flags without importing TensorFlow. Real processes."""
+the launcher checks engine.main's flags without importing TensorFlow. Real processes.
+
+Covers: engine/cli/process/lean_imports.py, engine/native_logs.py.
+"""
 
 from __future__ import annotations
 

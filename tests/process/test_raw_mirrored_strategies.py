@@ -5,6 +5,8 @@ paired with the first one's and aborted every later collective of the process ("
 the collective instance"), whichever ran first (Keras `fit`, the engine). The engine gives each
 strategy it meets keys of its own (`engine.strategy.own_collectives`). In a fresh process: the
 failure aborted every later collective of the process it happened in.
+
+Covers: engine/strategy.py.
 """
 
 import json

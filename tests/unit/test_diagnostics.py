@@ -1,5 +1,8 @@
 """engine.diagnostics: the report a SIGUSR1 asks for (the signal itself, on a real
-`engine.main`: tests/process/test_sigusr1_report.py)."""
+`engine.main`: tests/process/test_sigusr1_report.py).
+
+Covers: engine/cluster/startup_watchdog.py.
+"""
 
 from __future__ import annotations
 

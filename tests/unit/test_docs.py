@@ -1,5 +1,8 @@
 """README.md and docs/: the flag reference is what `RunConfig` says, every relative link
-and anchor resolves, and every example block is found once."""
+and anchor resolves, and every example block is found once.
+
+Covers: engine/cli/config/flag_reference.py.
+"""
 
 import dataclasses
 import os

@@ -1,6 +1,9 @@
 """Library errors name the library's arguments, in backticks as Python code
 (`restore_fallback=True`); the command line prints the same errors with its
-flags (--restore_fallback), translated by `engine.cli.config.flag_names`."""
+flags (--restore_fallback), translated by `engine.cli.config.flag_names`.
+
+Covers: engine/cli/config/flag_names.py.
+"""
 
 from pathlib import Path
 

@@ -10,7 +10,8 @@ import tensorflow as tf
 from helpers import NUM_FEATURES, REPO, global_batches, loss_fn, make_arrays, make_model, run_main
 
 import engine
-from engine.export import export_saved_model
+from engine.errors import UserError
+from engine.export import check_export_dir, export_saved_model
 
 
 class Linear(tf.Module):
@@ -130,3 +131,26 @@ def test_cli_check_numerics_fails_at_the_first_op_with_inf(tmp_path):
     )
     assert result.returncode != 0
     assert "CheckNumericsV2" in result.stderr and "MatMul" in result.stderr, result.stderr[-3000:]
+
+
+def test_an_export_dir_is_refused_among_other_files_or_inside_the_models_own(tmp_path):
+    model_dir = tmp_path / "run"
+    (model_dir / "checkpoints").mkdir(parents=True)
+    for inside in (model_dir, model_dir / "checkpoints", model_dir / "best" / "export"):
+        with pytest.raises(UserError, match=r"`export_dir='.*'` is inside the model_dir's own files"):
+            check_export_dir(str(inside), str(model_dir))
+    check_export_dir(str(model_dir / "export"), str(model_dir))  # A directory of its own (docs/your-problem.md).
+    (tmp_path / "home").mkdir()
+    (tmp_path / "home" / ".bashrc").write_text("x")
+    with pytest.raises(UserError) as raised:
+        check_export_dir(str(tmp_path / "home"), str(model_dir))
+    assert "holds files that are not an export (.bashrc); nothing was written" in str(raised.value)
+    with pytest.raises(UserError, match="is a file, not a directory"):
+        check_export_dir(str(tmp_path / "home" / ".bashrc"), None)
+    earlier = tmp_path / "export"
+    for name in ("variables", "assets"):
+        (earlier / name).mkdir(parents=True)
+    (earlier / "saved_model.pb").write_bytes(b"")
+    (earlier / "fingerprint.pb").write_bytes(b"")
+    check_export_dir(str(earlier), str(model_dir))  # An earlier export is replaced (a rerun exports again).
+    check_export_dir(str(tmp_path / "new"), str(model_dir))

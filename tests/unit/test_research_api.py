@@ -1,6 +1,9 @@
 """The research API off the paved path: wrapped Keras models, several
 optimizers, finite data, wrong batch sizes and structures, stopping,
-logging and the public names. Each case as a research user meets it."""
+logging and the public names. Each case as a research user meets it.
+
+Covers: engine/__init__.py, engine/trainer/checks.py, engine/variables.py, engine/logger.py.
+"""
 
 import logging
 import os

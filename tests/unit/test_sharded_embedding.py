@@ -1,4 +1,7 @@
-"""engine.ShardedEmbedding: a table in row shards that trains as keras.layers.Embedding does."""
+"""engine.ShardedEmbedding: a table in row shards that trains as keras.layers.Embedding does.
+
+Covers: engine/layers.py, engine/cli/run/table_shards.py.
+"""
 
 import keras
 import numpy as np

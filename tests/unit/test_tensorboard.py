@@ -1,6 +1,9 @@
 """What a user sees in TensorBoard: a finished CLI run's model_dir served by
 the real TensorBoard on 127.0.0.1 and read back through its HTTP data API;
-the profiler window; hooks adding nothing to the compiled step."""
+the profiler window; hooks adding nothing to the compiled step.
+
+Covers: engine/hooks/graph.py, engine/hooks/profiler.py, engine/summaries.py.
+"""
 
 import json
 import math

@@ -1,5 +1,8 @@
 """The numerical promises of the Trainer: equal weights across strategies,
-loss arithmetic, exact evaluation, one trace, resume at the saved step."""
+loss arithmetic, exact evaluation, one trace, resume at the saved step.
+
+Covers: engine/loop/compiled.py, engine/loop/runners.py.
+"""
 
 import keras
 import numpy as np

@@ -2,11 +2,12 @@
 
 Importing Keras 3 imports scikit-learn (for `keras.wrappers`), IPython (a notebook
 file editor in `keras.saving`) and matplotlib.pyplot (`keras.visualization`)
-whenever they are installed: about 1 s of CPU of the 4 s that TensorFlow and
-Keras take to import, in every `engine.main`, `engine.server` and task of a
-cluster. Likewise TensorBoard's hparams summaries import its stand-in for
-TensorFlow, which registers S3 and fsspec file systems through boto3 and fsspec
-where installed (0.3 s), for writers that never use it while TensorFlow is there.
+whenever they are installed: a quarter of the CPU that TensorFlow and Keras take
+to import, in every `engine.main`, `engine.server` and task of a cluster
+(benchmarks/RESULTS.md, "Figures behind the code's choices"). Likewise
+TensorBoard's hparams summaries import its stand-in for TensorFlow, which
+registers S3 and fsspec file systems through boto3 and fsspec where installed,
+for writers that never use it while TensorFlow is there.
 The command line uses none of those features, so its first import of TensorFlow
 and of the run's modules happens with these hidden (Keras and TensorBoard then
 define those features without them). They stay importable afterwards: a

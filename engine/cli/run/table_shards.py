@@ -1,9 +1,8 @@
 """`--ps_shards` checked against the tables a model builds, before their variables exist.
 
 Each shard of an `engine.ShardedEmbedding` is a variable of its own, and every training step
-holds a gather, a gradient and an optimizer update per shard: measured with wide_deep and Adam
-in one process on 2 CPU cores, about 90 ms of the first step's tracing and 1.1 MiB of memory per
-shard (100 shards a table: 17 s; 1,000: 3 minutes and 2.1 GB; 100,000 never got there). So a
+holds a gather, a gradient and an optimizer update per shard, each with its tracing time and
+memory (figures: benchmarks/RESULTS.md, "Figures behind the code's choices"). So a
 count the tables cannot take is one line, with an estimate of what it would cost, before the
 table is built: more shards than a table's rows (a shard needs a row), or more shard variables
 than `MAX_SHARD_VARIABLES` in all. Whether the tables' memory fits the hosts is the dry run's

@@ -1,4 +1,7 @@
-"""User hooks: called between compiled loops, able to stop training, free inside the step."""
+"""User hooks: called between compiled loops, able to stop training, free inside the step.
+
+Covers: engine/callbacks/base.py.
+"""
 
 from helpers import global_batches, loss_fn, make_arrays, make_model
 

@@ -1,6 +1,9 @@
 """Keras callbacks passed to the Trainer behave as under `model.fit`: epochs
 of `steps_per_epoch` steps, train and `val_` logs at epoch ends, and
-`model.stop_training` stopping the run."""
+`model.stop_training` stopping the run.
+
+Covers: engine/callbacks/keras_adapter.py.
+"""
 
 import csv
 

@@ -1,4 +1,7 @@
-"""Cluster resolution from flags, TF_CONFIG and Slurm: pure Python, no processes."""
+"""Cluster resolution from flags, TF_CONFIG and Slurm: pure Python, no processes.
+
+Covers: engine/cluster/resolve.py.
+"""
 
 import json
 

@@ -1,5 +1,9 @@
 """Built-in hooks on scripted eval metrics: early stopping, best checkpoint,
-reduce-on-plateau, and how each picks up again after a restart."""
+reduce-on-plateau, and how each picks up again after a restart.
+
+Covers: engine/cli/run/hooks_from_flags.py, engine/hooks/best_checkpoint.py, engine/hooks/early_stopping.py,
+engine/hooks/metric_watch.py, engine/hooks/plateau.py.
+"""
 
 import json
 import re

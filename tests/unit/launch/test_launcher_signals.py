@@ -3,7 +3,10 @@ starts): a launcher's first signal is passed on and waited for, its second ends 
 once without a traceback; a task takes its launcher's signal as the stop it already makes; a
 stuck task cannot hang a launcher's stop. One process test: engine.main in a terminal that
 closes (an ssh session) saves and exits 129. The launchers' processes: tests/cluster/test_launch.py,
-tests/cluster/test_multi_host.py."""
+tests/cluster/test_multi_host.py.
+
+Covers: engine/cli/process/preemption.py, engine/launch/task_processes.py.
+"""
 
 from __future__ import annotations
 

@@ -246,7 +246,7 @@ def hello(nonce: bytes = b"\1" * 32) -> bytes:
 
 
 def test_the_server_survives_what_strangers_send_and_the_run_forms_after(monkeypatch):
-    monkeypatch.setattr(rendezvous, "HANDSHAKE_SECONDS", 1.0)
+    monkeypatch.setattr(rendezvous.server_side, "HANDSHAKE_SECONDS", 1.0)
     warnings: list[str] = []
     server = serve(2, settings=SETTINGS, warn=warnings.append)
     sent = [
@@ -277,7 +277,7 @@ def test_the_server_survives_what_strangers_send_and_the_run_forms_after(monkeyp
 
 
 def test_a_node_with_the_secret_is_dropped_for_a_message_off_its_schema(monkeypatch):
-    monkeypatch.setattr(rendezvous, "_WARNINGS_PER_WINDOW", 100)  # every line, to check each reason
+    monkeypatch.setattr(rendezvous.server_side, "_WARNINGS_PER_WINDOW", 100)  # every line, to check each reason
     warnings: list[str] = []
     server = serve(2, settings=SETTINGS, warn=warnings.append)
     digest = settings_digest(SETTINGS)
@@ -317,7 +317,7 @@ def test_a_replayed_or_injected_message_drops_the_connection():
     assert channel is not None
     body = json.dumps({"kind": "stop", "status": 143, "cause": "replayed"}).encode()
     # The HMAC of message 0 (its join) again: right key, spent sequence number.
-    replayed = rendezvous._mac(channel._send_key, b"message", (0).to_bytes(8, "big"), body) + body
+    replayed = rendezvous.protocol.mac(channel._send_key, b"message", (0).to_bytes(8, "big"), body) + body
     channel.sock.sendall(frame(replayed))
     wait_until(lambda: server.dropped == 1)
     assert server.status is None and 1 not in server._joined and server.alive
@@ -328,7 +328,7 @@ def test_a_replayed_or_injected_message_drops_the_connection():
         sock.sendall(hello(b"\2" * 32))
         challenge = json.loads(sock.recv(4096)[4:])
     nonces = b"\2" * 32 + bytes.fromhex(challenge["nonce"])
-    recorded = frame({"kind": "proof", "proof": rendezvous._mac(SECRET, b"client", nonces).hex()})
+    recorded = frame({"kind": "proof", "proof": rendezvous.protocol.mac(SECRET, b"client", nonces).hex()})
     assert send_as_stranger(server, hello(b"\2" * 32) + recorded)[4:].startswith(b'{"kind":"challenge"')
     wait_until(lambda: server.dropped == 2)
     assert "did not prove it holds the run's secret" in warnings[-1] and server.status is None
@@ -395,7 +395,9 @@ def test_idle_strangers_at_one_address_never_keep_a_node_at_another_out(sockets)
     server = serve(2, warn=warnings.append)
     first = join(server, 0, [6000])
     with IdleStranger(server, sockets) as stranger:
-        wait_until(lambda: server.dropped >= sockets - rendezvous.MAX_UNPROVEN_PER_ADDRESS, timeout=20)
+        wait_until(
+            lambda: server.dropped >= sockets - rendezvous.server_side.MAX_UNPROVEN_PER_ADDRESS, timeout=20
+        )
         # Every slot the stranger holds is one of its own address's: the node's address has its own.
         began = time.monotonic()
         second = join(server, 1, [6001])
@@ -404,15 +406,17 @@ def test_idle_strangers_at_one_address_never_keep_a_node_at_another_out(sockets)
         held = [conn.source for conn in list(server._conns.values())].count("127.0.0.2")  # list(): at once
     assert [message["kind"] for message in rounds] == ["round", "round"]
     assert took < 3.0, took
-    assert held <= rendezvous.MAX_UNPROVEN_PER_ADDRESS and stranger.reopened > 0  # it kept coming back
+    assert (
+        held <= rendezvous.server_side.MAX_UNPROVEN_PER_ADDRESS and stranger.reopened > 0
+    )  # it kept coming back
     stranger_lines = [line.startswith("warning: dropped a connection from 127.0.0.2: ") for line in warnings]
     assert stranger_lines and all(stranger_lines), warnings
     assert server.status is None and server.alive
 
 
 def test_strangers_at_many_addresses_leave_room_for_a_node(monkeypatch):
-    monkeypatch.setattr(rendezvous, "MAX_UNPROVEN", 6)
-    monkeypatch.setattr(rendezvous, "MAX_UNPROVEN_PER_ADDRESS", 4)
+    monkeypatch.setattr(rendezvous.server_side, "MAX_UNPROVEN", 6)
+    monkeypatch.setattr(rendezvous.server_side, "MAX_UNPROVEN_PER_ADDRESS", 4)
     server = serve(1)
     held = [
         socket.create_connection(address(server), timeout=2, source_address=(f"127.0.0.{2 + index % 3}", 0))

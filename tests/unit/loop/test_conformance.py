@@ -24,6 +24,8 @@ engine is compared with fit on one replica (`Form.fit_replicas`); BatchNormaliza
 moving statistics, which each of fit's replicas keeps for itself, are compared with the
 mean of fit's replica copies, which is what the engine keeps (`engine.loop.replica_state`).
 Tolerances: 1e-5 relative (and 1e-6 absolute, for values near 0) unless a form says why.
+
+Covers: engine/loop/steps.py, engine/loop/replica_state.py.
 """
 
 from __future__ import annotations
@@ -62,6 +64,14 @@ def batches(arrays: tuple, batch: int) -> tf.data.Dataset:
     return tf.data.Dataset.from_tensor_slices(as_tuples(arrays)).batch(batch)
 
 
+def train_batches(form: forms.Form) -> tf.data.Dataset:
+    """The training batches, all full: a static batch size. (On two replicas an Embedding model's
+    batches that may be partial run the last one in a call of its own, engine.loop.variable_length,
+    and the logs compared with fit's epoch are then the last call's.)"""
+    arrays = as_tuples(train_arrays(form))
+    return tf.data.Dataset.from_tensor_slices(arrays).batch(forms.GLOBAL_BATCH, drop_remainder=True)
+
+
 def train_arrays(form: forms.Form) -> tuple:
     return form.data(forms.GLOBAL_BATCH * form.train_steps, forms.SEED)
 
@@ -97,7 +107,7 @@ def keras_fit(name: str, replicas: int) -> tuple[list[np.ndarray], dict[str, flo
     with strategy.scope():
         model = form.model()
         compile_like(model, form)
-    history = model.fit(batches(train_arrays(form), forms.GLOBAL_BATCH), epochs=1, verbose=0, shuffle=False)
+    history = model.fit(train_batches(form), epochs=1, verbose=0, shuffle=False)
     return [replica_mean(w) for w in model.weights], {k: v[-1] for k, v in history.history.items()}
 
 
@@ -112,7 +122,7 @@ def engine_run(name: str, replicas: int, grad_accum_steps: int = 1) -> tuple[eng
         strategy=strategy,
         model=model,
         optimizer=optimizer,
-        train_data=batches(train_arrays(form), forms.GLOBAL_BATCH),
+        train_data=train_batches(form),
         eval_data=batches(eval_arrays(form), forms.GLOBAL_BATCH),
         global_batch_size=forms.GLOBAL_BATCH,
         loss_fn=form.engine_loss(),

@@ -3,6 +3,8 @@
 Each case as a research user writes it from the README, checked against an
 independent reference: Keras `fit` / `evaluate`, a plain TF loop, numpy, or
 the same run without an interruption.
+
+Covers: engine/data.py.
 """
 
 import keras

@@ -4,6 +4,8 @@ A small loss (scaled by 1e-5) has float16 gradients that underflow to zero witho
 loss scale: most weights then never move. The engine wraps the optimizer as `compile()`
 does, so its weights after two steps are `fit`'s, on one and two replicas; the scale is
 optimizer state, restored on resume.
+
+Covers: engine/precision.py.
 """
 
 from __future__ import annotations

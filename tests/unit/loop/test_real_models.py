@@ -1,7 +1,10 @@
 """What real models need beyond the conformance matrix (issue 28): sparse gradients clipped and
 accumulated as dense ones, per-token sample weights, the reported evaluation equal to a
 restore of the step's checkpoint, every --metrics name on two replicas, and one line for a
-custom metric that cannot be copied or an optimizer made outside the strategy's scope."""
+custom metric that cannot be copied or an optimizer made outside the strategy's scope.
+
+Covers: engine/losses.py.
+"""
 
 from __future__ import annotations
 

@@ -3,12 +3,15 @@ every bad input one line with exit 2 and the model_dir left byte-identical.
 
 Real `python -m engine.main` processes wherever processes matter (the lock,
 kill -9, signals, a full disk); small mlp runs to stay fast.
+The library's side, in this process: tests/unit/test_model_dir.py (the lock, the records)
+and tests/unit/checkpointing/ (test_discovery.py, test_checkpointer.py).
+
+Covers: engine/checkpointing/repairs.py.
 """
 
 import contextlib
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -20,14 +23,15 @@ import pytest
 import tensorflow as tf
 from helpers import (
     REPO,
+    checkpoint_files,
     copy_of,
+    file_tree,
     main_in_process,
     one_error_line,
     popen_main,
     python_env,
     read_stderr_until,
     run_main,
-    small_trainer,
     snapshot,
     stop,
     wait_for_checkpoint,
@@ -36,18 +40,8 @@ from helpers import (
 from engine import model_dir as model_dir_lib
 from engine.checkpointing import discovery
 from engine.errors import UserError
-from engine.options import CheckpointOptions
 
 MLP = ["--model=mlp", "--checkpoint_every=10", "--eval_every=0"]
-
-
-def checkpoint_files(model_dir: Path) -> dict[str, tuple[bytes, int]]:
-    """Bytes and mtime of every ckpt-* file: what must never be overwritten."""
-    return {
-        p.name: (p.read_bytes(), p.stat().st_mtime_ns)
-        for p in sorted((model_dir / "checkpoints").glob("ckpt-*"))
-        if p.is_file()
-    }
 
 
 @pytest.fixture(scope="module")
@@ -82,34 +76,6 @@ TRAINED_FLAGS = [
 # ----------------------------------------------------------------- the lock
 
 
-def test_writer_lock_is_exclusive_and_leaves_nothing_behind(tmp_path):
-    model_dir = tmp_path / "run"
-    with model_dir_lib.writer_lock(str(model_dir)):
-        assert model_dir_lib.holder_pid(str(model_dir)) == os.getpid()
-        with pytest.raises(UserError, match=f"in use by pid {os.getpid()} on host"):
-            with model_dir_lib.writer_lock(str(model_dir)):
-                pass
-    assert not model_dir.exists()  # created for the lock only, so removed again
-    model_dir.mkdir()
-    with model_dir_lib.writer_lock(str(model_dir)):
-        pass
-    assert list(model_dir.iterdir()) == []
-
-
-def test_a_process_ending_at_once_removes_the_lock_files_it_holds(tmp_path):
-    """What the signal watcher does before os._exit (a signal in start-up, or a second one):
-    the lock file goes (and a model_dir made for it alone), the lock's own release after it is
-    harmless, and the next writer finds no lock to take over."""
-    made, kept = tmp_path / "made", tmp_path / "kept"
-    kept.mkdir()
-    (kept / "config.yaml").write_text("x: 1\n")
-    with model_dir_lib.writer_lock(str(made)), model_dir_lib.writer_lock(str(kept)):
-        model_dir_lib.abandon_writer_locks()
-        assert not made.exists() and os.listdir(kept) == ["config.yaml"]
-    model_dir_lib.abandon_writer_locks()  # None held: nothing to do.
-    assert os.listdir(kept) == ["config.yaml"]
-
-
 @pytest.mark.process
 @pytest.mark.slow
 @pytest.mark.timeout(300)
@@ -128,184 +94,6 @@ def test_sigterm_in_start_up_exits_143_and_leaves_no_lock_file(tmp_path):
     assert process.returncode == 128 + signal.SIGTERM, stderr[-3000:]
     assert "SIGTERM received: exiting now with status 143" in stderr, stderr[-3000:]
     assert not (model_dir / model_dir_lib.LOCK_FILE).exists()
-
-
-def test_a_model_dir_removed_while_makedirs_walks_it_is_made_again_and_a_file_there_is_refused(
-    tmp_path, monkeypatch
-):
-    """What a concurrent holder's release does to makedirs (tensorflow says the path "is not a
-    directory" when it vanishes mid-check): the lock is taken on the next try. A regular file
-    where the model_dir should be still fails."""
-    makedirs = tf.io.gfile.makedirs
-    calls = []
-
-    def vanishing_once(path):
-        calls.append(path)
-        if len(calls) == 1:
-            raise tf.errors.FailedPreconditionError(None, None, f"{path} is not a directory")
-        return makedirs(path)
-
-    monkeypatch.setattr(tf.io.gfile, "makedirs", vanishing_once)
-    model_dir = tmp_path / "new" / "run"
-    with model_dir_lib.writer_lock(str(model_dir)):
-        assert model_dir_lib.holder_pid(str(model_dir)) == os.getpid()
-    assert len(calls) == 2
-    monkeypatch.setattr(tf.io.gfile, "makedirs", makedirs)
-    (tmp_path / "file").write_text("not a directory")
-    with pytest.raises(tf.errors.FailedPreconditionError):
-        with model_dir_lib.writer_lock(str(tmp_path / "file")):
-            pass
-
-
-def _tree(directory: Path) -> dict[str, object]:
-    """Every entry under `directory` by kind: a file's bytes, a link's target, a directory or FIFO."""
-    entries: dict[str, object] = {}
-    for path in sorted(directory.rglob("*")):
-        name = str(path.relative_to(directory))
-        if path.is_symlink():
-            entries[name] = ("link", os.readlink(path))
-        elif path.is_fifo():
-            entries[name] = "fifo"
-        elif path.is_dir():
-            entries[name] = "dir"
-        else:
-            entries[name] = (path.read_bytes(), oct(path.stat().st_mode), path.stat().st_nlink)
-    return entries
-
-
-def _make_symlink(lock: Path, outside: Path) -> None:
-    outside.write_bytes(b"the user's own file\n")
-    lock.symlink_to(outside)
-
-
-def _make_dangling_symlink(lock: Path, outside: Path) -> None:
-    lock.symlink_to(outside)  # Would create a file outside the model_dir if followed.
-
-
-def _make_hard_link(lock: Path, outside: Path) -> None:
-    outside.write_bytes(b"the user's own file\n")
-    os.link(outside, lock)
-
-
-@pytest.mark.parametrize(
-    "make, kind",
-    [
-        (_make_symlink, "a symbolic link to"),
-        (_make_dangling_symlink, "a symbolic link to"),
-        (_make_hard_link, "a file with 2 hard links"),
-        (lambda lock, outside: lock.mkdir(), "a directory"),
-        (lambda lock, outside: os.mkfifo(lock), "a FIFO"),  # Must not block: the test would hang.
-    ],
-    ids=["symlink", "dangling-symlink", "hard-link", "directory", "fifo"],
-)
-@pytest.mark.timeout(60)
-def test_lock_file_that_is_not_a_regular_file_is_refused_and_nothing_is_written_through(tmp_path, make, kind):
-    model_dir, outside = tmp_path / "run", tmp_path / "users-file.txt"
-    model_dir.mkdir()
-    (model_dir / "keep.txt").write_text("kept")
-    lock = model_dir / model_dir_lib.LOCK_FILE
-    make(lock, outside)
-    before = _tree(tmp_path)
-    with pytest.raises(UserError) as raised:
-        with model_dir_lib.writer_lock(str(model_dir)):
-            pytest.fail("took a lock that is not a regular file of its own")
-    message = str(raised.value)
-    assert "\n" not in message and str(lock) in message and kind in message, message
-    assert _tree(tmp_path) == before  # The model_dir and the file outside it, byte-identical.
-
-
-def test_lock_file_holding_binary_garbage_is_taken_over_with_a_warning(tmp_path, caplog):
-    model_dir = tmp_path / "run"
-    model_dir.mkdir()
-    (model_dir / model_dir_lib.LOCK_FILE).write_bytes(b"\xff\xfe\x00garbage\x80" * 10)
-    with model_dir_lib.writer_lock(str(model_dir)):
-        assert model_dir_lib.holder_pid(str(model_dir)) == os.getpid()
-    assert "took over the writer lock of an unknown process" in caplog.text
-    assert list(model_dir.iterdir()) == []
-
-
-@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as `nobody` (a user the mode applies to)")
-def test_unreadable_lock_file_is_one_line_for_a_user_it_applies_to(tmp_path):
-    import pwd
-    import shutil
-    import tempfile
-
-    nobody = pwd.getpwnam("nobody").pw_uid
-    parent = Path(tempfile.mkdtemp(prefix="lock-mode-000-"))  # tmp_path is root's alone (mode 700).
-    try:
-        parent.chmod(0o777)
-        model_dir = parent / "run"
-        model_dir.mkdir(mode=0o777)
-        model_dir.chmod(0o777)
-        lock = model_dir / model_dir_lib.LOCK_FILE
-        lock.write_text('{"host": "h", "pid": 1, "since": "s"}')
-        lock.chmod(0o000)
-        before = _tree(parent)
-        os.seteuid(nobody)
-        try:
-            with pytest.raises(UserError) as raised:
-                with model_dir_lib.writer_lock(str(model_dir)):
-                    pass
-        finally:
-            os.seteuid(0)
-        message = str(raised.value)
-        assert "\n" not in message and f"cannot open the lock file {lock}" in message, message
-        assert "Permission denied" in message, message
-        assert _tree(parent) == before
-    finally:
-        shutil.rmtree(parent)
-
-
-_TAKE_IN_A_LOOP = """
-import os, sys, time
-from engine import model_dir as m
-from engine.errors import UserError
-while not os.path.exists(sys.argv[3]):  # All start at once, after their slow imports.
-    time.sleep(0.01)
-taken = 0
-for _ in range(int(sys.argv[2])):
-    try:
-        with m.writer_lock(sys.argv[1]):
-            assert m.holder_pid(sys.argv[1]) == os.getpid()
-            taken += 1
-    except UserError as error:
-        assert "is in use by" in str(error), error
-print("taken", taken)
-"""
-
-
-@pytest.mark.process
-@pytest.mark.slow
-@pytest.mark.timeout(240)
-def test_processes_taking_the_lock_in_a_tight_loop_on_a_new_model_dir_never_fail(tmp_path):
-    """Each take makes the model_dir and removes it again on release: the others
-    open the lock file in a directory that comes and goes."""
-    model_dir, start = tmp_path / "new" / "run", tmp_path / "start"
-    processes = [
-        subprocess.Popen(
-            [sys.executable, "-c", _TAKE_IN_A_LOOP, str(model_dir), "2000", str(start)],
-            cwd=REPO,
-            env=python_env(),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for _ in range(3)
-    ]
-    try:
-        start.touch()
-        results = [process.communicate(timeout=200) for process in processes]
-    finally:
-        for process in processes:
-            if process.poll() is None:
-                process.kill()
-                process.communicate()
-    for process, (out, err) in zip(processes, results, strict=True):
-        assert process.returncode == 0, err[-3000:]
-        assert "taken" in out
-    # Released each time: no lock file left (an empty model_dir may stay when the last
-    # holder is not the process that made it).
-    assert not model_dir.exists() or list(model_dir.iterdir()) == []
 
 
 @pytest.mark.process
@@ -922,24 +710,6 @@ def test_a_model_dir_made_read_only_mid_run_is_one_line_and_the_latest_checkpoin
 # ------------------------------------------------------------- Trainer API
 
 
-def test_weights_that_are_not_finite_are_never_saved(tmp_path):
-    import tensorflow as tf
-
-    trainer = small_trainer(tmp_path)
-    model = trainer.model
-    trainer.train(2)
-    saved = trainer.checkpoint_manager.latest_checkpoint
-    assert saved.endswith("ckpt-2")
-    before = checkpoint_files(tmp_path)
-    kernel = model.layers[0].kernel
-    kernel.assign(tf.tensor_scatter_nd_update(kernel, [[0, 0]], [float("nan")]))
-    trainer.global_step.assign(3)
-    with pytest.raises(UserError, match="NaN or Inf at step 3; not saved"):
-        trainer.save()
-    assert trainer.checkpoint_manager.latest_checkpoint == saved
-    assert checkpoint_files(tmp_path) == before
-
-
 def test_trainer_refuses_a_model_dir_with_pattern_characters(tmp_path):
     import tensorflow as tf
     from helpers import global_batches, loss_fn, make_arrays, make_model
@@ -961,75 +731,6 @@ def test_trainer_refuses_a_model_dir_with_pattern_characters(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-# ------------------------------------------------ partial folders of writes cut short
-
-PART_FILES = ("part-00000-of-00001.index", "part-00000-of-00001.data-00000-of-00001.tempstate123")
-
-
-def _partial(folder: Path, *extra: str) -> Path:
-    """What a checkpoint write cut short leaves: a folder of TensorFlow's part files (and `extra`)."""
-    folder.mkdir(parents=True)
-    for name in (*PART_FILES, *extra):
-        (folder / name).write_bytes(b"half a checkpoint")
-    return folder
-
-
-def test_a_library_start_removes_partial_checkpoint_folders_and_nothing_else(tmp_path, caplog):
-    rolling = _partial(tmp_path / "checkpoints" / "ckpt-7_temp")
-    best = _partial(tmp_path / "best" / "ckpt-3_temp")
-    outside = _partial(tmp_path.parent / f"{tmp_path.name}-outside")
-    kept = [
-        _partial(tmp_path / "checkpoints" / "notes_temp"),  # Not the engine's name.
-        _partial(tmp_path / "checkpoints" / "ckpt-8_temp", "mine.txt"),  # Holds a file the engine never writes.
-        tmp_path / "checkpoints" / "ckpt-10_temp",  # A file, not a folder.
-    ]
-    kept[2].write_text("a user's file")
-    link = tmp_path / "checkpoints" / "ckpt-9_temp"  # A link, to files outside the model_dir.
-    link.symlink_to(outside, target_is_directory=True)
-    outside_before = snapshot(outside)
-    # A save at step 9 would write through it (issue 48): the start is refused, nothing removed.
-    with pytest.raises(UserError, match=f"{re.escape(str(link))} is a symbolic link"):
-        small_trainer(tmp_path)
-    assert rolling.exists() and best.exists() and snapshot(outside) == outside_before
-    link.unlink()
-
-    trainer = small_trainer(tmp_path)  # Research code: no writer lock of its own.
-
-    assert not rolling.exists() and not best.exists()
-    assert all(path.exists() or path.is_symlink() for path in kept)
-    assert snapshot(outside) == outside_before
-    assert not (tmp_path / model_dir_lib.LOCK_FILE).exists()  # Taken for the removal, released.
-    assert f"removing {rolling}, left by a checkpoint write that did not finish" in caplog.text
-    assert f"left {kept[1]}" in caplog.text and "mine.txt" in caplog.text
-    trainer.close()
-
-
-def test_partial_folders_stay_while_another_run_holds_the_writer_lock(tmp_path, caplog):
-    import fcntl
-
-    partial = _partial(tmp_path / "checkpoints" / "ckpt-7_temp")
-    # Another process's lock: a lock of another open file is refused within a process too.
-    fd = os.open(tmp_path / model_dir_lib.LOCK_FILE, os.O_RDWR | os.O_CREAT)
-    try:
-        os.write(fd, json.dumps({"host": "h", "pid": 1, "since": "then"}).encode())
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        small_trainer(tmp_path).close()
-        assert partial.exists(), "may be the write of the run under way"
-        assert "which may be the write of a run under way" in caplog.text and "in use by pid 1" in caplog.text
-    finally:
-        os.close(fd)
-    small_trainer(tmp_path).close()  # Its lock free again: the next start removes it.
-    assert not partial.exists()
-
-
-@pytest.mark.parametrize("name", ["run[1]", "run*", "run?"])
-def test_removing_partial_folders_never_reaches_a_sibling_a_pattern_would_match(tmp_path, name):
-    sibling = _partial(tmp_path / "run1" / "checkpoints" / "ckpt-5_temp")
-    own = _partial(tmp_path / name / "checkpoints" / "ckpt-5_temp")
-    discovery.remove_partial_checkpoints(str(tmp_path / name))
-    assert not own.exists() and sorted(p.name for p in sibling.iterdir()) == sorted(PART_FILES)
-
-
 @pytest.mark.cli
 @pytest.mark.parametrize("flag", ["model_dir", "export_dir", "predict_output"])
 def test_a_path_component_longer_than_the_file_system_allows_is_one_line_writing_nothing(tmp_path, flag):
@@ -1045,12 +746,6 @@ def test_a_path_component_longer_than_the_file_system_allows_is_one_line_writing
     assert f"--{flag}=... has a path component of {len(long)} bytes ('aaaa" in line, line
     assert "longer than the 255 its file system allows" in line, line
     assert snapshot(tmp_path) == before and sorted(p.name for p in tmp_path.iterdir()) == ["examples.npz"]
-
-
-def test_the_trainer_refuses_a_model_dir_path_component_longer_than_the_file_system_allows(tmp_path):
-    with pytest.raises(UserError, match=r"`model_dir=\.\.\.` has a path component of 300 bytes"):
-        small_trainer(tmp_path / ("b" * 300))
-    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.cli
@@ -1071,50 +766,6 @@ def test_checkpoint_files_the_state_does_not_list_are_moved_aside_not_overwritte
     kept = {p.name: p.read_bytes() for p in (checkpoints / "superseded").rglob("ckpt-20*")}
     assert kept == old  # the earlier ckpt-20, byte for byte
     assert tf.train.latest_checkpoint(str(checkpoints)).endswith("ckpt-30")
-
-
-def _state_paths(model_dir: Path) -> list[str]:
-    text = (model_dir / "checkpoints" / model_dir_lib.STATE_FILE).read_text()
-    return re.findall(r'checkpoint_paths?: "(.*)"', text)
-
-
-@pytest.mark.parametrize("written_by", ["recovery", "an older version"])
-def test_copied_and_moved_model_dirs_resume_from_their_own_checkpoints(tmp_path, written_by):
-    import tensorflow as tf
-
-    original = tmp_path / "original"
-    small_trainer(original).train(4)  # ckpt-2, ckpt-4
-    state = original / "checkpoints" / model_dir_lib.STATE_FILE
-    if written_by == "recovery":
-        state.unlink()
-        small_trainer(original)  # Rebuilds the state file from the files on disk.
-        assert _state_paths(original) == ["ckpt-4", "ckpt-2", "ckpt-4"]  # Names, not paths.
-    else:
-        directory = str(original / "checkpoints")
-        tf.compat.v1.train.update_checkpoint_state(
-            directory,
-            f"{directory}/ckpt-4",
-            all_model_checkpoint_paths=[f"{directory}/ckpt-2", f"{directory}/ckpt-4"],
-        )
-    copy = copy_of(original, tmp_path / "copy")
-    moved = tmp_path / "moved"
-    original.rename(moved)
-    for model_dir in (copy, moved):
-        trainer = small_trainer(model_dir)
-        assert trainer.step == 4
-        assert trainer.checkpoint_manager.latest_checkpoint == str(model_dir / "checkpoints" / "ckpt-4")
-        trainer.train(6)
-        assert all("/" not in path for path in _state_paths(model_dir)), _state_paths(model_dir)
-        assert sorted(p.name for p in (model_dir / "checkpoints").glob("ckpt-*.index")) == [
-            "ckpt-2.index",
-            "ckpt-4.index",
-            "ckpt-6.index",
-        ]
-    assert not original.exists()  # Nothing was written back to where the original was.
-    # What the evaluator reads, too (it never rewrites the state file).
-    for model_dir in (copy, moved):
-        latest = str(model_dir / "checkpoints" / "ckpt-6")
-        assert discovery.latest_checkpoint(str(model_dir / "checkpoints")) == latest
 
 
 @pytest.mark.cli
@@ -1142,7 +793,7 @@ def test_a_refused_run_after_state_damage_leaves_the_model_dir_byte_identical(
         state.write_bytes(b"\x00\xffnot a state file")
     else:
         state.unlink()
-    before = _tree(model_dir)
+    before = file_tree(model_dir)
     settings = {
         "model": "mlp",
         "train_steps": 30,
@@ -1157,26 +808,7 @@ def test_a_refused_run_after_state_damage_leaves_the_model_dir_byte_identical(
     config.validate()
     with pytest.raises(UserError, match=expected):
         job.run(config)
-    assert _tree(model_dir) == before
-
-
-def test_restore_fallback_finds_the_newest_readable_checkpoint_when_the_state_names_only_missing_ones(tmp_path):
-    import tensorflow as tf
-
-    small_trainer(tmp_path, checkpoint=CheckpointOptions(max_checkpoints=5)).train(6)  # ckpt-2, ckpt-4, ckpt-6
-    directory = str(tmp_path / "checkpoints")
-    tf.compat.v1.train.update_checkpoint_state(directory, "ckpt-999", all_model_checkpoint_paths=["ckpt-999"])
-    before = _tree(tmp_path)
-    with pytest.raises(UserError, match="ckpt-999 cannot be read.*`restore_fallback=True`"):
-        small_trainer(tmp_path)
-    assert _tree(tmp_path) == before  # Without the flag, nothing changes.
-    trainer = small_trainer(tmp_path, checkpoint=CheckpointOptions(restore_fallback=True))
-    assert trainer.step == 6
-    assert trainer.checkpoint_manager.latest_checkpoint == os.path.join(directory, "ckpt-6")
-    trainer.train(8)
-    assert sorted(p.name for p in (tmp_path / "checkpoints").glob("ckpt-*.index")) == [
-        f"ckpt-{step}.index" for step in (2, 4, 6, 8)
-    ]
+    assert file_tree(model_dir) == before
 
 
 def _run_in_process(model_dir: Path, **settings):
@@ -1197,13 +829,13 @@ def test_a_subdirectory_replaced_by_a_file_is_one_line_and_nothing_changes(train
     model_dir = copy_of(trained, tmp_path / "run")
     shutil.rmtree(model_dir / name)
     (model_dir / name).write_bytes(b"not a directory")
-    before = _tree(model_dir)
+    before = file_tree(model_dir)
     flags = {"checkpoint_every": 10, "eval_every": 10, "early_stop_metric": "loss", "early_stop_patience": 5}
     with pytest.raises(UserError) as raised:
         _run_in_process(model_dir, train_steps=30, best_checkpoint_metric="accuracy", **flags)
     message = str(raised.value)
     assert "\n" not in message and f"{model_dir / name} is a regular file, not a directory" in message, message
-    assert _tree(model_dir) == before
+    assert file_tree(model_dir) == before
 
 
 # ------------------------------------------------- a model_dir writes only inside itself
@@ -1240,13 +872,13 @@ def test_a_subdirectory_that_is_a_link_is_refused_naming_it_and_nothing_is_writt
     if (model_dir / name).exists():
         shutil.rmtree(model_dir / name)
     (model_dir / name).symlink_to(elsewhere)
-    before, elsewhere_before = _tree(model_dir), _tree(elsewhere)
+    before, elsewhere_before = file_tree(model_dir), file_tree(elsewhere)
     flags = {"checkpoint_every": 10, "eval_every": 10, "early_stop_metric": "loss", "early_stop_patience": 5}
     with pytest.raises(UserError) as raised:
         _run_in_process(model_dir, train_steps=30, best_checkpoint_metric="accuracy", **flags)
     message = str(raised.value)
     assert "\n" not in message and f"{model_dir / name} is a symbolic link (to {elsewhere})" in message, message
-    assert _tree(model_dir) == before and _tree(elsewhere) == elsewhere_before
+    assert file_tree(model_dir) == before and file_tree(elsewhere) == elsewhere_before
 
 
 @pytest.mark.cli
@@ -1256,10 +888,10 @@ def test_eval_into_an_eval_directory_that_is_a_link_is_one_line_and_writes_nothi
     model_dir = copy_of(trained, tmp_path / "run")
     subprocess.run(["rm", "-r", str(model_dir / "eval")], check=True)
     (model_dir / "eval").symlink_to(elsewhere)
-    before = _tree(model_dir)
+    before = file_tree(model_dir)
     line = one_error_line(main_in_process("--mode=eval", f"--model_dir={model_dir}"))
     assert f"{model_dir / 'eval'} is a symbolic link (to {elsewhere})" in line, line
-    assert _tree(model_dir) == before and list(elsewhere.iterdir()) == []
+    assert file_tree(model_dir) == before and list(elsewhere.iterdir()) == []
 
 
 @pytest.mark.cli
@@ -1340,13 +972,13 @@ def test_a_disk_full_at_start_or_in_eval_mode_is_one_line_and_changes_nothing(sm
     model_dir = disk / "run"
     _run_in_process(model_dir, train_steps=10, checkpoint_every=10)
     fill()
-    before = _tree(model_dir)
+    before = file_tree(model_dir)
     for settings in ({"train_steps": 20}, {"train_steps": 10, "mode": "eval"}):
         with pytest.raises(UserError) as raised:
             _run_in_process(model_dir, checkpoint_every=10, **settings)
         _assert_full_disk_line(raised.value, model_dir)
         # TensorFlow creates an event file before its first write fails: empty, it may stay.
-        after = {name: kind for name, kind in _tree(model_dir).items() if kind != (b"", "0o100644", 1)}
+        after = {name: kind for name, kind in file_tree(model_dir).items() if kind != (b"", "0o100644", 1)}
         assert after == {name: kind for name, kind in before.items() if kind != (b"", "0o100644", 1)}
     _latest_is_readable(model_dir, 10)
 
