@@ -110,7 +110,7 @@ def _build_trainer(config: BenchConfig):
     import keras
     import tensorflow as tf
 
-    from engine import Trainer
+    from engine import Cadence, Trainer
     from engine.cli.process.environment import seed_everything
     from input import get_data_source
     from models import get_model_spec
@@ -135,7 +135,7 @@ def _build_trainer(config: BenchConfig):
         train_data=train_data,
         global_batch_size=config.global_batch_size,
         loss_fn=keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None),
-        steps_per_loop=config.steps_per_loop,
+        cadence=Cadence(steps_per_loop=config.steps_per_loop),
     )
 
 
@@ -190,7 +190,7 @@ def _measure(config: BenchConfig, directory: str) -> dict[str, Any]:
     for repeat in range(config.repeats):
         for mode in MODES:
             trainer.checkpointer = checkpointers.get(mode)
-            trainer.cadence = plain if mode == "none" else every
+            trainer.options = dataclasses.replace(trainer.options, cadence=plain if mode == "none" else every)
             began = time.perf_counter()
             trainer.train(trainer.step + config.steps)
             runs[mode].append(time.perf_counter() - began)

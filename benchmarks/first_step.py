@@ -73,7 +73,7 @@ if runner == "engine":
     trainer = engine.Trainer(
         strategy=strategy, model=model, optimizer=optimizer, train_data=data, global_batch_size=batch,
         loss_fn=keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None), metrics=metrics,
-        steps_per_loop=steps,
+        cadence=engine.Cadence(steps_per_loop=steps),
     )
     def train(target): trainer.train(target)
 else:

@@ -75,7 +75,7 @@ import numpy as np
 import tensorflow as tf
 import keras
 import engine
-from engine.loop.ps_runners import CoordinatedTrainer
+from engine.trainer.coordinated import CoordinatedTrainer
 from benchmarks.sharded_tables import rss_mb
 
 setup = json.loads(sys.argv[1])
@@ -113,7 +113,7 @@ def train_from(input_context, start_step):
 trainer = CoordinatedTrainer(
     strategy=strategy, model=model, optimizer=optimizer, train_data=train_from, global_batch_size=batch,
     loss_fn=keras.losses.BinaryCrossentropy(from_logits=True, reduction=None),
-    steps_per_loop=setup["warmup_steps"],
+    cadence=engine.Cadence(steps_per_loop=setup["warmup_steps"]),
 )
 
 def loopback_bytes():  # Every byte the cluster's tasks send each other (all on localhost).

@@ -76,6 +76,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 from absl import app, flags  # noqa: E402
 
 from engine.cli.config.settings import PRECISION_POLICIES  # noqa: E402  (pure Python: no TensorFlow yet)
+from engine.options import Cadence, StepOptions  # noqa: E402  (pure Python too)
 
 RUNNER_KINDS = ("engine", "fit", "raw", "tfdata")
 DEFAULT_RUNNERS = ("engine", "fit", "raw")
@@ -298,8 +299,8 @@ class EngineRunner(Runner):
             global_batch_size=config.global_batch_size,
             loss_fn=_loss_fn(),
             metrics=[keras.metrics.SparseCategoricalAccuracy(name="accuracy")],
-            steps_per_loop=config.steps_per_loop,
-            jit_compile=self.spec.jit_compile,
+            cadence=Cadence(steps_per_loop=config.steps_per_loop),
+            step=StepOptions(jit_compile=self.spec.jit_compile),
         )
         self.trainer.train(max(1, self.config.warmup_steps))
         self.extra["steps_per_loop"] = config.steps_per_loop

@@ -8,7 +8,8 @@ they live below both: the library never imports the command line, and
 The Trainer's options come in groups, frozen dataclasses it takes as keyword
 arguments (`TRAINER_GROUPS`): `step=StepOptions(...)`, `cadence=Cadence(...)`,
 `checkpoint=CheckpointOptions(...)`, `spikes=SpikeOptions(...)` and
-`throughput=ThroughputOptions(...)`. Each field is one option, defined once:
+`throughput=ThroughputOptions(...)`, and keeps together (`TrainerOptions`, as
+`trainer.options`). Each field is one option, defined once:
 its default, its help text (`help_of`: the field's `metadata["help"]`, which
 the command line's flag of the same name takes where it would say the same)
 and its check (a group refuses a bad value when it is made, in one line
@@ -323,6 +324,45 @@ TRAINER_GROUPS: dict[str, type] = {
     "throughput": ThroughputOptions,
 }
 
+# The flat keywords the Trainer took before its option groups, each the option of its name: taken for
+# one more release through `group_options` (which the Trainer runs, with a warning), in no signature.
+# An option added to a group since has no flat spelling.
+FLAT_ALIASES: frozenset[str] = frozenset(
+    {
+        *("clip_norm", "grad_accum_steps", "jit_compile", "on_nonfinite"),
+        *("steps_per_loop", "eval_every", "checkpoint_every", "log_every", "steps_per_epoch"),
+        *("max_checkpoints", "restore_fallback", "restore_dir", "reset_optimizer", "async_checkpoint"),
+        *("max_loss", "rollback_skip_batches", "max_rollbacks"),
+        *("flops_per_example", "peak_tflops"),
+    }
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainerOptions:
+    """The option groups a Trainer runs with (`trainer.options`), under the names of its keywords:
+    apart from `trainer.step` (the global step) and `trainer.checkpoint` (what a checkpoint holds)."""
+
+    step: StepOptions = dataclasses.field(default_factory=StepOptions)
+    cadence: Cadence = dataclasses.field(default_factory=Cadence)
+    checkpoint: CheckpointOptions = dataclasses.field(default_factory=CheckpointOptions)
+    spikes: SpikeOptions = dataclasses.field(default_factory=SpikeOptions)
+    throughput: ThroughputOptions = dataclasses.field(default_factory=ThroughputOptions)
+
+    @classmethod
+    def of(cls, **groups: Any) -> "TrainerOptions":
+        """The Trainer's keywords `step=`, `cadence=`, ... (None: that group's defaults)."""
+        return cls(**{keyword: group for keyword, group in groups.items() if group is not None})
+
+
+def group_of(alias: str) -> str:
+    """Where the flat keyword `alias` goes: `steps_per_loop=` is `cadence=Cadence(steps_per_loop=...)`."""
+    for keyword, group in TRAINER_GROUPS.items():
+        if alias in {field.name for field in dataclasses.fields(group)}:
+            return f"{keyword}=engine.{group.__name__}({alias}=...)"
+    raise KeyError(alias)
+
+
 Group = TypeVar("Group")
 
 
@@ -333,7 +373,7 @@ def options_from(group: type[Group], values: Mapping[str, Any]) -> Group:
     return group(**{field.name: values[field.name] for field in fields if field.name in values})
 
 
-def group_options(arguments: Mapping[str, Any], aliases: Collection[str]) -> dict[str, Any]:
+def group_options(arguments: Mapping[str, Any], aliases: Collection[str] = FLAT_ALIASES) -> dict[str, Any]:
     """Keyword arguments with the flat `aliases` of the option groups (`clip_norm=` for
     `step=StepOptions(clip_norm=)`) made into their groups (`TRAINER_GROUPS`). A group
     given together with one of its aliases is refused in one line naming both."""

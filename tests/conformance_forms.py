@@ -438,7 +438,7 @@ def trained_weights(form: Form, strategy: Any, steps: int, model_dir: str | None
         global_batch_size=GLOBAL_BATCH,
         loss_fn=form.engine_loss(),
         loss_weights=form.loss_weights,
-        steps_per_loop=2,
+        cadence=engine.Cadence(steps_per_loop=2),
         model_dir=model_dir,
     )
     trainer.train(steps)

@@ -587,7 +587,10 @@ def make_trainer(strategy=None, *, arrays=None, batch: int = 16, seed: int = 3, 
 def small_trainer(model_dir, **overrides):
     """`make_trainer` checkpointing every 2 steps into `model_dir`, in loops of 2: for tests of
     what lands on disk."""
-    return make_trainer(**{"steps_per_loop": 2, "checkpoint_every": 2, "model_dir": str(model_dir), **overrides})
+    import engine
+
+    cadence = engine.Cadence(steps_per_loop=2, checkpoint_every=2)
+    return make_trainer(**{"cadence": cadence, "model_dir": str(model_dir), **overrides})
 
 
 def global_batches(x, y, batch):

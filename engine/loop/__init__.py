@@ -6,7 +6,7 @@
 - `replica_state`: the BatchNorm statistics each replica keeps, made one value after every loop;
 - `runners`: what one training call, one evaluation and one prediction do (`TrainRunner`,
   `EvalRunner`, `PredictRunner`);
-- `ps_runners`: their parameter-server forms, the outer loop the coordinator runs;
+- `ps_runners`: their parameter-server forms, run by the coordinator's Trainer (`engine.trainer.coordinated`);
 - `iterator_release`: iterators the loop is done with freed off its thread (freeing one can wait);
 - `rollback`: surviving a loss spike (`on_nonfinite="rollback"`).
 

@@ -1,4 +1,4 @@
-"""Parameter-server training: the Trainer's outer loop, run by the coordinator.
+"""Parameter-server training: the runners the coordinator's Trainer (`engine.trainer.coordinated`) runs.
 
 The chief process is the coordinator. Variables live on the ps tasks (made
 in `strategy.scope()` as usual); each worker gets its own input pipeline
@@ -30,53 +30,11 @@ from typing import Any
 import tensorflow as tf
 
 from engine.compat import num_workers
-from engine.data import Data, DataForm, as_train_form, eval_dataset_on_one_replica, pipeline_at
-from engine.errors import UserError
+from engine.data import DataForm, eval_dataset_on_one_replica, pipeline_at
 from engine.loop.compiled import CHECK_NONE, LoopResult, make_train_loop
 from engine.loop.runners import EvalRunner, PredictRunner, TrainRunner
 from engine.loop.steps import STEP_EXAMPLES, ReplicaStep
-from engine.losses import Objective
 from engine.resident import ResidentData, ResidentEvalData
-from engine.trainer import Trainer
-
-
-class CoordinatedTrainer(Trainer):
-    """A `Trainer` for `ParameterServerStrategy`, to be run on the chief: the same outer
-    loop, with runners that schedule training on the workers and evaluate on the chief."""
-
-    def __init__(self, *, strategy: tf.distribute.Strategy, train_data: Data, **kwargs: Any):
-        if not isinstance(strategy, tf.distribute.experimental.ParameterServerStrategy):
-            raise UserError(f"CoordinatedTrainer needs a ParameterServerStrategy, got {type(strategy).__name__}")
-        host_data = train_data.host_data if isinstance(train_data, ResidentData) else train_data
-        if getattr(as_train_form(host_data), "dataset", None) is not None:
-            raise UserError(
-                "parameter-server training builds its input on each worker: pass train_data as "
-                "fn(input_context, start_step) or fn(start_step), not a tf.data.Dataset"
-            )
-        self.coordinator = tf.distribute.experimental.coordinator.ClusterCoordinator(strategy)
-        super().__init__(strategy=strategy, train_data=train_data, **kwargs)
-
-    def _make_train_runner(self, data: DataForm | ResidentData, global_batch_size: int) -> TrainRunner:
-        assert not isinstance(data, ResidentData), "ResidentData trains from its host_data here"
-        return CoordinatedTrainRunner(
-            self.coordinator,
-            self.replica_step,
-            self.global_step,
-            data,
-            global_batch_size=global_batch_size,
-            max_loss=self.spike_options.max_loss,
-        )
-
-    def _make_predict_runner(self) -> PredictRunner:
-        return CoordinatorPredictRunner(self.strategy, self.model)
-
-    def _make_eval_runner(
-        self, objective: Objective, data: DataForm | ResidentEvalData, **options: Any
-    ) -> EvalRunner:
-        assert not isinstance(data, ResidentEvalData), "ResidentEvalData evaluates from its host_data here"
-        return CoordinatorEvalRunner(
-            self.strategy, self.model, objective, data, batches_per_call=self.cadence.steps_per_loop, **options
-        )
 
 
 class CoordinatedTrainRunner(TrainRunner):

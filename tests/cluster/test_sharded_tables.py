@@ -2,7 +2,7 @@
 trains as the whole table does in one process, and its checkpoint restores onto another
 number of ps tasks and onto one device. One process per task (engine.server), as users run it.
 
-Covers: engine/launch/task_server.py, engine/loop/ps_runners.py.
+Covers: engine/launch/task_server.py, engine/loop/ps_runners.py, engine/trainer/coordinated.py.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import tensorflow as tf
 import keras
 sys.path[:0] = ["tests", "tests/cluster"]
 import engine
-from engine.loop.ps_runners import CoordinatedTrainer
+from engine.trainer.coordinated import CoordinatedTrainer
 from test_sharded_tables import sequences, tagger
 
 hosts, model_dir = json.loads(sys.argv[1]), sys.argv[2]
@@ -53,7 +53,7 @@ def train_from(input_context, start_step):
 trainer = CoordinatedTrainer(
     strategy=strategy, model=model, optimizer=optimizer, train_data=train_from, global_batch_size=16,
     loss_fn=keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None),
-    steps_per_loop=2, checkpoint_every=4, model_dir=model_dir,
+    cadence=engine.Cadence(steps_per_loop=2, checkpoint_every=4), model_dir=model_dir,
 )
 trainer.train(steps)
 print("RESULT " + json.dumps({
@@ -76,7 +76,7 @@ import tensorflow as tf
 import keras
 sys.path[:0] = ["tests", "tests/cluster"]
 import engine
-from engine.loop.ps_runners import CoordinatedTrainer
+from engine.trainer.coordinated import CoordinatedTrainer
 from test_sharded_tables import ModuleTagger, sequences, tagger
 
 hosts, model_dir = json.loads(sys.argv[1]), sys.argv[2]
@@ -98,7 +98,7 @@ trainer = CoordinatedTrainer(
     strategy=strategy, model=model, optimizer=optimizer,
     train_data=engine.PerReplicaBatches(from_step=train_from), global_batch_size=16,
     loss_fn=keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None),
-    steps_per_loop=2, checkpoint_every=4, model_dir=model_dir,
+    cadence=engine.Cadence(steps_per_loop=2, checkpoint_every=4), model_dir=model_dir,
 )
 trainer.train(steps)
 print("RESULT " + json.dumps({
@@ -177,7 +177,9 @@ def whole_table_trained_in_one_process(default, steps: int):
     model = tagger(default, table)
     with default.scope():
         optimizer = keras.optimizers.Adagrad(0.1)
-    make_trainer(default, arrays=sequences(), model=model, optimizer=optimizer, steps_per_loop=2).train(steps)
+    make_trainer(
+        default, arrays=sequences(), model=model, optimizer=optimizer, cadence=engine.Cadence(steps_per_loop=2)
+    ).train(steps)
     return table.get_weights()[0], model.layers[-1].get_weights()
 
 
@@ -251,8 +253,12 @@ def test_a_tf_module_under_the_strategys_variable_partitioner_trains_as_unsharde
         with default.scope():
             model = ModuleTagger()
             optimizer = keras.optimizers.Adagrad(0.1)
-        make_trainer(default, arrays=sequences(), model=model, optimizer=optimizer, steps_per_loop=2).train(
-            steps
-        )
+        make_trainer(
+            default,
+            arrays=sequences(),
+            model=model,
+            optimizer=optimizer,
+            cadence=engine.Cadence(steps_per_loop=2),
+        ).train(steps)
         for got, expected in zip(result["values"], (model.table, model.kernel, model.bias), strict=True):
             np.testing.assert_allclose(np.array(got), expected.numpy(), rtol=0, atol=1e-6)

@@ -12,7 +12,7 @@ import sys
 import engine
 for name in engine.__all__:
     getattr(engine, name)
-import engine.loop.ps_runners, engine.callbacks.keras_adapter, engine.cluster.multi_host
+import engine.trainer.coordinated, engine.callbacks.keras_adapter, engine.cluster.multi_host
 import engine.checkpointing.checkpointer, engine.checkpointing.background, engine.checkpointing.discovery
 import engine.hooks, engine.export, engine.model_dir, engine.ema, engine.summaries
 from absl import flags

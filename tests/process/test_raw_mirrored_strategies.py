@@ -39,7 +39,7 @@ def train(strategy, hidden):
     model, optimizer = model_in(strategy, hidden)
     trainer = engine.Trainer(
         strategy=strategy, model=model, optimizer=optimizer, train_data=global_batches(x, y, 16),
-        global_batch_size=16, loss_fn=loss_fn(), steps_per_loop=2,
+        global_batch_size=16, loss_fn=loss_fn(), cadence=engine.Cadence(steps_per_loop=2),
     )
     trainer.train(4)
     return model.get_weights()

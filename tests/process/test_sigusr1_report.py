@@ -33,5 +33,5 @@ def test_sigusr1_writes_what_the_run_is_doing_and_the_run_goes_on_to_a_normal_st
     assert re.search(doing, text, re.MULTILINE), text[:500]
     assert "MainThread" in text and "signal-watcher" in text
     # The main thread's stack, taken while it was inside the trainer's loop.
-    assert "engine/trainer.py" in text and " in train\n" in text, text[-3000:]
+    assert "engine/trainer/trainer.py" in text and " in train\n" in text, text[-3000:]
     assert [p.name for p in report.parent.iterdir()] == ["main.txt"]  # No temporary file left.

@@ -14,6 +14,7 @@ import tensorflow as tf
 from helpers import make_trainer
 
 from engine import diagnostics
+from engine.options import Cadence
 
 
 def test_a_report_names_the_progress_every_thread_and_where_each_one_waits():
@@ -112,7 +113,7 @@ def test_the_trainers_progress_says_the_last_step_and_the_loop_under_way_without
         asked = tf.py_function(ask, [], tf.float32)
         return keras.losses.SparseCategoricalCrossentropy(from_logits=True)(y, logits) + 0.0 * asked
 
-    trainer = make_trainer(loss_fn=loss_that_asks, steps_per_loop=3)
+    trainer = make_trainer(loss_fn=loss_that_asks, cadence=Cadence(steps_per_loop=3))
     before = {"last completed step": None, "doing": "between phases", "stop requested": False}
     assert trainer.progress() == before
     trainer.train(6)

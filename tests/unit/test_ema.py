@@ -45,7 +45,7 @@ def new_trainer(strategy, *, model_dir=None, reset_optimizer=False, **kwargs):
         loss_fn=keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None),
         metrics=[keras.metrics.SparseCategoricalAccuracy(name="accuracy")],
         model_dir=model_dir,
-        reset_optimizer=reset_optimizer,
+        checkpoint=engine.CheckpointOptions(reset_optimizer=reset_optimizer),
         **kwargs,
     )
 
@@ -57,8 +57,8 @@ def assert_bitwise(a, b):
 
 
 def test_training_is_unchanged_and_evaluation_uses_the_averages(mirrored):
-    plain = new_trainer(mirrored, steps_per_loop=1)
-    averaged = new_trainer(mirrored, steps_per_loop=1, ema_decay=DECAY)
+    plain = new_trainer(mirrored, cadence=engine.Cadence(steps_per_loop=1))
+    averaged = new_trainer(mirrored, cadence=engine.Cadence(steps_per_loop=1), ema_decay=DECAY)
     expected = None  # The average by hand: the first step's weights, then decay * avg + (1 - decay) * w.
     for step in range(1, 9):
         assert plain.train(step)["loss"] == averaged.train(step)["loss"]
@@ -91,11 +91,17 @@ def test_training_is_unchanged_and_evaluation_uses_the_averages(mirrored):
 
 @pytest.mark.slow
 def test_resume_is_bitwise_with_the_averages(mirrored, tmp_path):
-    straight = new_trainer(mirrored, model_dir=str(tmp_path / "a"), ema_decay=DECAY, steps_per_loop=4)
+    straight = new_trainer(
+        mirrored, model_dir=str(tmp_path / "a"), ema_decay=DECAY, cadence=engine.Cadence(steps_per_loop=4)
+    )
     straight.train(12)
-    first = new_trainer(mirrored, model_dir=str(tmp_path / "b"), ema_decay=DECAY, steps_per_loop=4)
+    first = new_trainer(
+        mirrored, model_dir=str(tmp_path / "b"), ema_decay=DECAY, cadence=engine.Cadence(steps_per_loop=4)
+    )
     first.train(6)
-    resumed = new_trainer(mirrored, model_dir=str(tmp_path / "b"), ema_decay=DECAY, steps_per_loop=4)
+    resumed = new_trainer(
+        mirrored, model_dir=str(tmp_path / "b"), ema_decay=DECAY, cadence=engine.Cadence(steps_per_loop=4)
+    )
     assert resumed.step == 6
     resumed.train(12)
     assert_bitwise(straight.model.get_weights(), resumed.model.get_weights())
@@ -106,7 +112,12 @@ def test_resume_is_bitwise_with_the_averages(mirrored, tmp_path):
 
 def test_reset_optimizer_starts_the_averages_at_the_weights(default, tmp_path):
     new_trainer(default, model_dir=str(tmp_path), ema_decay=DECAY).train(6)
-    fresh = new_trainer(default, model_dir=str(tmp_path), ema_decay=DECAY, reset_optimizer=True)
+    fresh = new_trainer(
+        default,
+        model_dir=str(tmp_path),
+        ema_decay=DECAY,
+        reset_optimizer=True,
+    )
     weights = fresh.model.get_weights()
     with fresh.averaged_weights():
         assert_bitwise(weights, fresh.model.get_weights())

@@ -118,7 +118,8 @@ def test_trainer_restoring_an_unreadable_checkpoint_names_restore_fallback(tmp_p
     assert "pass `restore_fallback=True` to restore the newest older readable checkpoint" in message
     assert "or use a new `model_dir`" in message
     assert "--" not in message
-    assert small_trainer(tmp_path, restore_fallback=True).step == 2  # What the message offers works.
+    # What the message offers works.
+    assert small_trainer(tmp_path, checkpoint=engine.CheckpointOptions(restore_fallback=True)).step == 2
 
 
 def test_strategy_errors_name_build_strategys_arguments():

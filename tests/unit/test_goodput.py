@@ -164,7 +164,9 @@ def make_trainer(tmp_path=None, *, evaluates=False, **kwargs):
 
 
 def test_trainer_goodput_counts_eval_checkpoints_and_writes_scalars(tmp_path, caplog):
-    trainer = make_trainer(tmp_path, evaluates=True, steps_per_loop=5, eval_every=10, checkpoint_every=10)
+    trainer = make_trainer(
+        tmp_path, evaluates=True, cadence=engine.Cadence(steps_per_loop=5, eval_every=10, checkpoint_every=10)
+    )
     with caplog.at_level("INFO", logger="engine"):
         trainer.train(20)
     figures = trainer.goodput()
@@ -183,11 +185,16 @@ def test_trainer_goodput_counts_eval_checkpoints_and_writes_scalars(tmp_path, ca
 
 
 def test_trainer_shows_tflops_and_mfu_from_the_flops_it_is_given():
-    trainer = make_trainer(steps_per_loop=4, flops_per_example=1000)
+    trainer = make_trainer(
+        cadence=engine.Cadence(steps_per_loop=4), throughput=engine.ThroughputOptions(flops_per_example=1000)
+    )
     logs = trainer.train(8)
     assert logs["tflops"] == pytest.approx(3000 * logs["examples_per_second"] / 1e12)
     assert "mfu" not in logs
-    trainer = make_trainer(steps_per_loop=4, flops_per_example=1000, peak_tflops=2.0)
+    trainer = make_trainer(
+        cadence=engine.Cadence(steps_per_loop=4),
+        throughput=engine.ThroughputOptions(flops_per_example=1000, peak_tflops=2.0),
+    )
     logs = trainer.train(8)
     assert logs["mfu"] == pytest.approx(logs["tflops"] / 2.0)
 
@@ -196,13 +203,14 @@ def test_trainer_shows_tflops_and_mfu_from_the_flops_it_is_given():
 def test_fraction_is_near_one_without_eval_and_with_rare_checkpoints(tmp_path):
     """Six seconds of training in long loops, a checkpoint at the end of each train() call:
     the rest (start-up, tracing, two saves, the work between loops) is a small part."""
-    sizing = make_trainer(steps_per_loop=2000)  # The steady rate on this machine now, to size the run.
+    # The steady rate on this machine now, to size the run.
+    sizing = make_trainer(cadence=engine.Cadence(steps_per_loop=2000))
     sizing.train(1)
     began = time.perf_counter()
     sizing.train(2001)
     rate = 2000 / (time.perf_counter() - began)
 
-    trainer = make_trainer(tmp_path, steps_per_loop=2000, checkpoint_every=0)
+    trainer = make_trainer(tmp_path, cadence=engine.Cadence(steps_per_loop=2000, checkpoint_every=0))
     trainer.train(1)  # The call that traces, one step long.
     trainer.train(1 + int(rate * 6.0))
     figures = trainer.goodput()

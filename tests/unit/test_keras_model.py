@@ -141,7 +141,7 @@ def engine_of(cls: type, replicas: int) -> tuple[engine.Trainer, dict[str, float
         train_data=train_batches(),
         eval_data=batches(EVAL),
         global_batch_size=BATCH,
-        steps_per_loop=TRAIN_STEPS,
+        cadence=engine.Cadence(steps_per_loop=TRAIN_STEPS),
     )
     return trainer, trainer.train(TRAIN_STEPS)
 
@@ -235,7 +235,7 @@ def test_a_compiled_multi_output_model_trains_with_its_loss_weights(replicas):
         train_data=data,
         eval_data=data,
         global_batch_size=BATCH,
-        steps_per_loop=TRAIN_STEPS,
+        cadence=engine.Cadence(steps_per_loop=TRAIN_STEPS),
     )
     trainer.train(TRAIN_STEPS)
     assert_weights_equal(trainer.model.get_weights(), keras_model.get_weights())
@@ -289,7 +289,7 @@ def test_a_models_own_train_step_reads_a_function_of_the_input_context(default):
         model=model,
         train_data=per_replica,
         global_batch_size=BATCH,
-        steps_per_loop=TRAIN_STEPS,
+        cadence=engine.Cadence(steps_per_loop=TRAIN_STEPS),
     )
     trainer.train(TRAIN_STEPS)
     fit_weights, _ = fit_of(OwnStep, 1)
@@ -307,7 +307,7 @@ def test_a_model_with_its_own_train_step_resumes_bitwise(tmp_path):
             train_data=train_batches().repeat(),
             global_batch_size=BATCH,
             model_dir=str(model_dir),
-            steps_per_loop=2,
+            cadence=engine.Cadence(steps_per_loop=2),
         )
 
     whole = trainer(tmp_path / "whole")

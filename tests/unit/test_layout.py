@@ -1,8 +1,8 @@
 """The layout shows the architecture: no import circles in engine/, no module name twice,
-the library never imports the command line, and only the commands import the launcher
-(statically, including imports inside functions; test_library_alone checks the same at
-run time). Every private TensorFlow/Keras API is engine/compat.py's alone. The library logs
-through one channel, the "engine" logger."""
+the library never imports the command line, no module of engine/loop/ imports the Trainer
+above it, and only the commands import the launcher (statically, including imports inside
+functions; test_library_alone checks the same at run time). Every private TensorFlow/Keras
+API is engine/compat.py's alone. The library logs through one channel, the "engine" logger."""
 
 import ast
 import re
@@ -98,6 +98,16 @@ def test_the_library_never_imports_the_command_line():
     library = [name for name in graph if not _command_line(name)]
     importing_cli = {name: sorted(t for t in graph[name] if _command_line(t)) for name in library}
     assert {name: targets for name, targets in importing_cli.items() if targets} == {}
+
+
+def test_no_module_of_the_loop_imports_the_trainer():
+    """The Trainer sits above engine.loop (its parameter-server form beside it, in engine.trainer),
+    so no import runs back up from the loop to the outer loop that drives it."""
+    graph = _imports()
+    loop = [name for name in graph if _in_package(name, "engine.loop")]
+    assert loop, "engine.loop has modules"
+    upward = {name: sorted(t for t in graph[name] if _in_package(t, "engine.trainer")) for name in loop}
+    assert {name: targets for name, targets in upward.items() if targets} == {}
 
 
 def _absl_logging_importers() -> list[str]:

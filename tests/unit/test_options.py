@@ -1,23 +1,34 @@
 """The Trainer's option groups (`engine.options`): each a frozen dataclass that checks its
 options and holds their help; the Trainer takes them as `step=`, `cadence=`, `checkpoint=`,
-`spikes=`, `throughput=`, and their flat aliases for one more release; the command line
-builds the same groups from its settings, and its config files may spell them grouped."""
+`spikes=`, `throughput=` (and, through a shim that warns, their options flat for one more
+release); the command line builds the same groups from its settings, and its config files may
+spell them grouped."""
 
 import dataclasses
 import inspect
 import math
 import re
+import warnings
 
 import numpy as np
 import pytest
+import tensorflow as tf
 import yaml
-from helpers import global_batches, loss_fn, main_in_process, make_arrays, make_model, one_error_line
+from helpers import (
+    global_batches,
+    loss_fn,
+    main_in_process,
+    make_arrays,
+    make_model,
+    make_trainer,
+    one_error_line,
+)
 
 import engine
 from engine.cli.config.settings import OPTIONS_WITHOUT_SETTINGS, RunConfig, setting_fields, trainer_options
 from engine.errors import UserError
 from engine.options import (
-    DEFAULT_STEPS_PER_LOOP,
+    FLAT_ALIASES,
     MAX_ROLLBACKS,
     NONFINITE_POLICIES,
     TRAINER_GROUPS,
@@ -29,6 +40,7 @@ from engine.options import (
     group_options,
     options_from,
 )
+from engine.trainer import trainer as trainer_module
 
 GROUP_FIELDS = [(group, field) for group in TRAINER_GROUPS.values() for field in dataclasses.fields(group)]
 RUN_CONFIG_FIELDS = {field.name: field for field in setting_fields()}
@@ -154,20 +166,42 @@ def test_flat_aliases_become_their_groups_and_a_group_with_its_alias_is_refused(
 # ------------------------------------------------------------------ the Trainer
 
 
-def test_the_trainer_takes_the_groups_and_their_flat_aliases_with_the_same_defaults():
+def test_the_trainers_signature_is_the_groups_and_no_flat_option():
     parameters = inspect.signature(engine.Trainer).parameters
     for keyword in TRAINER_GROUPS:
         assert parameters[keyword].kind is inspect.Parameter.KEYWORD_ONLY and parameters[keyword].default is None
-    aliases = [name for name in parameters if any(name == field.name for _, field in GROUP_FIELDS)]
-    # Today's flat keywords, each with its option's default; options added later have no alias.
-    assert len(aliases) == 19
-    for _, field in GROUP_FIELDS:
-        if field.name in aliases:
-            assert parameters[field.name].default == field.default, field.name
-    assert parameters["steps_per_loop"].default == DEFAULT_STEPS_PER_LOOP
-    assert len(parameters) - len(aliases) == 20  # The groups instead of 19 keywords.
+    assert len(parameters) == 20 and not FLAT_ALIASES & set(parameters)
+    assert "steps_per_loop" not in str(inspect.signature(engine.Trainer.__init__))  # What help() shows.
+    # The shim's names: the flat keywords of before the groups; an option added since has none.
+    options = {field.name for _, field in GROUP_FIELDS}
+    assert len(FLAT_ALIASES) == 19 and FLAT_ALIASES < options
+    assert options - FLAT_ALIASES == {"straggler_margin", "straggler_loops"}
     for keyword, group in TRAINER_GROUPS.items():
         assert f"{keyword}: `engine.{group.__name__}(" in engine.Trainer.__doc__
+
+
+def test_the_flat_shim_trains_as_the_groups_and_warns_once_a_process_naming_them(default, monkeypatch, caplog):
+    monkeypatch.setattr(trainer_module, "_FLAT_WARNED", set())  # As in a fresh process.
+    told = (
+        "Trainer's flat keywords are taken for one more release only: "
+        "clip_norm= is step=engine.StepOptions(clip_norm=...); "
+        "steps_per_loop= is cadence=engine.Cadence(steps_per_loop=...)"
+    )
+    with pytest.warns(DeprecationWarning) as first, caplog.at_level("WARNING", logger="engine"):
+        flat = make_trainer(default, steps_per_loop=3, clip_norm=1.0)
+    assert [str(w.message) for w in first if "flat keywords" in str(w.message)] == [told]
+    assert [r.getMessage() for r in caplog.records if "flat keywords" in r.getMessage()] == [told]
+    assert flat.options.step == StepOptions(clip_norm=1.0) and flat.options.cadence == Cadence(steps_per_loop=3)
+    with warnings.catch_warnings(record=True) as again:
+        warnings.simplefilter("always")
+        flat_again = make_trainer(default, steps_per_loop=3, clip_norm=1.0, max_loss=5.0)
+    # Once each: only the flat keyword not seen before is told about.
+    assert [str(w.message) for w in again if "flat keywords" in str(w.message)] == [
+        "Trainer's flat keywords are taken for one more release only: "
+        "max_loss= is spikes=engine.SpikeOptions(max_loss=...)"
+    ]
+    assert flat_again.options.step == flat.options.step
+    assert flat_again.spike_options == SpikeOptions(max_loss=5.0)
 
 
 def weights_and_trainer(strategy, model_dir, **options):
@@ -222,7 +256,9 @@ def test_the_grouped_form_trains_to_exactly_the_flat_forms_weights(default, tmp_
         np.testing.assert_array_equal(a, b)
         np.testing.assert_array_equal(a, c)
     assert not np.array_equal(flat_weights[0], plain_weights[0])  # The options did change the training.
-    assert grouped.step_options == flat.step_options == GROUPED["step"]
+    assert grouped.step_options == flat.step_options == grouped.options.step == GROUPED["step"]
+    assert grouped.options.cadence is grouped.cadence and grouped.options.throughput == GROUPED["throughput"]
+    assert isinstance(grouped.step, int) and isinstance(grouped.checkpoint, tf.train.Checkpoint)  # Not groups.
     assert grouped.cadence == flat.cadence == GROUPED["cadence"]
     assert grouped.spike_options == flat.spike_options == GROUPED["spikes"]
     assert grouped.checkpointer.options == flat.checkpointer.options == GROUPED["checkpoint"]

@@ -2,7 +2,7 @@
 optimizers, finite data, wrong batch sizes and structures, stopping,
 logging and the public names. Each case as a research user meets it.
 
-Covers: engine/__init__.py, engine/trainer_checks.py, engine/variables.py, engine/logger.py.
+Covers: engine/__init__.py, engine/trainer/checks.py, engine/variables.py, engine/logger.py.
 """
 
 import logging
@@ -14,7 +14,16 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from helpers import NUM_CLASSES, NUM_FEATURES, REPO, global_batches, loss_fn, make_arrays, make_model
+from helpers import (
+    NUM_CLASSES,
+    NUM_FEATURES,
+    REPO,
+    global_batches,
+    loss_fn,
+    make_arrays,
+    make_model,
+    make_trainer,
+)
 
 import engine
 from engine.variables import all_variables, trainable_variables
@@ -74,14 +83,7 @@ def test_a_model_without_trainable_variables_is_refused(mirrored):
         optimizer = keras.optimizers.SGD(0.1)
     x, y = make_arrays(16)
     with pytest.raises(engine.UserError, match=r"model \(Wrapped\) has no trainable variables"):
-        engine.Trainer(
-            strategy=mirrored,
-            model=model,
-            optimizer=optimizer,
-            loss_fn=loss_fn(),
-            train_data=global_batches(x, y, 8),
-            global_batch_size=8,
-        )
+        make_trainer(mirrored, arrays=(x, y), batch=8, model=model, optimizer=optimizer)
 
 
 def test_module_wrapping_keras_trains_like_the_keras_model_and_resumes(mirrored, tmp_path):
@@ -99,7 +101,7 @@ def test_module_wrapping_keras_trains_like_the_keras_model_and_resumes(mirrored,
             train_data=data,
             global_batch_size=16,
             loss_fn=loss_fn(),
-            steps_per_loop=5,
+            cadence=engine.Cadence(steps_per_loop=5),
             model_dir=str(tmp_path),
         )
         return trainer, model
@@ -135,14 +137,8 @@ def test_module_wrapping_keras_equals_the_keras_model_step_for_step(mirrored):
         net, optimizer = make_model(mirrored)
         with mirrored.scope():
             model = Holder(net) if wrap else net
-        trainer = engine.Trainer(
-            strategy=mirrored,
-            model=model,
-            optimizer=optimizer,
-            train_data=global_batches(x, y, 16),
-            global_batch_size=16,
-            loss_fn=loss_fn(),
-            steps_per_loop=4,
+        trainer = make_trainer(
+            mirrored, arrays=(x, y), model=model, optimizer=optimizer, cadence=engine.Cadence(steps_per_loop=4)
         )
         logs = trainer.train(8)
         results.append((net.get_weights(), logs["loss"]))
@@ -185,7 +181,7 @@ def two_optimizer_trainer(strategy, model_dir, seed=0):
         step_fn=replica_step,
         train_data=tf.data.Dataset.from_tensor_slices(x).repeat().batch(16),
         global_batch_size=16,
-        steps_per_loop=3,
+        cadence=engine.Cadence(steps_per_loop=3),
         model_dir=str(model_dir),
     )
     return trainer, model, optimizers
@@ -226,14 +222,7 @@ def test_several_optimizers_need_a_step_fn(mirrored):
     model, optimizer = make_model(mirrored)
     x, y = make_arrays(16)
     with pytest.raises(engine.UserError, match=r"standard step applies one optimizer.*step_fn"):
-        engine.Trainer(
-            strategy=mirrored,
-            model=model,
-            optimizer={"a": optimizer, "b": optimizer},
-            loss_fn=loss_fn(),
-            train_data=global_batches(x, y, 8),
-            global_batch_size=8,
-        )
+        make_trainer(mirrored, arrays=(x, y), batch=8, model=model, optimizer={"a": optimizer, "b": optimizer})
 
 
 # -------------------------------------------------------------- finite data
@@ -251,7 +240,7 @@ def test_finite_data_stops_at_the_last_update_with_a_checkpoint(mirrored, tmp_pa
         train_data=finite,
         global_batch_size=16,
         loss_fn=loss_fn(),
-        steps_per_loop=steps_per_loop,
+        cadence=engine.Cadence(steps_per_loop=steps_per_loop),
         model_dir=str(tmp_path),
     )
     with pytest.raises(engine.DataExhaustedError, match=r"ran out after step 10 of 25.*\.repeat\(\)") as caught:
@@ -270,7 +259,7 @@ def test_finite_data_stops_at_the_last_update_with_a_checkpoint(mirrored, tmp_pa
         train_data=finite.repeat(),
         global_batch_size=16,
         loss_fn=loss_fn(),
-        steps_per_loop=steps_per_loop,
+        cadence=engine.Cadence(steps_per_loop=steps_per_loop),
     ).train(10)
     assert_weights_equal(model.get_weights(), repeated.get_weights())
     with pytest.raises(engine.DataExhaustedError):  # Asking again cannot pretend to train.
@@ -353,7 +342,7 @@ def test_multi_input_model_trains_and_evaluates_on_dict_features(mirrored):
         train_data=data.repeat().batch(16, drop_remainder=True),
         eval_data=data.batch(24),
         global_batch_size=16,
-        steps_per_loop=4,
+        cadence=engine.Cadence(steps_per_loop=4),
         metrics=[keras.metrics.SparseCategoricalAccuracy(name="accuracy")],
     )
     first = trainer.train(4)
@@ -376,7 +365,7 @@ def test_sample_weights_weigh_the_loss_like_keras(mirrored):
         loss_fn=loss_fn(),
         train_data=tf.data.Dataset.from_tensor_slices((x, y, weight)).batch(16),
         global_batch_size=16,
-        steps_per_loop=2,
+        cadence=engine.Cadence(steps_per_loop=2),
     ).train(2)
     # By hand, as Keras weighs: sum(weight * loss) / batch size; odd examples count for nothing.
     zeroed, zeroed_optimizer = make_model(mirrored)
@@ -421,15 +410,8 @@ def test_eval_step_fn_evaluates_dict_batches(mirrored):
     def eval_step(batch):
         return batch["y"], model(batch["x"])
 
-    trainer = engine.Trainer(
-        strategy=mirrored,
-        model=model,
-        optimizer=optimizer,
-        loss_fn=loss_fn(),
-        train_data=global_batches(x, y, 16),
-        eval_data=dict_data,
-        eval_step_fn=eval_step,
-        global_batch_size=16,
+    trainer = make_trainer(
+        mirrored, arrays=(x, y), model=model, optimizer=optimizer, eval_data=dict_data, eval_step_fn=eval_step
     )
     results = trainer.evaluate()
     expected = keras.losses.SparseCategoricalCrossentropy(from_logits=True)(y, model(tf.constant(x)))
@@ -455,10 +437,7 @@ def test_step_fn_with_options_it_cannot_honour_is_refused(mirrored):
             step_fn=lambda batch: {},
             train_data=global_batches(x, y, 8),
             global_batch_size=8,
-            clip_norm=1.0,
-            grad_accum_steps=2,
-            jit_compile=True,
-            on_nonfinite="skip",
+            step=engine.StepOptions(clip_norm=1.0, grad_accum_steps=2, jit_compile=True, on_nonfinite="skip"),
         )
 
 
@@ -469,14 +448,8 @@ def test_a_stop_stays_in_force_until_cleared_and_reaching_the_target_says_so(mir
     caplog.set_level(logging.INFO, logger="engine")
     x, y = make_arrays(32)
     model, optimizer = make_model(mirrored)
-    trainer = engine.Trainer(
-        strategy=mirrored,
-        model=model,
-        optimizer=optimizer,
-        loss_fn=loss_fn(),
-        train_data=global_batches(x, y, 16),
-        global_batch_size=16,
-        steps_per_loop=2,
+    trainer = make_trainer(
+        mirrored, arrays=(x, y), model=model, optimizer=optimizer, cadence=engine.Cadence(steps_per_loop=2)
     )
     trainer.train(4)
     for stop in (trainer.request_stop, lambda: setattr(trainer, "stop_training", True)):
@@ -501,8 +474,9 @@ def test_one_steps_per_loop_default_for_the_trainer_and_the_cli():
     from engine.cli.config import flags as engine_flags
     from engine.cli.config.settings import DEFAULT_STEPS_PER_LOOP, RunConfig
 
-    trainer_default = inspect.signature(engine.Trainer).parameters["steps_per_loop"].default
-    assert trainer_default == RunConfig().steps_per_loop == DEFAULT_STEPS_PER_LOOP
+    trainer_default = inspect.signature(engine.Trainer).parameters["cadence"].default
+    assert trainer_default is None  # The group's own defaults.
+    assert engine.Cadence().steps_per_loop == RunConfig().steps_per_loop == DEFAULT_STEPS_PER_LOOP
     assert engine_flags.FLAGS["steps_per_loop"].default == DEFAULT_STEPS_PER_LOOP
 
 
@@ -528,7 +502,7 @@ assert engine.callbacks.Callback is engine.Callback
 assert engine.hooks.EarlyStopping and engine.schedules.learning_rate_schedule
 assert issubclass(engine.NonFiniteLossError, engine.UserError)
 assert issubclass(engine.DataExhaustedError, engine.UserError)
-from engine.trainer import NonFiniteLossError
+from engine.errors import NonFiniteLossError
 assert NonFiniteLossError is engine.NonFiniteLossError
 print("ok")
 """,
@@ -548,7 +522,8 @@ with strategy.scope():
     optimizer = keras.optimizers.SGD(0.1)
 x = np.ones((32, 4), "float32"); y = np.zeros(32, "int32")
 trainer = engine.Trainer(
-    strategy=strategy, model=model, optimizer=optimizer, global_batch_size=8, steps_per_loop=2,
+    strategy=strategy, model=model, optimizer=optimizer, global_batch_size=8,
+    cadence=engine.Cadence(steps_per_loop=2),
     train_data=tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(8), model_dir="run",
     loss_fn=keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None))
 trainer.train(4)
@@ -626,14 +601,7 @@ def test_a_layer_built_lazily_in_the_first_step_is_refused(mirrored):
     with mirrored.scope():
         lazy = Lazy()
     x, y = make_arrays(16)
-    trainer = engine.Trainer(
-        strategy=mirrored,
-        model=lazy,
-        optimizer=optimizer,
-        loss_fn=loss_fn(),
-        train_data=global_batches(x, y, 8),
-        global_batch_size=8,
-    )
+    trainer = make_trainer(mirrored, arrays=(x, y), batch=8, model=lazy, optimizer=optimizer)
     with pytest.raises(engine.UserError, match=r"model \(Lazy\) created variables in its first call"):
         trainer.train(1)
     assert trainer.step == 0

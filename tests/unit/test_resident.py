@@ -79,7 +79,7 @@ def cnn_trainer(strategy, train_data, model_dir=None):
         global_batch_size=BATCH,
         loss_fn=keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None),
         metrics=[keras.metrics.SparseCategoricalAccuracy(name="accuracy")],
-        steps_per_loop=7,
+        cadence=engine.Cadence(steps_per_loop=7),
         model_dir=None if model_dir is None else str(model_dir),
     )
     return trainer, model
@@ -237,7 +237,7 @@ def eval_trainer(strategy, eval_data):
         loss_fn=keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None),
         metrics=[keras.metrics.SparseCategoricalAccuracy(name="accuracy")],
         weighted_metrics=[keras.metrics.SparseCategoricalAccuracy(name="weighted_accuracy")],
-        steps_per_loop=2,  # Evaluations in calls of 2 batches: 3 calls.
+        cadence=engine.Cadence(steps_per_loop=2),  # Evaluations in calls of 2 batches: 3 calls.
     )
 
 
@@ -290,8 +290,8 @@ def test_a_stop_between_calls_cuts_a_resident_evaluation_short_and_the_next_coun
 
 
 def test_resident_eval_data_reads_its_host_data_where_the_strategy_cannot_keep_it(default, monkeypatch):
-    from engine import trainer_checks
     from engine.data import GlobalBatches
+    from engine.trainer import checks as trainer_checks
 
     arrays = eval_arrays()
     host = tf.data.Dataset.from_tensor_slices(arrays).batch(EVAL_BATCH)
@@ -338,7 +338,7 @@ def test_the_users_python_control_flow_is_converted_in_the_resident_loops(defaul
         eval_data=engine.ResidentEvalData((x, y), host_data=host, global_batch_size=EVAL_BATCH),
         global_batch_size=EVAL_BATCH,
         loss_fn=keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None),
-        steps_per_loop=2,
+        cadence=engine.Cadence(steps_per_loop=2),
     )
     assert np.isfinite(trainer.train(4)["loss"])
     assert trainer.evaluate()["num_examples"] == 37

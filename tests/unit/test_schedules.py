@@ -49,7 +49,7 @@ def test_learning_rate_in_summaries_follows_the_schedule_across_a_restart(tmp_pa
             train_data=global_batches(x, y, 16),
             global_batch_size=16,
             loss_fn=loss_fn(),
-            steps_per_loop=3,
+            cadence=engine.Cadence(steps_per_loop=3),
             model_dir=str(tmp_path),
         )
 

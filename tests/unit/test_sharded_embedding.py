@@ -76,7 +76,9 @@ def test_training_equals_keras_embedding(request, strategy_name, optimizer):
         model = tagger(strategy, table)
         with strategy.scope():
             chosen = keras.optimizers.get({"class_name": optimizer, "config": {"learning_rate": 0.1}})
-        make_trainer(strategy, arrays=arrays, model=model, optimizer=chosen, steps_per_loop=3).train(6)
+        make_trainer(
+            strategy, arrays=arrays, model=model, optimizer=chosen, cadence=engine.Cadence(steps_per_loop=3)
+        ).train(6)
         tables[name] = (whole_table(table), model.layers[-1].get_weights())
     np.testing.assert_allclose(tables["sharded"][0], tables["plain"][0], rtol=0, atol=1e-6)
     for sharded, plain in zip(tables["sharded"][1], tables["plain"][1], strict=True):

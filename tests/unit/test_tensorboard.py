@@ -173,9 +173,7 @@ def test_profiler_window_and_hooks_cost_nothing_in_the_compiled_step(mirrored, t
             global_batch_size=16,
             loss_fn=loss_fn(),
             eval_data=global_batches(x, y, 16).take(1),
-            eval_every=4,
-            steps_per_loop=4,
-            log_every=2,
+            cadence=engine.Cadence(eval_every=4, steps_per_loop=4, log_every=2),
             callbacks=hooks,
             model_dir=str(tmp_path / str(len(hooks))),
         )
@@ -218,7 +216,7 @@ def test_a_graph_export_failed_by_a_dead_peer_does_not_stop_training(default, tm
         train_data=global_batches(x, y, 16),
         global_batch_size=16,
         loss_fn=loss_fn(),
-        steps_per_loop=4,
+        cadence=engine.Cadence(steps_per_loop=4),
         callbacks=[TrainGraph()],
         model_dir=str(tmp_path),
     )

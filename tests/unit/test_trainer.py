@@ -25,7 +25,9 @@ def per_replica_batches(x, y, batch):
 
 
 def train_weights(strategy, data, *, batch=16, steps=12, l2=0.0, **trainer_kwargs):
-    trainer = make_trainer(strategy, l2=l2, train_data=data, batch=batch, steps_per_loop=5, **trainer_kwargs)
+    trainer = make_trainer(
+        strategy, l2=l2, train_data=data, batch=batch, cadence=engine.Cadence(steps_per_loop=5), **trainer_kwargs
+    )
     trainer.train(steps)
     assert trainer.step == steps
     return trainer.model.get_weights()
@@ -49,7 +51,7 @@ def test_two_replicas_train_to_the_same_weights_as_one_device(default, mirrored,
 
 def test_clipping_and_accumulation_keep_replicas_equal(default, mirrored):
     x, y = make_arrays(64)
-    options = dict(clip_norm=0.05, grad_accum_steps=2)
+    options = dict(step=engine.StepOptions(clip_norm=0.05, grad_accum_steps=2))
     single = train_weights(default, global_batches(x, y, 16), **options)
     two = train_weights(mirrored, global_batches(x, y, 16), **options)
     for a, b in zip(single, two, strict=True):
@@ -62,7 +64,9 @@ def test_regularized_two_replicas_equal_one_device_whole_batch(default, mirrored
     the micro-batches: 2 replicas (accumulating or not) match 1 device."""
     x, y = make_arrays(64)
     single = train_weights(default, global_batches(x, y, 16), l2=0.05)
-    two = train_weights(mirrored, global_batches(x, y, 16), l2=0.05, grad_accum_steps=grad_accum_steps)
+    two = train_weights(
+        mirrored, global_batches(x, y, 16), l2=0.05, step=engine.StepOptions(grad_accum_steps=grad_accum_steps)
+    )
     for a, b in zip(single, two, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
     unregularized = train_weights(default, global_batches(x, y, 16))
@@ -72,7 +76,7 @@ def test_regularized_two_replicas_equal_one_device_whole_batch(default, mirrored
 def test_gradient_accumulation_equals_the_whole_batch(mirrored):
     x, y = make_arrays(64)
     whole = train_weights(mirrored, global_batches(x, y, 16))
-    accumulated = train_weights(mirrored, global_batches(x, y, 16), grad_accum_steps=4)
+    accumulated = train_weights(mirrored, global_batches(x, y, 16), step=engine.StepOptions(grad_accum_steps=4))
     for a, b in zip(whole, accumulated, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
@@ -81,14 +85,8 @@ def test_clip_norm_bounds_the_global_update(mirrored):
     x, y = make_arrays(16)
     model, optimizer = make_model(mirrored)
     before = [w.copy() for w in model.get_weights()]
-    trainer = engine.Trainer(
-        strategy=mirrored,
-        model=model,
-        optimizer=optimizer,
-        train_data=global_batches(x, y, 16),
-        global_batch_size=16,
-        loss_fn=loss_fn(),
-        clip_norm=0.01,
+    trainer = make_trainer(
+        mirrored, arrays=(x, y), model=model, optimizer=optimizer, step=engine.StepOptions(clip_norm=0.01)
     )
     trainer.train(1)
     update = np.sqrt(sum(((a - b) ** 2).sum() for a, b in zip(model.get_weights(), before, strict=True)))
@@ -109,14 +107,7 @@ def test_reported_loss_equals_a_hand_computation(strategy_name, request):
     w1, b1, w2, b2 = model.get_weights()
     logits = np.maximum(x @ w1 + b1, 0) @ w2 + b2
     expected = softmax_cross_entropy(logits, y).mean() + 0.01 * (w1**2).sum()
-    trainer = engine.Trainer(
-        strategy=strategy,
-        model=model,
-        optimizer=optimizer,
-        train_data=global_batches(x, y, 16),
-        global_batch_size=16,
-        loss_fn=loss_fn(),
-    )
+    trainer = make_trainer(strategy, arrays=(x, y), model=model, optimizer=optimizer)
     logs = trainer.train(1)  # The loss is computed before the one update.
     np.testing.assert_allclose(logs["loss"], expected, rtol=1e-5)
 
@@ -134,13 +125,11 @@ def test_eval_counts_every_example_once_and_metrics_are_exact(mirrored, num_exam
             batch = input_context.get_per_replica_batch_size(16)
             return tf.data.Dataset.from_tensor_slices((x, y)).batch(batch)
 
-    trainer = engine.Trainer(
-        strategy=mirrored,
+    trainer = make_trainer(
+        mirrored,
+        arrays=(x, y),
         model=model,
         optimizer=optimizer,
-        train_data=global_batches(x, y, 16),
-        global_batch_size=16,
-        loss_fn=loss_fn(),
         eval_data=eval_data,
         metrics=[keras.metrics.SparseCategoricalAccuracy(name="accuracy")],
     )
@@ -155,16 +144,13 @@ def test_eval_counts_every_example_once_and_metrics_are_exact(mirrored, num_exam
 def test_train_and_eval_loops_are_traced_once(mirrored):
     x, y = make_arrays(64)
     model, optimizer = make_model(mirrored)
-    trainer = engine.Trainer(
-        strategy=mirrored,
+    trainer = make_trainer(
+        mirrored,
+        arrays=(x, y),
         model=model,
         optimizer=optimizer,
-        train_data=global_batches(x, y, 16),
-        global_batch_size=16,
-        loss_fn=loss_fn(),
-        steps_per_loop=4,
+        cadence=engine.Cadence(steps_per_loop=4, eval_every=6),
         eval_data=tf.data.Dataset.from_tensor_slices((x, y)).batch(16),
-        eval_every=6,
     )
     trainer.train(7)  # loops of 4, 2 (cut by eval), 1
     trainer.train(20)  # loops of 4 and 1 .. of various lengths
@@ -188,8 +174,8 @@ def test_restart_restores_the_latest_checkpoint_and_continues(mirrored, tmp_path
             global_batch_size=16,
             loss_fn=loss_fn(),
             model_dir=str(tmp_path),
-            checkpoint_every=4,
-            max_checkpoints=2,
+            cadence=engine.Cadence(checkpoint_every=4),
+            checkpoint=engine.CheckpointOptions(max_checkpoints=2),
         )
 
     first = new_trainer()
@@ -209,14 +195,7 @@ def test_variables_created_outside_the_scope_are_refused(mirrored):
     x, y = make_arrays(16)
     model, optimizer = make_model(tf.distribute.get_strategy())
     with pytest.raises(engine.UserError, match="strategy.scope"):
-        engine.Trainer(
-            strategy=mirrored,
-            model=model,
-            optimizer=optimizer,
-            train_data=global_batches(x, y, 16),
-            global_batch_size=16,
-            loss_fn=loss_fn(),
-        )
+        make_trainer(mirrored, arrays=(x, y), model=model, optimizer=optimizer)
 
 
 def test_batch_not_divisible_by_replicas_is_refused(mirrored):
@@ -229,7 +208,7 @@ def test_batch_not_divisible_by_replicas_is_refused(mirrored):
 def test_xla_step_trains_to_the_same_weights(mirrored):
     x, y = make_arrays(64)
     plain = train_weights(mirrored, global_batches(x, y, 16))
-    compiled = train_weights(mirrored, global_batches(x, y, 16), jit_compile=True)
+    compiled = train_weights(mirrored, global_batches(x, y, 16), step=engine.StepOptions(jit_compile=True))
     for a, b in zip(plain, compiled, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 
@@ -250,15 +229,14 @@ def test_mixed_precision_trains_with_two_replicas(mirrored, policy):
             optimizer = keras.optimizers.SGD(0.5)
             if policy == "mixed_float16":
                 optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
-        trainer = engine.Trainer(
-            strategy=mirrored,
+        trainer = make_trainer(
+            mirrored,
+            arrays=(x, y),
+            batch=32,
             model=model,
             optimizer=optimizer,
-            train_data=global_batches(x, y, 32),
-            global_batch_size=32,
-            loss_fn=loss_fn(),
-            steps_per_loop=20,
-            clip_norm=10.0,
+            cadence=engine.Cadence(steps_per_loop=20),
+            step=engine.StepOptions(clip_norm=10.0),
         )
         first = trainer.train(20)["loss"]
         last = trainer.train(200)["loss"]

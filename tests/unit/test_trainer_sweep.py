@@ -18,6 +18,7 @@ from helpers import make_arrays, make_trainer
 from tensorflow.python.framework.func_graph import FuncGraph
 
 from engine.compat import custom_gradient_names
+from engine.options import Cadence
 
 
 def engine_graphs() -> int:
@@ -33,7 +34,9 @@ def test_a_dropped_trainer_keeps_none_of_its_traced_graphs(mirrored):
     graphs_before, gradients_before = engine_graphs(), custom_gradient_names()
     for _ in range(3):
         trainer = make_trainer(
-            mirrored, steps_per_loop=2, eval_data=tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
+            mirrored,
+            cadence=Cadence(steps_per_loop=2),
+            eval_data=tf.data.Dataset.from_tensor_slices((x, y)).batch(16),
         )
         trainer.train(2)
         trainer.evaluate()

@@ -27,7 +27,7 @@ from engine.ema import averages_swapped_in, weight_averages
 from engine.precision import with_loss_scaling
 from engine.schedules import LearningRate, learning_rate_schedule
 from engine.strategy import build_strategy, configure_cpu_devices
-from engine.trainer_checks import prepare_model_state
+from engine.trainer.checks import prepare_model_state
 
 
 def prepare_process(devices: DeviceSettings, numerics: NumericSettings) -> None:

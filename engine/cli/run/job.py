@@ -254,7 +254,7 @@ class TrainingJob:
             model_dir_lib.remove_tree(write_dir)
         trainer_class = Trainer
         if config.strategy == "parameter_server":
-            from engine.loop.ps_runners import CoordinatedTrainer as trainer_class
+            from engine.trainer.coordinated import CoordinatedTrainer as trainer_class
         trainer = trainer_class(
             strategy=strategy,
             model=model,

@@ -45,8 +45,7 @@ def test_hooks_run_in_order_and_a_plain_callable_can_stop_training(tmp_path, mir
         global_batch_size=16,
         loss_fn=loss_fn(),
         eval_data=eval_data,
-        eval_every=4,
-        steps_per_loop=4,
+        cadence=engine.Cadence(eval_every=4, steps_per_loop=4),
         callbacks=[recorder, stop_at_eight],
         model_dir=str(tmp_path),
     )

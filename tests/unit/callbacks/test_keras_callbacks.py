@@ -81,9 +81,7 @@ def test_the_seeds_callbacks_run_against_the_trainer(mirrored, tmp_path, capsys)
         loss_fn=loss_fn(),
         metrics=[keras.metrics.SparseCategoricalAccuracy(name="accuracy")],
         model_dir=str(tmp_path / "run"),
-        steps_per_loop=3,
-        eval_every=STEPS_PER_EPOCH,
-        steps_per_epoch=STEPS_PER_EPOCH,
+        cadence=engine.Cadence(steps_per_loop=3, eval_every=STEPS_PER_EPOCH, steps_per_epoch=STEPS_PER_EPOCH),
         callbacks=[early, plateau, recorder, PrintLR(), keras.callbacks.CSVLogger(str(csv_path)), engine_view],
     )
     target = 40 * STEPS_PER_EPOCH
@@ -163,8 +161,7 @@ def test_a_tf_module_model_gets_epochs_batches_and_a_stop(mirrored, tmp_path):
         global_batch_size=BATCH,
         loss_fn=loss_fn(),
         model_dir=str(tmp_path),
-        steps_per_loop=3,
-        steps_per_epoch=STEPS_PER_EPOCH,
+        cadence=engine.Cadence(steps_per_loop=3, steps_per_epoch=STEPS_PER_EPOCH),
         callbacks=[
             keras.callbacks.TerminateOnNaN(),
             keras.callbacks.LambdaCallback(
@@ -203,8 +200,7 @@ def test_a_tf_module_model_gets_epochs_batches_and_a_stop(mirrored, tmp_path):
         global_batch_size=BATCH,
         loss_fn=loss_fn(),
         model_dir=str(tmp_path),
-        steps_per_loop=3,
-        steps_per_epoch=STEPS_PER_EPOCH,
+        cadence=engine.Cadence(steps_per_loop=3, steps_per_epoch=STEPS_PER_EPOCH),
         callbacks=[
             keras.callbacks.LambdaCallback(
                 on_epoch_begin=lambda epoch, logs: events.append(("epoch_begin", epoch))
@@ -234,7 +230,7 @@ def test_callbacks_the_engine_replaces_are_refused_naming_its_equivalent(mirrore
             train_data=global_batches(x, y, BATCH),
             global_batch_size=BATCH,
             loss_fn=loss_fn(),
-            steps_per_epoch=STEPS_PER_EPOCH,
+            cadence=engine.Cadence(steps_per_epoch=STEPS_PER_EPOCH),
             callbacks=[callback],
         )
 

@@ -35,8 +35,7 @@ def test_log_every_cuts_loops_and_logs_at_its_multiples(log_lines):
         train_data=global_batches(x, y, 16),
         global_batch_size=16,
         loss_fn=loss_fn(),
-        steps_per_loop=4,
-        log_every=6,
+        cadence=engine.Cadence(steps_per_loop=4, log_every=6),
         callbacks=[lambda trainer, step, logs: loops.append(step)],
     )
     trainer.train(15)

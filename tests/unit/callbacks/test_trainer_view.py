@@ -91,9 +91,7 @@ def test_every_built_in_hook_needs_only_the_trainer_view(tmp_path):
         global_batch_size=16,
         loss_fn=keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None),
         model_dir=str(tmp_path),
-        steps_per_loop=2,
-        eval_every=2,
-        checkpoint_every=2,
+        cadence=engine.Cadence(steps_per_loop=2, eval_every=2, checkpoint_every=2),
         callbacks=[ThroughTheView(hook) for hook in hooks],
     )
     trainer.train(8)

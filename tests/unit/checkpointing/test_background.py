@@ -27,6 +27,7 @@ from helpers import python_env, run_main, small_trainer, stop
 from engine.checkpointing import discovery
 from engine.checkpointing.background import BackgroundWriter
 from engine.errors import UserError
+from engine.options import CheckpointOptions
 
 
 @pytest.fixture
@@ -179,7 +180,7 @@ def _disk_full(monkeypatch, *, after: int) -> None:
 def test_a_disk_full_during_a_write_is_the_sync_line_and_the_previous_checkpoint_stays_latest(
     tmp_path, monkeypatch, background
 ):
-    trainer = small_trainer(tmp_path, async_checkpoint=background)
+    trainer = small_trainer(tmp_path, checkpoint=CheckpointOptions(async_checkpoint=background))
     assert trainer.checkpointer.writes_in_background is background
     _disk_full(monkeypatch, after=1)
     with pytest.raises(UserError) as raised:
@@ -219,7 +220,7 @@ def test_a_model_dir_made_read_only_between_the_files_and_the_state_file_names_w
         raise tf.errors.PermissionDeniedError(None, None, f"{state_file}.tmp; Permission denied")
 
     monkeypatch.setattr(tf.train.CheckpointManager, "save", denied_state_write)
-    trainer = small_trainer(tmp_path, async_checkpoint=background)
+    trainer = small_trainer(tmp_path, checkpoint=CheckpointOptions(async_checkpoint=background))
     with pytest.raises(UserError) as raised:
         trainer.train(6)
     kept = tmp_path / "checkpoints" / "ckpt-2"
@@ -257,7 +258,7 @@ def test_a_failed_background_write_removes_its_own_partial_folder_at_once(tmp_pa
 
 
 def test_async_checkpoint_off_saves_in_the_loop(tmp_path):
-    trainer = small_trainer(tmp_path, async_checkpoint=False)
+    trainer = small_trainer(tmp_path, checkpoint=CheckpointOptions(async_checkpoint=False))
     assert not trainer.checkpointer.writes_in_background
     trainer.train(2)
     assert _state_names(tmp_path) == "ckpt-2"
@@ -396,8 +397,7 @@ trainer = engine.Trainer(
     global_batch_size=32,
     loss_fn=lambda labels, logits: tf.nn.sparse_softmax_cross_entropy_with_logits(labels, logits),
     model_dir=model_dir,
-    steps_per_loop=5,
-    checkpoint_every=5,
+    cadence=engine.Cadence(steps_per_loop=5, checkpoint_every=5),
 )
 print("restored step", trainer.step, flush=True)
 trainer.train(steps)

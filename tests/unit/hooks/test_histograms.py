@@ -37,7 +37,7 @@ def test_every_weight_is_written_every_n_steps_without_a_retrace(mirrored, tmp_p
         global_batch_size=16,
         loss_fn=loss_fn(),
         model_dir=str(tmp_path),
-        steps_per_loop=3,
+        cadence=engine.Cadence(steps_per_loop=3),
         callbacks=[WeightHistograms(4)],
     )
     trainer.train(12)
@@ -110,8 +110,8 @@ def test_the_global_gradient_norm_is_written_beside_the_histograms(mirrored, def
         global_batch_size=16,
         loss_fn=loss_fn(),
         model_dir=str(tmp_path),
-        steps_per_loop=1,
-        clip_norm=clip_norm,
+        cadence=engine.Cadence(steps_per_loop=1),
+        step=engine.StepOptions(clip_norm=clip_norm),
         callbacks=[WeightHistograms(2)],
     )
     expected = {}

@@ -56,10 +56,8 @@ def scripted_trainer(strategy, model_dir, values, hooks, learning_rate=0.5, chec
         loss_fn=loss_fn(),
         eval_data=global_batches(x, y, 16).take(1),
         metrics=[Scripted(values)],
-        eval_every=2,
-        steps_per_loop=2,
+        cadence=engine.Cadence(eval_every=2, steps_per_loop=2, checkpoint_every=checkpoint_every),
         model_dir=str(model_dir),
-        checkpoint_every=checkpoint_every,
         callbacks=hooks,
     )
 

@@ -91,7 +91,7 @@ def test_a_users_branching_model_loss_and_metric_train_as_in_eager_code(strategy
         loss_fn=branching_loss,
         metrics=[seen],
         eval_data=global_batches(x, y, BATCH).take(2),
-        steps_per_loop=2,
+        cadence=engine.Cadence(steps_per_loop=2),
     )
     trainer.train(STEPS)
     expected = eager_reference(x, y)
@@ -159,7 +159,7 @@ def test_the_engines_step_code_is_traced_as_written_and_only_its_loops_are_conve
         arrays=(x, y),
         metrics=[keras.metrics.SparseCategoricalAccuracy()],
         eval_data=global_batches(x, y, BATCH).take(1),
-        steps_per_loop=2,
+        cadence=engine.Cadence(steps_per_loop=2),
         step=engine.StepOptions(grad_accum_steps=2, clip_norm=1.0),
     )
     trainer.train(STEPS)

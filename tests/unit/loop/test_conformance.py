@@ -129,8 +129,8 @@ def engine_run(name: str, replicas: int, grad_accum_steps: int = 1) -> tuple[eng
         loss_weights=form.loss_weights,
         metrics=form.metrics(),
         weighted_metrics=form.weighted_metrics(),
-        steps_per_loop=form.train_steps,
-        grad_accum_steps=grad_accum_steps,
+        cadence=engine.Cadence(steps_per_loop=form.train_steps),
+        step=engine.StepOptions(grad_accum_steps=grad_accum_steps),
     )
     logs = trainer.train(form.train_steps)
     return trainer, logs

@@ -14,6 +14,7 @@ import tensorflow as tf
 from helpers import make_arrays, make_trainer
 
 from engine.loop import iterator_release, runners
+from engine.options import Cadence
 
 
 def freed(freed_on: list[str], count: int, timeout_s: float = 30.0) -> list[str]:
@@ -82,7 +83,7 @@ def test_a_replaced_or_closed_training_iterator_is_freed_on_the_release_thread(
     default, training_iterators_freed_on
 ):
     freed_on = training_iterators_freed_on
-    trainer = make_trainer(default, steps_per_loop=2)
+    trainer = make_trainer(default, cadence=Cadence(steps_per_loop=2))
     trainer.train(2)
     trainer.train_runner.run(0, 2)  # From another stream position: a new iterator, the old one let go.
     trainer.close()  # The current one let go too.
@@ -97,7 +98,7 @@ def test_a_trainer_dropped_without_close_frees_its_training_iterator_off_the_loo
     be freed on the loop's thread either (the suite's in-process tests stalled there, 5-12 s)."""
     freed_on = training_iterators_freed_on
     for _ in range(2):
-        trainer = make_trainer(mirrored, steps_per_loop=2)
+        trainer = make_trainer(mirrored, cadence=Cadence(steps_per_loop=2))
         assert trainer.train(2)["loss"] > 0
         dropped = weakref.ref(trainer)
         del trainer

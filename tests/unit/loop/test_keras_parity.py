@@ -59,7 +59,7 @@ def train_with(strategy, data, model_dir, steps, *, seed=3):
         train_data=data,
         global_batch_size=GLOBAL_BATCH,
         loss_fn=loss_fn(),
-        steps_per_loop=3,
+        cadence=engine.Cadence(steps_per_loop=3),
         model_dir=model_dir,
     )
     trainer.train(steps)
@@ -146,7 +146,7 @@ def test_regularizers_behind_a_tf_module_train_as_the_model_alone(mirrored, wrap
             train_data=data,
             global_batch_size=GLOBAL_BATCH,
             loss_fn=loss_fn(),
-            steps_per_loop=4,
+            cadence=engine.Cadence(steps_per_loop=4),
         ).train(8)
 
     direct, direct_optimizer = make_model(mirrored, l2=0.5)
@@ -275,8 +275,7 @@ def test_keras_callbacks_take_the_decisions_they_take_under_fit_on_an_l2_model(d
         eval_data=tf.data.Dataset.from_tensor_slices((xv, yv)).batch(16),
         global_batch_size=16,
         loss_fn=loss_fn(),
-        steps_per_epoch=steps_per_epoch,
-        eval_every=steps_per_epoch,
+        cadence=engine.Cadence(steps_per_epoch=steps_per_epoch, eval_every=steps_per_epoch),
         callbacks=ours,
     )
     trainer.train(40 * steps_per_epoch)
@@ -333,7 +332,7 @@ def test_a_partial_last_batch_trains_as_fit_for_any_loop_length(mirrored, tmp_pa
         train_data=finite,
         global_batch_size=32,
         loss_fn=loss_fn(),
-        steps_per_loop=steps_per_loop,
+        cadence=engine.Cadence(steps_per_loop=steps_per_loop),
         model_dir=str(tmp_path),
     )
     with pytest.raises(engine.DataExhaustedError, match="ran out after step 7 of 100"):
@@ -363,7 +362,7 @@ def test_the_loss_of_a_loop_with_a_partial_batch_is_fits_example_weighted_epoch_
         train_data=finite,
         global_batch_size=32,
         loss_fn=loss_fn(),
-        steps_per_loop=7,  # One loop, the whole epoch.
+        cadence=engine.Cadence(steps_per_loop=7),  # One loop, the whole epoch.
     )
     logs = trainer.train(7)
     assert trainer.step == 7
@@ -383,7 +382,7 @@ def test_a_partial_batch_splits_over_accumulation_steps_as_the_whole_batch(mirro
             train_data=finite,
             global_batch_size=16,
             loss_fn=loss_fn(),
-            grad_accum_steps=accumulation,
+            step=engine.StepOptions(grad_accum_steps=accumulation),
         )
         with pytest.raises(engine.DataExhaustedError):
             trainer.train(10)
@@ -477,8 +476,8 @@ def test_a_nan_gradient_with_a_finite_loss_is_skipped_and_counted(mirrored):
         train_data=data,
         global_batch_size=8,
         loss_fn=loss_fn(),
-        steps_per_loop=6,
-        on_nonfinite="skip",
+        cadence=engine.Cadence(steps_per_loop=6),
+        step=engine.StepOptions(on_nonfinite="skip"),
     )
     logs = trainer.train(6)
     assert logs["nonfinite_steps"] == 1
@@ -499,7 +498,7 @@ def test_a_nan_gradient_with_a_finite_loss_is_skipped_and_counted(mirrored):
         ).batch(8),
         global_batch_size=8,
         loss_fn=loss_fn(),
-        steps_per_loop=5,
+        cadence=engine.Cadence(steps_per_loop=5),
     ).train(5)
     assert_bitwise(weights_of(model), weights_of(skipped))
 
@@ -514,8 +513,7 @@ def test_a_nan_gradient_with_a_finite_loss_stops_the_run_without_saving(mirrored
         train_data=data,
         global_batch_size=8,
         loss_fn=loss_fn(),
-        steps_per_loop=2,
-        checkpoint_every=2,
+        cadence=engine.Cadence(steps_per_loop=2, checkpoint_every=2),
         model_dir=str(tmp_path),
     )
     stopped = r"at step 4 \(loss [0-9.]+\);.*latest checkpoint .*ckpt-2"
@@ -549,8 +547,7 @@ def test_early_stopping_restores_the_best_weights_of_a_tf_module(default):
         eval_data=tf.data.Dataset.from_tensor_slices((x, y)).batch(16),
         global_batch_size=16,
         loss_fn=loss_fn(),
-        steps_per_epoch=4,
-        eval_every=4,
+        cadence=engine.Cadence(steps_per_epoch=4, eval_every=4),
         callbacks=[RecordBest(), stopping],
     )
     trainer.train(4 * 30)
@@ -588,7 +585,7 @@ def test_learning_rate_callbacks_with_several_optimizers_are_refused_at_construc
                 step_fn=step_fn,
                 train_data=tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(8),
                 global_batch_size=8,
-                steps_per_epoch=2,
+                cadence=engine.Cadence(steps_per_epoch=2),
                 callbacks=[callback],
             )
 
@@ -624,7 +621,7 @@ def test_a_step_fn_output_named_like_a_loop_count_is_logged_as_it_is(mirrored):
         step_fn=lambda batch: {"loss": tf.constant(1.0), "steps_run": tf.constant(5.0)},
         train_data=tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(16),
         global_batch_size=16,
-        steps_per_loop=2,
+        cadence=engine.Cadence(steps_per_loop=2),
     )
     logs = trainer.train(2)
     assert logs["steps_run"] == 5.0 and trainer.step == 2

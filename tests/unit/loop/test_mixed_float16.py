@@ -72,7 +72,7 @@ def engine_trainer(
         train_data=data(steps),
         global_batch_size=BATCH,
         loss_fn=scaled_loss(factor),
-        steps_per_loop=1,
+        cadence=engine.Cadence(steps_per_loop=1),
         model_dir=model_dir,
     )
 

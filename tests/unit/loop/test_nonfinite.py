@@ -6,7 +6,7 @@ import tensorflow as tf
 from helpers import make_arrays, make_model
 
 import engine
-from engine.trainer import NonFiniteLossError
+from engine.errors import NonFiniteLossError
 
 BATCH = 16
 
@@ -40,8 +40,7 @@ def test_stop_names_the_step_and_keeps_the_last_good_checkpoint(mirrored, tmp_pa
         train_data=poisoned_batches([7]),
         global_batch_size=BATCH,
         loss_fn=loss_fn(),
-        steps_per_loop=4,
-        checkpoint_every=4,
+        cadence=engine.Cadence(steps_per_loop=4, checkpoint_every=4),
         model_dir=str(tmp_path),
     )
     with pytest.raises(NonFiniteLossError, match=r"non-finite loss at step 7; .*ckpt-4") as raised:
@@ -78,8 +77,8 @@ def test_skip_leaves_weights_untouched_on_bad_steps_and_counts_them(mirrored, ba
         train_data=poisoned_batches([3, 6], bad_rows),
         global_batch_size=BATCH,
         loss_fn=loss_fn(),
-        steps_per_loop=2,
-        on_nonfinite="skip",
+        cadence=engine.Cadence(steps_per_loop=2),
+        step=engine.StepOptions(on_nonfinite="skip"),
     )
     trainer.train(2)
     before = [w.copy() for w in model.get_weights()]

@@ -20,7 +20,7 @@ def trained(strategy, tmp_path=None, **options):
         train_data=global_batches(x, y, 8),
         global_batch_size=8,
         loss_fn=loss_fn(),
-        steps_per_loop=4,
+        cadence=engine.Cadence(steps_per_loop=4),
         model_dir=None if tmp_path is None else str(tmp_path),
         **options,
     )
@@ -105,7 +105,7 @@ import tensorflow as tf
 import keras
 sys.path.insert(0, "tests")
 import engine
-from engine.loop.ps_runners import CoordinatedTrainer
+from engine.trainer.coordinated import CoordinatedTrainer
 from helpers import NUM_FEATURES, loss_fn, make_arrays
 
 cluster = tf.train.ClusterSpec(json.loads(sys.argv[1]))
@@ -123,7 +123,7 @@ def train_from(input_context, start_step):
 
 trainer = CoordinatedTrainer(
     strategy=strategy, model=model, optimizer=optimizer, train_data=train_from,
-    global_batch_size=8, loss_fn=loss_fn(), steps_per_loop=4,
+    global_batch_size=8, loss_fn=loss_fn(), cadence=engine.Cadence(steps_per_loop=4),
 )
 trainer.train(8)
 inputs = make_arrays(21, seed=9)[0]

@@ -12,7 +12,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from helpers import global_batches, loss_fn, make_arrays, make_model
+from helpers import global_batches, loss_fn, make_arrays, make_model, make_trainer
 
 import engine
 from engine import objectives
@@ -52,8 +52,7 @@ def test_sparse_gradients_clip_and_accumulate_as_a_dense_hand_computation(mirror
         train_data=tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH),
         global_batch_size=BATCH,
         loss_fn=per_token,
-        clip_norm=0.05,
-        grad_accum_steps=2,
+        step=engine.StepOptions(clip_norm=0.05, grad_accum_steps=2),
     )
     trainer.train(1)
     with tf.GradientTape() as tape:
@@ -119,15 +118,14 @@ def test_the_reported_evaluation_is_what_the_saved_checkpoint_gives(mirrored, tm
     eval_data = tf.data.Dataset.from_tensor_slices((x[:17], y[:17])).batch(8)
 
     def trainer_of(model, optimizer):
-        return engine.Trainer(
-            strategy=mirrored,
+        return make_trainer(
+            mirrored,
+            arrays=(x, (x[:, 1] > 0.5).astype("int32")),
+            batch=8,
             model=model,
             optimizer=optimizer,
-            train_data=global_batches(x, (x[:, 1] > 0.5).astype("int32"), 8),
             eval_data=eval_data,
-            global_batch_size=8,
-            loss_fn=loss_fn(),
-            steps_per_loop=3,
+            cadence=engine.Cadence(steps_per_loop=3),
             model_dir=str(tmp_path),
         )
 
@@ -232,7 +230,7 @@ def test_a_partial_last_batch_counts_the_examples_it_holds_in_examples_per_secon
         train_data=tf.data.Dataset.from_tensor_slices((x, y)).batch(8),
         global_batch_size=8,
         loss_fn=loss_fn(),
-        steps_per_loop=1,
+        cadence=engine.Cadence(steps_per_loop=1),
         callbacks=[lambda trainer, step, logs: seen.append(logs)],
     )
     with pytest.raises(engine.DataExhaustedError):
@@ -256,8 +254,7 @@ def test_xla_with_masked_outputs_counts_the_tokens_outside_the_compiled_pass(mir
             train_data=tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH),
             global_batch_size=BATCH,
             loss_fn=keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None),
-            grad_accum_steps=2,
-            jit_compile=jit_compile,
+            step=engine.StepOptions(grad_accum_steps=2, jit_compile=jit_compile),
         )
         trainer.train(4)
         return [w.numpy() for w in model.weights]

@@ -26,6 +26,7 @@ from helpers import (
 
 import engine
 from engine.errors import NonFiniteLossError, UserError
+from engine.options import group_options
 
 BATCH = 16
 HUGE = 1e6  # Features that make the loss ~1e5, against ~1 for the rest.
@@ -40,6 +41,13 @@ def spiking_arrays(positions, value=HUGE, batches=40):
     return x, y
 
 
+# A finite loss above MAX_LOSS is a spike, rolled back.
+ROLLBACK_ON_SPIKES = {
+    "step": engine.StepOptions(on_nonfinite="rollback"),
+    "spikes": engine.SpikeOptions(max_loss=MAX_LOSS),
+}
+
+
 def stream(x, y, skipped=()):
     """The global batches of (x, y) in order, without those at the 0-based positions `skipped`."""
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH, drop_remainder=True)
@@ -50,12 +58,12 @@ def stream(x, y, skipped=()):
     return kept.map(lambda _, batch: batch)
 
 
-def trainer(strategy, train_data, model_dir=None, *, optimizer=None, **kwargs):
+def trainer(strategy, train_data, model_dir=None, *, optimizer=None, checkpoint_every=2, **kwargs):
     model, default_optimizer = make_model(strategy)
     if optimizer is not None:
         with strategy.scope():
             default_optimizer = optimizer()
-    options = {"steps_per_loop": 2, "checkpoint_every": 2, **kwargs}
+    options = {"cadence": engine.Cadence(steps_per_loop=2, checkpoint_every=checkpoint_every), **kwargs}
     return engine.Trainer(
         strategy=strategy,
         model=model,
@@ -105,7 +113,11 @@ def test_a_huge_loss_is_rolled_back_to_the_weights_of_the_run_without_its_batche
     x, y = spiking_arrays([5])  # Step 6's batch; the loop of steps 5-6 finds it, ckpt-4 is the last good.
     caplog.set_level(logging.WARNING, logger="engine")
     rolled, weights = weights_after(
-        strategy, stream(x, y), 12, tmp_path / "a", on_nonfinite="rollback", max_loss=MAX_LOSS
+        strategy,
+        stream(x, y),
+        12,
+        tmp_path / "a",
+        **ROLLBACK_ON_SPIKES,
     )
     # Skipped: the batches of steps 5 and 6 (positions 4 and 5), read again from ckpt-4.
     _, expected = weights_after(strategy, stream(x, y, skipped=[4, 5]), 12, tmp_path / "b")
@@ -141,13 +153,16 @@ def test_a_step_fn_rolls_back_on_its_loss_output(default):
             train_data=train_data,
             global_batch_size=BATCH,
             step_fn=replica_step,
-            steps_per_loop=2,
+            cadence=engine.Cadence(steps_per_loop=2),
             **kwargs,
         )
         run.train(6)
         return run, model.get_weights()
 
-    rolled, weights = with_step_fn(stream(x, y), on_nonfinite="rollback", max_loss=MAX_LOSS)
+    rolled, weights = with_step_fn(
+        stream(x, y),
+        **ROLLBACK_ON_SPIKES,
+    )
     # Step 3, found by the loop of steps 3-4; no model_dir: back to the start, positions 0-2 skipped.
     _, expected = with_step_fn(stream(x, y, skipped=[0, 1, 2]))
     assert rolled.rollbacks == 1
@@ -166,8 +181,8 @@ def test_a_nan_loss_is_rolled_back_past_n_more_batches_of_a_per_replica_pipeline
         12,
         tmp_path / "a",
         checkpoint_every=4,
-        on_nonfinite="rollback",
-        rollback_skip_batches=3,
+        step=engine.StepOptions(on_nonfinite="rollback"),
+        spikes=engine.SpikeOptions(rollback_skip_batches=3),
     )
     # Steps 5-8 (positions 4-7) and 3 more (8-10).
     _, expected = weights_after(default, per_replica(range(4, 11)), 12, checkpoint_every=4)
@@ -183,7 +198,13 @@ def test_resident_data_skip_as_exactly(mirrored, tmp_path):
             tensors=(x, y), indices=lambda positions: positions, host_data=global_batches(x, y, BATCH)
         )
 
-    _, weights = weights_after(mirrored, resident(x, y), 8, tmp_path, on_nonfinite="rollback", max_loss=MAX_LOSS)
+    _, weights = weights_after(
+        mirrored,
+        resident(x, y),
+        8,
+        tmp_path,
+        **ROLLBACK_ON_SPIKES,
+    )
     kept = np.concatenate([np.arange(0, 2 * BATCH), np.arange(4 * BATCH, len(x))])  # Positions 2-3 skipped.
     _, expected = weights_after(mirrored, resident(x[kept], y[kept]), 8)
     assert_same_weights(weights, expected)
@@ -193,7 +214,12 @@ def test_a_spike_before_the_first_checkpoint_restores_the_initial_state(default,
     x, y = spiking_arrays([1])
     caplog.set_level(logging.WARNING, logger="engine")
     # No model_dir: nothing on disk, the copy of the state train() took at its start is the last good.
-    rolled, weights = weights_after(default, stream(x, y), 6, on_nonfinite="rollback", max_loss=MAX_LOSS)
+    rolled, weights = weights_after(
+        default,
+        stream(x, y),
+        6,
+        **ROLLBACK_ON_SPIKES,
+    )
     _, expected = weights_after(default, stream(x, y, skipped=[0, 1]), 6)
     assert_same_weights(weights, expected)
     [line] = spike_lines(caplog)
@@ -210,10 +236,9 @@ def test_max_rollbacks_reached_stops_in_one_line_and_rotation_keeps_the_good_che
         default,
         stream(x, y),
         tmp_path / "spiking",
-        max_checkpoints=2,
-        on_nonfinite="rollback",
-        max_loss=MAX_LOSS,
-        max_rollbacks=2,
+        checkpoint=engine.CheckpointOptions(max_checkpoints=2),
+        step=engine.StepOptions(on_nonfinite="rollback"),
+        spikes=engine.SpikeOptions(max_loss=MAX_LOSS, max_rollbacks=2),
     )
     with pytest.raises(NonFiniteLossError) as raised:
         run.train(20)
@@ -237,16 +262,16 @@ def test_a_resume_with_a_learning_rate_of_1e12_stops_before_rotation_deletes_the
     default, tmp_path, policy
 ):
     data = stream(*make_arrays(BATCH * 40))
-    trainer(default, data, tmp_path, max_checkpoints=2).train(6)
+    trainer(default, data, tmp_path, checkpoint=engine.CheckpointOptions(max_checkpoints=2)).train(6)
     before = {p.name: p.read_bytes() for p in (tmp_path / "checkpoints").iterdir() if p.is_file()}
     resumed = trainer(
         default,
         data,
         tmp_path,
-        max_checkpoints=2,
+        checkpoint=engine.CheckpointOptions(max_checkpoints=2),
         optimizer=lambda: tf.keras.optimizers.SGD(1e12),
-        on_nonfinite=policy,
-        max_loss=MAX_LOSS,
+        step=engine.StepOptions(on_nonfinite=policy),
+        spikes=engine.SpikeOptions(max_loss=MAX_LOSS),
     )
     stopped = r"above `max_loss=100.0` at step 8(; | after 3 rollback\(s\); )stopped without saving"
     with pytest.raises(NonFiniteLossError, match=stopped):
@@ -262,7 +287,10 @@ def test_a_resume_with_a_learning_rate_of_1e12_stops_before_rotation_deletes_the
 @pytest.mark.slow  # Trains twice for seconds: in the full suite.
 def test_a_resume_after_a_rollback_reads_the_same_batches(default, tmp_path):
     x, y = spiking_arrays([5])
-    options = {"on_nonfinite": "rollback", "max_loss": MAX_LOSS}
+    options = {
+        "step": engine.StepOptions(on_nonfinite="rollback"),
+        "spikes": engine.SpikeOptions(max_loss=MAX_LOSS),
+    }
     _, expected = weights_after(default, stream(x, y), 12, tmp_path / "whole", **options)
     # Stopped right after the rollback (step 6 reached again, ckpt-6 holds the offset), then resumed.
     stopped, _ = weights_after(default, stream(x, y), 6, tmp_path / "stopped", **options)
@@ -292,7 +320,7 @@ def test_a_resume_after_a_rollback_reads_the_same_batches(default, tmp_path):
 )
 def test_bad_spike_options_are_refused_naming_them(default, arguments, message):
     with pytest.raises(UserError, match=message.replace("(", r"\(").replace(".", r"\.")):
-        trainer(default, stream(*make_arrays(BATCH * 4)), **arguments)
+        trainer(default, stream(*make_arrays(BATCH * 4)), **group_options(arguments))  # The groups made here.
 
 
 # ------------------------------------------------------------------ the command line

@@ -77,7 +77,7 @@ def test_padded_batch_trains_in_the_default_loop_as_one_step_per_call(mirrored, 
     data = variable_length(64).repeat()
     looped, steps = train(mirrored, data, 6, **options)  # The default steps_per_loop.
     assert steps == 6
-    one_per_call, _ = train(mirrored, data, 6, steps_per_loop=1, **options)
+    one_per_call, _ = train(mirrored, data, 6, cadence=engine.Cadence(steps_per_loop=1), **options)
     assert_bitwise(looped, one_per_call)
     one_replica, _ = train(default, data, 6, **options)
     for a, b in zip(looped, one_replica, strict=True):
@@ -146,7 +146,7 @@ def test_a_step_fn_of_its_own_trains_variable_lengths_in_the_default_loop(mirror
         trainer.train(6)
         return model.get_weights()
 
-    assert_bitwise(run(), run(steps_per_loop=1))
+    assert_bitwise(run(), run(cadence=engine.Cadence(steps_per_loop=1)))
 
 
 def test_variable_length_evaluation_on_two_replicas_counts_every_example_as_keras(mirrored):
@@ -181,5 +181,5 @@ def test_a_partial_last_batch_of_an_embedding_model_trains_in_a_call_of_its_own(
         train(mirrored, data, 20)
     assert loop_ends(caplog) == ["7/20", "8/20"] and warnings_of(caplog) == []
     looped, _ = train(mirrored, data, 8)  # Ends with the partial batch, as steps_per_loop=1 does.
-    one_per_call, _ = train(mirrored, data, 8, steps_per_loop=1)
+    one_per_call, _ = train(mirrored, data, 8, cadence=engine.Cadence(steps_per_loop=1))
     assert_bitwise(looped, one_per_call)

@@ -81,7 +81,7 @@ def test_vector_metrics_train_and_evaluate_per_entry_as_keras(replicas, tmp_path
         global_batch_size=BATCH,
         loss_fn=keras.losses.CategoricalCrossentropy(reduction=None),
         metrics=metrics(),
-        steps_per_loop=3,
+        cadence=engine.Cadence(steps_per_loop=3),
         model_dir=str(tmp_path),
     )
     logs = trainer.train(3)  # One loop over the whole data.

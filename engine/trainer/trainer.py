@@ -13,8 +13,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import inspect
 import time
+import warnings
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NoReturn
@@ -22,7 +22,7 @@ from typing import Any, NoReturn
 import keras
 import tensorflow as tf
 
-from engine.callbacks import CallbackLike, as_callbacks
+from engine.callbacks import Callback, CallbackLike, as_callbacks
 from engine.callbacks.progress import Progress, format_logs
 from engine.checkpointing import discovery
 from engine.checkpointing.background import writes_in_background
@@ -50,14 +50,14 @@ from engine.loop.variable_length import one_step_per_call
 from engine.losses import LossFn, Objective
 from engine.metric_values import metric_logs
 from engine.options import (
-    DEFAULT_MAX_ROLLBACKS,
-    DEFAULT_STEPS_PER_LOOP,
-    TRAINER_GROUPS,
+    FLAT_ALIASES,
     Cadence,
     CheckpointOptions,
     SpikeOptions,
     StepOptions,
     ThroughputOptions,
+    TrainerOptions,
+    group_of,
     group_options,
 )
 from engine.precision import with_loss_scaling
@@ -73,7 +73,7 @@ from engine.stopping import StopAgreement
 from engine.stragglers import StragglerReport
 from engine.strategy import own_collectives
 from engine.summaries import SummaryWriters
-from engine.trainer_checks import (
+from engine.trainer.checks import (
     Optimizers,
     check_arguments,
     eval_data_form,
@@ -82,22 +82,50 @@ from engine.trainer_checks import (
     train_data_form,
 )
 
-__all__ = ["DataExhaustedError", "NonFiniteLossError", "Trainer"]  # The errors live in engine.errors.
+__all__ = ["Trainer"]
 
 
-def _with_flat_aliases(init: Callable[..., None]) -> Callable[..., None]:
-    """`Trainer.__init__` that also takes each option group's fields as flat keyword arguments,
-    its parameters named like them (`clip_norm=1.0` for `step=StepOptions(clip_norm=1.0)`): they
-    become their group before `init` runs (`engine.options.group_options`), which refuses a group
-    given with one of its aliases. A field added to a group later is no alias: only the group takes it."""
-    fields = {field.name for group in TRAINER_GROUPS.values() for field in dataclasses.fields(group)}
-    aliases = frozenset(inspect.signature(init).parameters) & fields
+_FLAT_WARNED: set[str] = set()  # The flat keywords this process was told about (once each).
 
-    @functools.wraps(init)  # inspect.signature and help() show `init`'s parameters, the aliases among them.
+
+def _taking_flat_options(init: Callable[..., None]) -> Callable[..., None]:
+    """`Trainer.__init__` that also takes the groups' options as flat keywords, for one more release
+    (`engine.options.FLAT_ALIASES`: `clip_norm=1.0` for `step=StepOptions(clip_norm=1.0)`): they become
+    their groups before `init` runs (`engine.options.group_options`, which refuses a group given with
+    one of its own), each with one warning a process naming its group. They are in no signature:
+    help() and inspect.signature show `init`'s, the groups."""
+
+    @functools.wraps(init)
     def init_with_groups(self: Any, **arguments: Any) -> None:
-        init(self, **group_options(arguments, aliases))
+        flat = sorted(FLAT_ALIASES & arguments.keys())
+        if flat:
+            _warn_flat(flat)
+            arguments = group_options(arguments, FLAT_ALIASES)
+        init(self, **arguments)
 
     return init_with_groups
+
+
+def _warn_flat(names: Sequence[str]) -> None:
+    """One DeprecationWarning and log line for the flat keywords not yet warned about here."""
+    new = [name for name in names if name not in _FLAT_WARNED]
+    if not new:
+        return
+    _FLAT_WARNED.update(new)
+    message = (
+        f"Trainer's flat keywords are taken for one more release only: "
+        f"{'; '.join(f'{name}= is {group_of(name)}' for name in new)}"
+    )
+    warnings.warn(message, DeprecationWarning, stacklevel=4)
+    logger.warning("%s", message)
+
+
+def _resolved_checkpoint_options(
+    strategy: tf.distribute.Strategy, options: CheckpointOptions
+) -> CheckpointOptions:
+    """`async_checkpoint` as the strategy allows it (`engine.checkpointing.background`)."""
+    background = writes_in_background(strategy, options.async_checkpoint)
+    return dataclasses.replace(options, async_checkpoint=background)
 
 
 class Trainer:
@@ -194,16 +222,18 @@ class Trainer:
         the MFU (achieved / peak). Unknown (None): neither is shown.
 
     Each group's fields (`engine.options`) carry their defaults and help, and a
-    group refuses a bad value when it is made. The fields are also keyword
-    arguments of their own, for one more release: aliases of their group
-    (`clip_norm=1.0` is `step=engine.StepOptions(clip_norm=1.0)`), with the
-    same defaults; a group given with one of its aliases is refused.
+    group refuses a bad value when it is made. The Trainer keeps them as
+    `trainer.options` (`engine.options.TrainerOptions`): `trainer.step` is the
+    global step and `trainer.checkpoint` what a checkpoint holds. The options
+    taken flat before the groups (`clip_norm=1.0` for
+    `step=engine.StepOptions(clip_norm=1.0)`) are still taken for one more
+    release, with a warning naming the group (`engine.options.FLAT_ALIASES`).
 
     Raises:
       UserError: a bad argument, naming it, before anything is written.
     """
 
-    @_with_flat_aliases
+    @_taking_flat_options
     def __init__(
         self,
         *,
@@ -227,50 +257,23 @@ class Trainer:
         checkpoint: CheckpointOptions | None = None,
         spikes: SpikeOptions | None = None,
         throughput: ThroughputOptions | None = None,
-        # The flat aliases of the groups' fields (one more release): `_with_flat_aliases` makes them into
-        # their groups before this body runs, so here they always hold their defaults, the groups' own.
-        steps_per_loop: int = DEFAULT_STEPS_PER_LOOP,
-        eval_every: int | None = None,
-        checkpoint_every: int | None = None,
-        max_checkpoints: int = 3,
-        clip_norm: float | None = None,
-        grad_accum_steps: int = 1,
-        jit_compile: bool = False,
-        steps_per_epoch: int | None = None,
-        log_every: int | None = None,
-        on_nonfinite: str = "stop",
-        restore_fallback: bool = False,
-        restore_dir: str | None = None,
-        reset_optimizer: bool = False,
-        async_checkpoint: bool = True,
-        flops_per_example: int | None = None,
-        peak_tflops: float | None = None,
-        max_loss: float | None = None,
-        rollback_skip_batches: int = 0,
-        max_rollbacks: int = DEFAULT_MAX_ROLLBACKS,
     ):
-        self.goodput_clock = GoodputClock()  # Research code's run starts here (`goodput()`).
-        # The custom gradients its traces register in TensorFlow's global registry, with the graphs
-        # they close over: removed once the Trainer is gone, or every Trainer of a sweep stays.
-        self._custom_gradients: list[str] = []
-        weakref.finalize(self, forget_custom_gradients, self._custom_gradients)
-        # The global step as the host last read it, for a diagnostics report (`progress()`), which
-        # must not read a variable: its device, or the parameter server holding it, may be stuck.
-        self._step_seen: int | None = None
-        step_options = StepOptions() if step is None else step
-        self.cadence = Cadence() if cadence is None else cadence
-        checkpoint = CheckpointOptions() if checkpoint is None else checkpoint
-        checkpoint_options = dataclasses.replace(
-            checkpoint, async_checkpoint=writes_in_background(strategy, checkpoint.async_checkpoint)
+        self._start_clocks()
+        options = TrainerOptions.of(
+            step=step, cadence=cadence, checkpoint=checkpoint, spikes=spikes, throughput=throughput
         )
-        self.spike_options = SpikeOptions() if spikes is None else spikes
-        throughput = ThroughputOptions() if throughput is None else throughput
-        self.model_flops = ModelFlops.from_forward(throughput.flops_per_example, throughput.peak_tflops)
+        # The options it runs with: `trainer.options` (not `trainer.step`, the global step).
+        self.options = dataclasses.replace(
+            options, checkpoint=_resolved_checkpoint_options(strategy, options.checkpoint)
+        )
+        self.model_flops = ModelFlops.from_forward(
+            self.options.throughput.flops_per_example, self.options.throughput.peak_tflops
+        )
         train_data = arrays_as_train_data(train_data, global_batch_size)
         if eval_data is not None:
             eval_data = arrays_as_eval_data(eval_data, global_batch_size)
         train_form = train_data_form(strategy, train_data, global_batch_size)
-        keras_model = keras_arguments(
+        self.keras_model = keras_arguments(
             model,
             strategy=strategy,
             optimizer=optimizer,
@@ -282,29 +285,59 @@ class Trainer:
             eval_step_fn=eval_step_fn,
             shapes=lambda: label_and_output_shapes(strategy, model, train_form),
         )
-        self.keras_model = keras_model
-        optimizer, loss_fn, loss_weights = keras_model.optimizer, keras_model.loss_fn, keras_model.loss_weights
-        metrics, weighted_metrics, step_fn = (
-            keras_model.metrics,
-            keras_model.weighted_metrics,
-            keras_model.step_fn,
-        )
+        self._check_arguments(strategy, eval_data, global_batch_size)
+        self._take_optimizers(strategy, model)
+        eval_form = eval_data_form(strategy, eval_data, global_batch_size) if eval_data is not None else None
+        # Before the optimizer is built: Keras makes the averages when it builds it.
+        self.weight_averages: WeightAverages | None = weight_averages(self.optimizers, ema_decay)
+        self.strategy = strategy
+        self.model = model
+        self.global_batch_size = global_batch_size
+        self.model_dir = model_dir
+        self._start_outer_loop_state(model_dir)
+        self.callbacks = self._make_callbacks(callbacks, train_form)
+        self._make_runners(train_form, eval_form, eval_step_fn)
+        self._open_model_dir(model_dir)
+
+    def _start_clocks(self) -> None:
+        """What the Trainer keeps from its first line on: its run's wall clock and the custom gradients
+        its traces register."""
+        self.goodput_clock = GoodputClock()  # Research code's run starts here (`goodput()`).
+        # The custom gradients its traces register in TensorFlow's global registry, with the graphs
+        # they close over: removed once the Trainer is gone, or every Trainer of a sweep stays.
+        self._custom_gradients: list[str] = []
+        weakref.finalize(self, forget_custom_gradients, self._custom_gradients)
+        # The global step as the host last read it, for a diagnostics report (`progress()`), which
+        # must not read a variable: its device, or the parameter server holding it, may be stuck.
+        self._step_seen: int | None = None
+
+    def _check_arguments(
+        self, strategy: tf.distribute.Strategy, eval_data: Data | None, global_batch_size: int
+    ) -> None:
+        """The arguments (once the model's compiled ones are taken in) on their own and together, and
+        the loss they make; before anything is built (`engine.trainer.checks`)."""
+        keras_model = self.keras_model
         check_arguments(
             strategy,
-            loss_fn,
-            step_fn,
-            metrics,
-            weighted_metrics,
+            keras_model.loss_fn,
+            keras_model.step_fn,
+            keras_model.metrics,
+            keras_model.weighted_metrics,
             eval_data,
             global_batch_size,
-            step_options,
+            self.step_options,
             loss_from_model=keras_model.own_compute_loss,
             evaluates_itself=keras_model.own_test_step,
         )
         own_collectives(strategy)  # A user's raw MirroredStrategy beside another one (engine.strategy).
-        self.objective = Objective(loss_fn, loss_weights) if loss_fn is not None else None
-        check_options(strategy, step_options.on_nonfinite, self.spike_options)
-        self.step_options = step_options
+        loss_fn = keras_model.loss_fn
+        self.objective = Objective(loss_fn, keras_model.loss_weights) if loss_fn is not None else None
+        check_options(strategy, self.step_options.on_nonfinite, self.spike_options)
+
+    def _take_optimizers(self, strategy: tf.distribute.Strategy, model: Any) -> None:
+        """The optimizers by name, loss-scaled as `compile()` scales them."""
+        optimizer = self.keras_model.optimizer
+        step_fn = self.keras_model.step_fn
         self.optimizers = named_optimizers(optimizer)
         if step_fn is None and len(self.optimizers) > 1:
             raise UserError(
@@ -314,17 +347,13 @@ class Trainer:
         if step_fn is None:  # As compile() under mixed_float16; a step_fn's loss scaling is its own.
             with strategy.scope():  # Before it is built or restored: the scale is optimizer state.
                 self.optimizers = {name: with_loss_scaling(opt, model) for name, opt in self.optimizers.items()}
-        eval_form = eval_data_form(strategy, eval_data, global_batch_size) if eval_data is not None else None
-        # Before the optimizer is built: Keras makes the averages when it builds it.
-        self.weight_averages: WeightAverages | None = weight_averages(self.optimizers, ema_decay)
-        self.strategy = strategy
-        self.model = model
         # The optimizer (None when several are named: see `optimizers`).
         self.optimizer = (
             self.optimizers["optimizer"] if isinstance(optimizer, keras.optimizers.Optimizer) else None
         )
-        self.global_batch_size = global_batch_size
-        self.model_dir = model_dir
+
+    def _start_outer_loop_state(self, model_dir: str | None) -> None:
+        """What the outer loop keeps between calls: its target, speed, last evaluation and stops."""
         self.target_step: int | None = None  # The `steps` of the running train() call.
         self.reports_goodput = True  # train() ends with `report_goodput()`.
         self.last_goodput: dict[str, float] | None = None  # What the last `report_goodput()` reported.
@@ -333,22 +362,36 @@ class Trainer:
         self._steady_examples = 0.0
         self._compiled_once = False
         self.last_eval: tuple[int, dict[str, float]] | None = None  # (step, logs)
-        # Progress lines every `log_every` steps (every loop when None) come first.
-        self.callbacks = [
-            Progress(self.cadence.log_every),
-            *as_callbacks(callbacks, steps_per_epoch=self.cadence.steps_per_epoch),
-            *one_step_per_call(
-                strategy, train_form, self.cadence.steps_per_loop, model
-            ),  # Variable-length batches.
-        ]
         # Both stay in force for later train() calls until clear_stop():
         self.stop_training = False  # Set by a callback (early stopping): stop after this loop.
-        self.stopping = StopAgreement(strategy)  # request_stop() (a signal, a peer worker).
+        self.stopping = StopAgreement(self.strategy)  # request_stop() (a signal, a peer worker).
         # Which worker is slow (engine.stragglers): the standard step times its compute, the loop its input.
         self.stragglers = (
-            StragglerReport.create(strategy, throughput, self.stopping) if step_fn is None else None
+            StragglerReport.create(self.strategy, self.options.throughput, self.stopping)
+            if self.keras_model.step_fn is None
+            else None
         )
 
+    def _make_callbacks(
+        self, callbacks: Sequence[CallbackLike], train_form: DataForm | ResidentData
+    ) -> list[Callback]:
+        """Progress lines every `log_every` steps (every loop when None) first, then the user's
+        hooks, then what variable-length batches need."""
+        return [
+            Progress(self.cadence.log_every),
+            *as_callbacks(callbacks, steps_per_epoch=self.cadence.steps_per_epoch),
+            *one_step_per_call(self.strategy, train_form, self.cadence.steps_per_loop, self.model),
+        ]
+
+    def _make_runners(
+        self,
+        train_form: DataForm | ResidentData,
+        eval_form: DataForm | ResidentEvalData | None,
+        eval_step_fn: EvalStep | None,
+    ) -> None:
+        """The model's state made ready (in scope, optimizers built), then the train step and the
+        runners of training and evaluation (prediction's on the first `predict()`)."""
+        strategy, model, keras_model = self.strategy, self.model, self.keras_model
         self.global_step = prepare_model_state(strategy, model, self.optimizers)
         if keras_model.uses_compiled_state:
             build_compiled_state(strategy, model, train_form)
@@ -356,60 +399,78 @@ class Trainer:
             # Keras compile's split: `metrics` see no sample weights, `weighted_metrics` do. A model's
             # own train_step updates (and reports) its own metrics: the engine's would stay empty.
             own_step = keras_model.own_train_step
-            train_unweighted = [] if own_step else [fresh_copy(m, model) for m in metrics]
-            train_weighted = [] if own_step else [fresh_copy(m, model) for m in weighted_metrics]
+            train_unweighted = [] if own_step else [fresh_copy(m, model) for m in keras_model.metrics]
+            train_weighted = [] if own_step else [fresh_copy(m, model) for m in keras_model.weighted_metrics]
         self.train_metrics = [*train_unweighted, *train_weighted]
-        self.replica_step = step_fn or self._standard_step(train_unweighted, train_weighted)
+        self.replica_step = keras_model.step_fn or self._standard_step(train_unweighted, train_weighted)
         # Step k trains on stream position k + offset (the batches rollbacks skipped).
         self.data_position = DataPosition()
-        self.train_runner = self._make_train_runner(train_form, global_batch_size)
+        self.train_runner = self._make_train_runner(train_form, self.global_batch_size)
         self.eval_runner: EvalRunner | KerasEvalRunner | None = None
         if eval_form is not None and keras_model.own_test_step:
             self.eval_runner = KerasEvalRunner(
                 strategy, model, host_form_of(eval_form), batches_per_call=self.cadence.steps_per_loop
             )
-            self.eval_runner.loop = TimedFunction(self.eval_runner.loop, self.goodput_clock, "eval")
         elif eval_form is not None:
-            assert self.objective is not None, "checked above: eval_data needs loss_fn"
+            assert self.objective is not None, "checked: eval_data needs loss_fn"
             self.eval_runner = self._make_eval_runner(
                 self.objective,
                 eval_form,
-                metrics=metrics,
-                weighted_metrics=weighted_metrics,
+                metrics=keras_model.metrics,
+                weighted_metrics=keras_model.weighted_metrics,
                 eval_step_fn=eval_step_fn,
             )
-            # Each eval call that traces is compile time, the others eval time.
+        if self.eval_runner is not None:  # Each eval call that traces is compile time, the others eval time.
             self.eval_runner.loop = TimedFunction(self.eval_runner.loop, self.goodput_clock, "eval")
         self.eval_metrics = self.eval_runner.metrics if self.eval_runner is not None else []
         self._predict_runner: PredictRunner | None = None  # Made by the first predict().
 
+    def _open_model_dir(self, model_dir: str | None) -> None:
+        """The callbacks' last checks, then (every check passed) the restore from `model_dir`, the
+        rollback's start and the callbacks' own state; partial checkpoint folders go last."""
         for callback in self.callbacks:  # Before anything touches the model_dir.
             callback.check_trainer(self)
-
         self.checkpointer: Checkpointer | None = None
         if model_dir is not None:
-            self.checkpointer = self._make_checkpointer(model_dir, checkpoint_options)
+            self.checkpointer = self._make_checkpointer(model_dir, self.options.checkpoint)
             with self.goodput_clock.phase("restore"):
                 self._restore()
-        self.rollback: Rollback | None = None
-        if step_options.on_nonfinite == "rollback":
-            if self.checkpointer is None:
-                checkpoint = self._checkpoint_object()
-                setattr(checkpoint, CHECKPOINT_KEY, self.data_position)
-            else:  # In every checkpoint from now on; after the restore, which may be of a run without rollback.
-                checkpoint = self.checkpointer.checkpoint
-                self.checkpointer.track(CHECKPOINT_KEY, self.data_position)
-            self.rollback = Rollback(
-                checkpoint,
-                global_step=self.global_step,
-                position=self.data_position,
-                checkpointer=self.checkpointer,
-                options=self.spike_options,
-            )
+        self.rollback = self._make_rollback() if self.step_options.on_nonfinite == "rollback" else None
         for callback in self.callbacks:  # Their own state on disk, now that the step is known.
             callback.restore_state(self)
         if model_dir is not None:  # Every check passed: the partial folders of writes cut short go.
             discovery.remove_partial_checkpoints(model_dir)
+
+    def _make_rollback(self) -> Rollback:
+        """What `on_nonfinite="rollback"` restores: the data position joins what is checkpointed."""
+        if self.checkpointer is None:
+            checkpoint = self._checkpoint_object()
+            setattr(checkpoint, CHECKPOINT_KEY, self.data_position)
+        else:  # In every checkpoint from now on; after the restore, which may be of a run without rollback.
+            checkpoint = self.checkpointer.checkpoint
+            self.checkpointer.track(CHECKPOINT_KEY, self.data_position)
+        return Rollback(
+            checkpoint,
+            global_step=self.global_step,
+            position=self.data_position,
+            checkpointer=self.checkpointer,
+            options=self.spike_options,
+        )
+
+    @property
+    def cadence(self) -> Cadence:
+        """When the outer loop evaluates, saves and logs (`options.cadence`)."""
+        return self.options.cadence
+
+    @property
+    def step_options(self) -> StepOptions:
+        """How the standard step makes an update (`options.step`: not `step`, the global step)."""
+        return self.options.step
+
+    @property
+    def spike_options(self) -> SpikeOptions:
+        """What counts as a loss spike and how often to roll back (`options.spikes`)."""
+        return self.options.spikes
 
     def _standard_step(self, metrics: list[Any], weighted_metrics: list[Any]) -> ReplicaStep:
         own_loss = self.keras_model.own_compute_loss

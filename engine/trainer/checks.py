@@ -1,7 +1,7 @@
 """The Trainer's arguments checked on their own and together, and the model's state made
 ready (checked in scope, optimizers built), before anything is traced or written.
 
-Apart from the outer loop (`engine.trainer`) so that it reads as the loop alone; the
+Apart from the outer loop (`engine.trainer.trainer`) so that it reads as the loop alone; the
 checkpoint evaluator shares `prepare_model_state`. Every problem is one `UserError` naming
 the argument and what to pass instead.
 """
