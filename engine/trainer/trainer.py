@@ -152,7 +152,8 @@ class Trainer:
         `learning_rate/<name>`. Under a `mixed_float16` dtype policy (the
         model's) the standard step's optimizer is wrapped in a dynamic
         `keras.optimizers.LossScaleOptimizer`, as `compile()` wraps it
-        (`engine.precision`); `trainer.optimizer` is then the wrapper.
+        (`engine.precision`); `trainer.optimizer` is then the wrapper. None:
+        the one the Keras model was compiled with.
       train_data: one of the declared data forms (`engine.data`): a
         `tf.data.Dataset` of global batches (`GlobalBatches`),
         `fn(input_context)` of per-replica batches (`PerReplicaBatches`), a
@@ -171,8 +172,11 @@ class Trainer:
         batch is checked against it before any update.
       loss_fn: per-element losses `fn(labels, outputs)` ((B,) a label per
         example, (B, T) per token), for the standard step (batches of
-        `(features, labels[, sample_weight])`) and eval; a Keras loss object
-        must have `reduction=None`. Nested like several outputs (a dict or
+        `(features, labels[, sample_weight])`) and eval; a Keras loss with its
+        default reduction is taken as the same loss with `reduction=None`. A
+        compiled Keras model's own settings (loss, loss_weights, metrics), its own
+        `train_step`/`test_step`/`predict_step`/`compute_loss` are taken as `fit`
+        takes them (`engine.keras_model`). Nested like several outputs (a dict or
         list), one loss an output. Each output's loss is the mean over its
         real elements (Keras's output mask) of the GLOBAL batch
         (`engine.losses`).
