@@ -99,7 +99,7 @@ def test_an_unreadable_checkpoint_on_ram_is_set_aside_and_the_older_one_resumed(
 
     with pytest.raises(engine.UserError, match="ckpt-6 cannot be read"):
         make_trainer(ram_dir, seed=2)
-    resumed = make_trainer(ram_dir, seed=2, checkpoint=engine.CheckpointOptions(restore_fallback=True))
+    resumed = make_trainer(ram_dir, seed=2, restore_fallback=True)
     assert resumed.step == 3
     assert sorted(tf.io.gfile.listdir(f"{ram_dir}/checkpoints/unreadable")) == sorted(["ckpt-6.index", data[0]])
     resumed.train(12)
