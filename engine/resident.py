@@ -319,31 +319,34 @@ def _as_numpy(data: Any) -> Any:
     return data
 
 
+def _example_arrays(data: Any, argument: str) -> tuple | None:
+    """`data` as `(features, labels[, sample_weight])` numpy arrays, None where it is no arrays."""
+    if not _is_arrays(data):
+        return None
+    arrays = _as_numpy(data)
+    if not isinstance(arrays, tuple) or len(arrays) not in (2, 3):
+        raise UserError(
+            f"{argument} as arrays is (features, labels) or (features, labels, sample_weight), got "
+            f"{type(data).__name__} of {len(arrays)}"
+        )
+    return arrays
+
+
 def arrays_as_train_data(data: Any, global_batch_size: int, seed: int = 0) -> Any:
     """`(features, labels[, sample_weight])` arrays (numpy, pandas; features may be a dict or
     tuple of arrays) as `ResidentData.shuffled`: kept on the devices, a new seeded order every
     epoch (Keras `fit` shuffles too), resumable exactly. Anything else is returned as it is."""
-    if not _is_arrays(data):
+    arrays = _example_arrays(data, "train_data")
+    if arrays is None:
         return data
-    arrays = _as_numpy(data)
-    if not isinstance(arrays, tuple) or len(arrays) not in (2, 3):
-        raise UserError(
-            "train_data as arrays is (features, labels) or (features, labels, sample_weight), got "
-            f"{type(data).__name__} of {len(arrays)}"
-        )
     return ResidentData.shuffled(arrays, seed=seed, global_batch_size=global_batch_size)
 
 
 def arrays_as_eval_data(data: Any, global_batch_size: int) -> Any:
     """Eval arrays (as `arrays_as_train_data` takes them) as `ResidentEvalData`, read in order."""
-    if not _is_arrays(data):
+    arrays = _example_arrays(data, "eval_data")
+    if arrays is None:
         return data
-    arrays = _as_numpy(data)
-    if not isinstance(arrays, tuple) or len(arrays) not in (2, 3):
-        raise UserError(
-            "eval_data as arrays is (features, labels) or (features, labels, sample_weight), got "
-            f"{type(data).__name__} of {len(arrays)}"
-        )
     host = tf.data.Dataset.from_tensor_slices(arrays).batch(global_batch_size)
     return ResidentEvalData(tensors=arrays, host_data=host, global_batch_size=global_batch_size)
 
