@@ -124,6 +124,11 @@ def _check_user_model(name: str, model, num_classes: int) -> None:
             f"--model={name} returned {type(model).__module__}.{type(model).__name__}, "
             "not a keras.Model; return an (uncompiled) keras.Model"
         )
+    if getattr(model, "compiled", False):  # Its compile() settings would conflict with the flags'.
+        raise ModelError(
+            f"--model={name} returned a compiled model; return it uncompiled: the flags set its optimizer "
+            "(--optimizer, --learning_rate), loss and metrics (--metrics)"
+        )
     try:
         outputs = model.outputs
     except (AttributeError, ValueError):  # A subclassed model: no symbolic outputs to check.

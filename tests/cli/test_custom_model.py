@@ -39,6 +39,12 @@ def with_softmax(input_shape, num_classes):
 
 def wrong_classes(input_shape, num_classes):
     return keras.Sequential([keras.Input(input_shape), keras.layers.Flatten(), keras.layers.Dense(3)])
+
+
+def compiled(input_shape, num_classes):
+    model = keras.Sequential([keras.Input(input_shape), keras.layers.Flatten(), keras.layers.Dense(num_classes)])
+    model.compile(optimizer="adam", loss="mse")
+    return model
 """
 
 
@@ -85,6 +91,7 @@ BAD_MODELS = [
     ("nets.small:not_a_model", "--model=nets.small:not_a_model returned builtins.str, not a keras.Model"),
     ("nets.small:with_softmax", "ends with a softmax; the engine's loss takes logits"),
     ("nets.small:wrong_classes", "outputs shape (None, 3); the data's labels need 10 outputs"),
+    ("nets.small:compiled", "--model=nets.small:compiled returned a compiled model; return it uncompiled"),
 ]
 
 
