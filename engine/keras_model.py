@@ -32,6 +32,9 @@ from engine.compat import engine_graph_code, user_code
 from engine.data import DataForm, distribute_eval_data, element_spec
 from engine.errors import UserError
 from engine.loop.iterator_release import release_in_background
+from engine.loop.steps import examples_in_batch
+from engine.losses import describe_structure
+from engine.metric_values import log_scalars
 from engine.resident import ResidentData
 
 # The methods of `keras.Model` that make a step; a subclass that overrides one changes the step.
@@ -88,7 +91,9 @@ def metrics_result_or_logs(model: keras.Model, logs: dict[str, float]) -> dict[s
     (the same names), else the logs: what `fit` and `evaluate` report at the end of an epoch.
     A result read inside a replica's step is that replica's view of a variable other replicas
     are still adding to; the host's read is every replica's sum."""
-    results = {name: float(value) for name, value in flat_logs(model.get_metrics_result(), "metrics").items()}
+    results: dict[str, float] = {}
+    for name, value in model.get_metrics_result().items():
+        results.update(log_scalars(name, value))
     return results if set(results) == set(logs) else logs
 
 
@@ -112,11 +117,6 @@ class KerasTrainStep:
         self.model.reset_metrics()
 
 
-def _examples(batch: Any) -> tf.Tensor:
-    leaves = tf.nest.flatten(batch)
-    return tf.cast(tf.shape(leaves[0])[0], tf.float32) if leaves else tf.constant(0.0)
-
-
 def make_keras_eval_loop(strategy: tf.distribute.Strategy, model: keras.Model) -> Callable[..., Any]:
     """`loop(iterator, max_batches) -> (exhausted, batches_run, examples, logs)`: the model's
     `test_step` over at most `max_batches` more batches; `logs` are what the last of them
@@ -129,7 +129,7 @@ def make_keras_eval_loop(strategy: tf.distribute.Strategy, model: keras.Model) -
         if not names:
             names.extend(logs)
         values = [tf.cast(logs[name], tf.float32) for name in names]
-        return tf.stack(values or [tf.constant(0.0)]), _examples(batch)
+        return tf.stack(values or [tf.constant(0.0)]), examples_in_batch(batch)
 
     @engine_graph_code
     def one_batch(batch: Any) -> tuple[tf.Tensor, tf.Tensor]:
@@ -271,8 +271,8 @@ def resolve_metrics(metrics: Any, y_true: Any, y_pred: Any, *, argument: str) ->
         isinstance(metrics, (list, tuple)) and any(isinstance(m, (list, tuple, Mapping)) for m in metrics)
     ):
         raise UserError(
-            f"{argument} nested per output ({describe(metrics)}) is not taken yet: pass the Trainer a flat "
-            "list of metric objects, each reading the outputs it needs"
+            f"{argument} nested per output ({describe_structure(metrics)}) is not taken yet: pass the Trainer "
+            "a flat list of metric objects, each reading the outputs it needs"
         )
     resolved = []
     for metric in metrics if isinstance(metrics, (list, tuple)) else [metrics]:
@@ -289,12 +289,6 @@ def resolve_metrics(metrics: Any, y_true: Any, y_pred: Any, *, argument: str) ->
         except (ValueError, TypeError) as error:
             raise UserError(f"{argument} {metric!r} is not a Keras metric ({error})") from None
     return resolved
-
-
-def describe(value: Any) -> str:
-    if isinstance(value, Mapping):
-        return f"a dict with keys {sorted(value)}"
-    return f"a {type(value).__name__} of {len(value)}"
 
 
 @dataclass(frozen=True)
@@ -350,7 +344,7 @@ def keras_arguments(
     optimizer = _optimizer_of(model, own, compiled, optimizer)
     needs_shapes = any(
         isinstance(item, str)
-        for item in (*_leaves(compiled.get("loss")), *_leaves(compiled.get("metrics")), *metrics)
+        for item in tf.nest.flatten([compiled.get("loss"), compiled.get("metrics"), list(metrics)])
     )
     y_true, y_pred = shapes() if needs_shapes else (None, None)
     loss_fn, loss_weights = _losses_of(compiled, loss_fn, loss_weights, y_true, y_pred)
@@ -434,32 +428,13 @@ def _losses_of(compiled: Mapping[str, Any], loss_fn: Any, loss_weights: Any, y_t
     if compiled_loss is None:
         if loss_fn is None:
             return None, loss_weights
-        return _map_leaves(lambda loss: per_element_loss(loss, y_true, y_pred), loss_fn), loss_weights
+        return tf.nest.map_structure(lambda loss: per_element_loss(loss, y_true, y_pred), loss_fn), loss_weights
     if loss_fn is not None:
         raise _refuse_both("loss=", "loss_fn")
     if loss_weights is not None:
         raise _refuse_both("a loss", "loss_weights")
-    per_element = _map_leaves(lambda loss: per_element_loss(loss, y_true, y_pred), compiled_loss)
+    per_element = tf.nest.map_structure(lambda loss: per_element_loss(loss, y_true, y_pred), compiled_loss)
     return per_element, compiled.get("loss_weights")
-
-
-def _leaves(structure: Any) -> list[Any]:
-    if structure is None:
-        return []
-    if isinstance(structure, Mapping):
-        return [leaf for value in structure.values() for leaf in _leaves(value)]
-    if isinstance(structure, (list, tuple)):
-        return [leaf for value in structure for leaf in _leaves(value)]
-    return [structure]
-
-
-def _map_leaves(function: Callable[[Any], Any], structure: Any) -> Any:
-    """`function` of every leaf of a loss nested like the outputs (strings are leaves)."""
-    if isinstance(structure, Mapping):
-        return {key: _map_leaves(function, value) for key, value in structure.items()}
-    if isinstance(structure, (list, tuple)):
-        return type(structure)(_map_leaves(function, value) for value in structure)
-    return function(structure)
 
 
 def label_and_output_shapes(

@@ -300,13 +300,6 @@ def place_on_replicas(strategy: tf.distribute.Strategy, data: ResidentData | Res
     )
 
 
-def _is_arrays(data: Any) -> bool:
-    """Examples as numpy arrays or pandas objects (nested in a tuple, list or dict), as Keras
-    `fit(x, y)` takes them, rather than a dataset or a function."""
-    leaves = tf.nest.flatten(_as_numpy(data)) if isinstance(data, (tuple, list, dict)) else []
-    return bool(leaves) and all(isinstance(leaf, np.ndarray) for leaf in leaves)
-
-
 def _as_numpy(data: Any) -> Any:
     """pandas DataFrames and Series as numpy arrays (Keras's pandas adapter does the same); a
     list of arrays as a tuple (tf.data would stack a list into one tensor)."""
@@ -320,10 +313,14 @@ def _as_numpy(data: Any) -> Any:
 
 
 def _example_arrays(data: Any, argument: str) -> tuple | None:
-    """`data` as `(features, labels[, sample_weight])` numpy arrays, None where it is no arrays."""
-    if not _is_arrays(data):
+    """`data` as `(features, labels[, sample_weight])` numpy arrays (pandas objects converted, as
+    Keras's pandas adapter does), or None where it is not examples as arrays (a dataset, a function)."""
+    if not isinstance(data, (tuple, list, dict)):
         return None
     arrays = _as_numpy(data)
+    leaves = tf.nest.flatten(arrays)
+    if not leaves or not all(isinstance(leaf, np.ndarray) for leaf in leaves):
+        return None
     if not isinstance(arrays, tuple) or len(arrays) not in (2, 3):
         raise UserError(
             f"{argument} as arrays is (features, labels) or (features, labels, sample_weight), got "
