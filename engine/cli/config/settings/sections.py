@@ -184,8 +184,8 @@ class CommandSettings:
     mode: str = setting(
         "train_and_eval",
         "train: no evaluation at all; eval: the latest checkpoint of --model_dir once (eval summaries at its "
-        "step and metrics.json); train_and_eval; continuous_eval: each new checkpoint once, until the final "
-        "step's.",
+        "step and metrics.json); train_and_eval; continuous_eval: every checkpoint once, in order (each "
+        "written since its last evaluation), until the final step's.",
         choices=MODES,
     )
     eval_timeout: float = setting(
