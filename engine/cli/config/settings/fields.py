@@ -103,6 +103,7 @@ MODEL_AND_DATA_SETTINGS = (
     "label_column",
     "normalize",
     "ps_shards",
+    "vocab_size",
     "eval_fraction",
     "num_classes",
     "image_shape",
