@@ -52,11 +52,12 @@ def test_wide_deep_learns_the_ids_of_click_logs_and_the_banner_says_where_each_t
 
 
 @pytest.mark.cli
-def test_ps_shards_sets_the_tables_shards_and_a_model_dir_keeps_its_count(tmp_path):
+def test_ps_shards_sets_the_tables_shards_and_a_model_dir_keeps_its_count_until_told_another(tmp_path):
     """--ps_shards is part of the model: the tables hold that many shards, the model_dir's
     config keeps the count (so its checkpoints restore onto any number of ps tasks), and a
-    rerun asking for another count is refused in one line, with nothing written."""
-    from helpers import one_error_line, snapshot
+    rerun asking for another count re-cuts the tables on restore and keeps that count."""
+    import yaml
+    from helpers import one_error_line
 
     from engine.checkpointing.discovery import latest_checkpoint
 
@@ -73,12 +74,15 @@ def test_ps_shards_sets_the_tables_shards_and_a_model_dir_keeps_its_count(tmp_pa
         if name.startswith("optimizer/_trainable_variables/") and "SLOT" not in name and shape[1:] == [16]
     ]
     assert sorted(deep_shards) == [[33333, 16], [33333, 16], [33334, 16]], stored  # The checkpoint's too.
-    before = snapshot(tmp_path)
-    refused = main_in_process(*flags, "--ps_shards=2", "--train_steps=4", f"--model_dir={tmp_path}")
-    assert refused.returncode == 2 and "--ps_shards=2" in one_error_line(refused), refused.stderr[-2000:]
-    assert snapshot(tmp_path) == before
-    again = main_in_process(*flags, "--train_steps=4", f"--model_dir={tmp_path}")  # The count it kept.
-    assert again.returncode == 0 and "in 3 shard(s)" in again.stderr, again.stderr[-3000:]
+    resharded = main_in_process(*flags, "--ps_shards=2", "--train_steps=4", f"--model_dir={tmp_path}")
+    assert resharded.returncode == 0, resharded.stderr[-3000:]
+    assert "table 'deep_ids': 3 shard(s) in " in resharded.stderr, resharded.stderr[-3000:]
+    assert "re-cut into 2 on restore" in resharded.stderr
+    assert "table 'deep_ids': 100000 x 16 in 2 shard(s): 50000 rows on CPU:0" in resharded.stderr
+    assert yaml.safe_load((tmp_path / "config.yaml").read_text())["ps_shards"] == 2
+    again = main_in_process(*flags, "--train_steps=6", f"--model_dir={tmp_path}")  # The count it keeps now.
+    assert again.returncode == 0 and "in 2 shard(s)" in again.stderr, again.stderr[-3000:]
+    assert "re-cut" not in again.stderr
     assert "--ps_shards=0 must be at least 1" in one_error_line(main_in_process(*flags, "--ps_shards=0"))
 
 

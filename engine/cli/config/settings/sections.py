@@ -272,10 +272,10 @@ class ProblemSettings:
     ps_shards: int = setting(
         4,
         "Row shards of each engine.ShardedEmbedding table the --model builds without a num_shards of its own "
-        "(wide_deep's): a parameter_server cluster spreads them over its ps tasks. Part of the model: a "
-        "model_dir with checkpoints keeps its count, which restores onto any number of ps tasks. At most a "
-        "table's rows, and 1024 shard variables in all the tables (each adds a gather and an update to every "
-        "step).",
+        "(wide_deep's): a parameter_server cluster spreads them over its ps tasks. A model_dir keeps its count "
+        "(which restores onto any number of ps tasks); another count on a model_dir with checkpoints re-cuts "
+        "the tables (and their optimizer slots) on restore. At most a table's rows, and 1024 shard variables "
+        "in all the tables (each adds a gather and an update to every step).",
         minimum=1,
     )
     vocab_size: int | None = setting(
