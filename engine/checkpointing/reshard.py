@@ -204,16 +204,17 @@ def resharded(path: str, checkpoint: tf.train.Checkpoint, *, partial: str = "") 
         return None
     directory = f"ram://engine-reshard-{os.getpid()}-{next(_translations)}"
     _ = checkpoint.save_counter  # Made by the write below: made first, it is in the layout written.
-    fresh = _Stored(checkpoint.write(os.path.join(directory, "layout")), program)
+    fresh = _Stored(checkpoint.write(os.path.join(directory, "layout"), options=in_this_process()), program)
     values = _translate(stored, fresh, path, partial, tables)
     target = os.path.join(directory, "resharded")
     names = sorted(values)
-    tf.raw_ops.SaveV2(
-        prefix=target,
-        tensor_names=names,
-        shape_and_slices=[""] * len(names),
-        tensors=[tf.constant(values[name]) for name in names],
-    )
+    with tf.device(_this_process()):
+        tf.raw_ops.SaveV2(
+            prefix=target,
+            tensor_names=names,
+            shape_and_slices=[""] * len(names),
+            tensors=[tf.constant(values[name]) for name in names],
+        )
     for table, count in changed.items():
         logger.info(
             "table %r: %d shard(s) in %s, re-cut into %d on restore",
@@ -234,15 +235,30 @@ def _rows_of(path: Path, checkpoint: tf.train.Checkpoint) -> list[int]:
 
 
 @contextlib.contextmanager
-def translated(path: str, checkpoint: tf.train.Checkpoint, *, partial: str = "") -> Iterator[str]:
-    """Within: what to restore for the checkpoint at `path`: `path` itself, or its translation
-    (`resharded`) when a table of `checkpoint` has another number of shards; dropped after."""
+def translated(
+    path: str, checkpoint: tf.train.Checkpoint, *, partial: str = ""
+) -> Iterator[tuple[str, tf.train.CheckpointOptions | None]]:
+    """Within: what to restore for the checkpoint at `path` and how: `path` itself, or its
+    translation (`resharded`) when a table of `checkpoint` has another number of shards, read
+    by this process (`in_this_process`); dropped after."""
     target = resharded(path, checkpoint, partial=partial)
     try:
-        yield path if target is None else target
+        yield (path, None) if target is None else (target, in_this_process())
     finally:
         if target is not None:
             tf.io.gfile.rmtree(os.path.dirname(target))
+
+
+def in_this_process() -> tf.train.CheckpointOptions:
+    """Reads and writes by this process: the translation lives in its memory (`ram://`), which
+    the ps tasks of a ParameterServerStrategy, saving and restoring their own variables, cannot
+    reach."""
+    return tf.train.CheckpointOptions(experimental_io_device=_this_process())
+
+
+def _this_process() -> str:
+    """This process's first CPU (`/job:chief/.../device:CPU:0` on a parameter-server coordinator)."""
+    return tf.config.list_logical_devices("CPU")[0].name
 
 
 def _translate(
