@@ -16,9 +16,11 @@ one model definition runs everywhere.
 
 The number of shards is part of the model, not of the cluster: a checkpoint
 holds `num_shards` tables and restores onto any number of ps tasks (or any
-other strategy) when the layer is built with the same `num_shards`. A layer
-given none takes `default_num_shards`'s count where one is set (the command
-line's `--ps_shards`, which a model_dir keeps), else one per ps task.
+other strategy); into a layer of another `num_shards` its rows (and the
+optimizer slots of its shards) are re-cut on restore (`engine.checkpointing.reshard`,
+which the engine's restores use). A layer given none takes `default_num_shards`'s
+count where one is set (the command line's `--ps_shards`, which a model_dir keeps),
+else one per ps task.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from input.clicks import load_clicks
+from input.clicks import VOCAB_SIZE, load_clicks
 from input.digits import load_digits
 from input.errors import DataError
 from input.files import is_file_dataset, load_csv, load_npz
@@ -38,6 +38,7 @@ class DataOptions:
     eval_file: str | None = None  # .csv
     eval_fraction: float = 0.1  # .npz without x_test, .csv without --eval_file
     label_kind: str | None = None  # What the loss reads the labels as; None: as the data says.
+    vocab_size: int | None = None  # clicks: the ids' space (None: input.clicks.VOCAB_SIZE).
 
 
 _BUILT_IN: dict[str, Callable[[DataOptions], DataSource]] = {
@@ -45,7 +46,7 @@ _BUILT_IN: dict[str, Callable[[DataOptions], DataSource]] = {
     "mnist": lambda options: load_mnist(_image_shape(options), options.num_classes or 10, options.data_dir),
     "synthetic": lambda options: load_synthetic(_image_shape(options), options.num_classes or 10),
     "tfrecord": lambda options: load_tfrecord(options.image_shape, options.num_classes, options.data_dir),
-    "clicks": lambda options: load_clicks(),
+    "clicks": lambda options: load_clicks(options.vocab_size or VOCAB_SIZE),
 }
 FORMS = ("PATH.npz", "PATH.csv", "tfds:NAME[/CONFIG]", "package.module:function")
 

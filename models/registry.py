@@ -38,6 +38,8 @@ class ModelSpec:
     build: Callable[[tuple[int, ...], int], keras.Model]
     default_input_shape: tuple[int, ...]
     description: str
+    # Settings (`engine.cli.config.settings`) the builder takes as keyword arguments when given.
+    keywords: tuple[str, ...] = ()
 
 
 _SPECS: dict[str, ModelSpec] = {
@@ -58,7 +60,9 @@ _SPECS: dict[str, ModelSpec] = {
             "wide_deep",
             wide_deep.build,
             (wide_deep.NUM_DENSE + wide_deep.NUM_IDS,),
-            "wide & deep over --dataset=clicks: two 100,000-id tables in 4 shards each (parameter servers)",
+            "wide & deep over --dataset=clicks: two --vocab_size-id tables (100,000) in 4 shards each "
+            "(parameter servers)",
+            keywords=("vocab_size",),
         ),
         ModelSpec(
             "wide_mlp", wide_mlp.build, (28, 28, 1), "3 dense layers of 4096 units; matmul-heavy benchmark"

@@ -20,7 +20,7 @@ import keras
 import tensorflow as tf
 
 from engine import model_dir as model_dir_lib
-from engine.checkpointing import discovery, repairs
+from engine.checkpointing import discovery, repairs, reshard
 from engine.checkpointing.background import BackgroundWriter, HostCopy
 from engine.errors import UserError, one_line
 from engine.logger import logger
@@ -166,19 +166,9 @@ def restore_latest(
         return None
     checkpoint = manager.checkpoint
     try:
-        if fresh_optimizer:
-            # The data position (engine.data.DataPosition), where checkpointed, is not optimizer state.
-            kept = {name: getattr(checkpoint, name) for name in ("data_position",) if hasattr(checkpoint, name)}
-            partial = tf.train.Checkpoint(model=checkpoint.model, global_step=checkpoint.global_step, **kept)
-            partial.restore(path).expect_partial().assert_existing_objects_matched()
-            optimizers = getattr(checkpoint, "optimizers", None) or {"": checkpoint.optimizer}
-            for optimizer in optimizers.values():
-                optimizer.iterations.assign(checkpoint.global_step)  # Schedules continue.
-            return path
-        status = checkpoint.restore(path)
-        status.assert_existing_objects_matched()
-        # Values of the checkpoint left over (Adam's slots restored into SGD) are state lost.
-        status.assert_consumed()
+        partial = "both" if fresh_optimizer else ""
+        with reshard.translated(path, checkpoint, partial=partial) as (source, options):  # Another shard count.
+            _restore(checkpoint, source, fresh_optimizer=fresh_optimizer, options=options)
     except (AssertionError, ValueError, tf.errors.InvalidArgumentError) as error:
         detail = one_line(error, 300)
         raise UserError(
@@ -192,6 +182,29 @@ def restore_latest(
             "`restore_fallback=True` to restore the newest older readable checkpoint, or use a new `model_dir`"
         ) from None
     return path
+
+
+def _restore(
+    checkpoint: tf.train.Checkpoint,
+    path: str,
+    *,
+    fresh_optimizer: bool,
+    options: tf.train.CheckpointOptions | None = None,
+) -> None:
+    """`restore_latest`'s restore of `path` into `checkpoint`, every value matched."""
+    if fresh_optimizer:
+        # The data position (engine.data.DataPosition), where checkpointed, is not optimizer state.
+        kept = {name: getattr(checkpoint, name) for name in ("data_position",) if hasattr(checkpoint, name)}
+        partial = tf.train.Checkpoint(model=checkpoint.model, global_step=checkpoint.global_step, **kept)
+        partial.restore(path, options=options).expect_partial().assert_existing_objects_matched()
+        optimizers = getattr(checkpoint, "optimizers", None) or {"": checkpoint.optimizer}
+        for optimizer in optimizers.values():
+            optimizer.iterations.assign(checkpoint.global_step)  # Schedules continue.
+        return
+    status = checkpoint.restore(path, options=options)
+    status.assert_existing_objects_matched()
+    # Values of the checkpoint left over (Adam's slots restored into SGD) are state lost.
+    status.assert_consumed()
 
 
 def check_settings(model_dir: str, settings: Mapping[str, str], *, flags_may_change: bool = False) -> None:
@@ -448,8 +461,9 @@ class CheckpointReader:
           UserError: it cannot be read, or it does not match the objects.
         """
         try:
-            status = self.checkpoint.read(path)
-            status.assert_existing_objects_matched()
+            with reshard.translated(path, self.checkpoint, partial="leftover") as (source, options):
+                status = self.checkpoint.read(source, options=options)  # Tables of another shard count: re-cut.
+                status.assert_existing_objects_matched()
         except (AssertionError, ValueError, tf.errors.OpError, IndexError) as error:  # IndexError: truncated
             if files_gone(path) and not strict:
                 raise CheckpointVanished(f"{path}: {type(error).__name__}") from None

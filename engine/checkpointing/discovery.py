@@ -123,6 +123,26 @@ def latest_checkpoint(directory: str) -> str | None:
     return path if tf.io.gfile.exists(path + ".index") else None
 
 
+def listed_checkpoints(directory: str) -> list[tuple[int, str]]:
+    """(step, path) of each checkpoint `directory`'s state file names whose index is there,
+    oldest first: what a reader beside a live trainer may read. The trainer names a checkpoint
+    there only once its files are complete (`CheckpointManager` writes the state file after
+    the files, by rename), so a checkpoint being written is never listed; one being deleted
+    by rotation may still be (its reader must survive that: `files_gone`)."""
+    state = checkpoint_state(directory) if tf.io.gfile.isdir(directory) else None
+    if state is None:
+        return []
+    paths = {*state.all_model_checkpoint_paths, state.model_checkpoint_path} - {""}
+    numbered = ((_step_in_name(path), path) for path in paths)
+    return sorted((step, path) for step, path in numbered if step >= 0 and tf.io.gfile.exists(path + ".index"))
+
+
+def _step_in_name(path: str) -> int:
+    """N of a `.../ckpt-N` prefix; -1 for another name."""
+    match = re.search(r"-(\d+)$", path)
+    return int(match.group(1)) if match else -1
+
+
 def write_state(directory: str, latest: str, every: list[str]) -> None:
     """Writes `directory`'s state file naming checkpoints relative to it (by name),
     as `tf.train.CheckpointManager` does, so the model_dir stays portable.

@@ -373,3 +373,116 @@ def test_an_evaluator_beside_a_trainer_that_keeps_one_checkpoint_survives_rotati
     assert steps and steps[-1] == 120 and len(steps) == len(set(steps)), steps  # The final one, each once.
     best = json.loads((tmp_path / "best" / "best.json").read_text())
     assert best["step"] in steps and (tmp_path / "best" / f"ckpt-{best['step']}.index").exists(), best
+
+
+def _evaluated_by_hand(path: str) -> dict[str, float]:
+    """The mlp checkpoint at `path` evaluated on digits' eval split in numpy (the reference):
+    its weights read back by a bare `tf.train.Checkpoint`, the forward pass, mean cross-entropy
+    and accuracy computed here."""
+    import numpy as np
+    import tensorflow as tf
+
+    from input.registry import get_data_source
+    from models import mlp
+
+    model = mlp.build((28, 28, 1), 10)
+    tf.train.Checkpoint(model=model).read(path).expect_partial().assert_existing_objects_matched()
+    kernel, bias, out_kernel, out_bias = (w.astype(np.float64) for w in model.get_weights())
+    source = get_data_source("digits", image_shape=(28, 28, 1), num_classes=10)
+    images, labels = (t.numpy() for t in next(iter(source.eval_dataset(global_batch_size=10_000))))
+    logits = np.maximum(images.reshape(len(images), -1) @ kernel + bias, 0) @ out_kernel + out_bias
+    shifted = logits - logits.max(axis=1, keepdims=True)
+    log_softmax = shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
+    return {
+        "loss": float(-log_softmax[np.arange(len(labels)), labels].mean()),
+        "accuracy": float((logits.argmax(axis=1) == labels).mean()),
+        "num_examples": len(labels),
+    }
+
+
+@pytest.mark.cli
+def test_continuous_eval_evaluates_every_checkpoint_there_in_order_each_as_by_hand(three_checkpoints, tmp_path):
+    """Three checkpoints written before the evaluator looks: all three are evaluated, oldest first
+    (the evaluator used to take only the newest), each equal to a numpy evaluation of its weights."""
+    import shutil
+
+    from engine.cli.config.settings import RunConfig
+    from engine.cli.run import evaluator as evaluator_lib
+
+    model_dir = tmp_path / "run"
+    shutil.copytree(three_checkpoints, model_dir)
+    config = RunConfig(**ROTATION_SETTINGS, mode="continuous_eval", model_dir=str(model_dir))
+    result = evaluator_lib.Evaluator(config).run_continuously()
+    assert result["global_step"] == 30, result
+    assert eval_steps(model_dir) == [10, 20, 30]
+    evaluations = json.loads((model_dir / "metrics.json").read_text())["evaluations"]
+    evaluated = [e for e in evaluations if e["mode"] == "continuous_eval"]
+    assert [e["step"] for e in evaluated] == [10, 20, 30], evaluations
+    for evaluation in evaluated:
+        expected = _evaluated_by_hand(str(model_dir / "checkpoints" / f"ckpt-{evaluation['step']}"))
+        logs = evaluation["eval"]
+        assert logs["num_examples"] == expected["num_examples"] == 297
+        # float32: the same count of right answers (1/297 apart) to its precision.
+        assert logs["accuracy"] == pytest.approx(expected["accuracy"], abs=1e-6), evaluation
+        assert logs["loss"] == pytest.approx(expected["loss"], rel=1e-5), evaluation
+
+
+@pytest.mark.cli
+@pytest.mark.parametrize("known_by", ["cadence", "look"])
+def test_checkpoints_rotation_deleted_before_their_turn_are_named_in_one_line(
+    three_checkpoints, tmp_path, monkeypatch, caplog, known_by
+):
+    """While ckpt-10 is evaluated the trainer writes ckpt-20 and ckpt-30 and rotation deletes
+    ckpt-20: the evaluator goes on to ckpt-30 and names ckpt-20 in one warning. "cadence": the
+    evaluator never saw ckpt-20 listed, the trainer's config.yaml (checkpoint_every=10) tells;
+    "look": it saw it listed at its first look (no config.yaml to tell the cadence)."""
+    import shutil
+
+    from engine.checkpointing import discovery
+    from engine.cli.config.settings import RunConfig
+    from engine.cli.run import evaluator as evaluator_lib
+
+    model_dir = tmp_path / "run"
+    shutil.copytree(three_checkpoints, model_dir)
+    checkpoints = model_dir / "checkpoints"
+    later = tmp_path / "later"  # ckpt-20 and ckpt-30 before the trainer "writes" them
+    later.mkdir()
+    if known_by == "cadence":
+        for path in [*checkpoints.glob("ckpt-20.*"), *checkpoints.glob("ckpt-30.*")]:
+            path.rename(later / path.name)
+        discovery.write_state(str(checkpoints), str(checkpoints / "ckpt-10"), [str(checkpoints / "ckpt-10")])
+    else:
+        (model_dir / "config.yaml").unlink()
+    config = RunConfig(**ROTATION_SETTINGS, mode="continuous_eval", model_dir=str(model_dir))
+    evaluator = evaluator_lib.Evaluator(config)
+    run = evaluator.runner.run
+
+    def evaluating_while_training_writes():
+        logs = run()
+        if (checkpoints / "ckpt-20.index").exists() or any(later.iterdir()):  # once: ckpt-10's evaluation
+            for path in later.glob("ckpt-30.*"):
+                path.rename(checkpoints / path.name)
+            for path in checkpoints.glob("ckpt-20.*"):
+                path.unlink()
+            discovery.write_state(str(checkpoints), str(checkpoints / "ckpt-30"), [str(checkpoints / "ckpt-30")])
+            shutil.rmtree(later)
+            later.mkdir()
+        return logs
+
+    monkeypatch.setattr(evaluator.runner, "run", evaluating_while_training_writes)
+    result = evaluator.run_continuously()
+    assert result["global_step"] == 30, result
+    assert eval_steps(model_dir) == [10, 30]
+    named = [r.getMessage() for r in caplog.records if "not evaluated" in r.getMessage()]
+    assert len(named) == 1 and "\n" not in named[0], named
+    assert named[0].startswith("not evaluated: ckpt-20 (after step 10, before 30): --max_checkpoints"), named
+
+
+def test_missed_steps_are_those_seen_and_the_trainers_cadence_between_two_evaluations():
+    from engine.cli.run.evaluator import missed_steps
+
+    assert missed_steps(100, 300, {50, 100, 150, 300, 350}, 50) == [150, 200, 250]
+    assert missed_steps(100, 300, {150, 170}, None) == [150, 170]  # a save off the cadence, seen listed
+    assert missed_steps(0, 30, set(), 500) == []  # the first run's final save (train_steps=30)
+    assert missed_steps(0, 40, set(), 10) == [10, 20, 30]  # started before training: from step 0
+    assert missed_steps(30, 40, {30, 40}, 10) == []

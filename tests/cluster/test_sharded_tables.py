@@ -1,6 +1,7 @@
 """engine.ShardedEmbedding under ParameterServerStrategy: a table split over the ps tasks
 trains as the whole table does in one process, and its checkpoint restores onto another
-number of ps tasks and onto one device. One process per task (engine.server), as users run it.
+number of ps tasks, into another number of shards and onto one device. One process per task
+(engine.server), as users run it.
 
 Covers: engine/launch/task_server.py, engine/loop/ps_runners.py, engine/trainer/coordinated.py.
 """
@@ -193,6 +194,8 @@ def test_a_table_over_two_ps_tasks_trains_as_one_table_and_restores_onto_one_ps_
         two_ps = coordinate(hosts, model_dir, None, 8)
         # The same checkpoint onto a cluster of one ps task: both shards there, training goes on.
         one_ps = coordinate({**hosts, "ps": hosts["ps"][:1]}, model_dir, 2, 12)
+        # And into 3 shards over the 2 ps tasks: the rows and Adagrad's slots re-cut on restore.
+        three_shards = coordinate(hosts, model_dir, 3, 16)
     assert [device.split("/device")[0] for device in two_ps["placement"]] == [
         "/job:ps/replica:0/task:0",
         "/job:ps/replica:0/task:1",
@@ -203,17 +206,20 @@ def test_a_table_over_two_ps_tasks_trains_as_one_table_and_restores_onto_one_ps_
     assert one_ps["tables"] == ["table 'table': 23 x 4 in 2 shard(s): 12 rows on ps:0, 11 rows on ps:0"]
     # One worker: the split table trains as the whole table does in one process (Adagrad's
     # slots split alike), and goes on from the checkpoint on the other cluster as if never stopped.
-    for result, steps in ((two_ps, 8), (one_ps, 12)):
+    assert three_shards["tables"] == [
+        "table 'table': 23 x 4 in 3 shard(s): 8 rows on ps:0, 8 rows on ps:1, 7 rows on ps:0"
+    ]
+    for result, steps in ((two_ps, 8), (one_ps, 12), (three_shards, 16)):
         table, dense = whole_table_trained_in_one_process(default, steps)
         np.testing.assert_allclose(np.array(result["table"]), table, rtol=0, atol=1e-6)
         for got, expected in zip(result["dense"], dense, strict=True):
             np.testing.assert_allclose(np.array(got), expected, rtol=0, atol=1e-6)
-    # The checkpoint of step 12 restores onto one device, as two shards side by side.
-    local = engine.ShardedEmbedding(VOCAB, WIDTH, 2, mask_zero=True, name="table")
+    # The checkpoint of step 16 restores onto one device, as three shards side by side.
+    local = engine.ShardedEmbedding(VOCAB, WIDTH, 3, mask_zero=True, name="table")
     model = tagger(default, local)
     latest = tf.train.latest_checkpoint(str(model_dir / "checkpoints"))
     tf.train.Checkpoint(model=model).read(latest).expect_partial()
-    np.testing.assert_array_equal(np.concatenate(local.get_weights()), np.float32(one_ps["table"]))
+    np.testing.assert_array_equal(np.concatenate(local.get_weights()), np.float32(three_shards["table"]))
 
 
 @pytest.mark.timeout(480)
@@ -248,7 +254,10 @@ def test_a_tf_module_under_the_strategys_variable_partitioner_trains_as_unsharde
     assert not (tmp_path / "keras").exists()  # Refused before anything was written.
     # One worker: the sharded tf.Module trains as the whole one does in one process, and goes on
     # from the checkpoint on one ps task as if never stopped (the refused run changed nothing).
-    for result, steps in ((two_ps, 8), (one_ps, 12)):
+    assert three_shards["tables"] == [
+        "table 'table': 23 x 4 in 3 shard(s): 8 rows on ps:0, 8 rows on ps:1, 7 rows on ps:0"
+    ]
+    for result, steps in ((two_ps, 8), (one_ps, 12), (three_shards, 16)):
         assert result["step"] == steps
         with default.scope():
             model = ModuleTagger()

@@ -5,7 +5,8 @@ and optimizer as the training job does, restores each checkpoint with a
 plain `tf.train.Checkpoint.read` (no `CheckpointManager`, which could
 rotate or set aside the trainer's files, and no writer lock), and runs the
 training's own compiled eval loop (`engine.loop.runners.EvalRunner`) over the whole
-eval set. It writes only
+eval set. `--mode=continuous_eval` evaluates every checkpoint, in order, however many
+training writes between two looks (`_new_checkpoints`). It writes only
 its eval summaries (at the checkpoint's step, to the `eval` run) and
 `metrics.json`, the latter in `--mode=eval` or once training has finished.
 
@@ -16,7 +17,6 @@ continuous evaluator beside a cluster: it never trains.
 from __future__ import annotations
 
 import contextlib
-import re
 import signal
 import time
 from collections.abc import Iterator
@@ -29,7 +29,8 @@ from engine import model_dir as model_dir_lib
 from engine.callbacks.progress import format_logs
 from engine.checkpointing import checkpointer as checkpoint_lib
 from engine.checkpointing.checkpointer import CheckpointVanished, files_gone
-from engine.checkpointing.discovery import latest_checkpoint
+from engine.checkpointing.discovery import latest_checkpoint, listed_checkpoints
+from engine.cli.config.config_files import read_stored_config
 from engine.cli.config.settings import RunConfig
 from engine.cli.config.settings.sections import DecisionSettings, StateSettings
 from engine.cli.run.assembly import CheckpointedModel
@@ -47,7 +48,7 @@ from engine.summaries import SummaryWriters
 POLL_SECONDS = 1.0
 # How long a continuous evaluator waits, after the final step, for the trainer's metrics.json.
 TRAINER_FINISH_SECONDS = 60.0
-_CHECKPOINT_STEP = re.compile(r"-(\d+)$")
+MISSED_LISTED = 10  # Checkpoints a "not evaluated" line names; past that, how many more.
 
 
 def evaluation_mode(mode: str, cluster: Cluster | None) -> str | None:
@@ -164,7 +165,8 @@ class Evaluator:
         return step, logs
 
     def run_continuously(self) -> dict[str, Any]:
-        """Evaluates each new checkpoint once until the final step's, or `eval_timeout` idle seconds."""
+        """Evaluates every checkpoint once, in order, until the final step's (or `eval_timeout` idle
+        seconds)."""
         config = self.config
         logging.info(
             "continuous evaluation of %s until step %d (or %gs without a new checkpoint)",
@@ -196,24 +198,68 @@ class Evaluator:
         return result
 
     def _new_checkpoints(self) -> Iterator[str]:
-        """Paths of checkpoints newer than the last one yielded; ends after eval_timeout idle
-        seconds or on SIGTERM/SIGINT (between evaluations)."""
+        """Paths of the checkpoints written since the last one yielded, oldest first, each once
+        (every point of the eval curve, however many the trainer wrote between two looks); ends
+        after eval_timeout idle seconds or on SIGTERM/SIGINT (between evaluations).
+
+        Read from the state file, which names a checkpoint only once it is complete
+        (`listed_checkpoints`). Those rotation deleted before their turn are named
+        (`_warn_missed`); those there when the evaluator starts are all evaluated.
+        """
         directory = checkpoint_lib.checkpoint_dir(self.model_dir)
-        seen = -1
+        last: int | None = None  # The step of the newest checkpoint yielded; None before the first look.
+        seen: set[int] = set()  # Steps the state file named at some look.
         idle_since = time.monotonic()
         while not self._stop.signum:
-            path = latest_checkpoint(directory) if tf.io.gfile.isdir(directory) else None
-            step = _step_of(path)
-            if path is not None and step > seen:
-                seen = step
+            listed = listed_checkpoints(directory)
+            pending = [(step, path) for step, path in listed if last is None or step > last]
+            if pending:
+                step, path = pending[0]
+                if last is not None:
+                    self._warn_missed(last, step, seen)
+                seen.update(listed_step for listed_step, _ in listed)
+                last = step
                 yield path
                 idle_since = time.monotonic()
                 continue
+            seen.update(listed_step for listed_step, _ in listed)
+            if last is None:
+                last = 0  # Nothing there yet: every checkpoint from now on is the evaluator's.
             if time.monotonic() - idle_since > self.config.eval_timeout:
                 logging.warning("no new checkpoint for %gs (--eval_timeout); stopping", self.config.eval_timeout)
                 return
             time.sleep(POLL_SECONDS)
         logging.warning("%s received: stopping the evaluation", signal.Signals(self._stop.signum).name)
+
+    def _warn_missed(self, after: int, before: int, seen: set[int]) -> None:
+        """One line naming the checkpoints written after step `after` and before `before` that
+        rotation (--max_checkpoints) deleted before the evaluator got to them."""
+        steps = missed_steps(after, before, seen, self._trainer_checkpoint_every())
+        if not steps:
+            return
+        names = ", ".join(f"ckpt-{step}" for step in steps[:MISSED_LISTED])
+        more = f" and {len(steps) - MISSED_LISTED} more" if len(steps) > MISSED_LISTED else ""
+        logging.warning(
+            "not evaluated: %s%s (after step %d, before %d): --max_checkpoints deleted them before the "
+            "evaluator got to them, so the eval curve has no point there; keep more checkpoints "
+            "(--max_checkpoints) or evaluate less (a smaller eval set) to keep up",
+            names,
+            more,
+            after,
+            before,
+        )
+
+    def _trainer_checkpoint_every(self) -> int | None:
+        """The trainer's --checkpoint_every: from the config.yaml it keeps in the model_dir (it
+        may have started after this evaluator), else this evaluator's own."""
+        try:
+            stored = read_stored_config(self.model_dir)
+        except UserError:  # Damaged (or replaced mid-read): the evaluator's own settings.
+            stored = None
+        every = self.config.checkpoint_every
+        if stored is not None:
+            every = stored.values.get("checkpoint_every", every)
+        return every or None
 
     def _merge_into_trainer_metrics(
         self, result: dict[str, Any], evaluations: list[tuple[int, dict[str, float]]]
@@ -252,9 +298,14 @@ class _StopFlag:
             signal.signal(handled, signal.SIG_DFL)
 
 
-def _step_of(path: str | None) -> int:
-    match = _CHECKPOINT_STEP.search(path or "")
-    return int(match.group(1)) if match else -1
+def missed_steps(after: int, before: int, seen: set[int], every: int | None) -> list[int]:
+    """The steps of the checkpoints a trainer wrote after step `after` and before `before`:
+    those a look saw named (`seen`) and the multiples of its `--checkpoint_every` (`every`;
+    the trainer saves at each, its loops cut there), in order."""
+    steps = {step for step in seen if after < step < before}
+    if every:
+        steps.update(range((after // every + 1) * every, before, every))
+    return sorted(steps)
 
 
 class _EvaluatorView:

@@ -10,6 +10,7 @@ shape, the label kind and the output size, and only then is the model built.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -180,6 +181,9 @@ def resolve_task(problem: ProblemSettings, *, source: Any = None) -> RunTask:
         except models.ModelError as error:
             raise UserError(str(error)) from None
         model_name, build, default_shape = problem.model, spec.build, spec.default_input_shape
+        given = {name: getattr(problem, name) for name in spec.keywords if getattr(problem, name) is not None}
+        if given:  # --vocab_size for wide_deep: the builder's own keyword.
+            build = functools.partial(spec.build, **given)
     feature_columns = None
     if source is None:  # Else described by the training's record: nothing to read.
         wanted_kind = objectives.loss_kind(loss) if isinstance(loss, str) else None
@@ -234,6 +238,7 @@ def _data_source(
         "eval_file": problem.eval_file,
         "eval_fraction": problem.eval_fraction,
         "label_kind": wanted_kind,
+        "vocab_size": problem.vocab_size,
     }
     try:
         if task.data is not None:

@@ -94,7 +94,8 @@ PER_INVOCATION_SETTINGS = (
 )
 # The settings that define the model or the data its checkpoints were trained on: a model_dir with
 # checkpoints refuses a change (its config.yaml holds the values they were trained with). Where the
-# data live (data_dir, eval_file) may change: data sets get copied to local disks.
+# data live (data_dir, eval_file) may change: data sets get copied to local disks. --ps_shards may
+# change too: a table's checkpoint restores into another number of shards (engine.checkpointing.reshard).
 MODEL_AND_DATA_SETTINGS = (
     "task",
     "task_params",
@@ -102,7 +103,7 @@ MODEL_AND_DATA_SETTINGS = (
     "dataset",
     "label_column",
     "normalize",
-    "ps_shards",
+    "vocab_size",
     "eval_fraction",
     "num_classes",
     "image_shape",

@@ -39,6 +39,9 @@ from engine.cli.config.settings.paths import check_model_dir
 from engine.errors import UserError
 from engine.options import Cadence, CheckpointOptions, SpikeOptions, StepOptions, ThroughputOptions
 
+# The most --vocab_size: input.clicks.MAX_VOCAB_SIZE (ids in float32 columns), without importing it.
+MAX_VOCAB_SIZE = 1 << 24
+
 
 @dataclasses.dataclass(frozen=True)
 class DeviceSettings:
@@ -184,8 +187,8 @@ class CommandSettings:
     mode: str = setting(
         "train_and_eval",
         "train: no evaluation at all; eval: the latest checkpoint of --model_dir once (eval summaries at its "
-        "step and metrics.json); train_and_eval; continuous_eval: each new checkpoint once, until the final "
-        "step's.",
+        "step and metrics.json); train_and_eval; continuous_eval: every checkpoint once, in order (each "
+        "written since its last evaluation), until the final step's.",
         choices=MODES,
     )
     eval_timeout: float = setting(
@@ -269,10 +272,17 @@ class ProblemSettings:
     ps_shards: int = setting(
         4,
         "Row shards of each engine.ShardedEmbedding table the --model builds without a num_shards of its own "
-        "(wide_deep's): a parameter_server cluster spreads them over its ps tasks. Part of the model: a "
-        "model_dir with checkpoints keeps its count, which restores onto any number of ps tasks. At most a "
-        "table's rows, and 1024 shard variables in all the tables (each adds a gather and an update to every "
-        "step).",
+        "(wide_deep's): a parameter_server cluster spreads them over its ps tasks. A model_dir keeps its count "
+        "(which restores onto any number of ps tasks); another count on a model_dir with checkpoints re-cuts "
+        "the tables (and their optimizer slots) on restore. At most a table's rows, and 1024 shard variables "
+        "in all the tables (each adds a gather and an update to every step).",
+        minimum=1,
+    )
+    vocab_size: int | None = setting(
+        None,
+        "The clicks example's ids: --dataset=clicks hashes its categorical features into this many and "
+        "--model=wide_deep sizes its tables to it (default 100,000; at most 2**24, exact in float32 columns). "
+        "Part of the model: a model_dir with checkpoints keeps it.",
         minimum=1,
     )
     eval_file: str | None = setting(None, "--dataset=PATH.csv: the eval split, a .csv with the same columns.")
@@ -351,6 +361,7 @@ class ProblemSettings:
         if self.metrics is not None and not all(self.metrics):
             raise UserError(f"--metrics={','.join(self.metrics)} has an empty name")
         self._check_ps_shards()
+        self._check_vocab_size()
         if not isinstance(self.task_params, dict) or not all(isinstance(key, str) for key in self.task_params):
             raise UserError(
                 f"task_params={self.task_params!r} must be a mapping of keyword names to values, "
@@ -397,6 +408,21 @@ class ProblemSettings:
                 f"--ps_shards={self.ps_shards} is over the limit of {MAX_SHARD_VARIABLES} shard variables: each "
                 "adds a gather, a gradient and an update to every step (about 90 ms to trace and 1 MiB each, "
                 f"measured); use --ps_shards={MAX_SHARD_VARIABLES} or fewer, about as many as ps tasks"
+            )
+
+    def _check_vocab_size(self) -> None:
+        """--vocab_size where it applies (the clicks data, the wide_deep tables), at a size the
+        data's float32 columns hold exactly."""
+        if self.vocab_size is None:
+            return
+        if self.dataset != "clicks" and self.model != "wide_deep":
+            raise UserError(
+                f"--vocab_size={self.vocab_size} is for --dataset=clicks and --model=wide_deep; drop it"
+            )
+        if self.vocab_size > MAX_VOCAB_SIZE:
+            raise UserError(
+                f"--vocab_size={self.vocab_size} is over {MAX_VOCAB_SIZE} (2**24): the clicks data hold ids in "
+                f"float32 columns, exact up to there; use --vocab_size={MAX_VOCAB_SIZE} or fewer"
             )
 
     def served_image_shape(self) -> tuple[int, int, int] | None:
