@@ -421,6 +421,7 @@ def trained_weights(form: Form, strategy: Any, steps: int, model_dir: str | None
     """Every variable of the form's model (random state included) after training to `steps`
     with the engine, two steps a loop, checkpoints in `model_dir`."""
     import tensorflow as tf
+    from helpers import make_trainer
 
     import engine
 
@@ -430,8 +431,8 @@ def trained_weights(form: Form, strategy: Any, steps: int, model_dir: str | None
     x, y, *weights = form.data(NUM_TRAIN, SEED)
     arrays = (x, y, *weights)
     as_tuples = lambda v: tuple(v) if isinstance(v, list) else v  # noqa: E731
-    trainer = engine.Trainer(
-        strategy=strategy,
+    trainer = make_trainer(
+        strategy,
         model=model,
         optimizer=optimizer,
         train_data=tf.data.Dataset.from_tensor_slices(tuple(as_tuples(a) for a in arrays)).batch(GLOBAL_BATCH),

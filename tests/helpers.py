@@ -563,25 +563,41 @@ def loss_fn():
     return keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
 
 
-def make_trainer(strategy=None, *, arrays=None, batch: int = 16, seed: int = 3, l2: float = 0.0, **overrides):
+def make_trainer(
+    strategy=None,
+    *,
+    arrays=None,
+    batch: int = 16,
+    seed: int = 3,
+    l2: float = 0.0,
+    trainer_class: type | None = None,
+    **overrides,
+):
     """The tests' Trainer: the small model (`make_model(strategy, seed, l2)`) on repeated global
     batches of `batch` from `arrays` (64 examples of `make_arrays` by default), in `strategy`
     (the current one by default). Any Trainer keyword in `overrides` replaces its default,
-    `model` and `optimizer` included."""
+    `model`, `optimizer` and `train_data` included (`loss_fn=None`: no loss of the tests', as
+    for a compiled Keras model or a `step_fn`). The options go in their groups
+    (`cadence=engine.Cadence(...)`): a flat alias is refused here, as only the tests of the
+    flat shim (tests/unit/test_options.py) pass them, to `engine.Trainer` itself. `trainer_class`:
+    another Trainer class than `engine.Trainer` (`CoordinatedTrainer` under parameter servers)."""
     import engine
+    from engine.options import FLAT_ALIASES
 
+    flat = sorted(FLAT_ALIASES & overrides.keys())
+    assert not flat, f"make_trainer takes the option groups, not the flat aliases {flat}"
     strategy = strategy or tf.distribute.get_strategy()
     if "model" not in overrides:
         overrides["model"], default_optimizer = make_model(strategy, seed=seed, l2=l2)
         overrides.setdefault("optimizer", default_optimizer)
-    x, y = arrays if arrays is not None else make_arrays(64)
-    arguments = {
-        "strategy": strategy,
-        "train_data": global_batches(x, y, batch),
-        "global_batch_size": batch,
-        "loss_fn": loss_fn(),
-    }
-    return engine.Trainer(**{**arguments, **overrides})
+    if "train_data" not in overrides:
+        x, y = arrays if arrays is not None else make_arrays(64)
+        overrides["train_data"] = global_batches(x, y, batch)
+    if "loss_fn" not in overrides:
+        overrides["loss_fn"] = loss_fn()
+    arguments = {"strategy": strategy, "global_batch_size": batch}
+    trainer_class = trainer_class or engine.Trainer
+    return trainer_class(**{**arguments, **overrides})
 
 
 def small_trainer(model_dir, **overrides):

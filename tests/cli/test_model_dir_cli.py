@@ -27,6 +27,7 @@ from helpers import (
     copy_of,
     file_tree,
     main_in_process,
+    make_trainer,
     one_error_line,
     popen_main,
     python_env,
@@ -711,23 +712,8 @@ def test_a_model_dir_made_read_only_mid_run_is_one_line_and_the_latest_checkpoin
 
 
 def test_trainer_refuses_a_model_dir_with_pattern_characters(tmp_path):
-    import tensorflow as tf
-    from helpers import global_batches, loss_fn, make_arrays, make_model
-
-    import engine
-
-    strategy = tf.distribute.get_strategy()
-    model, optimizer = make_model(strategy)
     with pytest.raises(UserError, match=r"contains '\[\]'"):
-        engine.Trainer(
-            strategy=strategy,
-            model=model,
-            optimizer=optimizer,
-            train_data=global_batches(*make_arrays(64), 16),
-            global_batch_size=16,
-            loss_fn=loss_fn(),
-            model_dir=str(tmp_path / "run[0]"),
-        )
+        make_trainer(model_dir=str(tmp_path / "run[0]"))
     assert list(tmp_path.iterdir()) == []
 
 

@@ -34,6 +34,7 @@ import keras
 sys.path[:0] = ["tests", "tests/cluster"]
 import engine
 from engine.trainer.coordinated import CoordinatedTrainer
+from helpers import make_trainer
 from test_sharded_tables import sequences, tagger
 
 hosts, model_dir = json.loads(sys.argv[1]), sys.argv[2]
@@ -51,9 +52,9 @@ x, y = sequences()
 def train_from(input_context, start_step):
     return tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(16, drop_remainder=True).skip(start_step)
 
-trainer = CoordinatedTrainer(
-    strategy=strategy, model=model, optimizer=optimizer, train_data=train_from, global_batch_size=16,
-    loss_fn=keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None),
+trainer = make_trainer(
+    strategy, trainer_class=CoordinatedTrainer, model=model, optimizer=optimizer, train_data=train_from,
+    global_batch_size=16, loss_fn=keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None),
     cadence=engine.Cadence(steps_per_loop=2, checkpoint_every=4), model_dir=model_dir,
 )
 trainer.train(steps)
@@ -78,6 +79,7 @@ import keras
 sys.path[:0] = ["tests", "tests/cluster"]
 import engine
 from engine.trainer.coordinated import CoordinatedTrainer
+from helpers import make_trainer
 from test_sharded_tables import ModuleTagger, sequences, tagger
 
 hosts, model_dir = json.loads(sys.argv[1]), sys.argv[2]
@@ -95,8 +97,8 @@ x, y = sequences()
 def train_from(input_context, start_step):
     return tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(16, drop_remainder=True).skip(start_step)
 
-trainer = CoordinatedTrainer(
-    strategy=strategy, model=model, optimizer=optimizer,
+trainer = make_trainer(
+    strategy, trainer_class=CoordinatedTrainer, model=model, optimizer=optimizer,
     train_data=engine.PerReplicaBatches(from_step=train_from), global_batch_size=16,
     loss_fn=keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None),
     cadence=engine.Cadence(steps_per_loop=2, checkpoint_every=4), model_dir=model_dir,

@@ -21,7 +21,7 @@ import json, sys
 sys.path.insert(0, "tests")
 import keras, numpy as np, tensorflow as tf
 import engine
-from helpers import make_arrays, loss_fn, global_batches
+from helpers import make_arrays, make_trainer
 
 engine.configure_cpu_devices(2)
 x, y = make_arrays(64)
@@ -37,9 +37,8 @@ def model_in(strategy, hidden):
 
 def train(strategy, hidden):
     model, optimizer = model_in(strategy, hidden)
-    trainer = engine.Trainer(
-        strategy=strategy, model=model, optimizer=optimizer, train_data=global_batches(x, y, 16),
-        global_batch_size=16, loss_fn=loss_fn(), cadence=engine.Cadence(steps_per_loop=2),
+    trainer = make_trainer(
+        strategy, model=model, optimizer=optimizer, arrays=(x, y), cadence=engine.Cadence(steps_per_loop=2)
     )
     trainer.train(4)
     return model.get_weights()

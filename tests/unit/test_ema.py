@@ -10,7 +10,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from helpers import python_env
+from helpers import make_trainer, python_env
 
 import engine
 from engine.errors import UserError
@@ -35,8 +35,8 @@ def new_trainer(strategy, *, model_dir=None, reset_optimizer=False, **kwargs):
     model.set_weights([rng.normal(0, 0.5, w.shape).astype("float32") for w in model.get_weights()])
     x, y = arrays(64)
     ex, ey = arrays(40, seed=1)
-    return engine.Trainer(
-        strategy=strategy,
+    return make_trainer(
+        strategy,
         model=model,
         optimizer=optimizer,
         global_batch_size=BATCH,
@@ -132,8 +132,8 @@ def test_bad_ema_settings_are_refused(default):
         built.build(model.trainable_variables)
     x, y = arrays(32)
     with pytest.raises(UserError, match="needs an optimizer that is not built yet"):
-        engine.Trainer(
-            strategy=default,
+        make_trainer(
+            default,
             model=model,
             optimizer=built,
             global_batch_size=BATCH,

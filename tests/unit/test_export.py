@@ -7,7 +7,7 @@ import sys
 import numpy as np
 import pytest
 import tensorflow as tf
-from helpers import NUM_FEATURES, REPO, global_batches, loss_fn, make_arrays, make_model, run_main
+from helpers import NUM_FEATURES, REPO, make_arrays, make_model, make_trainer, run_main
 
 import engine
 from engine.errors import UserError
@@ -35,14 +35,7 @@ def test_exported_saved_model_reproduces_predictions(tmp_path, kind):
     else:
         with strategy.scope():
             model, optimizer = Linear(), tf.keras.optimizers.SGD(0.1)
-    trainer = engine.Trainer(
-        strategy=strategy,
-        model=model,
-        optimizer=optimizer,
-        train_data=global_batches(x, y, 16),
-        global_batch_size=16,
-        loss_fn=loss_fn(),
-    )
+    trainer = make_trainer(strategy, model=model, optimizer=optimizer, arrays=(x, y))
     trainer.train(5)
     export_dir = str(tmp_path / "export")
     export_saved_model(model, export_dir, [tf.TensorSpec([None, NUM_FEATURES], tf.float32)])
@@ -85,6 +78,7 @@ def test_cli_exports_a_servable_model(tmp_path):
 
 NAN_SCRIPT = """
 import numpy as np, tensorflow as tf, keras, engine
+from helpers import make_trainer
 tf.debugging.enable_check_numerics()
 strategy = engine.build_strategy("default")
 with strategy.scope():
@@ -93,8 +87,7 @@ with strategy.scope():
 def bad_loss(labels, logits):
     return tf.math.log(logits[:, 0] - 1e9)  # log of a negative number: NaN
 data = tf.data.Dataset.from_tensor_slices((np.ones((8, 2), "float32"), np.zeros(8, "int32"))).repeat().batch(4)
-engine.Trainer(strategy=strategy, model=model, optimizer=optimizer, train_data=data,
-               global_batch_size=4, loss_fn=bad_loss).train(2)
+make_trainer(strategy, model=model, optimizer=optimizer, train_data=data, batch=4, loss_fn=bad_loss).train(2)
 """
 
 
@@ -106,7 +99,7 @@ def test_check_numerics_stops_the_run_at_the_first_nan(tmp_path):
         cwd=tmp_path,
         capture_output=True,
         text=True,
-        env={"PYTHONPATH": str(REPO), "TF_CPP_MIN_LOG_LEVEL": "2", "PATH": "/usr/bin:/bin"},
+        env={"PYTHONPATH": f"{REPO}:{REPO / 'tests'}", "TF_CPP_MIN_LOG_LEVEL": "2", "PATH": "/usr/bin:/bin"},
         timeout=240,
     )
     assert result.returncode != 0

@@ -11,7 +11,7 @@ import time
 import keras
 import pytest
 import tensorflow as tf
-from helpers import global_batches, loss_fn, main_in_process, make_arrays, make_model, read_scalars
+from helpers import main_in_process, make_arrays, make_trainer, read_scalars
 
 import engine
 from engine.goodput import FIGURES, PHASES, GoodputClock, ModelFlops, breakdown_line, scalars
@@ -144,19 +144,13 @@ def test_flops_are_counted_for_graphs_of_known_layers_only():
 # ------------------------------------------------------------------- the Trainer
 
 
-def make_trainer(tmp_path=None, *, evaluates=False, **kwargs):
-    strategy = tf.distribute.get_strategy()
-    model, optimizer = make_model(strategy)
+def goodput_trainer(tmp_path=None, *, evaluates=False, **kwargs):
+    """`make_trainer` on 256 examples, with accuracy (and an eval set of 64 with `evaluates`)."""
     x, y = make_arrays(256)
     eval_data = tf.data.Dataset.from_tensor_slices((x[:64], y[:64])).batch(16) if evaluates else None
-    return engine.Trainer(
-        strategy=strategy,
-        model=model,
-        optimizer=optimizer,
-        train_data=global_batches(x, y, 16),
+    return make_trainer(
+        arrays=(x, y),
         eval_data=eval_data,
-        global_batch_size=16,
-        loss_fn=loss_fn(),
         metrics=[keras.metrics.SparseCategoricalAccuracy(name="accuracy")],
         model_dir=None if tmp_path is None else str(tmp_path / "run"),
         **kwargs,
@@ -164,7 +158,7 @@ def make_trainer(tmp_path=None, *, evaluates=False, **kwargs):
 
 
 def test_trainer_goodput_counts_eval_checkpoints_and_writes_scalars(tmp_path, caplog):
-    trainer = make_trainer(
+    trainer = goodput_trainer(
         tmp_path, evaluates=True, cadence=engine.Cadence(steps_per_loop=5, eval_every=10, checkpoint_every=10)
     )
     with caplog.at_level("INFO", logger="engine"):
@@ -180,18 +174,18 @@ def test_trainer_goodput_counts_eval_checkpoints_and_writes_scalars(tmp_path, ca
     assert list(written["goodput/fraction"]) == [20]  # At the final step.
     assert "tflops" not in written  # No FLOPs given, none guessed.
 
-    restarted = make_trainer(tmp_path)
+    restarted = goodput_trainer(tmp_path)
     assert restarted.goodput()["restore_s"] > 0
 
 
 def test_trainer_shows_tflops_and_mfu_from_the_flops_it_is_given():
-    trainer = make_trainer(
+    trainer = goodput_trainer(
         cadence=engine.Cadence(steps_per_loop=4), throughput=engine.ThroughputOptions(flops_per_example=1000)
     )
     logs = trainer.train(8)
     assert logs["tflops"] == pytest.approx(3000 * logs["examples_per_second"] / 1e12)
     assert "mfu" not in logs
-    trainer = make_trainer(
+    trainer = goodput_trainer(
         cadence=engine.Cadence(steps_per_loop=4),
         throughput=engine.ThroughputOptions(flops_per_example=1000, peak_tflops=2.0),
     )
@@ -204,13 +198,13 @@ def test_fraction_is_near_one_without_eval_and_with_rare_checkpoints(tmp_path):
     """Six seconds of training in long loops, a checkpoint at the end of each train() call:
     the rest (start-up, tracing, two saves, the work between loops) is a small part."""
     # The steady rate on this machine now, to size the run.
-    sizing = make_trainer(cadence=engine.Cadence(steps_per_loop=2000))
+    sizing = goodput_trainer(cadence=engine.Cadence(steps_per_loop=2000))
     sizing.train(1)
     began = time.perf_counter()
     sizing.train(2001)
     rate = 2000 / (time.perf_counter() - began)
 
-    trainer = make_trainer(tmp_path, cadence=engine.Cadence(steps_per_loop=2000, checkpoint_every=0))
+    trainer = goodput_trainer(tmp_path, cadence=engine.Cadence(steps_per_loop=2000, checkpoint_every=0))
     trainer.train(1)  # The call that traces, one step long.
     trainer.train(1 + int(rate * 6.0))
     figures = trainer.goodput()

@@ -18,6 +18,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import tensorflow as tf
+from helpers import make_trainer
 
 import engine
 
@@ -135,13 +136,14 @@ def engine_of(cls: type, replicas: int) -> tuple[engine.Trainer, dict[str, float
     """The engine given the compiled model alone: no optimizer, loss or metrics of its own."""
     strategy = strategy_of(replicas)
     model = build(cls, strategy)
-    trainer = engine.Trainer(
-        strategy=strategy,
+    trainer = make_trainer(
+        strategy,
         model=model,
         train_data=train_batches(),
         eval_data=batches(EVAL),
         global_batch_size=BATCH,
         cadence=engine.Cadence(steps_per_loop=TRAIN_STEPS),
+        loss_fn=None,
     )
     return trainer, trainer.train(TRAIN_STEPS)
 
@@ -229,13 +231,14 @@ def test_a_compiled_multi_output_model_trains_with_its_loss_weights(replicas):
     data = tf.data.Dataset.from_tensor_slices((x, labels)).batch(BATCH)
     keras_model = model()
     keras_model.fit(data, epochs=1, verbose=0, shuffle=False)
-    trainer = engine.Trainer(
-        strategy=strategy,
+    trainer = make_trainer(
+        strategy,
         model=model(),
         train_data=data,
         eval_data=data,
         global_batch_size=BATCH,
         cadence=engine.Cadence(steps_per_loop=TRAIN_STEPS),
+        loss_fn=None,
     )
     trainer.train(TRAIN_STEPS)
     assert_weights_equal(trainer.model.get_weights(), keras_model.get_weights())
@@ -257,8 +260,8 @@ def test_metric_names_a_reducing_loss_and_numpy_arrays_are_taken_as_compile_and_
         reference.compile(
             loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"]
         )
-    trainer = engine.Trainer(
-        strategy=strategy,
+    trainer = make_trainer(
+        strategy,
         model=model,
         optimizer=keras.optimizers.SGD(0.1),
         train_data=TRAIN,
@@ -284,12 +287,13 @@ def test_a_models_own_train_step_reads_a_function_of_the_input_context(default):
         return train_batches(context.get_per_replica_batch_size(BATCH))
 
     model = build(OwnStep, default)
-    trainer = engine.Trainer(
-        strategy=default,
+    trainer = make_trainer(
+        default,
         model=model,
         train_data=per_replica,
         global_batch_size=BATCH,
         cadence=engine.Cadence(steps_per_loop=TRAIN_STEPS),
+        loss_fn=None,
     )
     trainer.train(TRAIN_STEPS)
     fit_weights, _ = fit_of(OwnStep, 1)
@@ -301,13 +305,14 @@ def test_a_model_with_its_own_train_step_resumes_bitwise(tmp_path):
     strategy = strategy_of(1)
 
     def trainer(model_dir) -> engine.Trainer:
-        return engine.Trainer(
-            strategy=strategy,
+        return make_trainer(
+            strategy,
             model=build(OwnStep, strategy),
             train_data=train_batches().repeat(),
             global_batch_size=BATCH,
             model_dir=str(model_dir),
             cadence=engine.Cadence(steps_per_loop=2),
+            loss_fn=None,
         )
 
     whole = trainer(tmp_path / "whole")
@@ -362,5 +367,5 @@ def test_what_conflicts_with_the_model_is_refused_in_one_line():
     )
     for arguments, message in cases:
         with pytest.raises(engine.UserError, match=message) as raised:
-            engine.Trainer(strategy=strategy, train_data=data, global_batch_size=BATCH, **arguments)
+            make_trainer(strategy, train_data=data, global_batch_size=BATCH, **{"loss_fn": None, **arguments})
         assert "\n" not in str(raised.value)

@@ -20,7 +20,6 @@ from helpers import (
     main_in_process,
     make_arrays,
     make_model,
-    make_trainer,
     one_error_line,
 )
 
@@ -180,6 +179,20 @@ def test_the_trainers_signature_is_the_groups_and_no_flat_option():
         assert f"{keyword}: `engine.{group.__name__}(" in engine.Trainer.__doc__
 
 
+def trainer_arguments(strategy) -> dict:
+    """What `make_trainer` builds, for the tests of the flat shim: they call `engine.Trainer`
+    itself, as `make_trainer` takes the groups only."""
+    model, optimizer = make_model(strategy)
+    return dict(
+        strategy=strategy,
+        model=model,
+        optimizer=optimizer,
+        train_data=global_batches(*make_arrays(64), 16),
+        global_batch_size=16,
+        loss_fn=loss_fn(),
+    )
+
+
 def test_the_flat_shim_trains_as_the_groups_and_warns_once_a_process_naming_them(default, monkeypatch, caplog):
     monkeypatch.setattr(trainer_module, "_FLAT_WARNED", set())  # As in a fresh process.
     told = (
@@ -188,13 +201,17 @@ def test_the_flat_shim_trains_as_the_groups_and_warns_once_a_process_naming_them
         "steps_per_loop= is cadence=engine.Cadence(steps_per_loop=...)"
     )
     with pytest.warns(DeprecationWarning) as first, caplog.at_level("WARNING", logger="engine"):
-        flat = make_trainer(default, steps_per_loop=3, clip_norm=1.0)
+        flat = engine.Trainer(  # raw Trainer: the flat shim
+            **trainer_arguments(default), steps_per_loop=3, clip_norm=1.0
+        )
     assert [str(w.message) for w in first if "flat keywords" in str(w.message)] == [told]
     assert [r.getMessage() for r in caplog.records if "flat keywords" in r.getMessage()] == [told]
     assert flat.options.step == StepOptions(clip_norm=1.0) and flat.options.cadence == Cadence(steps_per_loop=3)
     with warnings.catch_warnings(record=True) as again:
         warnings.simplefilter("always")
-        flat_again = make_trainer(default, steps_per_loop=3, clip_norm=1.0, max_loss=5.0)
+        flat_again = engine.Trainer(  # raw Trainer: the flat shim
+            **trainer_arguments(default), steps_per_loop=3, clip_norm=1.0, max_loss=5.0
+        )
     # Once each: only the flat keyword not seen before is told about.
     assert [str(w.message) for w in again if "flat keywords" in str(w.message)] == [
         "Trainer's flat keywords are taken for one more release only: "
@@ -205,20 +222,11 @@ def test_the_flat_shim_trains_as_the_groups_and_warns_once_a_process_naming_them
 
 
 def weights_and_trainer(strategy, model_dir, **options):
-    model, optimizer = make_model(strategy)
-    trainer = engine.Trainer(
-        strategy=strategy,
-        model=model,
-        optimizer=optimizer,
-        train_data=global_batches(*make_arrays(64), 16),
-        global_batch_size=16,
-        loss_fn=loss_fn(),
-        model_dir=str(model_dir),
-        **options,
-    )
+    arguments = trainer_arguments(strategy)
+    trainer = engine.Trainer(**arguments, model_dir=str(model_dir), **options)  # raw Trainer: the flat shim
     trainer.train(7)
     trainer.close()
-    return model.get_weights(), trainer
+    return arguments["model"].get_weights(), trainer
 
 
 FLAT = dict(
@@ -285,16 +293,10 @@ def test_the_grouped_form_trains_to_exactly_the_flat_forms_weights(default, tmp_
     ],
 )
 def test_a_group_and_one_of_its_aliases_are_refused_in_one_line_naming_both(default, keyword, alias, value):
-    model, optimizer = make_model(default)
+    arguments = trainer_arguments(default)
     with pytest.raises(UserError) as raised:
-        engine.Trainer(
-            strategy=default,
-            model=model,
-            optimizer=optimizer,
-            train_data=global_batches(*make_arrays(64), 16),
-            global_batch_size=16,
-            loss_fn=loss_fn(),
-            **{keyword: TRAINER_GROUPS[keyword](), alias: value},
+        engine.Trainer(  # raw Trainer: the flat shim
+            **arguments, **{keyword: TRAINER_GROUPS[keyword](), alias: value}
         )
     message = str(raised.value)
     assert "\n" not in message
@@ -304,21 +306,13 @@ def test_a_group_and_one_of_its_aliases_are_refused_in_one_line_naming_both(defa
 
 
 def test_a_flat_alias_is_checked_by_its_group_and_an_unknown_keyword_is_still_a_type_error(default):
-    model, optimizer = make_model(default)
-    arguments = dict(
-        strategy=default,
-        model=model,
-        optimizer=optimizer,
-        train_data=global_batches(*make_arrays(64), 16),
-        global_batch_size=16,
-        loss_fn=loss_fn(),
-    )
+    arguments = trainer_arguments(default)
     with pytest.raises(UserError, match=r"^`steps_per_loop=0` must be at least 1$"):
-        engine.Trainer(**arguments, steps_per_loop=0)
+        engine.Trainer(**arguments, steps_per_loop=0)  # raw Trainer: the flat shim
     with pytest.raises(UserError, match=r"^`steps_per_loop=0` must be at least 1$"):
         engine.Cadence(steps_per_loop=0)
     with pytest.raises(TypeError, match="steps_per_loops"):
-        engine.Trainer(**arguments, steps_per_loops=5)
+        engine.Trainer(**arguments, steps_per_loops=5)  # raw Trainer: the signature's TypeError
 
 
 # ------------------------------------------------------------------ the command line

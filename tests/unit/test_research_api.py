@@ -94,13 +94,12 @@ def test_module_wrapping_keras_trains_like_the_keras_model_and_resumes(mirrored,
         net, optimizer = make_model(mirrored, seed=seed)
         with mirrored.scope():
             model = Wrapped(net)
-        trainer = engine.Trainer(
-            strategy=mirrored,
+        trainer = make_trainer(
+            mirrored,
             model=model,
             optimizer=optimizer,
             train_data=data,
             global_batch_size=16,
-            loss_fn=loss_fn(),
             cadence=engine.Cadence(steps_per_loop=5),
             model_dir=str(tmp_path),
         )
@@ -174,8 +173,8 @@ def two_optimizer_trainer(strategy, model_dir, seed=0):
             optimizers[name].apply(tape.gradient(loss, variables), variables)
         return {"loss": tf.reduce_mean(per_example)}
 
-    trainer = engine.Trainer(
-        strategy=strategy,
+    trainer = make_trainer(
+        strategy,
         model=model,
         optimizer=optimizers,
         step_fn=replica_step,
@@ -183,6 +182,7 @@ def two_optimizer_trainer(strategy, model_dir, seed=0):
         global_batch_size=16,
         cadence=engine.Cadence(steps_per_loop=3),
         model_dir=str(model_dir),
+        loss_fn=None,
     )
     return trainer, model, optimizers
 
@@ -208,13 +208,14 @@ def test_an_unbuilt_optimizer_the_engine_cannot_place_is_named(mirrored):
         optimizers = {"encoder": keras.optimizers.Adam(0.01), "critic": keras.optimizers.SGD(0.1)}
     x, _ = make_arrays(16)
     with pytest.raises(engine.UserError, match=r"optimizer 'critic' is not built .*optimizer.build"):
-        engine.Trainer(
-            strategy=mirrored,
+        make_trainer(
+            mirrored,
             model=model,
             optimizer=optimizers,
             step_fn=lambda b: {},
             train_data=tf.data.Dataset.from_tensor_slices(x).batch(8),
             global_batch_size=8,
+            loss_fn=None,
         )
 
 
@@ -233,13 +234,12 @@ def test_finite_data_stops_at_the_last_update_with_a_checkpoint(mirrored, tmp_pa
     x, y = make_arrays(160)
     finite = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)  # 10 batches.
     model, optimizer = make_model(mirrored)
-    trainer = engine.Trainer(
-        strategy=mirrored,
+    trainer = make_trainer(
+        mirrored,
         model=model,
         optimizer=optimizer,
         train_data=finite,
         global_batch_size=16,
-        loss_fn=loss_fn(),
         cadence=engine.Cadence(steps_per_loop=steps_per_loop),
         model_dir=str(tmp_path),
     )
@@ -252,13 +252,12 @@ def test_finite_data_stops_at_the_last_update_with_a_checkpoint(mirrored, tmp_pa
     assert reader.get_tensor("global_step/.ATTRIBUTES/VARIABLE_VALUE") == 10
 
     repeated, repeated_optimizer = make_model(mirrored)
-    engine.Trainer(
-        strategy=mirrored,
+    make_trainer(
+        mirrored,
         model=repeated,
         optimizer=repeated_optimizer,
         train_data=finite.repeat(),
         global_batch_size=16,
-        loss_fn=loss_fn(),
         cadence=engine.Cadence(steps_per_loop=steps_per_loop),
     ).train(10)
     assert_weights_equal(model.get_weights(), repeated.get_weights())
@@ -274,11 +273,10 @@ def test_a_static_batch_of_the_wrong_size_is_refused_at_construction(mirrored, t
     x, y = make_arrays(64)
     model, optimizer = make_model(mirrored)
     with pytest.raises(engine.UserError, match=r"batches of 32 examples but `global_batch_size=64`"):
-        engine.Trainer(
-            strategy=mirrored,
+        make_trainer(
+            mirrored,
             model=model,
             optimizer=optimizer,
-            loss_fn=loss_fn(),
             train_data=global_batches(x, y, 32),
             global_batch_size=64,
             model_dir=str(tmp_path),
@@ -300,11 +298,10 @@ def test_a_dynamic_batch_of_the_wrong_size_is_refused_before_any_update(mirrored
         expected = r"first batch holds 64 examples per replica but `global_batch_size=64` over 2 .* needs 32"
     model, optimizer = make_model(mirrored)
     before = model.get_weights()
-    trainer = engine.Trainer(
-        strategy=mirrored,
+    trainer = make_trainer(
+        mirrored,
         model=model,
         optimizer=optimizer,
-        loss_fn=loss_fn(),
         train_data=data,
         global_batch_size=64,
         model_dir=str(tmp_path),
@@ -334,11 +331,10 @@ def test_multi_input_model_trains_and_evaluates_on_dict_features(mirrored):
     features = {"first": x, "second": x[:, :2] * 2}
     data = tf.data.Dataset.from_tensor_slices((features, y))
     model, optimizer = multi_input_model(mirrored)
-    trainer = engine.Trainer(
-        strategy=mirrored,
+    trainer = make_trainer(
+        mirrored,
         model=model,
         optimizer=optimizer,
-        loss_fn=loss_fn(),
         train_data=data.repeat().batch(16, drop_remainder=True),
         eval_data=data.batch(24),
         global_batch_size=16,
@@ -358,11 +354,10 @@ def test_sample_weights_weigh_the_loss_like_keras(mirrored):
     x, y = make_arrays(32)
     weight = np.where(np.arange(32) % 2 == 0, 1.0, 0.0).astype("float32")
     weighted, optimizer = make_model(mirrored)
-    engine.Trainer(
-        strategy=mirrored,
+    make_trainer(
+        mirrored,
         model=weighted,
         optimizer=optimizer,
-        loss_fn=loss_fn(),
         train_data=tf.data.Dataset.from_tensor_slices((x, y, weight)).batch(16),
         global_batch_size=16,
         cadence=engine.Cadence(steps_per_loop=2),
@@ -385,11 +380,10 @@ def test_sample_weights_weigh_the_loss_like_keras(mirrored):
 def test_a_dict_batch_is_refused_with_a_pointer_to_step_fn(mirrored):
     x, y = make_arrays(32)
     model, optimizer = make_model(mirrored)
-    trainer = engine.Trainer(
-        strategy=mirrored,
+    trainer = make_trainer(
+        mirrored,
         model=model,
         optimizer=optimizer,
-        loss_fn=loss_fn(),
         train_data=tf.data.Dataset.from_tensor_slices({"x": x, "y": y}).repeat().batch(16),
         global_batch_size=16,
     )
@@ -430,14 +424,15 @@ def test_step_fn_with_options_it_cannot_honour_is_refused(mirrored):
         match=r"step_fn cannot honour clip_norm=1.0, grad_accum_steps=2, "
         r"jit_compile=True, on_nonfinite='skip'",
     ):
-        engine.Trainer(
-            strategy=mirrored,
+        make_trainer(
+            mirrored,
             model=model,
             optimizer=optimizer,
             step_fn=lambda batch: {},
-            train_data=global_batches(x, y, 8),
-            global_batch_size=8,
+            arrays=(x, y),
+            batch=8,
             step=engine.StepOptions(clip_norm=1.0, grad_accum_steps=2, jit_compile=True, on_nonfinite="skip"),
+            loss_fn=None,
         )
 
 
@@ -521,7 +516,7 @@ with strategy.scope():
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
     optimizer = keras.optimizers.SGD(0.1)
 x = np.ones((32, 4), "float32"); y = np.zeros(32, "int32")
-trainer = engine.Trainer(
+trainer = engine.Trainer(  # raw Trainer: a user's script, as the README embeds the loop
     strategy=strategy, model=model, optimizer=optimizer, global_batch_size=8,
     cadence=engine.Cadence(steps_per_loop=2),
     train_data=tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(8), model_dir="run",

@@ -8,6 +8,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from helpers import make_trainer
 
 import engine
 from input import get_data_source
@@ -71,8 +72,8 @@ def cnn_trainer(strategy, train_data, model_dir=None):
             ]
         )
         optimizer = keras.optimizers.Adam(1e-2)
-    trainer = engine.Trainer(
-        strategy=strategy,
+    trainer = make_trainer(
+        strategy,
         model=model,
         optimizer=optimizer,
         train_data=train_data,
@@ -176,8 +177,8 @@ def test_resident_data_as_eval_data_is_refused(default):
         model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
         optimizer = keras.optimizers.SGD(0.1)
     with pytest.raises(engine.UserError, match=r"eval_data cannot be ResidentData"):
-        engine.Trainer(
-            strategy=default,
+        make_trainer(
+            default,
             model=model,
             optimizer=optimizer,
             train_data=data,
@@ -197,8 +198,8 @@ def test_resident_data_made_for_another_batch_size_is_refused(default):
     with pytest.raises(
         engine.UserError, match=r"made for `global_batch_size=8` but the Trainer has `global_batch_size=16`"
     ):
-        engine.Trainer(
-            strategy=default,
+        make_trainer(
+            default,
             model=model,
             optimizer=optimizer,
             train_data=data,
@@ -227,7 +228,7 @@ def eval_trainer(strategy, eval_data):
         model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(3)])
         optimizer = keras.optimizers.SGD(0.1)
     x, y, _ = eval_arrays()
-    return engine.Trainer(
+    return make_trainer(
         strategy=strategy,
         model=model,
         optimizer=optimizer,
@@ -330,8 +331,8 @@ class BranchingModule(tf.Module):
 def test_the_users_python_control_flow_is_converted_in_the_resident_loops(default):
     x, y, _ = eval_arrays()
     host = tf.data.Dataset.from_tensor_slices((x, y)).batch(EVAL_BATCH)
-    trainer = engine.Trainer(
-        strategy=default,
+    trainer = make_trainer(
+        default,
         model=BranchingModule(),
         optimizer=keras.optimizers.SGD(0.1),
         train_data=engine.ResidentData.shuffled((x, y), seed=0, global_batch_size=EVAL_BATCH),

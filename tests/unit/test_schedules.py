@@ -3,7 +3,7 @@ with the rate the optimizer uses written to the train summaries."""
 
 import keras
 import pytest
-from helpers import global_batches, loss_fn, make_arrays, make_model
+from helpers import make_arrays, make_model, make_trainer
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.util import tensor_util
 
@@ -42,13 +42,11 @@ def test_learning_rate_in_summaries_follows_the_schedule_across_a_restart(tmp_pa
         model, _ = make_model(strategy)
         with strategy.scope():
             optimizer = keras.optimizers.SGD(schedule)
-        return engine.Trainer(
-            strategy=strategy,
+        return make_trainer(
+            strategy,
             model=model,
             optimizer=optimizer,
-            train_data=global_batches(x, y, 16),
-            global_batch_size=16,
-            loss_fn=loss_fn(),
+            arrays=(x, y),
             cadence=engine.Cadence(steps_per_loop=3),
             model_dir=str(tmp_path),
         )

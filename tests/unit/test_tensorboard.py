@@ -16,7 +16,7 @@ import urllib.parse
 import urllib.request
 
 import pytest
-from helpers import global_batches, loss_fn, main_in_process, make_arrays, make_model
+from helpers import global_batches, main_in_process, make_arrays, make_model, make_trainer
 
 import engine
 from engine.hooks import BestCheckpoint, EarlyStopping, ProfileWindow, ReduceLROnPlateau, TrainGraph
@@ -165,13 +165,11 @@ def test_profiler_window_and_hooks_cost_nothing_in_the_compiled_step(mirrored, t
         ],
     ):
         model, optimizer = make_model(mirrored)
-        trainer = engine.Trainer(
-            strategy=mirrored,
+        trainer = make_trainer(
+            mirrored,
             model=model,
             optimizer=optimizer,
-            train_data=global_batches(x, y, 16),
-            global_batch_size=16,
-            loss_fn=loss_fn(),
+            arrays=(x, y),
             eval_data=global_batches(x, y, 16).take(1),
             cadence=engine.Cadence(eval_every=4, steps_per_loop=4, log_every=2),
             callbacks=hooks,
@@ -209,13 +207,11 @@ def test_a_graph_export_failed_by_a_dead_peer_does_not_stop_training(default, tm
     monkeypatch.setattr(tf.summary, "trace_export", dead_peer)
     x, y = make_arrays(32)
     model, optimizer = make_model(default)
-    trainer = engine.Trainer(
-        strategy=default,
+    trainer = make_trainer(
+        default,
         model=model,
         optimizer=optimizer,
-        train_data=global_batches(x, y, 16),
-        global_batch_size=16,
-        loss_fn=loss_fn(),
+        arrays=(x, y),
         cadence=engine.Cadence(steps_per_loop=4),
         callbacks=[TrainGraph()],
         model_dir=str(tmp_path),

@@ -9,7 +9,8 @@ import ast
 import re
 from pathlib import Path
 
-from helpers import REPO
+import pytest
+from helpers import REPO, make_trainer
 
 ENGINE = REPO / "engine"
 TESTS = REPO / "tests"
@@ -86,3 +87,52 @@ def test_a_covers_line_is_read_over_its_wrapped_lines_and_ends_at_its_paragraph(
     docstring = "What it claims.\n\nCovers: engine/a.py, engine/b/c.py,\nengine/d.py.\n\nMore prose, not paths."
     assert covered(docstring) == ["engine/a.py", "engine/b/c.py", "engine/d.py"]
     assert covered("What it claims, with no line of modules.") == []
+
+
+# A Trainer constructed by name (`engine.Trainer(`, `Trainer(`, `CoordinatedTrainer(`), not through
+# `helpers.make_trainer`; a mention in backticks (a message's text) is no call.
+DIRECT_TRAINER = re.compile(r"(?<![\w`])(?:Coordinated)?Trainer\(")
+RAW_MARK = "# raw Trainer: "  # Then why this test calls the constructor itself.
+
+
+def direct_trainer_calls(text: str) -> list[int]:
+    """The lines of `text` that construct a Trainer by name without the mark saying why."""
+    return [
+        number
+        for number, line in enumerate(text.splitlines(), 1)
+        if DIRECT_TRAINER.search(line) and not re.search(re.escape(RAW_MARK) + r"\S", line)
+    ]
+
+
+def test_every_trainer_of_the_tests_is_built_through_make_trainer_or_says_why_not():
+    # make_trainer takes the option groups only, so a test that goes through it is a test of the
+    # spelling the docs teach; the tests of the raw constructor (the flat shim, the class itself)
+    # say so on the line.
+    unmarked = {
+        str(path.relative_to(REPO)): lines
+        for path in sorted(TESTS.rglob("*.py"))
+        if path != Path(__file__).resolve() and (lines := direct_trainer_calls(path.read_text()))
+    }
+    assert unmarked == {}, (
+        "build these Trainers with helpers.make_trainer (option groups), or end the line with "
+        f"`{RAW_MARK}<why>` where the constructor itself is the point"
+    )
+
+
+def test_a_direct_trainer_call_is_found_and_a_marked_one_or_a_mention_is_not():
+    text = (
+        "trainer = engine.Trainer(\n"
+        "t = CoordinatedTrainer(strategy)\n"
+        "t = make_trainer(strategy)\n"
+        "engine.Trainer(**arguments)  # raw Trainer: the flat shim\n"
+        "engine.Trainer(**arguments)  # raw Trainer:\n"
+        'message = "`Trainer(clip_norm=1.0)` is"\n'
+        "t = ClassifierTrainer(model)\n"
+    )
+    assert direct_trainer_calls(text) == [1, 2, 5]
+
+
+def test_make_trainer_refuses_a_flat_alias_before_it_builds_anything():
+    refused = r"option groups, not the flat aliases \['clip_norm', 'steps_per_loop'\]"
+    with pytest.raises(AssertionError, match=refused):
+        make_trainer(steps_per_loop=2, clip_norm=1.0)

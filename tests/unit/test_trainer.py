@@ -8,7 +8,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from helpers import NUM_CLASSES, NUM_FEATURES, global_batches, loss_fn, make_arrays, make_model, make_trainer
+from helpers import NUM_CLASSES, NUM_FEATURES, global_batches, make_arrays, make_model, make_trainer
 
 import engine
 
@@ -166,13 +166,12 @@ def test_restart_restores_the_latest_checkpoint_and_continues(mirrored, tmp_path
 
     def new_trainer():
         model, optimizer = make_model(mirrored, seed=99)  # Different start: the checkpoint must win.
-        return engine.Trainer(
-            strategy=mirrored,
+        return make_trainer(
+            mirrored,
             model=model,
             optimizer=optimizer,
             train_data=data,
             global_batch_size=16,
-            loss_fn=loss_fn(),
             model_dir=str(tmp_path),
             cadence=engine.Cadence(checkpoint_every=4),
             checkpoint=engine.CheckpointOptions(max_checkpoints=2),

@@ -3,7 +3,7 @@
 Covers: engine/callbacks/base.py.
 """
 
-from helpers import global_batches, loss_fn, make_arrays, make_model
+from helpers import global_batches, make_arrays, make_model, make_trainer
 
 import engine
 from engine.callbacks import Callback
@@ -37,13 +37,11 @@ def test_hooks_run_in_order_and_a_plain_callable_can_stop_training(tmp_path, mir
 
     model, optimizer = make_model(strategy)
     eval_data = global_batches(x, y, 16).take(2)
-    trainer = engine.Trainer(
-        strategy=strategy,
+    trainer = make_trainer(
+        strategy,
         model=model,
         optimizer=optimizer,
-        train_data=global_batches(x, y, 16),
-        global_batch_size=16,
-        loss_fn=loss_fn(),
+        arrays=(x, y),
         eval_data=eval_data,
         cadence=engine.Cadence(eval_every=4, steps_per_loop=4),
         callbacks=[recorder, stop_at_eight],

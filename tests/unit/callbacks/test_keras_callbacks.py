@@ -11,7 +11,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from helpers import NUM_CLASSES, NUM_FEATURES, global_batches, loss_fn, make_arrays, make_model
+from helpers import NUM_CLASSES, NUM_FEATURES, global_batches, make_arrays, make_model, make_trainer
 
 import engine
 from engine.callbacks import Callback
@@ -71,14 +71,13 @@ def test_the_seeds_callbacks_run_against_the_trainer(mirrored, tmp_path, capsys)
 
     csv_path = tmp_path / "log.csv"
     engine_view = EngineRecorder()
-    trainer = engine.Trainer(
-        strategy=mirrored,
+    trainer = make_trainer(
+        mirrored,
         model=model,
         optimizer=optimizer,
         train_data=train_data,
         eval_data=eval_data,
         global_batch_size=BATCH,
-        loss_fn=loss_fn(),
         metrics=[keras.metrics.SparseCategoricalAccuracy(name="accuracy")],
         model_dir=str(tmp_path / "run"),
         cadence=engine.Cadence(steps_per_loop=3, eval_every=STEPS_PER_EPOCH, steps_per_epoch=STEPS_PER_EPOCH),
@@ -153,13 +152,12 @@ def test_a_tf_module_model_gets_epochs_batches_and_a_stop(mirrored, tmp_path):
         optimizer = keras.optimizers.SGD(0.1)
     events = []
     stopper = StopAtEpoch(2)
-    trainer = engine.Trainer(
-        strategy=mirrored,
+    trainer = make_trainer(
+        mirrored,
         model=model,
         optimizer=optimizer,
-        train_data=global_batches(x, y, BATCH),
-        global_batch_size=BATCH,
-        loss_fn=loss_fn(),
+        arrays=(x, y),
+        batch=BATCH,
         model_dir=str(tmp_path),
         cadence=engine.Cadence(steps_per_loop=3, steps_per_epoch=STEPS_PER_EPOCH),
         callbacks=[
@@ -192,13 +190,12 @@ def test_a_tf_module_model_gets_epochs_batches_and_a_stop(mirrored, tmp_path):
     with mirrored.scope():
         restarted = SoftmaxRegression()
         optimizer = keras.optimizers.SGD(0.1)
-    trainer = engine.Trainer(
-        strategy=mirrored,
+    trainer = make_trainer(
+        mirrored,
         model=restarted,
         optimizer=optimizer,
-        train_data=global_batches(x, y, BATCH),
-        global_batch_size=BATCH,
-        loss_fn=loss_fn(),
+        arrays=(x, y),
+        batch=BATCH,
         model_dir=str(tmp_path),
         cadence=engine.Cadence(steps_per_loop=3, steps_per_epoch=STEPS_PER_EPOCH),
         callbacks=[
@@ -223,13 +220,12 @@ def test_callbacks_the_engine_replaces_are_refused_naming_its_equivalent(mirrore
     model, optimizer = make_model(mirrored)
     x, y = make_arrays(32)
     with pytest.raises(engine.UserError, match=f"{type(callback).__name__} cannot run.*{equivalent}"):
-        engine.Trainer(
-            strategy=mirrored,
+        make_trainer(
+            mirrored,
             model=model,
             optimizer=optimizer,
-            train_data=global_batches(x, y, BATCH),
-            global_batch_size=BATCH,
-            loss_fn=loss_fn(),
+            arrays=(x, y),
+            batch=BATCH,
             cadence=engine.Cadence(steps_per_epoch=STEPS_PER_EPOCH),
             callbacks=[callback],
         )
@@ -239,12 +235,11 @@ def test_keras_callbacks_without_steps_per_epoch_are_refused(mirrored):
     model, optimizer = make_model(mirrored)
     x, y = make_arrays(32)
     with pytest.raises(engine.UserError, match="EarlyStopping.*pass `steps_per_epoch` to Trainer"):
-        engine.Trainer(
-            strategy=mirrored,
+        make_trainer(
+            mirrored,
             model=model,
             optimizer=optimizer,
-            train_data=global_batches(x, y, BATCH),
-            global_batch_size=BATCH,
-            loss_fn=loss_fn(),
+            arrays=(x, y),
+            batch=BATCH,
             callbacks=[keras.callbacks.EarlyStopping()],
         )

@@ -5,7 +5,7 @@ import logging
 import re
 
 import pytest
-from helpers import global_batches, loss_fn, make_arrays, make_model
+from helpers import make_arrays, make_model, make_trainer
 
 import engine
 from engine.callbacks.progress import Progress, bar_text
@@ -28,13 +28,11 @@ def test_log_every_cuts_loops_and_logs_at_its_multiples(log_lines):
     x, y = make_arrays(32)
     model, optimizer = make_model(strategy)
     loops = []
-    trainer = engine.Trainer(
-        strategy=strategy,
+    trainer = make_trainer(
+        strategy,
         model=model,
         optimizer=optimizer,
-        train_data=global_batches(x, y, 16),
-        global_batch_size=16,
-        loss_fn=loss_fn(),
+        arrays=(x, y),
         cadence=engine.Cadence(steps_per_loop=4, log_every=6),
         callbacks=[lambda trainer, step, logs: loops.append(step)],
     )

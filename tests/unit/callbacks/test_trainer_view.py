@@ -4,6 +4,7 @@ adapter) runs a real training through a proxy that refuses anything else of the 
 import keras
 import numpy as np
 import tensorflow as tf
+from helpers import make_trainer
 
 import engine
 from engine.callbacks import Callback, TrainerView
@@ -82,8 +83,8 @@ def test_every_built_in_hook_needs_only_the_trainer_view(tmp_path):
         WeightHistograms(2),
         KerasCallbacks([keras.callbacks.History()], steps_per_epoch=4),
     ]
-    trainer = engine.Trainer(
-        strategy=strategy,
+    trainer = make_trainer(
+        strategy,
         model=model,
         optimizer=keras.optimizers.SGD(0.1),
         train_data=tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(16, drop_remainder=True),

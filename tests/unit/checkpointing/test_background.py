@@ -389,7 +389,7 @@ model = keras.Model(inputs, keras.layers.Dense(2)(inputs))
 model.ballast = model.add_weight(shape=(4096, 4096), initializer="ones", trainable=False, name="ballast")
 x = np.random.default_rng(0).normal(size=(256, 8)).astype("float32")
 data = tf.data.Dataset.from_tensor_slices((x, (x[:, 0] > 0).astype("int32"))).repeat().batch(32)
-trainer = engine.Trainer(
+trainer = engine.Trainer(  # raw Trainer: research code's own script, as the README embeds the loop
     strategy=strategy,
     model=model,
     optimizer=keras.optimizers.SGD(0.1),

@@ -9,6 +9,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from helpers import make_trainer
 
 import engine
 from engine.hooks import BestCheckpoint, EarlyStopping
@@ -22,7 +23,7 @@ def arrays():
     return x, (x[:, 0] * NUM_CLASSES).astype("int32") % NUM_CLASSES
 
 
-def make_trainer(model_dir, *, seed, callbacks=(), restore_fallback=False):
+def ram_trainer(model_dir, *, seed, callbacks=(), restore_fallback=False):
     """A small Trainer whose start weights depend on `seed`, so that a resumed run that did not
     restore ends with other weights than the uninterrupted one."""
     strategy = tf.distribute.get_strategy()
@@ -32,8 +33,8 @@ def make_trainer(model_dir, *, seed, callbacks=(), restore_fallback=False):
     rng = np.random.RandomState(seed)
     model.set_weights([rng.normal(0, 0.5, w.shape).astype("float32") for w in model.get_weights()])
     x, y = arrays()
-    return engine.Trainer(
-        strategy=strategy,
+    return make_trainer(
+        strategy,
         model=model,
         optimizer=keras.optimizers.Adam(0.01),
         train_data=tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(BATCH, drop_remainder=True),
@@ -56,20 +57,20 @@ def ram_dir():
 
 
 def uninterrupted_weights(steps):
-    trainer = make_trainer(None, seed=1)
+    trainer = ram_trainer(None, seed=1)
     trainer.train(steps)
     return trainer.model.get_weights()
 
 
 def test_a_trainer_restarts_and_resumes_on_ram_with_its_hooks_files_there(ram_dir):
     hooks = [BestCheckpoint("loss"), EarlyStopping("loss", patience=100)]
-    first = make_trainer(ram_dir, seed=1, callbacks=hooks)
+    first = ram_trainer(ram_dir, seed=1, callbacks=hooks)
     first.train(6)
     assert first.step == 6
     del first
 
     # A restart: new objects, other start weights; everything comes back from ram://.
-    second = make_trainer(
+    second = ram_trainer(
         ram_dir, seed=2, callbacks=[BestCheckpoint("loss"), EarlyStopping("loss", patience=100)]
     )
     assert second.step == 6
@@ -87,7 +88,7 @@ def test_a_trainer_restarts_and_resumes_on_ram_with_its_hooks_files_there(ram_di
 
 @pytest.mark.slow
 def test_an_unreadable_checkpoint_on_ram_is_set_aside_and_the_older_one_resumed(ram_dir):
-    first = make_trainer(ram_dir, seed=1)
+    first = ram_trainer(ram_dir, seed=1)
     first.train(6)
     del first
     index = f"{ram_dir}/checkpoints/ckpt-6.index"
@@ -98,8 +99,8 @@ def test_an_unreadable_checkpoint_on_ram_is_set_aside_and_the_older_one_resumed(
     data = [name for name in tf.io.gfile.listdir(f"{ram_dir}/checkpoints") if name.startswith("ckpt-6.data")]
 
     with pytest.raises(engine.UserError, match="ckpt-6 cannot be read"):
-        make_trainer(ram_dir, seed=2)
-    resumed = make_trainer(ram_dir, seed=2, restore_fallback=True)
+        ram_trainer(ram_dir, seed=2)
+    resumed = ram_trainer(ram_dir, seed=2, restore_fallback=True)
     assert resumed.step == 3
     assert sorted(tf.io.gfile.listdir(f"{ram_dir}/checkpoints/unreadable")) == sorted(["ckpt-6.index", data[0]])
     resumed.train(12)

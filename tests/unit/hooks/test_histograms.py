@@ -7,7 +7,7 @@ import os
 import numpy as np
 import pytest
 import tensorflow as tf
-from helpers import global_batches, loss_fn, main_in_process, make_arrays, make_model
+from helpers import loss_fn, main_in_process, make_arrays, make_model, make_trainer
 
 import engine
 from engine.cli.config.settings import RunConfig
@@ -29,13 +29,11 @@ def read_histograms(log_dir: str) -> dict[str, dict[int, np.ndarray]]:
 def test_every_weight_is_written_every_n_steps_without_a_retrace(mirrored, tmp_path):
     x, y = make_arrays(64)
     model, optimizer = make_model(mirrored)
-    trainer = engine.Trainer(
-        strategy=mirrored,
+    trainer = make_trainer(
+        mirrored,
         model=model,
         optimizer=optimizer,
-        train_data=global_batches(x, y, 16),
-        global_batch_size=16,
-        loss_fn=loss_fn(),
+        arrays=(x, y),
         model_dir=str(tmp_path),
         cadence=engine.Cadence(steps_per_loop=3),
         callbacks=[WeightHistograms(4)],
@@ -102,13 +100,11 @@ def test_the_global_gradient_norm_is_written_beside_the_histograms(mirrored, def
     x, y = make_arrays(64)
     model, optimizer = make_model(mirrored)
     reference, _ = make_model(default)  # The same start on one device, stepped by hand.
-    trainer = engine.Trainer(
-        strategy=mirrored,
+    trainer = make_trainer(
+        mirrored,
         model=model,
         optimizer=optimizer,
-        train_data=global_batches(x, y, 16),
-        global_batch_size=16,
-        loss_fn=loss_fn(),
+        arrays=(x, y),
         model_dir=str(tmp_path),
         cadence=engine.Cadence(steps_per_loop=1),
         step=engine.StepOptions(clip_norm=clip_norm),
@@ -132,12 +128,5 @@ def test_the_global_gradient_norm_is_written_beside_the_histograms(mirrored, def
 def test_no_gradient_norm_without_histograms(default):
     x, y = make_arrays(32)
     model, optimizer = make_model(default)
-    trainer = engine.Trainer(
-        strategy=default,
-        model=model,
-        optimizer=optimizer,
-        train_data=global_batches(x, y, 16),
-        global_batch_size=16,
-        loss_fn=loss_fn(),
-    )
+    trainer = make_trainer(default, model=model, optimizer=optimizer, arrays=(x, y))
     assert "grad_norm" not in trainer.train(2)

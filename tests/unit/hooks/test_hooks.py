@@ -14,7 +14,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from helpers import REPO, global_batches, kill_group, loss_fn, make_arrays, make_model, python_env
+from helpers import REPO, global_batches, kill_group, make_arrays, make_model, make_trainer, python_env
 
 import engine
 from engine.callbacks import Callback
@@ -47,13 +47,11 @@ def scripted_trainer(strategy, model_dir, values, hooks, learning_rate=0.5, chec
     x, y = make_arrays(32)
     model, optimizer = make_model(strategy)
     optimizer.learning_rate = learning_rate
-    return engine.Trainer(
-        strategy=strategy,
+    return make_trainer(
+        strategy,
         model=model,
         optimizer=optimizer,
-        train_data=global_batches(x, y, 16),
-        global_batch_size=16,
-        loss_fn=loss_fn(),
+        arrays=(x, y),
         eval_data=global_batches(x, y, 16).take(1),
         metrics=[Scripted(values)],
         cadence=engine.Cadence(eval_every=2, steps_per_loop=2, checkpoint_every=checkpoint_every),

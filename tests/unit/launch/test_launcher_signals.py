@@ -212,7 +212,9 @@ def test_a_task_knows_its_launcher_and_never_sees_the_rendezvous_secret():
     assert "ENGINE_RENDEZVOUS_SECRET" not in env
 
 
-class Trainer:
+class StoppableTrainer:
+    """What the watcher asks of a Trainer: `request_stop`, counted."""
+
     def __init__(self):
         self.stops = 0
 
@@ -238,7 +240,7 @@ def test_a_report_that_cannot_be_written_is_one_warning_and_the_watcher_lives_on
     """A model_dir whose diagnostics/ is a file (a read-only or full disk alike): the watcher,
     which must still take the stop signals, says so in one line instead of dying."""
     watcher, exits = watcher
-    trainer = Trainer()
+    trainer = StoppableTrainer()
     trainer.progress = lambda: {"last completed step": 7}  # type: ignore[attr-defined]
     (tmp_path / "diagnostics").write_text("in the way")
     with watcher.stopping(trainer, diagnostics=(str(tmp_path / "diagnostics"), "main")) as record:
@@ -251,7 +253,7 @@ def test_a_report_that_cannot_be_written_is_one_warning_and_the_watcher_lives_on
 
 def test_a_task_takes_its_launchers_signal_as_the_stop_it_makes_already(watcher):
     watcher, exits = watcher
-    trainer = Trainer()
+    trainer = StoppableTrainer()
     with watcher.stopping(trainer) as record:
         watcher._take(signal.SIGINT, sender=0)  # a terminal's Ctrl-C: the whole process group
         watcher._take(signal.SIGINT, sender=os.getppid())  # its launcher passing it on: not a second
@@ -263,7 +265,7 @@ def test_a_task_takes_its_launchers_signal_as_the_stop_it_makes_already(watcher)
 
 def test_a_launchers_signal_after_training_lets_the_task_finish(watcher):
     watcher, exits = watcher
-    with watcher.stopping(Trainer()):
+    with watcher.stopping(StoppableTrainer()):
         pass
     watcher._take(signal.SIGTERM, sender=os.getppid())  # writing metrics.json, releasing its lock
     assert not exits
@@ -281,7 +283,7 @@ def test_a_launchers_signal_during_the_start_up_ends_the_task_at_once(watcher):
 
 def test_sighup_saves_like_sigterm_and_exits_129(watcher):
     watcher, exits = watcher
-    trainer = Trainer()
+    trainer = StoppableTrainer()
     with mock.patch.object(preemption, "leave_a_closed_terminal") as left, watcher.stopping(trainer) as record:
         watcher._take(signal.SIGHUP, sender=0)
     assert trainer.stops == 1 and record.exit_status == 129 and left.called and not exits
@@ -312,7 +314,7 @@ def test_the_watcher_acts_only_on_a_watched_signal_and_names_only_a_real_sender(
         return next(waits)  # StopIteration at the end: the loop's end in this test.
 
     watcher._wait = wait
-    trainer, ended = Trainer(), []
+    trainer, ended = StoppableTrainer(), []
 
     def watch() -> None:
         try:

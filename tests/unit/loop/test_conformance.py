@@ -39,7 +39,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from helpers import REPO, python_env
+from helpers import REPO, make_trainer, python_env
 
 import engine
 
@@ -118,8 +118,8 @@ def engine_run(name: str, replicas: int, grad_accum_steps: int = 1) -> tuple[eng
     with strategy.scope():
         model = form.model()
         optimizer = form.make_optimizer()
-    trainer = engine.Trainer(
-        strategy=strategy,
+    trainer = make_trainer(
+        strategy,
         model=model,
         optimizer=optimizer,
         train_data=train_batches(form),

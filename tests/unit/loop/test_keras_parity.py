@@ -11,7 +11,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from helpers import NUM_FEATURES, loss_fn, make_arrays, make_model
+from helpers import NUM_FEATURES, loss_fn, make_arrays, make_model, make_trainer
 
 import engine
 from engine.data import GlobalBatches, PerReplicaBatches, as_train_form, pipeline_at, steps_to_elements
@@ -52,13 +52,12 @@ def per_replica_from_step(input_context, start_step):
 
 def train_with(strategy, data, model_dir, steps, *, seed=3):
     model, optimizer = make_model(strategy, seed=seed)
-    trainer = engine.Trainer(
-        strategy=strategy,
+    trainer = make_trainer(
+        strategy,
         model=model,
         optimizer=optimizer,
         train_data=data,
         global_batch_size=GLOBAL_BATCH,
-        loss_fn=loss_fn(),
         cadence=engine.Cadence(steps_per_loop=3),
         model_dir=model_dir,
     )
@@ -139,13 +138,12 @@ def test_regularizers_behind_a_tf_module_train_as_the_model_alone(mirrored, wrap
     data = tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(GLOBAL_BATCH, drop_remainder=True)
 
     def run(model, optimizer):
-        engine.Trainer(
-            strategy=mirrored,
+        make_trainer(
+            mirrored,
             model=model,
             optimizer=optimizer,
             train_data=data,
             global_batch_size=GLOBAL_BATCH,
-            loss_fn=loss_fn(),
             cadence=engine.Cadence(steps_per_loop=4),
         ).train(8)
 
@@ -188,13 +186,12 @@ def test_a_regularized_variable_no_layer_reports_is_refused(mirrored):
         optimizer = keras.optimizers.SGD(0.1)
     x, y = make_arrays(16)
     with pytest.raises(engine.UserError, match="has a regularizer that no Keras layer of the model reports"):
-        engine.Trainer(
-            strategy=mirrored,
+        make_trainer(
+            mirrored,
             model=model,
             optimizer=optimizer,
             train_data=tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(8),
             global_batch_size=8,
-            loss_fn=loss_fn(),
         )
 
 
@@ -205,7 +202,7 @@ def test_evaluate_equals_keras_evaluate_with_l2_and_sample_weights(mirrored):
     x, y = make_arrays(101, seed=5)
     w = np.random.RandomState(1).uniform(0.0, 2.0, 101).astype("float32")
     model, optimizer = make_model(mirrored, l2=0.1)
-    trainer = engine.Trainer(
+    trainer = make_trainer(
         strategy=mirrored,
         model=model,
         optimizer=optimizer,
@@ -267,14 +264,13 @@ def test_keras_callbacks_take_the_decisions_they_take_under_fit_on_an_l2_model(d
     with default.scope():
         optimizer = keras.optimizers.SGD(2.0)
     ours = callbacks()
-    trainer = engine.Trainer(
-        strategy=default,
+    trainer = make_trainer(
+        default,
         model=model,
         optimizer=optimizer,
         train_data=tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(16),
         eval_data=tf.data.Dataset.from_tensor_slices((xv, yv)).batch(16),
         global_batch_size=16,
-        loss_fn=loss_fn(),
         cadence=engine.Cadence(steps_per_epoch=steps_per_epoch, eval_every=steps_per_epoch),
         callbacks=ours,
     )
@@ -294,13 +290,12 @@ def test_duplicate_metric_names_are_refused(mirrored):
     model, optimizer = make_model(mirrored)
     x, y = make_arrays(16)
     with pytest.raises(engine.UserError, match=r"'accuracy' used twice"):
-        engine.Trainer(
-            strategy=mirrored,
+        make_trainer(
+            mirrored,
             model=model,
             optimizer=optimizer,
             train_data=tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(8),
             global_batch_size=8,
-            loss_fn=loss_fn(),
             metrics=[keras.metrics.SparseCategoricalAccuracy(name="accuracy")],
             weighted_metrics=[keras.metrics.SparseCategoricalAccuracy(name="accuracy")],
         )
@@ -325,13 +320,12 @@ def test_a_partial_last_batch_trains_as_fit_for_any_loop_length(mirrored, tmp_pa
     reference.fit(finite, epochs=1, verbose=0)
 
     model, optimizer = make_model(mirrored)
-    trainer = engine.Trainer(
-        strategy=mirrored,
+    trainer = make_trainer(
+        mirrored,
         model=model,
         optimizer=optimizer,
         train_data=finite,
         global_batch_size=32,
-        loss_fn=loss_fn(),
         cadence=engine.Cadence(steps_per_loop=steps_per_loop),
         model_dir=str(tmp_path),
     )
@@ -355,7 +349,7 @@ def test_the_loss_of_a_loop_with_a_partial_batch_is_fits_example_weighted_epoch_
 
     strategy = mirrored if replicas > 1 else engine.build_strategy("default")
     model, optimizer = make_model(strategy, l2=0.01)
-    trainer = engine.Trainer(
+    trainer = make_trainer(
         strategy=strategy,
         model=model,
         optimizer=optimizer,
@@ -375,13 +369,12 @@ def test_a_partial_batch_splits_over_accumulation_steps_as_the_whole_batch(mirro
     results = []
     for accumulation in (1, 4):
         model, optimizer = make_model(mirrored)
-        trainer = engine.Trainer(
-            strategy=mirrored,
+        trainer = make_trainer(
+            mirrored,
             model=model,
             optimizer=optimizer,
             train_data=finite,
             global_batch_size=16,
-            loss_fn=loss_fn(),
             step=engine.StepOptions(grad_accum_steps=accumulation),
         )
         with pytest.raises(engine.DataExhaustedError):
@@ -396,14 +389,14 @@ def test_a_first_batch_of_the_wrong_size_is_still_refused_after_a_resume(mirrore
     x, y = make_arrays(320)
     model, optimizer = make_model(mirrored)
     common = dict(strategy=mirrored, global_batch_size=16, loss_fn=loss_fn(), model_dir=str(tmp_path))
-    engine.Trainer(
+    make_trainer(
         model=model,
         optimizer=optimizer,
         train_data=tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(16),
         **common,
     ).train(3)
     model, optimizer = make_model(mirrored)
-    too_large = engine.Trainer(
+    too_large = make_trainer(
         model=model,
         optimizer=optimizer,
         train_data=tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(32),
@@ -469,13 +462,12 @@ def test_a_nan_gradient_with_a_finite_loss_is_skipped_and_counted(mirrored):
     )
 
     model, optimizer = probe_model(mirrored)
-    trainer = engine.Trainer(
-        strategy=mirrored,
+    trainer = make_trainer(
+        mirrored,
         model=model,
         optimizer=optimizer,
         train_data=data,
         global_batch_size=8,
-        loss_fn=loss_fn(),
         cadence=engine.Cadence(steps_per_loop=6),
         step=engine.StepOptions(on_nonfinite="skip"),
     )
@@ -486,8 +478,8 @@ def test_a_nan_gradient_with_a_finite_loss_is_skipped_and_counted(mirrored):
     # Equal to training on the other five batches only.
     skipped, skipped_optimizer = probe_model(mirrored)
     kept = [i for i in range(6) if i != 3]
-    engine.Trainer(
-        strategy=mirrored,
+    make_trainer(
+        mirrored,
         model=skipped,
         optimizer=skipped_optimizer,
         train_data=tf.data.Dataset.from_tensor_slices(
@@ -497,7 +489,6 @@ def test_a_nan_gradient_with_a_finite_loss_is_skipped_and_counted(mirrored):
             )
         ).batch(8),
         global_batch_size=8,
-        loss_fn=loss_fn(),
         cadence=engine.Cadence(steps_per_loop=5),
     ).train(5)
     assert_bitwise(weights_of(model), weights_of(skipped))
@@ -506,13 +497,12 @@ def test_a_nan_gradient_with_a_finite_loss_is_skipped_and_counted(mirrored):
 def test_a_nan_gradient_with_a_finite_loss_stops_the_run_without_saving(mirrored, tmp_path):
     _, _, data = nan_gradient_data()
     model, optimizer = probe_model(mirrored)
-    trainer = engine.Trainer(
-        strategy=mirrored,
+    trainer = make_trainer(
+        mirrored,
         model=model,
         optimizer=optimizer,
         train_data=data,
         global_batch_size=8,
-        loss_fn=loss_fn(),
         cadence=engine.Cadence(steps_per_loop=2, checkpoint_every=2),
         model_dir=str(tmp_path),
     )
@@ -539,14 +529,13 @@ def test_early_stopping_restores_the_best_weights_of_a_tf_module(default):
             best_weights[epoch] = (logs["val_loss"], [w.copy() for w in self.model.get_weights()])
 
     stopping = keras.callbacks.EarlyStopping("val_loss", patience=2, restore_best_weights=True)
-    trainer = engine.Trainer(
-        strategy=default,
+    trainer = make_trainer(
+        default,
         model=model,
         optimizer=optimizer,
         train_data=tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(16),
         eval_data=tf.data.Dataset.from_tensor_slices((x, y)).batch(16),
         global_batch_size=16,
-        loss_fn=loss_fn(),
         cadence=engine.Cadence(steps_per_epoch=4, eval_every=4),
         callbacks=[RecordBest(), stopping],
     )
@@ -578,8 +567,8 @@ def test_learning_rate_callbacks_with_several_optimizers_are_refused_at_construc
         (ReduceLROnPlateau("loss"), r"ReduceLROnPlateau\('loss'\)"),
     ]:
         with pytest.raises(engine.UserError, match=rf"^{name} sets .*2 .*\(net, other\)"):
-            engine.Trainer(
-                strategy=mirrored,
+            make_trainer(
+                mirrored,
                 model=model,
                 optimizer=optimizers,
                 step_fn=step_fn,
@@ -587,6 +576,7 @@ def test_learning_rate_callbacks_with_several_optimizers_are_refused_at_construc
                 global_batch_size=8,
                 cadence=engine.Cadence(steps_per_epoch=2),
                 callbacks=[callback],
+                loss_fn=None,
             )
 
 
@@ -596,11 +586,10 @@ def test_learning_rate_callbacks_with_several_optimizers_are_refused_at_construc
 def test_an_error_found_while_tracing_reaches_the_user_as_one_line(mirrored):
     x, y = make_arrays(32)
     model, optimizer = make_model(mirrored)
-    trainer = engine.Trainer(
-        strategy=mirrored,
+    trainer = make_trainer(
+        mirrored,
         model=model,
         optimizer=optimizer,
-        loss_fn=loss_fn(),
         train_data=tf.data.Dataset.from_tensor_slices((x, y, y, y)).repeat().batch(16),
         global_batch_size=16,
     )
@@ -614,14 +603,15 @@ def test_a_step_fn_output_named_like_a_loop_count_is_logged_as_it_is(mirrored):
     """The loop's own counts travel apart from the step's outputs (`engine.loop.compiled.LoopResult`)."""
     x, y = make_arrays(32)
     model, optimizer = make_model(mirrored)
-    trainer = engine.Trainer(
-        strategy=mirrored,
+    trainer = make_trainer(
+        mirrored,
         model=model,
         optimizer=optimizer,
         step_fn=lambda batch: {"loss": tf.constant(1.0), "steps_run": tf.constant(5.0)},
         train_data=tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(16),
         global_batch_size=16,
         cadence=engine.Cadence(steps_per_loop=2),
+        loss_fn=None,
     )
     logs = trainer.train(2)
     assert logs["steps_run"] == 5.0 and trainer.step == 2
@@ -630,13 +620,14 @@ def test_a_step_fn_output_named_like_a_loop_count_is_logged_as_it_is(mirrored):
 def test_a_step_fn_output_that_is_not_a_scalar_is_refused_naming_it(mirrored):
     x, y = make_arrays(32)
     model, optimizer = make_model(mirrored)
-    trainer = engine.Trainer(
-        strategy=mirrored,
+    trainer = make_trainer(
+        mirrored,
         model=model,
         optimizer=optimizer,
         step_fn=lambda batch: {"per_example": tf.ones([8])},
         train_data=tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(16),
         global_batch_size=16,
+        loss_fn=None,
     )
     with pytest.raises(
         engine.UserError, match=r"^step output 'per_example' has shape \[8\]: a step returns scalars"
@@ -651,8 +642,8 @@ def test_a_reduced_keras_loss_trains_as_its_per_element_form(mirrored):
 
     def weights_after(loss_fn) -> list:
         model, optimizer = make_model(mirrored)
-        trainer = engine.Trainer(
-            strategy=mirrored,
+        trainer = make_trainer(
+            mirrored,
             model=model,
             optimizer=optimizer,
             loss_fn=loss_fn,

@@ -14,7 +14,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from helpers import NUM_CLASSES, NUM_FEATURES, make_arrays
+from helpers import NUM_CLASSES, NUM_FEATURES, make_arrays, make_trainer
 
 import engine
 
@@ -65,8 +65,8 @@ def engine_trainer(
     model = float16_model(strategy)
     with strategy.scope():
         optimizer = keras.optimizers.SGD(learning_rate)
-    return engine.Trainer(
-        strategy=strategy,
+    return make_trainer(
+        strategy,
         model=model,
         optimizer=optimizer,
         train_data=data(steps),
@@ -136,12 +136,13 @@ def test_a_step_fn_keeps_its_own_optimizer(float16_policy):
     model = float16_model(strategy)
     with strategy.scope():
         optimizer = keras.optimizers.SGD(LEARNING_RATE)
-    trainer = engine.Trainer(
-        strategy=strategy,
+    trainer = make_trainer(
+        strategy,
         model=model,
         optimizer=optimizer,
         train_data=data(2),
         global_batch_size=BATCH,
         step_fn=lambda batch: {"loss": tf.constant(0.0)},
+        loss_fn=None,
     )
     assert trainer.optimizer is optimizer

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 import tensorflow as tf
-from helpers import make_arrays, make_model
+from helpers import make_arrays, make_model, make_trainer
 
 import engine
 from engine.errors import NonFiniteLossError
@@ -11,7 +11,7 @@ from engine.errors import NonFiniteLossError
 BATCH = 16
 
 
-def loss_fn():
+def poisoned_loss_fn():
     """Cross-entropy that is NaN for examples labelled -1 (a scripted fault)."""
     cross_entropy = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
 
@@ -33,13 +33,13 @@ def poisoned_batches(bad_steps, bad_rows=slice(None)):
 
 def test_stop_names_the_step_and_keeps_the_last_good_checkpoint(mirrored, tmp_path):
     model, optimizer = make_model(mirrored)
-    trainer = engine.Trainer(
-        strategy=mirrored,
+    trainer = make_trainer(
+        mirrored,
         model=model,
         optimizer=optimizer,
         train_data=poisoned_batches([7]),
         global_batch_size=BATCH,
-        loss_fn=loss_fn(),
+        loss_fn=poisoned_loss_fn(),
         cadence=engine.Cadence(steps_per_loop=4, checkpoint_every=4),
         model_dir=str(tmp_path),
     )
@@ -70,13 +70,13 @@ ONE_REPLICA = pytest.param(slice(0, 1), marks=pytest.mark.slow)  # The fast tier
 @pytest.mark.parametrize("bad_rows", [slice(None), ONE_REPLICA], ids=["whole_batch", "one_replica"])
 def test_skip_leaves_weights_untouched_on_bad_steps_and_counts_them(mirrored, bad_rows):
     model, optimizer = make_model(mirrored)
-    trainer = engine.Trainer(
-        strategy=mirrored,
+    trainer = make_trainer(
+        mirrored,
         model=model,
         optimizer=optimizer,
         train_data=poisoned_batches([3, 6], bad_rows),
         global_batch_size=BATCH,
-        loss_fn=loss_fn(),
+        loss_fn=poisoned_loss_fn(),
         cadence=engine.Cadence(steps_per_loop=2),
         step=engine.StepOptions(on_nonfinite="skip"),
     )

@@ -5,7 +5,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from helpers import NUM_FEATURES, global_batches, loss_fn, make_arrays, make_model
+from helpers import NUM_FEATURES, global_batches, make_arrays, make_model, make_trainer
 
 import engine
 
@@ -13,13 +13,12 @@ import engine
 def trained(strategy, tmp_path=None, **options):
     x, y = make_arrays(64)
     model, optimizer = make_model(strategy)
-    trainer = engine.Trainer(
-        strategy=strategy,
+    trainer = make_trainer(
+        strategy,
         model=model,
         optimizer=optimizer,
-        train_data=global_batches(x, y, 8),
-        global_batch_size=8,
-        loss_fn=loss_fn(),
+        arrays=(x, y),
+        batch=8,
         cadence=engine.Cadence(steps_per_loop=4),
         model_dir=None if tmp_path is None else str(tmp_path),
         **options,
@@ -62,13 +61,14 @@ def test_predict_of_a_module_with_dict_outputs(default):
     with default.scope():
         model = TwoHeads()
         optimizer = keras.optimizers.SGD(0.1)
-    trainer = engine.Trainer(
-        strategy=default,
+    trainer = make_trainer(
+        default,
         model=model,
         optimizer=optimizer,
         train_data=global_batches(*make_arrays(16), 8),
         global_batch_size=8,
         step_fn=lambda batch: {"loss": tf.constant(0.0)},
+        loss_fn=None,
     )
     x = make_arrays(11)[0]
     predicted = trainer.predict(x)
@@ -106,7 +106,7 @@ import keras
 sys.path.insert(0, "tests")
 import engine
 from engine.trainer.coordinated import CoordinatedTrainer
-from helpers import NUM_FEATURES, loss_fn, make_arrays
+from helpers import NUM_FEATURES, make_arrays, make_trainer
 
 cluster = tf.train.ClusterSpec(json.loads(sys.argv[1]))
 resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
@@ -121,9 +121,9 @@ x, y = make_arrays(64)
 def train_from(input_context, start_step):
     return tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(8).skip(start_step)
 
-trainer = CoordinatedTrainer(
-    strategy=strategy, model=model, optimizer=optimizer, train_data=train_from,
-    global_batch_size=8, loss_fn=loss_fn(), cadence=engine.Cadence(steps_per_loop=4),
+trainer = make_trainer(
+    strategy, trainer_class=CoordinatedTrainer, model=model, optimizer=optimizer, train_data=train_from,
+    batch=8, cadence=engine.Cadence(steps_per_loop=4),
 )
 trainer.train(8)
 inputs = make_arrays(21, seed=9)[0]

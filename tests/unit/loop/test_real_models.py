@@ -45,8 +45,8 @@ def test_sparse_gradients_clip_and_accumulate_as_a_dense_hand_computation(mirror
     model, optimizer = embedding_model(mirrored)
     reference, _ = embedding_model(engine.build_strategy("default"))
     per_token = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
-    trainer = engine.Trainer(
-        strategy=mirrored,
+    trainer = make_trainer(
+        mirrored,
         model=model,
         optimizer=optimizer,
         train_data=tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH),
@@ -82,8 +82,8 @@ def test_per_token_sample_weights_with_a_mask_equal_keras_fit(mirrored):
         tf.data.Dataset.from_tensor_slices((x, y, weights)).batch(BATCH), epochs=1, verbose=0, shuffle=False
     )
     model, optimizer = embedding_model(mirrored)
-    trainer = engine.Trainer(
-        strategy=mirrored,
+    trainer = make_trainer(
+        mirrored,
         model=model,
         optimizer=optimizer,
         train_data=tf.data.Dataset.from_tensor_slices((x, y, weights)).batch(BATCH),
@@ -164,8 +164,8 @@ def test_every_metric_name_trains_and_evaluates_on_two_replicas(mirrored, kind):
         model = keras.Sequential([keras.Input((x.shape[1],)), keras.layers.Dense(width)])
         optimizer = keras.optimizers.SGD(0.1)
     names = METRIC_NAMES[kind]
-    trainer = engine.Trainer(
-        strategy=mirrored,
+    trainer = make_trainer(
+        mirrored,
         model=model,
         optimizer=optimizer,
         train_data=tf.data.Dataset.from_tensor_slices((x, labels)).repeat().batch(8),
@@ -209,13 +209,13 @@ def test_a_metric_that_cannot_be_copied_and_an_optimizer_outside_the_scope_are_o
     with pytest.raises(
         engine.UserError, match=r"metric 'scaled' \(NeedsArguments\) cannot be remade.*get_config"
     ) as raised:
-        engine.Trainer(optimizer=optimizer, metrics=[NeedsArguments(2.0)], **common)
+        make_trainer(optimizer=optimizer, metrics=[NeedsArguments(2.0)], **common)
     assert "\n" not in str(raised.value)
     outside = keras.optimizers.Adam()  # Made in the default strategy's scope, not the mirrored one's.
     with pytest.raises(
         engine.UserError, match=r"optimizer 'optimizer' \(Adam\) was created outside strategy.scope"
     ):
-        engine.Trainer(optimizer=outside, **common)
+        make_trainer(optimizer=outside, **common)
 
 
 def test_a_partial_last_batch_counts_the_examples_it_holds_in_examples_per_second(default):
@@ -223,13 +223,12 @@ def test_a_partial_last_batch_counts_the_examples_it_holds_in_examples_per_secon
     x, y = make_arrays(11)
     model, optimizer = make_model(default)
     seen: list = []
-    trainer = engine.Trainer(
-        strategy=default,
+    trainer = make_trainer(
+        default,
         model=model,
         optimizer=optimizer,
         train_data=tf.data.Dataset.from_tensor_slices((x, y)).batch(8),
         global_batch_size=8,
-        loss_fn=loss_fn(),
         cadence=engine.Cadence(steps_per_loop=1),
         callbacks=[lambda trainer, step, logs: seen.append(logs)],
     )
@@ -247,8 +246,8 @@ def test_xla_with_masked_outputs_counts_the_tokens_outside_the_compiled_pass(mir
 
     def weights_after(jit_compile: bool) -> list[np.ndarray]:
         model, optimizer = embedding_model(mirrored)
-        trainer = engine.Trainer(
-            strategy=mirrored,
+        trainer = make_trainer(
+            mirrored,
             model=model,
             optimizer=optimizer,
             train_data=tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH),

@@ -20,6 +20,7 @@ from helpers import (
     main_in_process,
     make_arrays,
     make_model,
+    make_trainer,
     model_weights,
     one_error_line,
 )
@@ -64,13 +65,12 @@ def trainer(strategy, train_data, model_dir=None, *, optimizer=None, checkpoint_
         with strategy.scope():
             default_optimizer = optimizer()
     options = {"cadence": engine.Cadence(steps_per_loop=2, checkpoint_every=checkpoint_every), **kwargs}
-    return engine.Trainer(
-        strategy=strategy,
+    return make_trainer(
+        strategy,
         model=model,
         optimizer=default_optimizer,
         train_data=train_data,
         global_batch_size=BATCH,
-        loss_fn=loss_fn(),
         model_dir=None if model_dir is None else str(model_dir),
         **options,
     )
@@ -146,12 +146,13 @@ def test_a_step_fn_rolls_back_on_its_loss_output(default):
             optimizer.apply(tape.gradient(loss, model.trainable_variables), model.trainable_variables)
             return {"loss": loss}
 
-        run = engine.Trainer(
-            strategy=default,
+        run = make_trainer(
+            default,
             model=model,
             optimizer=optimizer,
             train_data=train_data,
             global_batch_size=BATCH,
+            loss_fn=None,
             step_fn=replica_step,
             cadence=engine.Cadence(steps_per_loop=2),
             **kwargs,

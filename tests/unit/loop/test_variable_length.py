@@ -7,7 +7,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from helpers import id_sequences, loss_fn
+from helpers import id_sequences, loss_fn, make_trainer
 
 import engine
 from engine.options import DEFAULT_STEPS_PER_LOOP
@@ -44,14 +44,8 @@ def embedding_model(strategy):
 
 def train(strategy, data, steps: int, **options):
     model, optimizer = embedding_model(strategy)
-    trainer = engine.Trainer(
-        strategy=strategy,
-        model=model,
-        optimizer=optimizer,
-        train_data=data,
-        global_batch_size=BATCH,
-        loss_fn=loss_fn(),
-        **options,
+    trainer = make_trainer(
+        strategy, model=model, optimizer=optimizer, train_data=data, global_batch_size=BATCH, **options
     )
     trainer.train(steps)
     return [w.copy() for w in model.get_weights()], int(trainer.global_step.numpy())
@@ -66,9 +60,10 @@ def assert_bitwise(left, right):
     "options",
     [
         {},
-        pytest.param({"grad_accum_steps": 2}, marks=pytest.mark.slow),
-        pytest.param({"clip_norm": 0.5}, marks=pytest.mark.slow),  # One more all-reduce of the gradients.
-        pytest.param({"on_nonfinite": "skip"}, marks=pytest.mark.slow),
+        pytest.param({"step": engine.StepOptions(grad_accum_steps=2)}, marks=pytest.mark.slow),
+        # One more all-reduce of the gradients.
+        pytest.param({"step": engine.StepOptions(clip_norm=0.5)}, marks=pytest.mark.slow),
+        pytest.param({"step": engine.StepOptions(on_nonfinite="skip")}, marks=pytest.mark.slow),
     ],
     ids=["standard", "accumulate", "clip", "skip"],
 )
@@ -115,7 +110,7 @@ def test_fixed_lengths_one_replica_or_one_step_loops_keep_their_loops(mirrored, 
     elif case == "one replica":
         strategy = default
     else:
-        options = {"steps_per_loop": 1}
+        options = {"cadence": engine.Cadence(steps_per_loop=1)}
     train(strategy, data, 3, **options)
     assert warnings_of(caplog) == []
     assert loop_ends(caplog) == (["1/3", "2/3", "3/3"] if options else ["3/3"])
@@ -134,12 +129,13 @@ def test_a_step_fn_of_its_own_trains_variable_lengths_in_the_default_loop(mirror
             optimizer.apply(tape.gradient(loss, model.trainable_variables), model.trainable_variables)
             return {"loss": loss}
 
-        trainer = engine.Trainer(
-            strategy=mirrored,
+        trainer = make_trainer(
+            mirrored,
             model=model,
             optimizer=optimizer,
             train_data=variable_length(64).repeat(),
             global_batch_size=BATCH,
+            loss_fn=None,
             step_fn=step_fn,
             **options,
         )
@@ -151,7 +147,7 @@ def test_a_step_fn_of_its_own_trains_variable_lengths_in_the_default_loop(mirror
 
 def test_variable_length_evaluation_on_two_replicas_counts_every_example_as_keras(mirrored):
     model, optimizer = embedding_model(mirrored)
-    trainer = engine.Trainer(
+    trainer = make_trainer(
         strategy=mirrored,
         model=model,
         optimizer=optimizer,

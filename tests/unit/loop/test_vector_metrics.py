@@ -14,7 +14,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from helpers import NUM_CLASSES, NUM_FEATURES, make_arrays
+from helpers import NUM_CLASSES, NUM_FEATURES, make_arrays, make_trainer
 
 import engine
 from engine.metric_values import log_scalars
@@ -72,7 +72,7 @@ def test_vector_metrics_train_and_evaluate_per_entry_as_keras(replicas, tmp_path
     model = model_in(strategy)
     with strategy.scope():
         optimizer = keras.optimizers.SGD(0.5)
-    trainer = engine.Trainer(
+    trainer = make_trainer(
         strategy=strategy,
         model=model,
         optimizer=optimizer,
