@@ -44,7 +44,8 @@ _LOOP_ONLY_KEYS = frozenset({"examples_per_second", "steps_per_second", "learnin
 
 _REFUSED: dict[type, str] = {
     keras.callbacks.ModelCheckpoint: (
-        "the engine saves checkpoints itself: pass `model_dir` and `checkpoint_every` to Trainer, "
+        "the engine saves checkpoints itself: pass `model_dir=` and "
+        "`cadence=engine.Cadence(checkpoint_every=N)` to the Trainer, "
         "and `engine.hooks.BestCheckpoint(metric)` for save_best_only"
     ),
     keras.callbacks.TensorBoard: (
@@ -128,8 +129,8 @@ class KerasCallbacks(Callback):
         if steps_per_epoch is None:
             names = ", ".join(type(c).__name__ for c in callbacks)
             raise UserError(
-                f"Keras callbacks ({names}) act at epoch ends; pass `steps_per_epoch` to "
-                "Trainer (e.g. the train split's examples // global batch size)"
+                f"Keras callbacks ({names}) act at epoch ends; pass `cadence=engine.Cadence(steps_per_epoch=N)` "
+                "to the Trainer (N: the train split's examples // global batch size)"
             )
         if steps_per_epoch < 1:
             raise UserError(f"`steps_per_epoch={steps_per_epoch}` must be at least 1")

@@ -211,7 +211,10 @@ def test_a_tf_module_model_gets_epochs_batches_and_a_stop(mirrored, tmp_path):
 @pytest.mark.parametrize(
     "callback, equivalent",
     [
-        (keras.callbacks.ModelCheckpoint("/tmp/never.keras"), "`checkpoint_every` to Trainer"),
+        (
+            keras.callbacks.ModelCheckpoint("/tmp/never.keras"),
+            r"`cadence=engine\.Cadence\(checkpoint_every=N\)`",
+        ),
         (keras.callbacks.TensorBoard("/tmp/never"), "TensorBoard summaries itself"),
         (keras.callbacks.BackupAndRestore("/tmp/never"), "resumes automatically"),
     ],
@@ -234,7 +237,9 @@ def test_callbacks_the_engine_replaces_are_refused_naming_its_equivalent(mirrore
 def test_keras_callbacks_without_steps_per_epoch_are_refused(mirrored):
     model, optimizer = make_model(mirrored)
     x, y = make_arrays(32)
-    with pytest.raises(engine.UserError, match="EarlyStopping.*pass `steps_per_epoch` to Trainer"):
+    with pytest.raises(
+        engine.UserError, match=r"EarlyStopping.*`cadence=engine\.Cadence\(steps_per_epoch=N\)` to the Trainer"
+    ):
         make_trainer(
             mirrored,
             model=model,
