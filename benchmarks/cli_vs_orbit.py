@@ -149,10 +149,10 @@ def run_orbit(settings: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-# The CLI's per-loop progress line with absl's prefix (--log_prefix):
-# "I1130 14:37:09.009669 140589 progress.py:75] step 950/1000  loss=0.01281 ... examples_per_second=4521 ..."
+# The CLI's per-loop progress line with absl's prefix (--log_prefix), whole (into a pipe):
+# "I1130 14:37:09.009669 140589 progress.py:75] step 950/1000  loss=0.01281 ...  4,521 examples/s  eta=..."
 _PROGRESS_LINE = re.compile(
-    r"^I\d{4} (\d\d):(\d\d):(\d\d\.\d+) .*\] step (\d+)/\d+ .*\bexamples_per_second=(\S+)"
+    r"^I\d{4} (\d\d):(\d\d):(\d\d\.\d+) .*\] step (\d+)/\d+  .*?\b([\d,]+(?:\.\d+)?) examples/s\b"
 )
 
 
@@ -167,7 +167,7 @@ def progress_lines(log: str) -> list[tuple[int, float, float]]:
             moment = int(hours) * 3600 + int(minutes) * 60 + float(seconds)
             if lines and moment < lines[-1][1]:  # Past midnight.
                 moment += 86400
-            lines.append((int(step), moment, float(rate)))
+            lines.append((int(step), moment, float(rate.replace(",", ""))))
     return lines
 
 

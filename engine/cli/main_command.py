@@ -21,8 +21,10 @@ from engine.cli.process import console
 from engine.errors import USER_ERROR_EXIT, UserError, one_line, printable
 from engine.status_line import status_line
 
-# Where absl printed a module docstring and every flag in alphabetical order: engine.cli.config.usage.
+# Where absl printed a module docstring and every flag in alphabetical order: engine.cli.config.usage
+# (--helpfull too: the engine's flags by concern, then absl's).
 SHORT_HELP_FLAGS = ("--help", "-help", "-h", "-?", "--helpshort", "-helpshort")
+FULL_HELP_FLAGS = ("--helpfull", "-helpfull")
 HELP_FLAGS = ("--help", "-help", "-?", "--helpshort", "-helpshort", "--helpfull", "-helpfull", "--helpxml")
 
 
@@ -85,6 +87,11 @@ def parse_flags(argv: list[str]) -> list[str]:
         from engine.cli.config.usage import main_help
 
         print(main_help(), end="")
+        sys.exit(0)
+    if any(arg in FULL_HELP_FLAGS for arg in argv[1:]):
+        from engine.cli.config.usage import full_help
+
+        print(full_help(flags.FLAGS), end="")
         sys.exit(0)
     try:
         check_flagfiles(argv[1:])

@@ -41,7 +41,7 @@ from engine.keras_model import (
     loss_beyond_keras,
     metrics_result_or_logs,
 )
-from engine.logger import logger
+from engine.logger import logger, message_width, wrap_line
 from engine.loop.replica_state import replica_local_state
 from engine.loop.rollback import CHECKPOINT_KEY, Rollback, Spike, check_options, holds_position, stop_message
 from engine.loop.runners import EvalRunner, PredictRunner, TrainRunner, as_prediction_batches, fresh_copy
@@ -738,7 +738,7 @@ class Trainer:
         line reports once, after its final evaluation)."""
         figures = {**self.goodput(), **(extra or {})}
         self._summaries.write("train", self.step, scalars(figures))
-        logger.info("%s", breakdown_line(figures))
+        logger.info("%s", wrap_line(breakdown_line(figures), message_width()))
         self.last_goodput = figures
         return figures
 
@@ -904,7 +904,7 @@ class Trainer:
             logger.warning("evaluation at step %d stopped by a stop request; no eval results", self.step)
             return {}
         self._summaries.write("eval", self.step, result)
-        logger.info("eval at step %d  %s", self.step, format_logs(result))
+        logger.info("%s", wrap_line(f"eval at step {self.step}  {format_logs(result)}", message_width()))
         self.last_eval = (self.step, result)
         for callback in self.callbacks:
             callback.on_eval_end(self, self.step, result)

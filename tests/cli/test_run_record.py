@@ -24,9 +24,8 @@ def test_eval_mode_keeps_the_training_figures_and_training_keeps_the_evaluations
     after_training = record(model_dir)
     assert after_training["global_step"] == 10
     # The run's last line reads as the progress lines do, not as a dict of 16-digit floats.
-    assert re.search(
-        r"done: step 10, eval loss=[\d.]+  accuracy=[\d.]+  num_examples=297, \d+ examples/s;", trained.stderr
-    )
+    done = r"done: step 10, eval loss=[\d.]+  accuracy=[\d.]+  num_examples=297, [\d,.]+ examples/s;"
+    assert re.search(done, trained.stderr)
     assert [(e["step"], e["mode"]) for e in after_training["evaluations"]] == [(10, "train_and_eval")]
 
     evaluated = main_in_process(*FLAGS, "--train_steps=10", "--mode=eval", f"--model_dir={model_dir}")

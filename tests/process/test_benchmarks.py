@@ -175,6 +175,37 @@ def test_tfrecord_files_are_reused_rewritten_or_refused(tmp_path):
 
 
 @pytest.mark.process
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_cli_vs_library_runs_both_sides_alternating_on_the_same_model_and_data(tmp_path):
+    out = tmp_path / "out.json"
+    completed = _run(
+        [
+            "benchmarks.cli_vs_library",
+            "--model=mlp",
+            "--repeats=2",
+            "--train_steps=6",
+            "--steps_per_loop=2",
+            "--global_batch_size=32",
+            f"--json={out}",
+        ],
+        timeout=360,
+    )
+    payload = json.loads(out.read_text())
+    runs = payload["runs"]
+    order = [(run["repeat"], run["side"]) for run in runs]
+    assert order == [(1, "cli"), (1, "library"), (2, "library"), (2, "cli")]  # Which goes first alternates.
+    for run in runs:
+        assert run["global_step"] == 6 and run["steady"] > 0 and run["wall"] > 0 and run["cpu"] > 0, run
+    # The same model, data, seed and steps: the same training on both sides.
+    losses = {run["side"]: run["loss"] for run in runs if run["repeat"] == 1}
+    assert losses["cli"] == pytest.approx(losses["library"], rel=1e-5), losses
+    steady = payload["summary"]["steady"]
+    assert steady["ratio_of_medians"] == pytest.approx(steady["cli_median"] / steady["library_median"])
+    assert "cli/library" in completed.stdout
+
+
+@pytest.mark.process
 @pytest.mark.timeout(400)
 def test_sweep_writes_png_and_markdown(tmp_path):
     pytest.importorskip("matplotlib")

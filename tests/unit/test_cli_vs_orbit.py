@@ -88,14 +88,14 @@ def test_the_cli_loop_and_wall_rates_come_from_its_progress_lines():
     log = "\n".join(
         [
             "I1130 23:59:59.500000 1405 job.py:326] strategy=default replicas=1",
-            "I1130 23:59:59.750000 1405 progress.py:75] step 50/150  loss=2.3  examples_per_second=759  eta=0",
-            "W1130 23:59:59.900000 1405 other.py:1] step 60/150 examples_per_second=1 is not a progress line",
-            "I1201 00:00:00.250000 1405 progress.py:75] step 100/150  loss=2.2  examples_per_second=8416  eta=0",
-            "I1201 00:00:00.750000 1405 progress.py:75] step 150/150  examples_per_second=1.046e+04  eta=0",
+            "I1130 23:59:59.750000 1405 progress.py:75] step 50/150  loss=2.3  759.5 examples/s",
+            "W1130 23:59:59.900000 1405 other.py:1] step 60/150  1 examples/s is not a progress line",
+            "I1201 00:00:00.250000 1405 progress.py:75] step 100/150  loss=2.2  8,416 examples/s  eta=0:00:01",
+            "I1201 00:00:00.750000 1405 progress.py:75] step 150/150  10,460 examples/s  eta=0:00:00",
         ]
     )
     progress = cli_vs_orbit.progress_lines(log)
-    assert [(step, rate) for step, _, rate in progress] == [(50, 759.0), (100, 8416.0), (150, 10460.0)]
+    assert [(step, rate) for step, _, rate in progress] == [(50, 759.5), (100, 8416.0), (150, 10460.0)]
     assert progress[2][1] - progress[0][1] == pytest.approx(1.0)  # across midnight
     assert cli_vs_orbit.wall_rate(progress, global_batch_size=64) == pytest.approx(100 * 64 / 1.0)
     assert cli_vs_orbit.wall_rate(progress[:1], global_batch_size=64) is None

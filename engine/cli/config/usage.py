@@ -1,6 +1,7 @@
 """What `--help` prints for `python -m engine.main` and `python -m engine.launch`: a usage
 line, the commands, examples, the most used flags with their help and the rest by name,
-grouped by concern; `--helpfull` stays absl's list of every flag with its help.
+grouped by concern; `--helpfull` the same usage, then every engine flag with its help in
+the same groups, then absl's own flags (and TensorFlow's, where imported).
 
 absl's own `--help` opened with a module docstring and an absolute disk path, then listed
 77 flags in alphabetical order over 290 lines: nothing told a new user where to start.
@@ -116,6 +117,41 @@ def main_help(width: int | None = None) -> str:
         + "\n".join(rest)
         + "\n"
     )
+
+
+# absl's flags that are no module's (absl prints them last): every absl program takes them.
+_ABSL_SPECIAL_FLAGS = (
+    ("flagfile", "Reads more flags from FILE, one a line, where it stands on the command line."),
+    ("undefok", "Flag names (comma-separated) that may be given though this program does not define them."),
+)
+
+
+def full_help(flag_values: Any, width: int | None = None) -> str:
+    """`python -m engine.main --helpfull`: the usage, every engine flag with its help by concern
+    (`RunConfig`'s sections, as --help and docs/flags.md), then the flags of the libraries
+    (`flag_values`: absl's FlagValues) by module. absl opened with engine/main.py's docstring and
+    listed its own flags before the engine's."""
+    width = width or _terminal_width()
+    flagged = set(flag_settings())
+    parts = [MAIN_USAGE, "\nFlags, by concern (as docs/flags.md groups them):\n"]
+    for title, members in grouped_settings():
+        entries = [
+            _flag_entry(field.name, field.default, field.metadata["help"], field.metadata["choices"], width)
+            for field in members
+            if field.name in flagged
+        ]
+        if entries:
+            parts.append(f"\n{title}:\n" + "".join(entries))
+    by_module = flag_values.flags_by_module_dict()
+    others = sorted(module for module in by_module if not module.startswith("engine.") and "/" not in module)
+    parts.append("\nThe libraries' flags (absl's; TensorFlow's where imported), by module:\n")
+    for module in others:
+        flags = sorted(by_module[module], key=lambda flag: flag.name)
+        entries = [_flag_entry(flag.name, flag.default, flag.help or "", None, width) for flag in flags]
+        parts.append(f"\n{module}:\n" + "".join(entries))
+    special = [_flag_entry(name, None, text, None, width) for name, text in _ABSL_SPECIAL_FLAGS]
+    parts.append("\nabsl.flags:\n" + "".join(special))
+    return "".join(parts)
 
 
 def launch_help(launcher_flags: Iterable[Any], width: int | None = None) -> str:

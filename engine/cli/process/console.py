@@ -27,6 +27,7 @@ from absl import logging as absl_logging
 
 from engine.cli.config.settings.sections import ScheduleSettings
 from engine.cluster import Cluster
+from engine.logger import fit_to_terminal
 from engine.status_line import status_line
 
 
@@ -54,7 +55,13 @@ class Console:
 
 
 class MessageFormatter(logging.Formatter):
-    """A record as its message; `warning: ` or `error: ` before the message of one at WARNING or above."""
+    """A record as its message; `warning: ` or `error: ` before the message of one at WARNING or above.
+    On a terminal, a line longer than the terminal (less `prefix_width`, a task's prefix) is broken
+    between its fields (`engine.logger.fit_to_terminal`), never mid-word by the terminal."""
+
+    def __init__(self, prefix_width: int = 0):
+        super().__init__()
+        self._prefix_width = prefix_width
 
     def format(self, record: logging.LogRecord) -> str:
         text = record.getMessage()
@@ -62,6 +69,7 @@ class MessageFormatter(logging.Formatter):
             text = f"error: {text}"
         elif record.levelno >= logging.WARNING:
             text = f"warning: {text}"
+        text = fit_to_terminal(text, self._prefix_width)
         if record.exc_info:
             text = f"{text}\n{self.formatException(record.exc_info)}"
         if record.stack_info:
@@ -114,6 +122,10 @@ class _AboveTheBar(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:  # Not reached: handle() hands the record on.
         self.inner.emit(record)
 
+    def format(self, record: logging.LogRecord) -> str:
+        """The line as the handler it stands in for prints it (`logger.message_width` reads its prefix)."""
+        return self.inner.format(record)
+
     def flush(self) -> None:
         self.inner.flush()
 
@@ -135,9 +147,9 @@ def configured(console: Console) -> Iterator[None]:
     quiet = _WarningsAndEveryTaskLines()
     muted = status_line.muted
     for handler, formatter in zip(handlers, formatters, strict=True):
-        chosen: logging.Formatter = (
-            (formatter or logging.Formatter()) if console.log_prefix else MessageFormatter()
-        )
+        chosen: logging.Formatter = MessageFormatter(len(console.task_prefix))
+        if console.log_prefix:
+            chosen = formatter or logging.Formatter()
         if console.task_prefix:
             chosen = _TaskPrefixed(chosen, console.task_prefix)
         _formatting_handler(handler).setFormatter(chosen)

@@ -40,7 +40,7 @@ from engine.cluster import Cluster
 from engine.data import as_eval_form
 from engine.errors import UserError
 from engine.hooks.best_checkpoint import BestCheckpoint
-from engine.logger import logger
+from engine.logger import logger, message_width, wrap_line
 from engine.loop.runners import EvalRunner
 from engine.losses import Objective
 from engine.summaries import SummaryWriters
@@ -154,7 +154,7 @@ class Evaluator:
             with self.averaged_weights():
                 logs = self.runner.run()
             assert logs is not None, "nothing requests a stop during an evaluator's evaluation"
-            logger.info("eval at step %d  %s", step, format_logs(logs))
+            logger.info("%s", wrap_line(f"eval at step {step}  {format_logs(logs)}", message_width()))
             self.summaries.write("eval", step, logs)
             if self._best is not None:
                 self._best.on_eval_end(self._view(), step, logs)

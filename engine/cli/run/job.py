@@ -23,7 +23,7 @@ from absl import logging
 
 from engine import diagnostics
 from engine import model_dir as model_dir_lib
-from engine.callbacks.progress import format_logs
+from engine.callbacks.progress import format_logs, human_number
 from engine.checkpointing import checkpointer as checkpoint_lib
 from engine.checkpointing import discovery, repairs
 from engine.cli.config.config_files import check_stored_config_writable, write_stored_config
@@ -47,10 +47,12 @@ from engine.errors import STOPPED_BY_PEER_EXIT, PeerLostError, UserError, one_li
 from engine.export import check_export_dir, export_for_serving
 from engine.goodput import restarts_from_environment
 from engine.layers import describe_tables
-from engine.logger import EVERY_TASK
+from engine.logger import EVERY_TASK, message_width, wrap_line
 from engine.resident import ResidentData
 from engine.strategy import build_strategy
 from engine.trainer import Trainer
+
+BANNER_WIDTH = 80  # The banner's lines where they go to no terminal (a file, a pipe).
 
 
 def run(
@@ -350,15 +352,14 @@ class TrainingJob:
         if self.writes_model_dir:
             model_dir_lib.check_still_there(self.watch)  # Not a new model_dir holding only metrics.json.
             result = record_training(model_dir, result, mode=self.config.mode)
-        logging.info(
-            "done: step %d, eval %s, %.0f examples/s; wrote %s%s",
-            trainer.step,
-            format_logs(eval_logs) if eval_logs else "none",
-            speed or 0.0,
-            self.metrics_path if self.writes_model_dir else "nothing (not the chief)",
-            "" if self.multi_host.cluster is None else f"; weights_digest={_weights_digest(self.model)}",
-            extra=EVERY_TASK,  # Every worker's digest, to compare.
+        wrote = self.metrics_path if self.writes_model_dir else "nothing (not the chief)"
+        digest = "" if self.multi_host.cluster is None else f"; weights_digest={_weights_digest(self.model)}"
+        line = (
+            f"done: step {trainer.step}, eval {format_logs(eval_logs) if eval_logs else 'none'}, "
+            f"{human_number(speed or 0.0)} examples/s; wrote {wrote}{digest}"
         )
+        # Every worker prints it: their digests, to compare.
+        logging.info("%s", wrap_line(line, message_width()), extra=EVERY_TASK)
         return result
 
 
@@ -653,37 +654,42 @@ def _weights_digest(model) -> str:
 
 
 def _log_banner(config, strategy, model, task: RunTask, model_dir, total_steps, trainer: Trainer) -> None:
+    """What the run is, a line a concern, each broken between its fields to the terminal's width (80
+    columns into a file or a pipe), then Keras's summary of the model."""
     source = task.source
     replicas = strategy.num_replicas_in_sync
     try:
-        devices = strategy.extended.worker_devices
+        devices = [short_device_name(device) for device in strategy.extended.worker_devices]
     except RuntimeError:  # The default strategy has no device list.
-        devices = ("default device",)
-    logging.info(
-        "strategy=%s replicas=%d devices=%s global_batch=%d per_replica_batch=%d "
-        "precision=%s model=%s params=%d dataset=%s (%s train / %s eval, %s, examples %s) %s steps=%d->%d "
-        "model_dir=%s",
-        config.strategy,
-        replicas,
-        ",".join(devices),
-        config.global_batch_size,
-        config.global_batch_size // replicas,
-        _precision(config.numerics, trainer),
-        task.model_name,
-        model.count_params(),
-        config.task or config.dataset,
-        source.num_train_examples,
-        source.num_eval_examples,
-        "kept on the devices" if trainer.keeps_data_on_devices else "tf.data",
-        tuple(source.feature_shape),
-        task.describe(),
-        trainer.step,
-        total_steps,
-        model_dir,
-    )
+        devices = ["default device"]
+    kept = "kept on the devices" if trainer.keeps_data_on_devices else "through tf.data"
+    examples = f"{human_number(source.num_train_examples)} train / {human_number(source.num_eval_examples)} eval"
+    lines = [
+        f"strategy={config.strategy}  replicas={replicas}  devices={','.join(devices)}",
+        f"global_batch={config.global_batch_size}  per_replica_batch={config.global_batch_size // replicas}  "
+        f"precision={_precision(config.numerics, trainer)}",
+        f"model={task.model_name}  params={human_number(model.count_params())}",
+        f"dataset={config.task or config.dataset}  {examples}  {kept}  examples {tuple(source.feature_shape)}",
+        re.sub(r" (?=\w+=)", "  ", task.describe()),  # Its `key=value`s apart, to break between.
+        f"steps={trainer.step}->{total_steps}  model_dir={model_dir}",
+    ]
+    width = message_width() or BANNER_WIDTH
+    logging.info("%s", "\n".join(wrap_line(line, width) for line in lines))
     logging.info("model %s:\n%s", task.model_name, model_summary(model))
     for line in describe_tables(model):  # Where each engine.ShardedEmbedding's shards live.
         logging.info(line)
+
+
+def short_device_name(device: str) -> str:
+    """`CPU:0` for this process's `/job:localhost/replica:0/task:0/device:CPU:0`, `worker:1/GPU:0` for a
+    cluster's: the banner's devices fit a line."""
+    spec = tf.DeviceSpec.from_string(device)
+    if spec.device_type is None:
+        return device
+    name = f"{spec.device_type}:{spec.device_index or 0}"
+    if spec.job in (None, "localhost"):
+        return name
+    return f"{spec.job}:{spec.task or 0}/{name}"
 
 
 def _precision(numerics: NumericSettings, trainer: Trainer) -> str:

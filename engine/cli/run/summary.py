@@ -7,10 +7,14 @@ in the progress lines' form (`format_logs`), so that the screen and the file agr
                      train       eval
       loss           0.0636      0.0811
       ...
-      step           468
-      throughput     7214 examples/s, 0.1094 TFLOP/s
+      step           500
+      throughput     7,214 examples/s
       goodput        0.93: train 41.2 s, compile 1.8 s, eval 0.9 s, ... of 44.9 s
       model_dir      runs/digits
+
+TFLOP/s (and MFU) follow the throughput where the progress lines show them: on an
+accelerator, or where `--peak_tflops` gives an MFU. On a terminal a long value goes on
+under its column; into a file or a pipe a row is one line.
 """
 
 from __future__ import annotations
@@ -21,13 +25,14 @@ from collections.abc import Mapping
 from typing import Any
 
 from engine import model_dir as model_dir_lib
-from engine.callbacks.progress import format_logs
+from engine.callbacks.progress import format_logs, on_accelerator
 from engine.cli.config.settings import RunConfig
 from engine.cli.config.settings.sections import DecisionSettings
 from engine.cli.run.run_record import read_record, record_path
 from engine.errors import printable
 from engine.goodput import breakdown_line
 from engine.hooks.best_checkpoint import BEST_FILE, BEST_SUBDIR
+from engine.logger import message_width, wrap_line
 
 # Train logs that are rates of the last loop, not figures of the run: the steady throughput replaces them.
 _LOOP_RATES = ("steps_per_second", "examples_per_second", "tflops", "mfu")
@@ -75,15 +80,27 @@ def summary_table(config: RunConfig, result: Mapping[str, Any]) -> str | None:
         rows.append(("TensorBoard", f"tensorboard --logdir {model_dir}"))
     # Metric names and figures are metrics.json's and best.json's: text of a model_dir, printed escaped.
     rows = [(printable(name), printable(value)) for name, value in rows]
-    width = max(len(name) for name, _ in rows)
-    return "\n".join(["summary", *(f"  {name:<{width}}  {value}".rstrip() for name, value in rows)])
+    return "\n".join(["summary", *_table_lines(rows, message_width())])
+
+
+def _table_lines(rows: list[tuple[str, str]], width: int | None) -> list[str]:
+    """`  name  value` a row, the values in one column; on a terminal (`width`), a long value goes
+    on under its column, broken between its fields."""
+    column = max(len(name) for name, _ in rows) + 4
+    lines = []
+    for name, value in rows:
+        if width is not None:
+            value = wrap_line(value, max(width - column, 20), indent="").replace("\n", "\n" + " " * column)
+        lines.append(f"  {name:<{column - 4}}  {value}".rstrip())
+    return lines
 
 
 def _model_flops(train: Mapping[str, Any], speed: float) -> str:
     """`, 0.0827 TFLOP/s, MFU 0.0414` at the steady rate `speed` (the last loop's logs give the
-    FLOPs per example: tflops / examples_per_second); '' where the model's FLOPs are unknown."""
+    FLOPs per example: tflops / examples_per_second); '' where the model's FLOPs are unknown, and
+    on a CPU unless a peak was given (an MFU): as the progress lines (`engine.callbacks.progress`)."""
     tflops, rate = train.get("tflops"), train.get("examples_per_second")
-    if not tflops or not rate:
+    if not tflops or not rate or not (train.get("mfu") or on_accelerator(None)):
         return ""
     achieved = tflops / rate * speed
     text = f", {_figure(achieved)} TFLOP/s"
