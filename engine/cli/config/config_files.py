@@ -209,7 +209,9 @@ def names_code(name: str, value: Any) -> bool:
     if name == "model":
         return ":" in value
     if name == "dataset":
-        return ":" in value and not value.startswith("tfds:") and not value.endswith((".npz", ".csv"))
+        return (
+            ":" in value and not value.startswith("tfds:") and not value.endswith((".npz", ".csv", ".parquet"))
+        )
     if name == "tpu":
         return value != "local"
     return False

@@ -369,6 +369,13 @@ def _export_if_asked(
     the model to serve), written by the chief alone."""
     if not state.export_dir or not strategy.extended.should_checkpoint:
         return
+    table = getattr(task.source, "table", None)
+    if table is not None:  # Raw named columns in, the encoding inside (and a .keras beside).
+        from engine.cli.run.table_export import export_table
+
+        with trainer.averaged_weights():
+            export_table(model, state.export_dir, table, task.source.labels.kind)
+        return
     with trainer.averaged_weights():
         export_for_serving(
             model,
@@ -681,6 +688,9 @@ def _log_banner(config, strategy, model, task: RunTask, model_dir, total_steps, 
         total_steps,
         model_dir,
     )
+    table = getattr(source, "table", None)  # A table read by its columns' types (input.tables).
+    for line in table.describe() if table is not None else ():
+        logging.info("%s", line)
     logging.info("model %s:\n%s", task.model_name, model_summary(model))
     for line in describe_tables(model):  # Where each engine.ShardedEmbedding's shards live.
         logging.info(line)

@@ -101,6 +101,7 @@ MODEL_AND_DATA_SETTINGS = (
     "model",
     "dataset",
     "label_column",
+    "column_types",
     "normalize",
     "ps_shards",
     "eval_fraction",
