@@ -210,7 +210,7 @@ def load_csv(
         "label_kind": label_kind,
         "num_classes": num_classes,
     }
-    if not column_types:
+    if not column_types and not (eval_file or "").endswith(".parquet"):
         try:
             return _load_numbers(path, **table)
         except CellError:

@@ -15,7 +15,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import tensorflow as tf
-from helpers import main_in_process
+from helpers import main_in_process, one_error_line
 
 from benchmarks.tables import mixed_table
 
@@ -68,6 +68,16 @@ def test_a_mixed_table_trains_predicts_and_serves_in_its_own_terms(tmp_path) -> 
     probabilities = table[["high", "low", "mid"]].to_numpy()
     np.testing.assert_allclose(probabilities.sum(axis=1), 1.0, rtol=1e-6)
     assert list(table["label"]) == [["high", "low", "mid"][i] for i in probabilities.argmax(axis=1)]
+
+    shuffled.drop(columns=["joined", "colour"]).to_csv(tmp_path / "short.csv", index=False)
+    refused = main_in_process(
+        *common,
+        "--mode=predict",
+        f"--predict_input={tmp_path / 'short.csv'}",
+        f"--predict_output={tmp_path / 'x.csv'}",
+    )
+    assert refused.returncode == 2 and not (tmp_path / "x.csv").exists()
+    assert "cannot be predicted: it has no column 'colour', 'joined'" in one_error_line(refused)
 
     served = tf.saved_model.load(str(export_dir)).signatures["serving_default"]
     columns = {name: tf.constant(rows[name].astype(str).to_numpy()) for name in ("colour", "member", "joined")}
