@@ -14,7 +14,9 @@ training rows alone:
 - date (ISO 8601: 2024-03-01, 2024-03-01 13:45): year, month, day, day of week (and hour
   where the training split has times), blanks as for numbers;
 - identifier (nearly one value per row: a name, a row number) and free text (several words
-  a cell): left out, said in one line each; `drop`: left out as asked.
+  a cell): left out, said in one line each; `drop`: left out as asked;
+- text, where --column_types asks for it: which of the training split's most frequent
+  words (Keras's `TextVectorization`, up to MAX_WORDS) a cell holds.
 
 The encoding is Keras preprocessing layers built from the schema (`input.table_layers`):
 the same layers encode the training split here, rebuild from `inputs.json` for predict,
@@ -44,7 +46,6 @@ NUMBER, BOOLEAN, CATEGORY, DATE, IDENTIFIER, TEXT, DROP = (
     "drop",
 )
 COLUMN_TYPES = (NUMBER, BOOLEAN, CATEGORY, DATE, IDENTIFIER, TEXT, DROP)
-LEFT_OUT = (IDENTIFIER, TEXT, DROP)
 TRUE_WORDS = ("true", "yes", "t", "y")
 _BOOLEAN_PAIRS = ({"true", "false"}, {"yes", "no"}, {"t", "f"}, {"y", "n"})
 _DATE = re.compile(r"^\d{4}-\d{2}-\d{2}([ T]\d{2}:\d{2}(:\d{2}(\.\d+)?)?)?$")
@@ -54,6 +55,7 @@ DATE_PARTS = ("year", "month", "day", "day_of_week")
 IDENTIFIER_SHARE = 0.5
 MIN_ROWS_TO_CALL_IDENTIFIER = 20
 TEXT_WORDS = 3.0  # Words a cell on average from which a many-valued string column is free text.
+MAX_WORDS = 1000  # A text column's words, when asked for: the most frequent in the training split.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,7 +74,8 @@ class Column:
 
     @property
     def used(self) -> bool:
-        return self.type not in LEFT_OUT
+        """Whether the model takes the column: text only where asked for (it then has words)."""
+        return self.type not in (IDENTIFIER, DROP) and (self.type != TEXT or bool(self.vocabulary))
 
     def feature_names(self) -> list[str]:
         """The names of the features the column becomes, in the encoding's order."""
@@ -84,6 +87,8 @@ class Column:
             ]
         elif self.type == DATE:
             names = [f"{self.name}.{part}" for part in self.parts]
+        elif self.type == TEXT and self.used:
+            names = [f"{self.name}:(other words)"] + [f"{self.name}:{word}" for word in self.vocabulary]
         else:
             return []
         return names + ([f"{self.name}.missing"] if self.missing else [])
@@ -93,6 +98,8 @@ class Column:
         if self.type == CATEGORY:
             blank = ", blank is a value" if "" in self.vocabulary else ""
             return f"{self.name}: category ({len(self.vocabulary)} values{blank})"
+        if self.type == TEXT and self.used:
+            return f"{self.name}: text ({len(self.vocabulary)} words)"
         if self.type == DATE:
             what = f"date ({', '.join(self.parts)})"
         elif not self.used:
@@ -297,8 +304,15 @@ def infer_column(cells: Any, name: str, asked: str | None) -> tuple[Column, str 
     if kind == IDENTIFIER:
         note = f"an identifier: {filled.nunique()} values in {len(cells)} rows"
         return Column(name, IDENTIFIER, note=note + ("" if asked is None else ", as --column_types asked")), None
-    note = "free text" + (", as --column_types asked" if asked else f": {_words(filled):.1f} words a cell")
-    return Column(name, TEXT, note=note + f"; --column_types={name}:category reads it as categories"), None
+    if asked == TEXT:
+        from input.table_layers import text_vocabulary
+
+        vocabulary = tuple(text_vocabulary(filled.to_numpy(dtype=str), MAX_WORDS))
+        if not vocabulary:
+            return Column(name, DROP), f"column {name!r} is set to text but its training rows hold no word"
+        return Column(name, TEXT, vocabulary=vocabulary), None
+    note = f"free text: {_words(filled):.1f} words a cell; --column_types={name}:text reads its words"
+    return Column(name, TEXT, note=note), None
 
 
 def _inferred_type(filled: Any, rows: int) -> str:

@@ -118,6 +118,23 @@ def test_column_types_set_a_type_or_drop_a_column(tmp_path, frame) -> None:
     assert "colour=red" not in source.table.feature_names()
 
 
+def test_text_asked_for_is_the_words_it_holds(frame) -> None:
+    """Inferred free text is left out; asked for, each of its training split's words is a 0/1 feature."""
+    schema, _ = infer_schema(frame, "label", {"note": "text"}, "t.csv")
+    note = next(column for column in schema.columns if column.name == "note")
+    counts = frame["note"].str.split().explode().value_counts()
+    assert note.used and set(note.vocabulary) == set(counts.index)
+    rows = pd.DataFrame({"note": ["Quick, the CAT!", "zebra", ""], "label": "a"})
+    only_note = TableSchema(columns=(note,), label="label")
+    encoded = encode_arrays(only_note, raw_columns(rows, only_note))
+    words = list(note.vocabulary)
+    expected = np.zeros((3, len(words) + 1), np.float32)
+    expected[0, [words.index("quick") + 1, words.index("the") + 1, words.index("cat") + 1]] = 1.0
+    expected[1, 0] = 1.0  # A word the training split never held.
+    np.testing.assert_array_equal(encoded, expected)
+    assert only_note.feature_names()[:2] == ["note:(other words)", f"note:{words[0]}"]
+
+
 def test_every_problem_of_a_table_is_said_in_one_line(tmp_path) -> None:
     table = pd.DataFrame(
         {

@@ -266,7 +266,8 @@ class ProblemSettings:
         None,
         "--dataset=PATH.csv or .parquet: NAME:TYPE for columns whose inferred type is not the one meant, "
         "comma-separated, TYPE one of number, boolean, category, date, identifier, text, drop "
-        "(identifier, text and drop are left out), e.g. zip:category,id:drop (default: each type inferred "
+        "(identifier and drop are left out; text reads a column's words), e.g. zip:category,id:drop (default: "
+        "each type inferred "
         "from the training split, shown at the start of the run and kept in inputs.json).",
     )
     normalize: str = setting(
