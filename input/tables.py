@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import textwrap
 from collections.abc import Sequence
 from typing import Any
 
@@ -136,6 +137,20 @@ class Column:
         return column
 
 
+def _packed(first: str, phrases: list[str], width: int) -> list[str]:
+    """`phrases` joined by "; " after `first`, a new line (indented) where the next would pass `width`."""
+    lines, line = [], first
+    for phrase in phrases:
+        fresh = line in (first, "  ")
+        if not fresh and len(line) + len(phrase) + 2 > width:
+            lines.append(line + ";")
+            line = "  "
+        elif not fresh:
+            line += "; "
+        line += phrase
+    return [*lines, line]
+
+
 def _short(value: float) -> str:
     return f"{value:.6g}"
 
@@ -157,12 +172,16 @@ class TableSchema:
     def feature_names(self) -> list[str]:
         return [name for column in self.used for name in column.feature_names()]
 
-    def describe(self) -> list[str]:
-        """The lines the banner shows: the columns used, then each column left out on its own."""
-        lines = ["columns: " + "; ".join(column.describe() for column in self.used)]
+    def describe(self, width: int = 78) -> list[str]:
+        """The lines the banner shows, none wider than `width` where words allow: the columns
+        used, each column left out, the label's classes and the rows left out."""
+        lines = _packed("columns: ", [column.describe() for column in self.used], width)
         lines += [column.describe() for column in self.columns if not column.used]
         if self.classes is not None:
-            lines.append(f"label {self.label}: classes {', '.join(self.classes)}")
+            names = ", ".join(self.classes[:20]) + (", ..." if len(self.classes) > 20 else "")
+            lines += textwrap.wrap(
+                f"label {self.label!r}: {len(self.classes)} classes: {names}", width, subsequent_indent="  "
+            )
         if self.dropped_rows:
             lines.append(f"{self.dropped_rows} rows left out: their label {self.label!r} is blank")
         return lines
@@ -311,7 +330,7 @@ def infer_column(cells: Any, name: str, asked: str | None) -> tuple[Column, str 
         if not vocabulary:
             return Column(name, DROP), f"column {name!r} is set to text but its training rows hold no word"
         return Column(name, TEXT, vocabulary=vocabulary), None
-    note = f"free text: {_words(filled):.1f} words a cell; --column_types={name}:text reads its words"
+    note = f"free text; --column_types={name}:text reads its words"
     return Column(name, TEXT, note=note), None
 
 

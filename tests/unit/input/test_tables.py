@@ -100,7 +100,10 @@ def test_a_mixed_csv_loads_with_class_names_and_its_blank_labels_left_out(tmp_pa
     assert source.labels.kind == "classes" and source.labels.width == 3
     assert source.num_train_examples + source.num_eval_examples == 57
     assert source.feature_shape == (len(schema.feature_names()),)
-    assert "3 rows left out: their label 'label' is blank" in schema.describe()
+    lines = schema.describe()
+    assert "3 rows left out: their label 'label' is blank" in lines
+    assert lines[0].startswith("columns: age: number, blanks -> ") and max(map(len, lines)) <= 78
+    assert "label 'label': 3 classes: high, low, mid" in lines
     features, labels = source.train_arrays()
     assert set(np.unique(labels)) <= {0, 1, 2} and features.dtype == np.float32
     # A Parquet file of the same rows is the same table.
