@@ -131,20 +131,39 @@ def input_dtype(kind: str) -> str:
     return "float32" if kind == NUMBER else "string"
 
 
+def input_names(schema: TableSchema) -> dict[str, str]:
+    """Each column the model takes -> its name as a Keras input, a layer and a SavedModel
+    signature take one: ASCII letters, digits, `_` and `.` (any other character `_`), starting
+    with a letter (else `c` before it), unique (`_2`, ... after a name taken)."""
+    names: dict[str, str] = {}
+    for column in schema.used:
+        name = "".join(c if (c.isascii() and c.isalnum()) or c in "_." else "_" for c in column.name)
+        name = name if name[:1].isalpha() else f"c{name}"
+        unique, count = name, 1
+        while unique in names.values():
+            count += 1
+            unique = f"{name}_{count}"
+        names[column.name] = unique
+    return names
+
+
 def table_inputs(schema: TableSchema) -> dict[str, keras.KerasTensor]:
-    """One Keras input a column the model takes, named by the column."""
+    """One Keras input a column the model takes, by its `input_names` name (the dict's key too)."""
+    names = input_names(schema)
     return {
-        column.name: keras.Input(shape=(1,), dtype=input_dtype(column.type), name=column.name)
+        names[column.name]: keras.Input(shape=(1,), dtype=input_dtype(column.type), name=names[column.name])
         for column in schema.used
     }
 
 
 def encode(schema: TableSchema, inputs: dict[str, Any]) -> Any:
-    """The columns of `inputs` as one float32 (N, features) tensor, in `schema.feature_names()`'s order."""
+    """The columns of `inputs` (by `input_names`) as one float32 (N, features) tensor, in
+    `schema.feature_names()`'s order."""
     encoded = []
+    keys = input_names(schema)
     for column in schema.used:
-        value = inputs[column.name]
-        key = _layer_name(column.name)
+        key = keys[column.name]
+        value = inputs[key]
         if column.type == NUMBER:
             encoded.append(NumberColumn(column.fill[0], column.missing, name=f"number_{key}")(value))
         elif column.type == BOOLEAN:
@@ -169,10 +188,6 @@ def encode(schema: TableSchema, inputs: dict[str, Any]) -> Any:
     return keras.layers.Concatenate(name="table_features", dtype="float32")(encoded)
 
 
-def _layer_name(name: str) -> str:
-    return "".join(character if character.isalnum() or character in "_." else "_" for character in name)
-
-
 def table_encoder(schema: TableSchema) -> keras.Model:
     """raw columns -> float32 (N, features): what the training split is encoded with."""
     inputs = table_inputs(schema)
@@ -192,10 +207,10 @@ def encode_arrays(schema: TableSchema, columns: dict[str, Any], batch: int = 655
     """`columns` (input.tables.raw_columns) encoded by the schema's layers, as float32 numpy."""
     import numpy as np
 
-    encoder = table_encoder(schema)
+    encoder, names = table_encoder(schema), input_names(schema)
     rows = len(next(iter(columns.values())))
     parts = [
-        np.asarray(encoder({name: values[start : start + batch] for name, values in columns.items()}))
+        np.asarray(encoder({names[name]: values[start : start + batch] for name, values in columns.items()}))
         for start in range(0, rows, batch)
     ]
     return np.concatenate(parts).astype(np.float32)

@@ -1,5 +1,6 @@
 """`--export_dir` of a model trained on a table read by its columns' types (`input.tables`): a
-SavedModel whose `serving_default` takes the raw columns by name (numbers as float32, NaN a
+SavedModel whose `serving_default` takes the raw columns by name (`input_names`: ASCII letters,
+digits, `_` and `.`; numbers as float32, NaN a
 blank; everything else as text, "" a blank; one value a row) and returns `logits` and
 `probabilities` (and `classes`, the predicted class's name, for a text label) or
 `predictions`; and beside it `<export_dir>.keras`, the same model for
@@ -25,17 +26,12 @@ def keras_file_beside(export_dir: str) -> str:
     return export_dir.rstrip("/" + os.sep) + ".keras"
 
 
-def signature_name(column: str) -> str:
-    """A column's name as a SavedModel signature argument takes it (letters, digits, `_`, `.`)."""
-    name = "".join(character if character.isalnum() or character in "_." else "_" for character in column)
-    return name if name[:1].isalnum() else f"c{name}"
-
-
 def export_table(model: keras.Model, export_dir: str, schema: Any, label_kind: str) -> None:
     """Writes the SavedModel of `model` behind the schema's encoding, and the `.keras` file."""
     layers = own_package("input").table_layers
     full = layers.table_model(schema, model)
-    dtypes = {column.name: layers.input_dtype(column.type) for column in schema.used}
+    names = layers.input_names(schema)  # A signature's arguments: ASCII letters, digits, `_`, `.`.
+    dtypes = {names[column.name]: layers.input_dtype(column.type) for column in schema.used}
 
     def serve(columns: dict[str, tf.Tensor]) -> dict[str, tf.Tensor]:
         outputs = tf.cast(full({name: tf.expand_dims(value, -1) for name, value in columns.items()}), tf.float32)
@@ -49,22 +45,19 @@ def export_table(model: keras.Model, export_dir: str, schema: Any, label_kind: s
 
     archive = keras.export.ExportArchive()
     archive.track(full)
-    spec = {
-        name: tf.TensorSpec([None], tf.dtypes.as_dtype(dtype), name=signature_name(name))
-        for name, dtype in dtypes.items()
-    }
+    spec = {name: tf.TensorSpec([None], tf.dtypes.as_dtype(dtype), name=name) for name, dtype in dtypes.items()}
     archive.add_endpoint(name="serve", fn=serve, input_signature=[spec])
-    quiet = tf.get_logger().level
-    tf.get_logger().setLevel("ERROR")  # Not "input name(s) table_handle ... will be renamed" (a lookup's table).
+    verbosity = logging.get_verbosity()
+    logging.set_verbosity(logging.WARNING)  # Not "input name(s) table_handle ... will be renamed" (a lookup's).
     try:
         archive.write_out(export_dir, verbose=False)
     finally:
-        tf.get_logger().setLevel(quiet)
+        logging.set_verbosity(verbosity)
     logging.info(
         "Exported SavedModel to %s (signature %r: the raw columns %s)",
         export_dir,
         SERVING_SIGNATURE,
-        ", ".join(f"{signature_name(name)} {dtype}" for name, dtype in dtypes.items()),
+        ", ".join(f"{name} {dtype}" for name, dtype in dtypes.items()),
     )
     head = None
     if label_kind == "classes":

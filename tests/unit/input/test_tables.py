@@ -12,9 +12,9 @@ import pytest
 from benchmarks.tables import mixed_table
 from input import DataError
 from input.files import load_csv, read_table
-from input.table_layers import encode_arrays, table_encoder
+from input.table_layers import encode_arrays, input_names, table_encoder
 from input.table_source import load_table
-from input.tables import TableSchema, infer_schema, raw_columns
+from input.tables import Column, TableSchema, infer_schema, raw_columns
 
 
 def _load(path, **overrides):
@@ -136,6 +136,19 @@ def test_text_asked_for_is_the_words_it_holds(frame) -> None:
     expected[1, 0] = 1.0  # A word the training split never held.
     np.testing.assert_array_equal(encoded, expected)
     assert only_note.feature_names()[:2] == ["note:(other words)", f"note:{words[0]}"]
+
+
+def test_columns_are_named_as_keras_and_a_saved_model_take_names() -> None:
+    names = ["Body Mass (g)", "Colour/Kind", "Colour Kind", "_x", "été", "2nd"]
+    schema = TableSchema(columns=tuple(Column(name, "number", fill=(0.0,)) for name in names), label="y")
+    assert list(input_names(schema).values()) == [
+        "Body_Mass__g_",
+        "Colour_Kind",
+        "Colour_Kind_2",
+        "c_x",
+        "c_t_",
+        "c2nd",
+    ]
 
 
 def test_every_problem_of_a_table_is_said_in_one_line(tmp_path) -> None:
