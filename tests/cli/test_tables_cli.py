@@ -59,9 +59,11 @@ def test_a_mixed_table_trains_predicts_and_serves_in_its_own_terms(tmp_path) -> 
     shuffled = rows[["note", "joined", "member", "colour", "age", "id"]]  # No label, another order.
     shuffled.to_csv(tmp_path / "rows.csv", index=False)
     output = tmp_path / "out.csv"
-    predicted = main_in_process(
-        *common, "--mode=predict", f"--predict_input={tmp_path / 'rows.csv'}", f"--predict_output={output}"
-    )
+
+    def predict(rows, to):
+        return main_in_process(*common, "--mode=predict", f"--predict_input={rows}", f"--predict_output={to}")
+
+    predicted = predict(tmp_path / "rows.csv", output)
     assert predicted.returncode == 0, predicted.stderr[-3000:]
     table = pd.read_csv(output)
     assert list(table.columns) == ["label", "high", "low", "mid"] and len(table) == 50
@@ -70,14 +72,12 @@ def test_a_mixed_table_trains_predicts_and_serves_in_its_own_terms(tmp_path) -> 
     assert list(table["label"]) == [["high", "low", "mid"][i] for i in probabilities.argmax(axis=1)]
 
     shuffled.drop(columns=["joined", "colour"]).to_csv(tmp_path / "short.csv", index=False)
-    refused = main_in_process(
-        *common,
-        "--mode=predict",
-        f"--predict_input={tmp_path / 'short.csv'}",
-        f"--predict_output={tmp_path / 'x.csv'}",
-    )
+    refused = predict(tmp_path / "short.csv", tmp_path / "x.csv")
     assert refused.returncode == 2 and not (tmp_path / "x.csv").exists()
     assert "cannot be predicted: it has no column 'colour', 'joined'" in one_error_line(refused)
+    np.savez(tmp_path / "x.npz", x=np.zeros((2, 13), np.float32))
+    refused = predict(tmp_path / "x.npz", tmp_path / "x.csv")
+    assert "give it rows as a .csv or .parquet file" in one_error_line(refused)
 
     served = tf.saved_model.load(str(export_dir)).signatures["serving_default"]
     columns = {name: tf.constant(rows[name].astype(str).to_numpy()) for name in ("colour", "member", "joined")}

@@ -46,6 +46,11 @@ def encoded_rows(path: str, schema: Any) -> np.ndarray:
     """The rows of `path` encoded as training encoded its split; every column it lacks, and every
     cell a number or date column cannot read, in one line."""
     input_lib = own_package("input")
+    if not input_lib.tables.is_table_file(path):
+        raise UserError(
+            f"--predict_input={path}: this model was trained on a table ({schema.label!r} its label); "
+            "give it rows as a .csv or .parquet file with the columns it was trained on"
+        )
     try:
         frame = input_lib.tables.read_frame(path, "predict_input")
     except input_lib.DataError as error:
