@@ -76,6 +76,7 @@ def test_a_csv_regression_beats_the_mean_and_reports_the_mse_of_its_own_export(t
     r2 = 1.0 - float(np.sum((outputs[:, 0] - y_eval) ** 2) / np.sum((y_eval - y_eval.mean()) ** 2))
     np.testing.assert_allclose([evaluated["loss"], evaluated["mae"], evaluated["r2"]], [mse, mae, r2], rtol=1e-4)
     assert "labels=one value" in result.stderr and "loss=mse" in result.stderr
+    assert "columns: 10 numbers (age, sex, bmi, bp, s1, s2, s3, s4, s5, s6)" in result.stderr
     # Predict on the eval table as it is (its label column is dropped): the export's predictions.
     predicted = main_in_process(
         "--mode=predict",

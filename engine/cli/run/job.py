@@ -691,9 +691,22 @@ def _log_banner(config, strategy, model, task: RunTask, model_dir, total_steps, 
     table = getattr(source, "table", None)  # A table read by its columns' types (input.tables).
     for line in table.describe() if table is not None else ():
         logging.info("%s", line)
+    if table is None and task.feature_columns is not None:  # A CSV of numbers alone.
+        logging.info("%s", _numbers_line(task.feature_columns))
     logging.info("model %s:\n%s", task.model_name, model_summary(model))
     for line in describe_tables(model):  # Where each engine.ShardedEmbedding's shards live.
         logging.info(line)
+
+
+def _numbers_line(columns: tuple[str, ...], width: int = 78) -> str:
+    """`columns: 10 numbers (age, sex, bmi, ...)`, within `width` where the first name allows."""
+    head = f"columns: {len(columns)} number{'' if len(columns) == 1 else 's'}"
+    shown: list[str] = []
+    for name in columns:
+        if shown and len(f"{head} ({', '.join([*shown, name])}, ...)") > width:
+            break
+        shown.append(name)
+    return f"{head} ({', '.join(shown)}{', ...' if len(shown) < len(columns) else ''})"
 
 
 def _precision(numerics: NumericSettings, trainer: Trainer) -> str:
