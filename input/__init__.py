@@ -4,6 +4,7 @@ The training stream is a pure function of (seed, global step), so a restarted
 run sees exactly the batches an uninterrupted run would have seen.
 """
 
+from input import table_layers, tables
 from input.errors import DataError
 from input.labels import LabelSpec
 from input.registry import FORMS as DATASET_FORMS
@@ -23,5 +24,7 @@ __all__ = [
     "check_dataset_name",
     "dataset_names",
     "get_data_source",
+    "table_layers",
+    "tables",
     "write_tfrecords",
 ]

@@ -27,8 +27,13 @@ from input.in_memory import InMemorySource
 NPZ_KEYS = ("x_train", "y_train", "x_test", "y_test")
 
 
+class CellError(DataError):
+    """A cell that is no number (text, or blank): the table is read with its types instead
+    (`input.table_source`), where a reader of numbers alone names the cell."""
+
+
 def is_file_dataset(name: str) -> bool:
-    return name.endswith((".npz", ".csv"))
+    return name.endswith((".npz", ".csv", ".parquet"))
 
 
 def load_npz(
@@ -191,10 +196,40 @@ def load_csv(
     eval_fraction: float,
     label_kind: str | None,
     num_classes: int | None,
+    column_types: list[str] | None = None,
 ) -> InMemorySource:
-    """Feature columns (every column but the label) as float32, in the header's order."""
+    """Feature columns (every column but the label) as float32, in the header's order, where
+    every cell is a number and no --column_types is given; any other table by its columns'
+    types (`input.table_source`)."""
     if not label_column:
         raise DataError(f"--dataset={path} needs --label_column=NAME, the column that holds the labels")
+    table: dict[str, Any] = {
+        "label_column": label_column,
+        "eval_file": eval_file,
+        "eval_fraction": eval_fraction,
+        "label_kind": label_kind,
+        "num_classes": num_classes,
+    }
+    if not column_types and not (eval_file or "").endswith(".parquet"):
+        try:
+            return _load_numbers(path, **table)
+        except CellError:
+            pass  # Text or blanks: read by the columns' types.
+    from input.table_source import load_table
+
+    return load_table(path, **table, column_types=column_types)
+
+
+def _load_numbers(
+    path: str,
+    *,
+    label_column: str,
+    eval_file: str | None,
+    eval_fraction: float,
+    label_kind: str | None,
+    num_classes: int | None,
+) -> InMemorySource:
+    """A CSV of numbers alone: every column but the label a feature, as float32."""
     columns, features, labels = read_table(path, label_column)
     assert labels is not None, "read_table gives labels with a label column"
     eval_split: tuple[np.ndarray, np.ndarray] | None
@@ -377,7 +412,7 @@ def _numbers(
                     if not cell.strip()
                     else f"{cell!r} is not a number; every column must be numeric (encode categories first)"
                 )
-                raise DataError(f"--{flag}={path} line {line}, column {header[column]!r} {what}") from None
+                raise CellError(f"--{flag}={path} line {line}, column {header[column]!r} {what}") from None
     return values
 
 

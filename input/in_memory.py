@@ -42,6 +42,8 @@ class InMemorySource(DataSource):
     _train_labels: tf.Tensor = field(repr=False, compare=False)
     _eval_images: tf.Tensor | None = field(repr=False, compare=False)
     _eval_labels: tf.Tensor | None = field(repr=False, compare=False)
+    # A table's input.tables.TableSchema: how its raw columns became these features (None: not a table).
+    table: Any = field(default=None, repr=False, compare=False)
 
     @classmethod
     def from_arrays(

@@ -3,7 +3,8 @@ user's function.
 
 - `digits`, `mnist`, `synthetic`: image sets served at the model's input shape;
   `tfrecord`: image TFRecord files in --data_dir, at their own size;
-- `PATH.npz`, `PATH.csv`: a user's arrays or table (`input.files`);
+- `PATH.npz`, `PATH.csv`, `PATH.parquet`: a user's arrays or table (`input.files`,
+  `input.table_source`);
 - `tfds:NAME[/CONFIG]`: a tensorflow-datasets set prepared in --data_dir (`input.tfds_data`);
 - `package.module:function`: a user's function returning datasets or a DataSource
   (`input.user_data`).
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from input.clicks import VOCAB_SIZE, load_clicks
 from input.digits import load_digits
@@ -39,6 +41,7 @@ class DataOptions:
     eval_fraction: float = 0.1  # .npz without x_test, .csv without --eval_file
     label_kind: str | None = None  # What the loss reads the labels as; None: as the data says.
     vocab_size: int | None = None  # clicks: the ids' space (None: input.clicks.VOCAB_SIZE).
+    column_types: list[str] | None = None  # .csv, .parquet: NAME:TYPE entries (input.tables).
 
 
 _BUILT_IN: dict[str, Callable[[DataOptions], DataSource]] = {
@@ -48,7 +51,7 @@ _BUILT_IN: dict[str, Callable[[DataOptions], DataSource]] = {
     "tfrecord": lambda options: load_tfrecord(options.image_shape, options.num_classes, options.data_dir),
     "clicks": lambda options: load_clicks(options.vocab_size or VOCAB_SIZE),
 }
-FORMS = ("PATH.npz", "PATH.csv", "tfds:NAME[/CONFIG]", "package.module:function")
+FORMS = ("PATH.npz", "PATH.csv", "PATH.parquet", "tfds:NAME[/CONFIG]", "package.module:function")
 
 
 def dataset_names() -> list[str]:
@@ -101,15 +104,20 @@ def get_data_source(
             label_kind=request.label_kind,
             num_classes=request.num_classes,
         )
-    if name.endswith(".csv"):
-        return load_csv(
-            name,
-            label_column=request.label_column,
-            eval_file=request.eval_file,
-            eval_fraction=request.eval_fraction,
-            label_kind=request.label_kind,
-            num_classes=request.num_classes,
-        )
+    if name.endswith((".csv", ".parquet")):
+        table: dict[str, Any] = {
+            "label_column": request.label_column,
+            "eval_file": request.eval_file,
+            "eval_fraction": request.eval_fraction,
+            "label_kind": request.label_kind,
+            "num_classes": request.num_classes,
+            "column_types": request.column_types,
+        }
+        if name.endswith(".parquet"):
+            from input.table_source import load_table
+
+            return load_table(name, **table)
+        return load_csv(name, **table)
     if name.startswith(TFDS_PREFIX):
         from input.tfds_data import load_tfds
 

@@ -59,6 +59,20 @@ def test_the_named_tuples_of_settings():
 # ------------------------------------------------------------------ precedence and types
 
 
+def test_column_types_are_a_mapping_or_a_list_in_a_config_file(tmp_path):
+    """`column_types: {zip: category, id: drop}` is what `--column_types=zip:category,id:drop` says."""
+    table = "dataset: t.csv\nlabel_column: y\n"
+    (tmp_path / "a.yaml").write_text(table + "column_types: {zip: category, id: drop}\n")
+    (tmp_path / "b.yaml").write_text(table + "column_types: [zip:category, id:drop]\n")
+    flags = ("--dataset=t.csv", "--label_column=y", "--column_types=zip:category,id:drop")
+    expected = printed(*flags)["column_types"]
+    assert expected == ["zip:category", "id:drop"]
+    for name in ("a.yaml", "b.yaml"):
+        assert printed(f"--config_file={tmp_path / name}")["column_types"] == expected
+    (tmp_path / "c.yaml").write_text(table + "column_types: {zip: [1]}\n")
+    assert "write column_types: {zip: category, id: drop}" in refused(f"--config_file={tmp_path / 'c.yaml'}")
+
+
 @pytest.mark.cli
 def test_precedence_file_then_later_file_then_override_then_flag(tmp_path):
     first = tmp_path / "first.yaml"

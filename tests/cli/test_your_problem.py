@@ -76,6 +76,7 @@ def test_a_csv_regression_beats_the_mean_and_reports_the_mse_of_its_own_export(t
     r2 = 1.0 - float(np.sum((outputs[:, 0] - y_eval) ** 2) / np.sum((y_eval - y_eval.mean()) ** 2))
     np.testing.assert_allclose([evaluated["loss"], evaluated["mae"], evaluated["r2"]], [mse, mae, r2], rtol=1e-4)
     assert "labels=one value" in result.stderr and "loss=mse" in result.stderr
+    assert "columns: 10 numbers (age, sex, bmi, bp, s1, s2, s3, s4, s5, s6)" in result.stderr
     # Predict on the eval table as it is (its label column is dropped): the export's predictions.
     predicted = main_in_process(
         "--mode=predict",
@@ -362,8 +363,13 @@ def _refused(tmp_path: Path, *flags: str, cwd: Path | None = None) -> str:
 
 def test_bad_data_is_one_line_before_anything_is_written(tmp_path, monkeypatch):
     table = write_csv(tmp_path / "t.csv", ["a", "b", "y"], [[1, 2, 0], [3, 4, 1], [5, 6, 1]])
-    words = write_csv(tmp_path / "w.csv", ["a", "colour", "y"], [[1, "red", 0], [3, "blue", 1]])
-    holes = write_csv(tmp_path / "h.csv", ["a", "b", "y"], [[1, 2, 0], [3, "", 1]])
+    # A table with text or blanks trains (input.tables); what still cannot train is refused.
+    blank = write_csv(tmp_path / "blank.csv", ["a", "b", "y"], [[index, "", index % 2] for index in range(10)])
+    one_class = write_csv(tmp_path / "one.csv", ["a", "y"], [[index, "cat"] for index in range(10)])
+    dates = write_csv(
+        tmp_path / "dates.csv", ["when", "y"], [[f"2024-0{index % 9 + 1}-30", index % 2] for index in range(10)]
+    )
+    names = write_csv(tmp_path / "names.csv", ["name", "a", "y"], [[f"n{i}", i, i % 2] for i in range(10)])
     twice = write_csv(tmp_path / "twice.csv", ["a", "y", "y"], [[1, 2, 0], [3, 4, 1], [5, 6, 1]])
     stray = tmp_path / "stray.csv"  # A comma too many shifts every cell after it (numpy's reader: refused too).
     stray.write_text("a,b,y\n1,2,0\n3,4,5,1\n5,6,1\n")
@@ -376,8 +382,13 @@ def test_bad_data_is_one_line_before_anything_is_written(tmp_path, monkeypatch):
     cases = [
         ([f"--dataset={table}", "--label_column=label"], f"--dataset={table} has no column 'label'"),
         ([f"--dataset={table}"], "needs --label_column=NAME"),
-        ([f"--dataset={words}", "--label_column=y"], "line 2, column 'colour' 'red' is not a number"),
-        ([f"--dataset={holes}", "--label_column=y"], "line 3, column 'b' is empty (a missing value"),
+        ([f"--dataset={blank}", "--label_column=y"], "column 'b' is blank in every training row"),
+        ([f"--dataset={one_class}", "--label_column=y"], "the label 'y' holds one class ('cat') only"),
+        ([f"--dataset={dates}", "--label_column=y"], "column 'when' holds '2024-02-30', which is not a date"),
+        (
+            [f"--dataset={names}", "--label_column=y", "--column_types=name:category"],
+            "column 'name' is set to category but its 9 training rows hold 9 values",
+        ),
         ([f"--dataset={stray}", "--label_column=y"], "line 3 has 4 values under 3 columns"),
         ([f"--dataset={shifted}", "--label_column=y"], "line 2 has 4 values under 3 columns"),
         # It trained on one of the two copies (whichever `index` found): now refused.

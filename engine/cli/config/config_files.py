@@ -209,7 +209,9 @@ def names_code(name: str, value: Any) -> bool:
     if name == "model":
         return ":" in value
     if name == "dataset":
-        return ":" in value and not value.startswith("tfds:") and not value.endswith((".npz", ".csv"))
+        return (
+            ":" in value and not value.startswith("tfds:") and not value.endswith((".npz", ".csv", ".parquet"))
+        )
     if name == "tpu":
         return value != "local"
     return False
@@ -393,6 +395,7 @@ def setting_name(key: Any, where: str, *, fix: str) -> str:
 
 
 _EXAMPLES = {"int": 10, "float": 0.001, "bool": "true", "str": "'text'", "list[str]": "[host:port, host:port]"}
+_NAMED_EXAMPLES = {"column_types": "{zip: category, id: drop}"}
 _WHAT = {
     "int": "an integer",
     "float": "a number",
@@ -411,11 +414,15 @@ def typed(name: str, value: Any, where: str, *, raw: str | None = None, example=
     kind = str(_FIELDS[name].type)
     optional = kind.endswith(" | None")
     base = kind.removesuffix(" | None")
+    if name == "column_types" and isinstance(value, dict) and all(isinstance(v, str) for v in value.values()):
+        value = [f"{key}:{kind}" for key, kind in value.items()]  # {zip: category}: NAME:TYPE entries.
     converted = _converted(base, value, optional, raw)
     if converted is _WRONG:
         default = _FIELDS[name].default
         if base == "str" and isinstance(value, (bool, int, float)):
             shown = f"'{plain_text(value)}'"  # YAML read a number: quoted, it is the string.
+        elif name in _NAMED_EXAMPLES:
+            shown = _NAMED_EXAMPLES[name]
         elif base == "list[str]" or default is None or default is dataclasses.MISSING:
             shown = str(_EXAMPLES.get(base, "{units: 128}"))
         else:

@@ -11,7 +11,10 @@ before, from the training's data.
      "labels": {"kind": "classes", "width": 3, "shape": []}, "num_train_examples": 900,
      "feature_columns": ["age", "dose", ...], "label_column": "outcome"}
 
-`feature_columns` and `label_column` are null for data other than a CSV.
+`feature_columns` and `label_column` are null for data other than a CSV. A table read by its
+columns' types (text, blanks, dates: `input.tables`) adds `"table"`: each column's type and
+what its encoding holds (vocabulary, fill values, date parts), the label's class names; its
+`feature_columns` are the encoded features' names.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ class InputsRecord:
     num_train_examples: int | None
     feature_columns: tuple[str, ...] | None
     label_column: str | None
+    table: Any = None  # input.tables.TableSchema of a table read by its columns' types.
 
     def source(self, name: str) -> Any:
         """An input.DescribedSource of these examples: a model is built from it, no data read."""
@@ -77,6 +81,7 @@ def record_of(task: RunTask, label_column: str | None) -> dict[str, Any]:
         "num_train_examples": source.num_train_examples,
         "feature_columns": list(task.feature_columns) if task.feature_columns is not None else None,
         "label_column": label_column if task.feature_columns is not None else None,
+        "table": None if getattr(source, "table", None) is None else source.table.as_json(),
     }
 
 
@@ -127,6 +132,11 @@ def _checked(data: dict[str, Any]) -> InputsRecord:
     if label_column is not None and not isinstance(label_column, str):
         raise ValueError("label_column")
     own_package("input").LabelSpec(labels["kind"], _count(labels["width"], 1), label_shape)  # Checks them.
+    table = None
+    if data.get("table") is not None:
+        table = own_package("input").tables.TableSchema.from_json(data["table"])
+        if tuple(table.feature_names()) != tuple(columns or ()):
+            raise ValueError("table")
     return InputsRecord(
         feature_shape=shape,
         feature_dtype=data["feature_dtype"],
@@ -136,6 +146,7 @@ def _checked(data: dict[str, Any]) -> InputsRecord:
         num_train_examples=None if examples is None else _count(examples, 0, INT64_MAX),
         feature_columns=None if columns is None else tuple(columns),
         label_column=label_column,
+        table=table,
     )
 
 

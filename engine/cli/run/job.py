@@ -370,6 +370,13 @@ def _export_if_asked(
     the model to serve), written by the chief alone."""
     if not state.export_dir or not strategy.extended.should_checkpoint:
         return
+    table = getattr(task.source, "table", None)
+    if table is not None:  # Raw named columns in, the encoding inside (and a .keras beside).
+        from engine.cli.run.table_export import export_table
+
+        with trainer.averaged_weights():
+            export_table(model, state.export_dir, table, task.source.labels.kind)
+        return
     with trainer.averaged_weights():
         export_for_serving(
             model,
@@ -675,6 +682,11 @@ def _log_banner(config, strategy, model, task: RunTask, model_dir, total_steps, 
     ]
     width = message_width() or BANNER_WIDTH
     logging.info("%s", "\n".join(wrap_line(line, width) for line in lines))
+    table = getattr(source, "table", None)  # A table read by its columns' types (input.tables).
+    for line in table.describe() if table is not None else ():
+        logging.info("%s", line)
+    if table is None and task.feature_columns is not None:  # A CSV of numbers alone.
+        logging.info("%s", _numbers_line(task.feature_columns))
     logging.info("model %s:\n%s", task.model_name, model_summary(model))
     for line in describe_tables(model):  # Where each engine.ShardedEmbedding's shards live.
         logging.info(line)
@@ -690,6 +702,17 @@ def short_device_name(device: str) -> str:
     if spec.job in (None, "localhost"):
         return name
     return f"{spec.job}:{spec.task or 0}/{name}"
+
+
+def _numbers_line(columns: tuple[str, ...], width: int = 78) -> str:
+    """`columns: 10 numbers (age, sex, bmi, ...)`, within `width` where the first name allows."""
+    head = f"columns: {len(columns)} number{'' if len(columns) == 1 else 's'}"
+    shown: list[str] = []
+    for name in columns:
+        if shown and len(f"{head} ({', '.join([*shown, name])}, ...)") > width:
+            break
+        shown.append(name)
+    return f"{head} ({', '.join(shown)}{', ...' if len(shown) < len(columns) else ''})"
 
 
 def _precision(numerics: NumericSettings, trainer: Trainer) -> str:

@@ -52,6 +52,10 @@ def run(config: RunConfig) -> dict[str, Any]:
             f"--mode=predict: no checkpoint in {directory}; train first or pass the --model_dir of a trained run"
         )
     record = inputs_record.read(config.model_dir)
+    if record is not None and record.table is not None:  # A table read by its columns' types.
+        from engine.cli.run.table_predict import predict_table
+
+        return predict_table(config, record, path, write_rows)
     columns = record.feature_columns if record is not None else None
     if record is not None:  # The examples' shape without the training's data: nothing else is read.
         restored = CheckpointedModel(config, model_dir=config.model_dir, source=record.source(config.dataset))
@@ -157,11 +161,14 @@ def _read_csv(path: str, label_column: str | None, columns: tuple[str, ...] | No
 _NO_HARD_LINKS = {errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EXDEV, errno.EMLINK, errno.ENOSYS}
 
 
-def write_rows(path: str, outputs: np.ndarray) -> None:
+def write_rows(
+    path: str, outputs: np.ndarray, header: list[str] | None = None, rows: list | None = None
+) -> None:
     """One row per example, written to a temporary file beside `path` and moved there only if
     nothing is there yet (a hard link fails on an existing name; another predict's file, or
     anyone's, is never replaced), so a reader never sees half of it. A full disk or another
-    write error is one line, and nothing is left behind."""
+    write error is one line, and nothing is left behind. A .csv's columns are `output_0..`,
+    or `header` over `rows` (a table's class names and probabilities) where given."""
     directory = os.path.dirname(os.path.abspath(path))
     try:
         handle, temporary = tempfile.mkstemp(dir=directory, prefix=".predict-", suffix=os.path.splitext(path)[1])
@@ -172,10 +179,10 @@ def write_rows(path: str, outputs: np.ndarray) -> None:
             if path.endswith(".npy"):
                 np.save(out, outputs)
             else:
-                rows = outputs.reshape((len(outputs), -1))
+                values = outputs.reshape((len(outputs), -1))
                 writer = csv.writer(out)
-                writer.writerow([f"output_{index}" for index in range(len(rows[0]))])
-                writer.writerows(rows.tolist())
+                writer.writerow(header or [f"output_{index}" for index in range(len(values[0]))])
+                writer.writerows(rows if rows is not None else values.tolist())
             out.flush()
             os.fsync(out.fileno())
         _move_into_place(temporary, path)

@@ -206,7 +206,7 @@ def resolve_task(problem: ProblemSettings, *, source: Any = None) -> RunTask:
         ]
 
     metrics()  # Unknown names fail now, before anything is written.
-    csv_file = task.data is None and problem.dataset.endswith(".csv")
+    csv_file = task.data is None and problem.dataset.endswith((".csv", ".parquet"))
     return RunTask(
         model_name=model_name,
         build=build,
@@ -239,6 +239,7 @@ def _data_source(
         "eval_fraction": problem.eval_fraction,
         "label_kind": wanted_kind,
         "vocab_size": problem.vocab_size,
+        "column_types": problem.column_types,
     }
     try:
         if task.data is not None:
@@ -253,6 +254,8 @@ def _data_source(
         if shape is None and problem.dataset in IMAGE_SETS_AT_MODEL_SHAPE:
             shape = default_shape or models.USER_MODEL_INPUT_SHAPE
         source = input_lib.get_data_source(problem.dataset, image_shape=shape, **options)
+        if getattr(source, "table", None) is not None:  # A table read by its columns' types.
+            return source, tuple(source.table.feature_names())
         if not problem.dataset.endswith(".csv"):
             return source, None
         header = input_lib.files.csv_header(problem.dataset)

@@ -423,7 +423,7 @@ def test_unknown_dataset_lists_choices() -> None:
         get_data_source("cifar10", image_shape=(32, 32, 3))
     assert str(error.value) == (
         "unknown dataset 'cifar10'; choose one of: digits, mnist, synthetic, tfrecord, clicks, or PATH.npz, "
-        "PATH.csv, tfds:NAME[/CONFIG], package.module:function"
+        "PATH.csv, PATH.parquet, tfds:NAME[/CONFIG], package.module:function"
     )
 
 

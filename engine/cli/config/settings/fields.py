@@ -102,6 +102,7 @@ MODEL_AND_DATA_SETTINGS = (
     "model",
     "dataset",
     "label_column",
+    "column_types",
     "normalize",
     "vocab_size",
     "eval_fraction",

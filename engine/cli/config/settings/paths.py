@@ -32,8 +32,10 @@ def check_predict_paths(model_dir: str | None, predict_input: str | None, predic
         raise UserError("--mode=predict restores the latest checkpoint of a --model_dir; pass one")
     if not predict_input or not predict_output:
         raise UserError("--mode=predict needs --predict_input=PATH (.npz or .csv) and --predict_output=PATH")
-    if os.path.splitext(predict_input)[1] not in (".npz", ".csv"):
-        raise UserError(f"--predict_input={predict_input} must be an .npz (with an x array) or a .csv file")
+    if os.path.splitext(predict_input)[1] not in (".npz", ".csv", ".parquet"):
+        raise UserError(
+            f"--predict_input={predict_input} must be an .npz (with an x array), a .csv or a .parquet file"
+        )
     if not os.path.isfile(predict_input):
         raise UserError(f"--predict_input={predict_input} does not exist or is not a file")
     if os.path.splitext(predict_output)[1] not in (".npy", ".csv"):

@@ -198,7 +198,9 @@ class CommandSettings:
         None,
         "--mode=predict: the examples, an .npz with an x array or a .csv of numbers (a header row, one "
         "example a row), each example the model's input shape or that many values; uint8 pixels are scaled "
-        "by 1/255 as in training, floats taken as they are.",
+        "by 1/255 as in training, floats taken as they are. A model trained on a table with text, blanks or "
+        "dates takes its raw rows (.csv or .parquet, columns in any order) and writes class names and "
+        "probabilities.",
     )
     predict_output: str | None = setting(
         None, "--mode=predict: where the model's outputs go, one row per example: a new .npy or .csv file."
@@ -252,7 +254,8 @@ class ProblemSettings:
         "digits (offline, real; the default), mnist (Keras cache or --data_dir), synthetic, tfrecord (image "
         "files in --data_dir, at their own size), clicks (synthetic click logs: numbers and hashed ids); "
         "PATH.npz (x_train, y_train, optionally x_test, y_test); "
-        "PATH.csv (numeric columns, with --label_column); tfds:NAME[/CONFIG] (prepared in --data_dir); or "
+        "PATH.csv or PATH.parquet (a table with --label_column: numbers, text categories, dates, blanks); "
+        "tfds:NAME[/CONFIG] (prepared in --data_dir); or "
         "package.module:function returning (train, eval) tf.data.Datasets of unbatched (features, labels) "
         "or an input.DataSource.",
     )
@@ -260,7 +263,15 @@ class ProblemSettings:
         None, "Where mnist.npz, the TFRecord files or the tensorflow-datasets sets are."
     )
     label_column: str | None = setting(
-        None, "--dataset=PATH.csv: the column of labels; every other is a feature."
+        None, "--dataset=PATH.csv or .parquet: the column of labels; every other is a feature."
+    )
+    column_types: list[str] | None = setting(
+        None,
+        "--dataset=PATH.csv or .parquet: NAME:TYPE for columns whose inferred type is not the one meant, "
+        "comma-separated, TYPE one of number, boolean, category, date, identifier, text, drop "
+        "(identifier and drop are left out; text reads a column's words), e.g. zip:category,id:drop (default: "
+        "each type inferred "
+        "from the training split, shown at the start of the run and kept in inputs.json).",
     )
     normalize: str = setting(
         "standardize",
@@ -341,13 +352,15 @@ class ProblemSettings:
         write), and the data-form flags against what they apply to."""
         check_fields(self)
         self._check_names()
-        csv_file = self.dataset.endswith(".csv") and not self.task
+        csv_file = self.dataset.endswith((".csv", ".parquet")) and not self.task
         if self.label_column is not None and not csv_file:
             raise UserError(f"--label_column={self.label_column} is for --dataset=PATH.csv; drop it")
+        if self.column_types and not csv_file:
+            raise UserError(f"--column_types={','.join(self.column_types)} is for --dataset=PATH.csv; drop it")
         if self.eval_file is not None:
             if not csv_file:
                 raise UserError(f"--eval_file={self.eval_file} is for --dataset=PATH.csv; drop it")
-            if not self.eval_file.endswith(".csv"):
+            if not self.eval_file.endswith((".csv", ".parquet")):
                 raise UserError(f"--eval_file={self.eval_file} must be a .csv file with --dataset's columns")
         if not 0.0 <= self.eval_fraction < 1.0:
             raise UserError(f"--eval_fraction={self.eval_fraction} must be in [0, 1); 0 holds out nothing")
