@@ -283,7 +283,7 @@ def test_integer_labels_read_as_values_by_a_regression_loss(tmp_path):
         f"--model_dir={tmp_path / 'run'}",
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "loss=huber metrics=mae labels=one value" in result.stderr
+    assert "loss=huber  metrics=mae  labels=one value" in result.stderr
     # The default --eval_fraction held out a tenth, always the same rows.
     assert metrics_of(tmp_path / "run")["eval"]["num_examples"] == 6
 
@@ -548,7 +548,7 @@ def test_a_task_module_trains_mirrored_and_resumes_bitwise(tmp_path, monkeypatch
     whole, parts = tmp_path / "whole", tmp_path / "parts"
     done = main_in_process(*common, "--train_steps=12", f"--model_dir={whole}")
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "strategy=mirrored replicas=2" in done.stderr
+    assert "strategy=mirrored  replicas=2" in done.stderr
     first = main_in_process(*common, "--train_steps=6", f"--model_dir={parts}")
     second = main_in_process(*common, "--train_steps=12", f"--model_dir={parts}")
     assert first.returncode == 0 and second.returncode == 0, (first.stderr[-2000:], second.stderr[-2000:])
@@ -579,7 +579,7 @@ def test_the_task_example_of_the_docs_runs_as_printed(tmp_path, monkeypatch):
     assert result.returncode == 0, result.stderr[-3000:]
     evaluated = metrics_of(tmp_path / "run")["eval"]
     assert evaluated["num_examples"] == 200 and sorted(evaluated) == ["loss", "mae", "num_examples", "r2"]
-    assert "loss=huber metrics=mae,r2 labels=2 value(s)" in result.stderr
+    assert "loss=huber  metrics=mae,r2  labels=2 value(s)" in result.stderr
 
 
 @pytest.mark.slow  # Three runs over TFRecord files: seconds.
