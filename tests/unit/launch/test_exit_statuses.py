@@ -120,3 +120,19 @@ def test_the_last_line_names_the_diagnostics_the_tasks_wrote_during_the_run(tmp_
     assert diagnostics_written(str(tmp_path), started) == f"; diagnostics of worker-0, worker-2 in {directory}"
     assert diagnostics_written(str(tmp_path / "elsewhere"), started) == ""
     assert diagnostics_written(None, started) == ""
+
+
+def test_a_lost_input_server_ends_the_run_with_69_in_one_line():
+    """engine.launch --data_workers: a data worker or the dispatcher gone (`lost_input`) ends the
+    run as a lost peer does, the training tasks stopped (they save if they can)."""
+    spec = cluster_spec(1, 0, "localhost", [1])
+    tasks = [Task(Cluster(spec, "worker", 0), [sys.executable, "-c", "import time; time.sleep(60)"])]
+    gone = "data_worker:0 (pid 7) of the tf.data service exited with signal 9; the training input is gone"
+    said: list[str] = []
+    launcher = Launcher(tasks, say=said.append, lost_input=lambda: gone)
+    try:
+        assert launcher.run() == PEER_LOST_EXIT
+    finally:
+        launcher.stop(grace=1)
+    assert said[-1] == f"{gone}; stopping the training tasks (the latest checkpoint is kept), exit 69", said
+    assert tasks[0].started.poll() is not None  # Stopped, nothing left running.
