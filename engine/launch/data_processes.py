@@ -3,12 +3,13 @@ training tasks on this host, each a process of `python -m engine.data_service`.
 
 They start before the training tasks (bounded: a server that has not said it serves within
 the start-up bound, or that exits, fails the launch in one line, exit 69, nothing left
-running), are watched with them (a data worker or the dispatcher that dies mid-run ends the
-run in one line, exit 69: the training tasks get the launcher's stop and save if they can;
-the latest checkpoint stays), and stop after them: the tasks need their input to finish the
-call they save after. They run in a session of their own, so a terminal's Ctrl-C reaches
-the launcher and the tasks, not the input they still need; the kernel kills each one when
-the launcher dies (PR_SET_PDEATHSIG), as it does the tasks.
+running), are watched with them (a data worker that dies while others serve is said in one
+line and the run goes on: the service moves its readers to the workers left; the dispatcher or
+the last data worker dying ends the run in one line, exit 69: the training tasks get the
+launcher's stop and save if they can; the latest checkpoint stays), and stop after them: the
+tasks need their input to finish the call they save after. They run in a session of their own,
+so a terminal's Ctrl-C reaches the launcher and the tasks, not the input they still need; the
+kernel kills each one when the launcher dies (PR_SET_PDEATHSIG), as it does the tasks.
 """
 
 from __future__ import annotations
@@ -49,6 +50,14 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
+def _exited(process: DataProcess) -> str:
+    """'data_worker:0 (pid N) of the tf.data service exited with signal 9'."""
+    code = process.exit_code()
+    assert process.process is not None and code is not None, "only for a process that has exited"
+    how = f"signal {-code}" if code < 0 else f"status {code}"
+    return f"{process.name} (pid {process.process.pid}) of the tf.data service exited with {how}"
+
+
 class DataService:
     """The dispatcher and `num_workers` data workers on `host`, the dispatcher at `port`."""
 
@@ -65,6 +74,7 @@ class DataService:
             for index in range(num_workers)
         ]
         self._print_lock = threading.Lock()
+        self._said_gone: list[DataProcess] = []  # Data workers gone while others serve, said once each.
 
     def start(self, timeout: float) -> str | None:
         """Starts the dispatcher, then the workers, each awaited until it serves; None, or the one
@@ -118,16 +128,21 @@ class DataService:
         process.process.stdout.close()
 
     def lost(self) -> str | None:
-        """The first server that has exited, in one line; None while all serve."""
-        for process in self.processes:
-            code = process.exit_code()
-            if code is not None:
-                how = f"signal {-code}" if code < 0 else f"status {code}"
-                assert process.process is not None, "an exit code comes from a started process"
-                return (
-                    f"{process.name} (pid {process.process.pid}) of the tf.data service exited with {how}; "
-                    "the training input is gone"
-                )
+        """Why the training input is gone (the dispatcher, or the last data worker, exited), in one
+        line; None while it is not. A data worker that exits while others serve is said once: the
+        service goes on with them (the run's readers move to the workers left)."""
+        dispatcher, workers = self.processes[0], self.processes[1:]
+        if dispatcher.exit_code() is not None:
+            return f"{_exited(dispatcher)}; the training input is gone"
+        gone = [worker for worker in workers if worker.exit_code() is not None]
+        if len(gone) == len(workers):
+            last = next((worker for worker in gone if worker not in self._said_gone), gone[-1])
+            return f"{_exited(last)}; the training input is gone (no data worker left)"
+        for worker in gone:
+            if worker not in self._said_gone:
+                self._said_gone.append(worker)
+                left = len(workers) - len(gone)
+                self.say(f"warning: {_exited(worker)}; the run goes on with the {left} data worker(s) left")
         return None
 
     def stop(self) -> None:
