@@ -198,8 +198,20 @@ def define_flags(flag_values: Any) -> None:
     )
 
 
+def parse_flags(argv: list[str]) -> list[str]:
+    """absl's parsing, its errors (--port=nan, an unknown flag) one line and exit 2 like every other
+    bad input, instead of absl's usage text and exit 1."""
+    from absl import flags
+
+    try:
+        return flags.FLAGS(argv)
+    except flags.Error as error:
+        print(f"{PROGRAM}: error: {one_line(error)}; see --help", file=sys.stderr)
+        sys.exit(USER_ERROR_EXIT)
+
+
 if __name__ == "__main__":
     from absl import app, flags
 
     define_flags(flags.FLAGS)
-    app.run(lambda argv: sys.exit(main(argv, flags.FLAGS)))
+    app.run(lambda argv: sys.exit(main(argv, flags.FLAGS)), flags_parser=parse_flags)

@@ -120,3 +120,24 @@ def test_a_data_worker_without_its_dispatcher_exits_69_in_one_line():
     ), result.stderr
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert time.monotonic() - started < 30
+
+
+@pytest.mark.parametrize(
+    "args, line",
+    [
+        (["--dispatcher", "--port=nan"], "engine.data_service: error: flag --port=nan: invalid literal"),
+        (["--dispatcher", "--worker"], "engine.data_service: error: pass exactly one of --dispatcher, --worker"),
+        (["--worker"], "engine.data_service: error: --worker needs --dispatcher_address=HOST:PORT"),
+    ],
+)
+def test_bad_flags_are_one_line_and_exit_2(args, line):
+    result = subprocess.run(
+        [sys.executable, "-m", "engine.data_service", *args],
+        cwd=REPO,
+        env=python_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2 and result.stderr.startswith(line), result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
