@@ -179,3 +179,15 @@ def test_a_dispatcher_that_is_not_there_is_one_line_within_its_bound():
         f"cannot reach the tf.data service dispatcher at grpc://localhost:{port} within 0.5 s"
     )
     assert f"python -m engine.data_service --dispatcher --port={port}" in message
+
+
+def test_pipelines_that_name_a_job_share_one_stream(one_worker):
+    """Hosts that name the same job (at the same position) split its batches among them: none
+    is read twice, and tf.distribute must not shard them again."""
+    service = engine.DataService(address=one_worker, job_name="shared")
+    pipeline = tf.data.Dataset.range(40).batch(4)
+    first, second = (iter(through_service(pipeline, service, position=0)) for _ in range(2))
+    read = [int(batch[0]) for iterator in (first, second) for batch in iterator]
+    assert sorted(read) == list(range(0, 40, 4)), read  # Each batch once, whichever host took it.
+    served = through_service(pipeline, service, position=0)
+    assert served.options().experimental_distribute.auto_shard_policy == tf.data.experimental.AutoShardPolicy.OFF
