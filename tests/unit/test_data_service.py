@@ -30,10 +30,9 @@ service_lib = tf.data.experimental.service
 def _service(num_workers: int):
     dispatcher = service_lib.DispatchServer(service_lib.DispatcherConfig(port=0))
     address = dispatcher.target.removeprefix("grpc://")
-    workers = [
-        service_lib.WorkerServer(service_lib.WorkerConfig(dispatcher_address=address))
-        for _ in range(num_workers)
-    ]
+    # Frequent heartbeats: a worker learns of a new job's task at its next one.
+    config = service_lib.WorkerConfig(dispatcher_address=address, heartbeat_interval_ms=100)
+    workers = [service_lib.WorkerServer(config) for _ in range(num_workers)]
     return dispatcher, workers
 
 
@@ -144,6 +143,7 @@ def test_a_resume_with_one_data_worker_is_exact_and_says_where_it_starts(default
     uninterrupted.close()
 
 
+@pytest.mark.slow  # Seconds of waiting on the service's task hand-out; the engine's own code is the fast tests'.
 def test_what_several_workers_do_to_the_stream_measured(two_workers):
     """The figures docs/several-machines.md states: parallel_epochs runs the whole stream on every
     worker (each batch of a seeded pipeline comes once per worker); distributed_epoch hands each
