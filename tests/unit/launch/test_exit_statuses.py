@@ -164,6 +164,13 @@ def test_a_data_worker_lost_while_others_serve_is_said_once_and_the_last_one_end
             f"data_worker:0 (pid {last.pid}) of the tf.data service exited with signal 9; the training input is "
             "gone (no data worker left)"
         )
+        dispatcher = service.processes[0].process
+        dispatcher.terminate()
+        dispatcher.wait()
+        assert service.lost() == (
+            f"dispatcher (pid {dispatcher.pid}) of the tf.data service exited with signal 15; the training "
+            "input is gone"
+        )
     finally:
         service.stop()
     assert all(server.exit_code() is not None for server in service.processes)
