@@ -27,6 +27,14 @@ global step plus the `DataPosition` offset, the batches that rollbacks
 skipped (`engine.loop.rollback`; 0 in a run without one). Every form above can
 start at any position, so skipping is as exact as resuming.
 
+Each form takes `service=engine.DataService(address=...)`: its pipelines,
+positioned as above, run on the data workers of a tf.data service, and the
+training process only reads their batches (`distribute_train_data`). With one
+data worker the batches are those of local input, in order, so a run and its
+resume are the same as without the service. With several, the order is the
+order the workers answer in, and a resume cannot be exact
+(`service_resume_note` says what it does instead).
+
 Plain values are read as the form they can only be: a `tf.data.Dataset` is
 `GlobalBatches(dataset=)`; a function of one parameter is
 `PerReplicaBatches(fn=)` (tf.distribute's own convention); a function whose
@@ -37,14 +45,15 @@ names a step (`lambda step: ...`) is refused as ambiguous.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, TypeAlias
 
 import tensorflow as tf
 
 from engine.errors import UserError
+from engine.options import DataService
 
 DatasetFn = Callable[..., tf.data.Dataset]
 # What `Trainer(train_data=)` and `eval_data=` accept; `engine.ResidentData` too for training,
@@ -52,13 +61,14 @@ DatasetFn = Callable[..., tf.data.Dataset]
 Data: TypeAlias = Any
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class GlobalBatches:
     """Global batches: `dataset` (skipped forward on resume) or `from_step(start_step)`
     (positions itself). Give exactly one."""
 
     dataset: tf.data.Dataset | None = None
     from_step: Callable[[int], tf.data.Dataset] | None = None
+    service: DataService | None = None  # Where the pipeline runs: a tf.data service (None: here).
 
     def __post_init__(self) -> None:
         _exactly_one("GlobalBatches", dataset=self.dataset, from_step=self.from_step)
@@ -66,18 +76,21 @@ class GlobalBatches:
             raise UserError(
                 f"GlobalBatches(dataset=) takes a tf.data.Dataset, got {type(self.dataset).__name__}"
             )
+        _check_service("GlobalBatches", self.service)
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class PerReplicaBatches:
     """One input pipeline's per-replica batches: `fn(input_context)` (skipped forward on
     resume) or `from_step(input_context, start_step)` (positions itself). Give exactly one."""
 
     fn: Callable[[tf.distribute.InputContext], tf.data.Dataset] | None = None
     from_step: Callable[[tf.distribute.InputContext, int], tf.data.Dataset] | None = None
+    service: DataService | None = None  # Where the pipelines run: a tf.data service (None: here).
 
     def __post_init__(self) -> None:
         _exactly_one("PerReplicaBatches", fn=self.fn, from_step=self.from_step)
+        _check_service("PerReplicaBatches", self.service)
 
 
 DataForm: TypeAlias = GlobalBatches | PerReplicaBatches
@@ -106,6 +119,60 @@ def _exactly_one(form: str, **given: Any) -> None:
     named = [name for name, value in given.items() if value is not None]
     if len(named) != 1:
         raise UserError(f"{form} takes exactly one of {', '.join(f'{n}=' for n in given)}; got {len(named)}")
+
+
+def _check_service(form: str, service: Any) -> None:
+    if service is not None and not isinstance(service, DataService):
+        raise UserError(
+            f"{form}(service=) takes an engine.DataService(address=...), got {type(service).__name__}"
+        )
+
+
+def with_service(data: Any, service: DataService | None, *, what: str = "train_data") -> DataForm:
+    """`data` as its declared form (`as_train_form`), its pipelines run by `service` (None: here)."""
+    return dataclasses.replace(as_train_form(data, what=what), service=service)
+
+
+def through_service(dataset: tf.data.Dataset, service: DataService, *, position: int) -> tf.data.Dataset:
+    """`dataset` (one pipeline, positioned at stream `position`) run by the service's data workers.
+
+    The whole positioned pipeline travels to the workers, so each worker starts at `position`
+    itself: no batch is read here only to be dropped. A named job gets the position in its name,
+    so that a resumed run (or a rollback) starts a job of its own instead of joining the old one's
+    stream where it stood; its hosts, all at the same position, share it, each batch going to one
+    of them, so tf.distribute must not shard it again.
+    """
+    job_name = None if service.job_name is None else f"{service.job_name}_at_{position}"
+    served = dataset.apply(
+        tf.data.experimental.service.distribute(
+            processing_mode=service.processing_mode, service=service.target, job_name=job_name
+        )
+    )
+    if job_name is None:
+        return served
+    options = tf.data.Options()
+    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
+    return served.with_options(options)
+
+
+def service_resume_note(service: DataService, position: int) -> str:
+    """What reading from `service` at stream `position` (> 0: a resume or a rollback) means, in one
+    line: the workers start at the position, which is exact with one worker and not with several."""
+    if service.processing_mode == "parallel_epochs":
+        several = (
+            "with N workers each runs the whole stream from there and the run reads them in the order they "
+            "answer (a seeded pipeline's batches then come N times; the batches after the resume are not "
+            "the uninterrupted run's)"
+        )
+    else:
+        several = (
+            "with N workers each skips that many of its own batches, so up to N times as many of this epoch "
+            "are never trained"
+        )
+    return (
+        f"input from the {service.describe()} starts at the batches of step {position}: every data worker "
+        f"skips the earlier ones itself; exact with one data worker, not with several: {several}"
+    )
 
 
 def steps_to_elements(input_context: tf.distribute.InputContext, steps: int) -> int:
@@ -180,16 +247,33 @@ def distribute_train_data(
     """Distributes training data positioned at global step `start_step`."""
     if isinstance(form, GlobalBatches):
         return strategy.experimental_distribute_dataset(
-            pipeline_at(form, tf.distribute.InputContext(), start_step=start_step)
+            _served_pipeline_at(form, tf.distribute.InputContext(), start_step=start_step)
         )
     return strategy.distribute_datasets_from_function(
-        lambda input_context: pipeline_at(form, input_context, start_step=start_step)
+        lambda input_context: _served_pipeline_at(form, input_context, start_step=start_step)
     )
+
+
+def _served_pipeline_at(
+    form: DataForm, input_context: tf.distribute.InputContext, *, start_step: int
+) -> tf.data.Dataset:
+    """`pipeline_at`, run by the form's data service if it names one: after the user's whole
+    pipeline (batched as the form says) and its positioning, before tf.distribute splits the
+    batches among the replicas (`through_service`)."""
+    pipeline = pipeline_at(form, input_context, start_step=start_step)
+    if form.service is None:
+        return pipeline
+    return through_service(pipeline, form.service, position=start_step)
 
 
 def as_eval_form(data: Any) -> DataForm:
     """Eval data: global batches (`Dataset`) or `fn(input_context)` of per-replica batches, read once."""
     form = as_train_form(data, what="eval_data")
+    if form.service is not None:
+        raise UserError(
+            "eval_data is read by the training process itself: pass it without service= "
+            "(the tf.data service feeds train_data)"
+        )
     if form.from_step is not None:
         raise UserError(
             "eval_data is read whole from its start at every evaluation: pass a tf.data.Dataset "

@@ -315,6 +315,64 @@ class ThroughputOptions:
             raise UserError(f"`straggler_loops={self.straggler_loops}` must be at least 1")
 
 
+DATA_SERVICE_MODES = ("parallel_epochs", "distributed_epoch")  # tf.data service processing modes.
+
+
+@dataclasses.dataclass(frozen=True)
+class DataService:
+    """Where the training input is produced: a tf.data service dispatcher (`python -m engine.data_service`,
+    `tf.data.experimental.service`), whose data workers run the input pipeline on other cores or hosts.
+
+    An option of the data forms (`engine.GlobalBatches(..., service=)`, `engine.PerReplicaBatches(...,
+    service=)`): each input pipeline, positioned at the step the run starts from, is sent to the service
+    and its batches read back (`docs/several-machines.md`, "When the input is the bottleneck").
+    """
+
+    address: str = option("", "The dispatcher, grpc://HOST:PORT (or HOST:PORT).")
+    processing_mode: str = option(
+        "parallel_epochs",
+        "parallel_epochs: every data worker runs the whole pipeline (one worker: the batches of local input, "
+        "in order); distributed_epoch: the dispatcher splits the pipeline's source among the workers, each "
+        "element at most once per epoch, in the order the workers answer.",
+    )
+    job_name: str | None = option(
+        None,
+        "Input pipelines (of several hosts) that name the same job share one stream, each batch going to one "
+        "of them; None: every pipeline reads a stream of its own.",
+    )
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.address, str) or not _service_address_ok(self.address):
+            raise UserError(
+                f"DataService(address={self.address!r}) must be a dispatcher's grpc://HOST:PORT "
+                "(python -m engine.data_service --dispatcher prints it)"
+            )
+        if self.processing_mode not in DATA_SERVICE_MODES:
+            raise UserError(
+                f"DataService(processing_mode={self.processing_mode!r}) must be one of: "
+                + ", ".join(DATA_SERVICE_MODES)
+            )
+        if self.job_name is not None and (not isinstance(self.job_name, str) or not self.job_name.strip()):
+            raise UserError(f"DataService(job_name={self.job_name!r}) must be a non-empty name or None")
+
+    @property
+    def target(self) -> str:
+        """The address as tf.data's `service=` takes it, with its protocol."""
+        return self.address if "://" in self.address else f"grpc://{self.address}"
+
+    def describe(self) -> str:
+        """Where the input comes from, for the banner and the log."""
+        job = "" if self.job_name is None else f", job {self.job_name}"
+        return f"tf.data service at {self.target} ({self.processing_mode}{job})"
+
+
+def _service_address_ok(address: str) -> bool:
+    """grpc://HOST:PORT or HOST:PORT, the port a number in 1-65535."""
+    rest = address[len("grpc://") :] if address.startswith("grpc://") else address
+    host, _, port = rest.rpartition(":")
+    return bool(host) and "/" not in rest and port.isdigit() and 1 <= int(port) <= 65535
+
+
 # The Trainer's keyword argument of each option group, in its signature's order.
 TRAINER_GROUPS: dict[str, type] = {
     "step": StepOptions,

@@ -53,7 +53,9 @@ from engine.cli.config.flag_names import in_flag_terms
 from engine.cli.config.usage import launch_help
 from engine.cli.main_command import SHORT_HELP_FLAGS
 from engine.cluster import security_warning
-from engine.errors import USER_ERROR_EXIT, UserError, one_line
+from engine.data_service import DEFAULT_STARTUP_TIMEOUT
+from engine.errors import PEER_LOST_EXIT, USER_ERROR_EXIT, UserError, one_line
+from engine.launch.data_processes import DataService
 from engine.launch.task_processes import (
     FILES_PER_TASK,
     MAX_RESTARTS,
@@ -120,6 +122,13 @@ flags.DEFINE_string(
     "the same on every node; default: the "
     "ENGINE_RENDEZVOUS_SECRET environment variable. Required when --rendezvous is not a loopback "
     "address: without it nothing a connection sends can join, stop or steer the run.",
+)
+flags.DEFINE_integer(
+    "data_workers",
+    0,
+    "Start a tf.data service here, a dispatcher and this many data workers (python -m engine.data_service), "
+    "and pass its address to every task as --data_service: the input pipeline runs in them, not in the "
+    "training processes. 0: none.",
 )
 flags.DEFINE_boolean(
     "evaluator", False, "Add an evaluator task: engine.main evaluating each new checkpoint beside training."
@@ -226,7 +235,7 @@ def check_launcher_flags() -> None:
     bounds = {"num_workers": (1, limit), "num_ps": (0, limit)}
     bounds |= {"max_restarts": (0, MAX_RESTARTS), "max_worker_restarts": (0, MAX_RESTARTS)}
     bounds |= {"nnodes": (1, MAX_TASKS), "node_rank": (0, MAX_TASKS - 1), "workers_per_node": (1, limit)}
-    bounds |= {"min_nodes": (0, MAX_TASKS)}
+    bounds |= {"min_nodes": (0, MAX_TASKS), "data_workers": (0, limit)}
     for name, (low, high) in bounds.items():
         value = getattr(FLAGS, name)  # An integer flag with a default: never None (absl refuses nan).
         if not low <= value <= high:
@@ -280,13 +289,59 @@ def main(argv: list[str]) -> int:
     if problem:
         print(f"{PROGRAM}: error: {problem}", file=sys.stderr)
         return USER_ERROR_EXIT
+    problem = _data_workers_problem()
+    if problem:
+        print(f"{PROGRAM}: error: {problem}", file=sys.stderr)
+        return USER_ERROR_EXIT
     if FLAGS.nnodes > 1 or FLAGS.rendezvous:
         return _run_node(main_flags)
     num_workers, num_ps, evaluator, host = FLAGS.num_workers, FLAGS.num_ps, FLAGS.evaluator, FLAGS.host
     num_tasks = num_workers + num_ps + (1 if num_ps else 0) + (1 if evaluator else 0)
-    ports = free_ports(num_tasks)
+    ports = free_ports(num_tasks + (1 if FLAGS.data_workers else 0))
+    service = None
+    if FLAGS.data_workers:  # Before the tasks, which read from it once they start.
+        service = DataService(FLAGS.data_workers, host=host, port=ports[-1], say=say)
+        main_flags = [*main_flags, f"--data_service={service.address}"]
+    print(security_warning(PROGRAM, ports), file=sys.stderr, flush=True)  # The dispatcher's too.
+    ports = ports[:num_tasks]
+    if service is not None:
+        problem = service.start(timeout=FLAGS.startup_timeout or DEFAULT_STARTUP_TIMEOUT)
+        if problem:
+            say(f"error: the tf.data service did not start: {problem}; exit {PEER_LOST_EXIT}")
+            return PEER_LOST_EXIT
+        say(
+            f"tf.data service at {service.address}, {FLAGS.data_workers} data worker(s): given as --data_service"
+        )
+    try:
+        return _run_tasks(main_flags, num_tasks, ports, service)
+    finally:
+        if service is not None:  # After the tasks: they need their input to finish the call they save after.
+            service.stop()
+
+
+def _data_workers_problem() -> str | None:
+    """Why --data_workers cannot be honoured with these flags (engine.main's parsed already), or None."""
+    if not FLAGS.data_workers:
+        return None
+    if FLAGS.data_service:
+        return (
+            f"--data_workers={FLAGS.data_workers} starts a tf.data service here and passes its address; "
+            f"drop --data_service={FLAGS.data_service} after --, or --data_workers to use that one"
+        )
+    if FLAGS.num_ps:
+        return "--data_workers feeds multi_worker_mirrored tasks; parameter-server workers build their own input"
+    if FLAGS.nnodes > 1 or FLAGS.rendezvous:
+        return (
+            "--data_workers starts the service on this host for a one-host cluster; with --nnodes > 1 start "
+            "python -m engine.data_service on the input hosts and pass --data_service=grpc://HOST:PORT after --"
+        )
+    return None
+
+
+def _run_tasks(main_flags: list[str], num_tasks: int, ports: list[int], service: DataService | None) -> int:
+    """The training tasks (and the evaluator) on `ports`, watched to their end; the run's status."""
+    num_workers, num_ps, evaluator, host = FLAGS.num_workers, FLAGS.num_ps, FLAGS.evaluator, FLAGS.host
     tasks = make_tasks(cluster_spec(num_workers, num_ps, host, ports, evaluator), main_flags)
-    print(security_warning(PROGRAM, ports), file=sys.stderr, flush=True)
 
     def new_training_tasks() -> list[Task]:
         """The same cluster on fresh ports (the old ones may linger in TIME_WAIT or be taken)."""
@@ -299,6 +354,7 @@ def main(argv: list[str]) -> int:
         max_worker_restarts=FLAGS.max_worker_restarts if num_ps else 0,
         max_restarts=FLAGS.max_restarts,
         new_training_tasks=new_training_tasks,
+        lost_input=None if service is None else service.lost,
     )
     signals = StopSignals(launcher.kill_now)
     signals.install()

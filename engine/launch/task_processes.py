@@ -152,6 +152,7 @@ class Launcher:
         max_restarts: int = 0,
         new_training_tasks: Callable[[], list[Task]] | None = None,
         say: Callable[[str], None] = say,
+        lost_input: Callable[[], str | None] | None = None,
     ):
         self.tasks = tasks
         self.max_worker_restarts = max_worker_restarts
@@ -165,6 +166,8 @@ class Launcher:
         self._print_lock = threading.Lock()
         self._evaluator_status: int | None = None
         self.say = say  # Its own lines: "[launch] ...", or "[launch node I] ..." on one of several nodes.
+        # What the training input lost (a server of --data_workers' tf.data service gone), or None.
+        self.lost_input = lost_input
 
     @property
     def training_tasks(self) -> list[Task]:
@@ -217,8 +220,15 @@ class Launcher:
         status = None
         while True:
             self._watch_evaluator()
-            if status is None:
+            # First: a task failing on its lost input would otherwise be taken for the cause.
+            lost = None if status is not None or self.lost_input is None else self.lost_input()
+            if status is None and lost is None:
                 status = self._check()
+            if lost is not None:  # The tasks get the launcher's stop: a task not waiting on input saves.
+                self.say(
+                    f"{lost}; stopping the training tasks (the latest checkpoint is kept), exit {PEER_LOST_EXIT}"
+                )
+                return PEER_LOST_EXIT
             if status is not None and (
                 status != 0 or self._evaluator_status is not None or self.evaluator is None
             ):

@@ -25,9 +25,11 @@ from engine.data import (
     DataPosition,
     distribute_eval_data,
     distribute_train_data,
+    service_resume_note,
     yields_global_batches,
 )
 from engine.errors import UserError, one_line
+from engine.logger import logger
 from engine.loop.compiled import (
     CHECK_EXACT,
     CHECK_NONE,
@@ -136,6 +138,7 @@ class TrainRunner:
         fresh = self._iterator is None or self._iterator_position != at
         if fresh:
             self.release_iterator()  # One read from elsewhere in the stream (a restore, a rollback).
+            _say_where_input_comes_from(self.data, at)
             self._iterator = iter(distribute_train_data(self.strategy, self.data, start_step=at))
         check = CHECK_NONE if not fresh else (CHECK_EXACT if at == 0 else CHECK_NOT_LARGER)
         try:
@@ -189,6 +192,17 @@ class TrainRunner:
             f"{self.global_batch_size // replicas}; batch by "
             f"input_context.get_per_replica_batch_size(global_batch_size); {untouched}"
         )
+
+
+def _say_where_input_comes_from(form: DataForm, position: int) -> None:
+    """A run fed by a tf.data service says so when it starts reading, and what a start past
+    the stream's beginning (a resume, a rollback) means there (`service_resume_note`)."""
+    if form.service is None:
+        return
+    if position == 0:
+        logger.info("input: %s", form.service.describe())
+    else:
+        logger.warning("%s", service_resume_note(form.service, position))
 
 
 class EvalRunner:

@@ -29,6 +29,11 @@ class CoordinatedTrainer(Trainer):
         if not isinstance(strategy, tf.distribute.experimental.ParameterServerStrategy):
             raise UserError(f"CoordinatedTrainer needs a ParameterServerStrategy, got {type(strategy).__name__}")
         host_data = train_data.host_data if isinstance(train_data, ResidentData) else train_data
+        if as_train_form(host_data).service is not None:
+            raise UserError(
+                "parameter-server training builds its input on each worker: the tf.data service "
+                "(service=) is for the synchronous strategies; pass train_data without it"
+            )
         if getattr(as_train_form(host_data), "dataset", None) is not None:
             raise UserError(
                 "parameter-server training builds its input on each worker: pass train_data as "

@@ -233,3 +233,12 @@ def test_only_the_users_code_has_its_errors_reported_as_problems_the_engines_own
     assert problems.lines[1] == "--global_batch_size=7 is larger than the 5 training examples"
     with pytest.raises(TypeError):
         problems.check(engine_check)
+
+
+def test_a_dry_run_checks_the_pipeline_of_a_data_service_run_here_without_reaching_the_service():
+    # Port 1 refuses: a dry run that sent its pipeline there would wait on it forever.
+    result = main_in_process(
+        "--dry_run", "--model=mlp", "--dataset=synthetic", "--data_service=grpc://localhost:1"
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "dry run: ok: no problem found" in result.stderr

@@ -75,6 +75,18 @@ CASES = [
     ),
     (["--nnodes=0", "--"], "--nnodes=0 must be between 1 and 1024"),
     (["--nnodes=2", "--workers_per_node=0", "--"], "--workers_per_node=0 must be between 1 and 1024"),
+    # --data_workers: a tf.data service started here, for one host's multi_worker_mirrored tasks.
+    (["--data_workers=-1", "--"], "--data_workers=-1 must be between 0 and 1024"),
+    (
+        ["--data_workers=1", "--", "--data_service=grpc://h:1"],
+        "--data_workers=1 starts a tf.data service here and passes its address; drop "
+        "--data_service=grpc://h:1 after --",
+    ),
+    (["--data_workers=1", "--num_ps=1", "--"], "--data_workers feeds multi_worker_mirrored tasks"),
+    (
+        ["--data_workers=1", "--nnodes=2", "--rendezvous=node0:1", "--"],
+        "with --nnodes > 1 start python -m engine.data_service on the input hosts",
+    ),
     # engine.main's numbers, which every task would die of after the cluster started.
     (
         ["--", "--startup_timeout=inf"],

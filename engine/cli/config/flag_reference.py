@@ -24,6 +24,7 @@ SEE_ALSO = {
     "task_type": "several-machines.md#evaluating-beside-training",
     "cluster_resolver": "several-machines.md#slurm-and-kubernetes",
     "startup_timeout": "several-machines.md#restarts-start-up-and-signals",
+    "data_service": "several-machines.md#when-the-input-is-the-bottleneck",
     "mode": "several-machines.md#evaluating-beside-training",
     "model": "own-model.md",
     "device_data_mb": "research.md#data-kept-on-the-devices",

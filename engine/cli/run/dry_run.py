@@ -297,6 +297,7 @@ def _one_step(
         config,
         schedule=dataclasses.replace(schedule, global_batch_size=batch),
         command=dataclasses.replace(command, mode="train"),
+        cluster=dataclasses.replace(config.cluster, data_service=None),  # The pipeline checked here: no RPC.
     )
     train_data, _ = train_and_eval_data(one_batch, task.source)
     options = trainer_options(config, steps_per_epoch=None)

@@ -43,6 +43,8 @@ from engine.cli.run.run_task import RunTask, check_reported, resolve_task
 from engine.cluster import task_model_dir
 from engine.cluster.multi_host import MultiHostOptions
 from engine.cluster.peer_loss import PEER_LOST_ERRORS, peer_lost_message
+from engine.data import with_service
+from engine.data_service import wait_for_dispatcher
 from engine.errors import STOPPED_BY_PEER_EXIT, PeerLostError, UserError, one_line
 from engine.export import check_export_dir, export_for_serving
 from engine.goodput import restarts_from_environment
@@ -250,6 +252,8 @@ class TrainingJob:
         model, optimizer = build_model_and_optimizer(config.optimization, strategy, task, self.total_steps)
         source = task.source
 
+        if config.data_service is not None:  # Bounded: TensorFlow's client waits for it without end.
+            wait_for_dispatcher(config.data_service, config.startup_timeout)
         train_data, eval_data = train_and_eval_data(config, source)
         batch = config.global_batch_size
         if write_dir != model_dir:  # A restarted worker's scratch from the run it died in.
@@ -415,6 +419,9 @@ def train_and_eval_data(config: RunConfig, source) -> tuple[Any, Any]:
             def eval_data(input_context):
                 return source.eval_dataset(global_batch_size=batch, input_context=input_context)
 
+    service = config.cluster.data_service_option()
+    if service is not None:  # The batches come from the service's workers: nothing to keep on the devices.
+        return with_service(train_data, service), (None if config.mode == "train" else eval_data)
     resident = resident_train_data(
         source, global_batch_size=batch, seed=seed, device_data_mb=config.device_data_mb, host_data=train_data
     )
@@ -669,7 +676,7 @@ def _log_banner(config, strategy, model, task: RunTask, model_dir, total_steps, 
         devices = [short_device_name(device) for device in strategy.extended.worker_devices]
     except RuntimeError:  # The default strategy has no device list.
         devices = ["default device"]
-    kept = "kept on the devices" if trainer.keeps_data_on_devices else "through tf.data"
+    kept = _input_place(config, trainer)
     examples = f"{human_number(source.num_train_examples)} train / {human_number(source.num_eval_examples)} eval"
     lines = [
         f"strategy={config.strategy}  replicas={replicas}  devices={','.join(devices)}",
@@ -713,6 +720,14 @@ def _numbers_line(columns: tuple[str, ...], width: int = 78) -> str:
             break
         shown.append(name)
     return f"{head} ({', '.join(shown)}{', ...' if len(shown) < len(columns) else ''})"
+
+
+def _input_place(config: RunConfig, trainer: Trainer) -> str:
+    """Where the training batches come from, for the banner."""
+    if trainer.keeps_data_on_devices:
+        return "kept on the devices"
+    service = config.cluster.data_service_option()
+    return "through tf.data" if service is None else service.describe()
 
 
 def _precision(numerics: NumericSettings, trainer: Trainer) -> str:

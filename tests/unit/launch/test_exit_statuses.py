@@ -6,6 +6,7 @@ that exit with a given status (no TensorFlow); the rendezvous's own case is in t
 
 from __future__ import annotations
 
+import subprocess
 import sys
 
 import pytest
@@ -120,3 +121,56 @@ def test_the_last_line_names_the_diagnostics_the_tasks_wrote_during_the_run(tmp_
     assert diagnostics_written(str(tmp_path), started) == f"; diagnostics of worker-0, worker-2 in {directory}"
     assert diagnostics_written(str(tmp_path / "elsewhere"), started) == ""
     assert diagnostics_written(None, started) == ""
+
+
+def test_a_lost_input_server_ends_the_run_with_69_in_one_line():
+    """engine.launch --data_workers: a data worker or the dispatcher gone (`lost_input`) ends the
+    run as a lost peer does, the training tasks stopped (they save if they can)."""
+    spec = cluster_spec(1, 0, "localhost", [1])
+    tasks = [Task(Cluster(spec, "worker", 0), [sys.executable, "-c", "import time; time.sleep(60)"])]
+    gone = "data_worker:0 (pid 7) of the tf.data service exited with signal 9; the training input is gone"
+    said: list[str] = []
+    launcher = Launcher(tasks, say=said.append, lost_input=lambda: gone)
+    try:
+        assert launcher.run() == PEER_LOST_EXIT
+    finally:
+        launcher.stop(grace=1)
+    assert said[-1] == f"{gone}; stopping the training tasks (the latest checkpoint is kept), exit 69", said
+    assert tasks[0].started.poll() is not None  # Stopped, nothing left running.
+
+
+def test_a_data_worker_lost_while_others_serve_is_said_once_and_the_last_one_ends_the_input():
+    from engine.launch.data_processes import DataService
+
+    said: list[str] = []
+    service = DataService(2, host="localhost", port=1, say=said.append)
+    sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
+    for server in service.processes:  # Stand-ins for the dispatcher and the two data workers.
+        server.process = subprocess.Popen(sleeper)
+    try:
+        assert service.lost() is None and said == []
+        first = service.processes[2].process
+        first.kill()
+        first.wait()
+        assert service.lost() is None and service.lost() is None
+        assert said == [
+            f"warning: data_worker:1 (pid {first.pid}) of the tf.data service exited with signal 9; the run "
+            "goes on with the 1 data worker(s) left"
+        ]
+        last = service.processes[1].process
+        last.kill()
+        last.wait()
+        assert service.lost() == (
+            f"data_worker:0 (pid {last.pid}) of the tf.data service exited with signal 9; the training input is "
+            "gone (no data worker left)"
+        )
+        dispatcher = service.processes[0].process
+        dispatcher.terminate()
+        dispatcher.wait()
+        assert service.lost() == (
+            f"dispatcher (pid {dispatcher.pid}) of the tf.data service exited with signal 15; the training "
+            "input is gone"
+        )
+    finally:
+        service.stop()
+    assert all(server.exit_code() is not None for server in service.processes)

@@ -91,6 +91,8 @@ PER_INVOCATION_SETTINGS = (
     "check_numerics",
     "profile_steps",
     *CLUSTER_SETTINGS,
+    "data_service",  # Where this invocation's input comes from.
+    "data_service_mode",
 )
 # The settings that define the model or the data its checkpoints were trained on: a model_dir with
 # checkpoints refuses a change (its config.yaml holds the values they were trained with). Where the

@@ -142,6 +142,11 @@ class RunConfig:
                 "--on_nonfinite=rollback is not supported with --strategy=parameter_server (asynchronous "
                 "updates: skipping batches would not be exact); use --on_nonfinite=stop with --max_loss"
             )
+        if self.cluster.data_service is not None and self.devices.strategy == "parameter_server":
+            raise UserError(
+                f"--data_service={self.cluster.data_service} feeds the synchronous strategies; "
+                "--strategy=parameter_server builds its input on each worker (drop --data_service)"
+            )
         mode = self.command.mode
         if mode in ("eval", "continuous_eval") and not self.state.model_dir:
             raise UserError(f"--mode={mode} evaluates the checkpoints of a --model_dir; pass one")

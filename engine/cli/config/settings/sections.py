@@ -37,7 +37,17 @@ from engine.cli.config.settings.fields import (
 )
 from engine.cli.config.settings.paths import check_model_dir
 from engine.errors import UserError
-from engine.options import Cadence, CheckpointOptions, SpikeOptions, StepOptions, ThroughputOptions
+from engine.options import (
+    DATA_SERVICE_MODES,
+    Cadence,
+    CheckpointOptions,
+    DataService,
+    SpikeOptions,
+    StepOptions,
+    ThroughputOptions,
+    default_of,
+    help_of,
+)
 
 # The most --vocab_size: input.clicks.MAX_VOCAB_SIZE (ids in float32 columns), without importing it.
 MAX_VOCAB_SIZE = 1 << 24
@@ -128,11 +138,37 @@ class ClusterSettings:
     slurm_port_base: int = setting(
         DEFAULT_SLURM_PORT_BASE, "With --cluster_resolver=slurm, a node's tasks listen on this port and up."
     )
+    data_service: str | None = setting(
+        None,
+        "grpc://HOST:PORT of a tf.data service dispatcher (python -m engine.data_service --dispatcher, or "
+        "python -m engine.launch --data_workers=N): the training input runs on its data workers, the run "
+        "only reads the batches. One data worker: the batches of local input; several: see "
+        "docs/several-machines.md.",
+    )
+    data_service_mode: str = setting(
+        default_of(DataService, "processing_mode"),
+        help_of(DataService, "processing_mode"),
+        choices=DATA_SERVICE_MODES,
+    )
 
     def check(self) -> None:
         check_fields(self)
         if not 1 <= self.slurm_port_base <= 65535:
             raise UserError(f"--slurm_port_base={self.slurm_port_base} must be a port, 1-65535")
+        if self.data_service is not None:
+            try:
+                DataService(address=self.data_service)
+            except UserError:
+                raise UserError(
+                    f"--data_service={self.data_service} must be a dispatcher's grpc://HOST:PORT "
+                    "(python -m engine.data_service --dispatcher prints it)"
+                ) from None
+
+    def data_service_option(self) -> DataService | None:
+        """The library's option for --data_service (None: input made in the training process)."""
+        if self.data_service is None:
+            return None
+        return DataService(address=self.data_service, processing_mode=self.data_service_mode)
 
     @property
     def names_a_cluster(self) -> bool:
