@@ -1,6 +1,6 @@
 """engine.ShardedEmbedding: a table in row shards that trains as keras.layers.Embedding does.
 
-Covers: engine/layers.py, engine/cli/run/table_shards.py.
+Covers: engine/layers.py, engine/cli/run/table_shards.py, engine/checkpointing/reshard.py.
 """
 
 import re
