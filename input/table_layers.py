@@ -16,9 +16,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from input.tables import BOOLEAN, CATEGORY, DATE, NUMBER, TEXT, TRUE_WORDS, TableSchema
-
-_WORDS = {"standardize": "lower_and_strip_punctuation", "split": "whitespace", "output_mode": "multi_hot"}
+from input.tables import BOOLEAN, CATEGORY, DATE, NUMBER, TEXT, TEXT_LAYER, TRUE_WORDS, TableSchema
 
 
 @keras.saving.register_keras_serializable(package="engine")
@@ -119,14 +117,6 @@ def _day_of_week(year: tf.Tensor, month: tf.Tensor, day: tf.Tensor) -> tf.Tensor
     return tf.math.floormod(days + 3, 7)
 
 
-def text_vocabulary(cells: Any, most: int) -> list[str]:
-    """The `most` most frequent words of `cells` as a text column's layer reads them (lower case,
-    without punctuation), by Keras's own `TextVectorization.adapt`."""
-    words = keras.layers.TextVectorization(max_tokens=most + 1, **_WORDS)
-    words.adapt(tf.constant(cells))
-    return [str(word) for word in words.get_vocabulary()[1:]]  # Not its unknown-word bucket.
-
-
 def input_dtype(kind: str) -> str:
     return "float32" if kind == NUMBER else "string"
 
@@ -181,7 +171,7 @@ def encode(schema: TableSchema, inputs: dict[str, Any]) -> Any:
             encoded.append(keras.ops.cast(lookup(value), "float32"))
         elif column.type == TEXT:
             vocabulary = list(column.vocabulary)
-            words = keras.layers.TextVectorization(vocabulary=vocabulary, name=f"text_{key}", **_WORDS)
+            words = keras.layers.TextVectorization(vocabulary=vocabulary, name=f"text_{key}", **TEXT_LAYER)
             encoded.append(keras.ops.cast(keras.layers.Flatten()(words(value)), "float32"))
     if len(encoded) == 1:
         return encoded[0]

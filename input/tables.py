@@ -57,6 +57,8 @@ IDENTIFIER_SHARE = 0.5
 MIN_ROWS_TO_CALL_IDENTIFIER = 20
 TEXT_WORDS = 3.0  # Words a cell on average from which a many-valued string column is free text.
 MAX_WORDS = 1000  # A text column's words, when asked for: the most frequent in the training split.
+# How a text column's layer (input.table_layers) reads its cells: the same settings count its words here.
+TEXT_LAYER = {"standardize": "lower_and_strip_punctuation", "split": "whitespace", "output_mode": "multi_hot"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -324,8 +326,6 @@ def infer_column(cells: Any, name: str, asked: str | None) -> tuple[Column, str 
         note = f"an identifier: {filled.nunique()} values in {len(cells)} rows"
         return Column(name, IDENTIFIER, note=note + ("" if asked is None else ", as --column_types asked")), None
     if asked == TEXT:
-        from input.table_layers import text_vocabulary
-
         vocabulary = tuple(text_vocabulary(filled.to_numpy(dtype=str), MAX_WORDS))
         if not vocabulary:
             return Column(name, DROP), f"column {name!r} is set to text but its training rows hold no word"
@@ -447,3 +447,15 @@ def raw_columns(frame: Any, schema: TableSchema) -> dict[str, np.ndarray]:
             values = cells.astype(str)
         arrays[column.name] = values.reshape(-1, 1)
     return arrays
+
+
+def text_vocabulary(cells: Any, most: int) -> list[str]:
+    """The `most` most frequent words of `cells` as a text column's layer reads them (lower case,
+    without punctuation), by Keras's own `TextVectorization.adapt` (imported here: reading a
+    table's types imports no TensorFlow until a column is asked to be text)."""
+    import keras
+    import tensorflow as tf
+
+    words = keras.layers.TextVectorization(max_tokens=most + 1, **TEXT_LAYER)
+    words.adapt(tf.constant(cells))
+    return [str(word) for word in words.get_vocabulary()[1:]]  # Not its unknown-word bucket.
