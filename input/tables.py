@@ -27,6 +27,7 @@ that make a table unusable are gathered and said in one line, every column at on
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 import textwrap
@@ -54,6 +55,7 @@ DATE_PARTS = ("year", "month", "day", "day_of_week")
 # A string column with at least this share of distinct values (among its training cells) is an
 # identifier or free text, from this many training rows on (fewer rows tell too little).
 IDENTIFIER_SHARE = 0.5
+MOSTLY = 0.9  # The share of a column's cells that are numbers (or dates) from which the rest are strays.
 MIN_ROWS_TO_CALL_IDENTIFIER = 20
 TEXT_WORDS = 3.0  # Words a cell on average from which a many-valued string column is free text.
 MAX_WORDS = 1000  # A text column's words, when asked for: the most frequent in the training split.
@@ -302,8 +304,13 @@ def infer_column(cells: Any, name: str, asked: str | None) -> tuple[Column, str 
     if kind == NUMBER:
         numbers = _as_numbers(filled)
         if numbers is None:
-            bad = _first_bad(filled, lambda cell: _as_numbers(cell) is not None)
-            return Column(name, DROP), f"column {name!r} is set to number but holds {bad!r}"
+            bad = _strays(filled, _is_number)
+            if asked == NUMBER:
+                return Column(name, DROP), f"column {name!r} is set to number but holds {bad}"
+            return Column(name, DROP), (
+                f"column {name!r} holds numbers but also {bad}: leave a missing number's cell blank, or read "
+                f"the column as categories (--column_types={name}:category)"
+            )
         return Column(name, NUMBER, fill=(float(np.median(numbers)),), missing=blanks), None
     if kind == BOOLEAN:
         words = set(filled.str.lower())
@@ -335,7 +342,12 @@ def infer_column(cells: Any, name: str, asked: str | None) -> tuple[Column, str 
 
 
 def _inferred_type(filled: Any, rows: int) -> str:
-    """The type of a column's non-blank training cells (`rows`: with its blanks)."""
+    """The type of a column's non-blank training cells (`rows`: with its blanks). A column whose
+    cells are MOSTLY numbers (or dates) is one of numbers (dates) with a few stray cells ('?',
+    'n/a', a typo), which are then named as its problem: read as categories or an identifier,
+    the column would be left out or lose its order, said only in passing."""
+    if _as_numbers(filled) is None and _share(filled, _is_number) >= MOSTLY:
+        return NUMBER
     if _as_numbers(filled) is not None:
         numbers = _as_numbers(filled)
         assert numbers is not None
@@ -352,8 +364,8 @@ def _inferred_type(filled: Any, rows: int) -> str:
     lowered = set(filled.str.lower())
     if any(lowered <= pair for pair in _BOOLEAN_PAIRS) and len(lowered) == 2:
         return BOOLEAN
-    if bool(filled.str.match(_DATE).all()):
-        return DATE  # Every cell written as a date: one that does not parse is a problem, said.
+    if float(filled.str.match(_DATE).mean()) >= MOSTLY:
+        return DATE  # (Nearly) every cell written as a date: one that does not parse is a problem, said.
     if rows >= MIN_ROWS_TO_CALL_IDENTIFIER and filled.nunique() >= IDENTIFIER_SHARE * len(filled):
         return TEXT if _words(filled) >= TEXT_WORDS else IDENTIFIER
     return CATEGORY
@@ -374,8 +386,30 @@ def _as_numbers(cells: Any) -> np.ndarray | None:
     return numbers if np.isfinite(numbers).all() else None
 
 
+def _is_number(cell: str) -> bool:
+    try:
+        return math.isfinite(float(cell))
+    except ValueError:
+        return False
+
+
 def _first_bad(cells: Any, good: Any) -> str:
     return next(str(cell) for cell in cells if not good(cell))
+
+
+def _share(cells: Any, good: Any) -> float:
+    """The share of `cells` that are `good` (a cell at a time: for a column that is not all good)."""
+    return sum(1 for cell in cells if good(cell)) / max(len(cells), 1)
+
+
+def _strays(cells: Any, good: Any) -> str:
+    """`'?' (12 rows), 'n/a' (3 rows)`: the cells that are not `good`, the most frequent first
+    (three at most, then how many other values)."""
+    counts = cells[[not good(cell) for cell in cells]].value_counts()
+    shown = ", ".join(
+        f"{value!r} ({count} row{'' if count == 1 else 's'})" for value, count in counts[:3].items()
+    )
+    return shown + (f" and {len(counts) - 3} other values" if len(counts) > 3 else "")
 
 
 def _dates(cells: Any) -> Any:

@@ -196,3 +196,27 @@ def test_a_csv_of_numbers_is_read_as_before(tmp_path) -> None:
     assert source.table is None
     np.testing.assert_array_equal(source.train_arrays()[0], features)
     np.testing.assert_array_equal(source.train_arrays()[1], labels)
+
+
+def test_a_column_of_numbers_or_dates_with_a_few_stray_cells_is_said_not_left_out(frame) -> None:
+    """'?' among ages, a day written another way among dates: the column stays a number (a date)
+    and each stray value is named with its count, where reading it as categories or an identifier
+    would have left it out or lost its order with a note in passing."""
+    table = frame.copy()
+    table.loc[table.index[:3], "age"] = "?"  # 3 of 60: 95 % numbers.
+    table.loc[table.index[4], "age"] = "n/a"
+    table.loc[table.index[5], "joined"] = "31/02/2021"
+    schema, problems = infer_schema(table, "label", {}, "t.csv")
+    assert problems == [
+        "column 'age' holds numbers but also '?' (3 rows), 'n/a' (1 row): leave a missing number's cell blank, "
+        "or read the column as categories (--column_types=age:category)",
+        "column 'joined' holds '31/02/2021', which is not a date "
+        "(write dates as 2024-03-01 or 2024-03-01 13:45)",
+    ]
+    # Asked for as categories, the same column is read as the user says, with no problem.
+    schema, problems = infer_schema(table, "label", {"age": "category", "joined": "drop"}, "t.csv")
+    assert problems == [] and {c.name: c.type for c in schema.columns}["age"] == "category"
+    # Most cells not numbers: a category column that happens to hold some, as before.
+    table.loc[table.index[:30], "age"] = "unknown"
+    schema, problems = infer_schema(table.drop(columns="joined"), "label", {}, "t.csv")
+    assert problems == [] and {c.name: c.type for c in schema.columns}["age"] == "category"
