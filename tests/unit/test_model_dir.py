@@ -172,29 +172,38 @@ def test_unreadable_lock_file_is_one_line_for_a_user_it_applies_to(tmp_path):
 # 3 CPU-s apiece; nothing is open at the fork). Each prints its own "taken" line; this one exits 0
 # only if every copy did.
 _TAKE_IN_A_LOOP = """
-import os, sys, time
+import os, sys, time, traceback
 from engine import model_dir as m
 from engine.errors import UserError
+
+
+def take_in_a_loop():
+    while not os.path.exists(sys.argv[3]):  # All start at once, after the slow import.
+        time.sleep(0.01)
+    taken = 0
+    for _ in range(int(sys.argv[2])):
+        try:
+            with m.writer_lock(sys.argv[1]):
+                assert m.holder_pid(sys.argv[1]) == os.getpid()
+                taken += 1
+        except UserError as error:
+            assert "is in use by" in str(error), error
+    print(os.getpid(), "taken", taken, flush=True)
+
+
 copies = []
 for _ in range(int(sys.argv[4]) - 1):
     pid = os.fork()
-    if pid == 0:
-        copies = None  # A copy: it forks no further and waits for none.
-        break
+    if pid == 0:  # A copy: it takes the lock, says how it ended, and exits at once (none of the
+        try:  # parent's exit handlers run in it).
+            take_in_a_loop()
+        except BaseException:
+            traceback.print_exc()
+            sys.stderr.flush()
+            os._exit(1)
+        os._exit(0)
     copies.append(pid)
-while not os.path.exists(sys.argv[3]):  # All start at once, after their slow imports.
-    time.sleep(0.01)
-taken = 0
-for _ in range(int(sys.argv[2])):
-    try:
-        with m.writer_lock(sys.argv[1]):
-            assert m.holder_pid(sys.argv[1]) == os.getpid()
-            taken += 1
-    except UserError as error:
-        assert "is in use by" in str(error), error
-print(os.getpid(), "taken", taken, flush=True)
-if copies is None:
-    os._exit(0)  # Nothing of the parent's exit handlers in a copy.
+take_in_a_loop()
 statuses = [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in copies]
 assert statuses == [0] * len(copies), statuses
 """
