@@ -186,18 +186,26 @@ def whole_table_trained_in_one_process(default, steps: int):
     return table.get_weights()[0], model.layers[-1].get_weights()
 
 
+@pytest.fixture(scope="module")
+def hosts():
+    """One worker and two ps tasks (engine.server processes) for every test here: each test's
+    coordinators run one after another on them, as the runs within a test already do, which
+    saves a cluster's three start-ups of TensorFlow (some 7 CPU-s)."""
+    with ps_servers(num_workers=1, num_ps=2) as cluster:
+        yield cluster
+
+
 @pytest.mark.timeout(480)
 def test_a_table_over_two_ps_tasks_trains_as_one_table_and_restores_onto_one_ps_and_one_device(
-    default, tmp_path
+    default, hosts, tmp_path
 ):
     model_dir = tmp_path / "run"
-    with ps_servers(num_workers=1, num_ps=2) as hosts:
-        # num_shards=None: one shard per ps task, each on its own task.
-        two_ps = coordinate(hosts, model_dir, None, 8)
-        # The same checkpoint onto a cluster of one ps task: both shards there, training goes on.
-        one_ps = coordinate({**hosts, "ps": hosts["ps"][:1]}, model_dir, 2, 12)
-        # And into 3 shards over the 2 ps tasks: the rows and Adagrad's slots re-cut on restore.
-        three_shards = coordinate(hosts, model_dir, 3, 16)
+    # num_shards=None: one shard per ps task, each on its own task.
+    two_ps = coordinate(hosts, model_dir, None, 8)
+    # The same checkpoint onto a cluster of one ps task: both shards there, training goes on.
+    one_ps = coordinate({**hosts, "ps": hosts["ps"][:1]}, model_dir, 2, 12)
+    # And into 3 shards over the 2 ps tasks: the rows and Adagrad's slots re-cut on restore.
+    three_shards = coordinate(hosts, model_dir, 3, 16)
     assert [device.split("/device")[0] for device in two_ps["placement"]] == [
         "/job:ps/replica:0/task:0",
         "/job:ps/replica:0/task:1",
@@ -226,19 +234,18 @@ def test_a_table_over_two_ps_tasks_trains_as_one_table_and_restores_onto_one_ps_
 
 @pytest.mark.timeout(480)
 def test_a_tf_module_under_the_strategys_variable_partitioner_trains_as_unsharded_and_resumes_onto_one_ps(
-    default, tmp_path
+    default, hosts, tmp_path
 ):
     """Research code that gives ParameterServerStrategy a variable_partitioner: every variable of
     its tf.Module model becomes a ShardedVariable, and the Trainer trains their shards (it once
     found no trainable variable at all). A checkpoint restores onto another number of ps tasks
     with the same shard count; another shard count is refused in one line, the checkpoint kept."""
     model_dir = tmp_path / "run"
-    with ps_servers(num_workers=1, num_ps=2) as hosts:
-        two_ps = coordinate(hosts, model_dir, 2, 8, MODULE_COORDINATOR, "module")
-        three_shards = run_coordinator(hosts, model_dir, 3, 12, MODULE_COORDINATOR, "module")
-        one_ps = coordinate({**hosts, "ps": hosts["ps"][:1]}, model_dir, 2, 12, MODULE_COORDINATOR, "module")
-        # A Keras model under the same partitioner: refused before its first step, in one line.
-        keras_model = run_coordinator(hosts, tmp_path / "keras", 2, 4, MODULE_COORDINATOR, "keras")
+    two_ps = coordinate(hosts, model_dir, 2, 8, MODULE_COORDINATOR, "module")
+    three_shards = run_coordinator(hosts, model_dir, 3, 12, MODULE_COORDINATOR, "module")
+    one_ps = coordinate({**hosts, "ps": hosts["ps"][:1]}, model_dir, 2, 12, MODULE_COORDINATOR, "module")
+    # A Keras model under the same partitioner: refused before its first step, in one line.
+    keras_model = run_coordinator(hosts, tmp_path / "keras", 2, 4, MODULE_COORDINATOR, "keras")
     assert [device.split("/device")[0] for device in two_ps["table_shards"]] == [
         "/job:ps/replica:0/task:0",
         "/job:ps/replica:0/task:1",

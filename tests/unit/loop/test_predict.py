@@ -27,9 +27,16 @@ def trained(strategy, tmp_path=None, **options):
     return trainer, model
 
 
+@pytest.fixture(scope="module")
+def trained_on_two_replicas(mirrored):
+    """One trained Trainer (and its model) for every size below: its predictions are compared
+    with its own model's, so a Trainer each only trained and traced the same loops again."""
+    return trained(mirrored)
+
+
 @pytest.mark.parametrize("num_examples", [37, 1, 8])  # a partial batch split 3/2, one example, one full batch
-def test_predict_equals_keras_predict_in_order_over_two_replicas(mirrored, num_examples):
-    trainer, model = trained(mirrored)
+def test_predict_equals_keras_predict_in_order_over_two_replicas(trained_on_two_replicas, num_examples):
+    trainer, model = trained_on_two_replicas
     x, y = make_arrays(num_examples, seed=9)
     expected = model.predict(x, batch_size=8, verbose=0)
     for data in (x, (x, y), tf.data.Dataset.from_tensor_slices((x, y)).batch(8)):
