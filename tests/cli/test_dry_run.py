@@ -45,6 +45,7 @@ def first_step(tmp_path: Path, *flags: str) -> tuple[float, int]:
     return loss, checkpoint
 
 
+@pytest.mark.slow  # Trains for seconds (2-3.5 CPU-s in the last profile): the full suite runs it.
 def test_sixteen_simulated_workers_step_on_the_devices_there_are_and_size_the_checkpoint(tmp_path):
     # This process has 2 CPU devices: 2 of the 16 replicas take their 4 examples each, the first 8 of
     # the global batch; a real one-device run of batches of 8 takes the same first step. (With every
@@ -99,6 +100,7 @@ def test_every_problem_is_one_line_exit_2_and_the_model_dir_is_left_as_it_was(tm
     assert snapshot(model_dir) == before
 
 
+@pytest.mark.slow  # Trains for seconds (2-3.5 CPU-s in the last profile): the full suite runs it.
 def test_a_parameter_server_config_names_its_busiest_ps_task_and_steps_a_workers_global_batch(tmp_path):
     flags = ("--model=wide_deep", "--dataset=clicks", "--global_batch_size=32", "--seed=3")
     loss, checkpoint = first_step(tmp_path, *flags)

@@ -57,6 +57,7 @@ def _flip_a_byte_of_the_last_record(path) -> int:
 
 
 @pytest.mark.cli
+@pytest.mark.slow  # Trains for seconds (2-3.5 CPU-s in the last profile): the full suite runs it.
 def test_a_record_that_fails_its_checksum_mid_run_is_one_line_naming_its_file(copy):
     damaged = copy / "data" / "train-1"
     offset = _flip_a_byte_of_the_last_record(damaged)
@@ -100,6 +101,7 @@ OOM = (
 
 
 @pytest.mark.cli
+@pytest.mark.slow  # Trains for seconds (2-3.5 CPU-s in the last profile): the full suite runs it.
 def test_an_out_of_memory_in_the_compiled_step_is_one_line_naming_the_batch(copy, monkeypatch):
     """Injected: a real OOM needs a device to fill (the CPU allocator does not report one)."""
     error = tf.errors.ResourceExhaustedError(None, None, OOM)

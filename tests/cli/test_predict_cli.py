@@ -145,6 +145,7 @@ def test_predict_reads_a_model_dir_it_may_not_write(trained, tmp_path, monkeypat
     assert after == before  # No lock file, no record, no touched time.
 
 
+@pytest.mark.slow  # Trains for seconds (2-3.5 CPU-s in the last profile): the full suite runs it.
 def test_predict_on_a_read_only_mount_of_the_model_dir(trained, tmp_path):
     """The same on a real read-only file system: a bind mount in a mount namespace of its own
     (gone with the process, so nothing is left mounted). Needs the right to make one (root)."""

@@ -17,6 +17,7 @@ def record(model_dir):
 
 
 @pytest.mark.cli
+@pytest.mark.slow  # Trains for seconds (2-3.5 CPU-s in the last profile): the full suite runs it.
 def test_eval_mode_keeps_the_training_figures_and_training_keeps_the_evaluations(tmp_path):
     model_dir = tmp_path / "run"
     trained = main_in_process(*FLAGS, "--train_steps=10", f"--model_dir={model_dir}")

@@ -56,6 +56,7 @@ def assert_bitwise(a, b):
         np.testing.assert_array_equal(left, right)
 
 
+@pytest.mark.slow  # Trains for seconds (2-3.5 CPU-s in the last profile): the full suite runs it.
 def test_training_is_unchanged_and_evaluation_uses_the_averages(mirrored):
     plain = new_trainer(mirrored, cadence=engine.Cadence(steps_per_loop=1))
     averaged = new_trainer(mirrored, cadence=engine.Cadence(steps_per_loop=1), ema_decay=DECAY)

@@ -187,6 +187,7 @@ def two_optimizer_trainer(strategy, model_dir, seed=0):
     return trainer, model, optimizers
 
 
+@pytest.mark.slow  # Trains for seconds (2-3.5 CPU-s in the last profile): the full suite runs it.
 def test_two_optimizers_train_and_resume_without_a_manual_build(mirrored, tmp_path):
     straight, straight_model, _ = two_optimizer_trainer(mirrored, tmp_path / "straight")
     logs = straight.train(6)

@@ -86,6 +86,7 @@ def cnn_trainer(strategy, train_data, model_dir=None):
     return trainer, model
 
 
+@pytest.mark.slow  # Trains for seconds (2-3.5 CPU-s in the last profile): the full suite runs it.
 def test_training_on_resident_data_equals_the_tf_data_path_and_resumes_bitwise(strategy, digits, tmp_path):
     data = digits.resident_train_data(global_batch_size=BATCH, seed=3)
     through_tf_data, expected_model = cnn_trainer(strategy, data.host_data)

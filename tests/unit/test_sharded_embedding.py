@@ -67,6 +67,7 @@ def test_lookup_and_mask_equal_keras_embedding(default):
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adam", "adagrad"])
 @pytest.mark.parametrize("strategy_name", ["default", "mirrored"])
+@pytest.mark.slow  # Trains for seconds (2-3.5 CPU-s in the last profile): the full suite runs it.
 def test_training_equals_keras_embedding(request, strategy_name, optimizer):
     strategy = request.getfixturevalue(strategy_name)
     arrays = sequences()

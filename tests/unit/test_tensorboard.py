@@ -151,6 +151,7 @@ def test_tensorboard_server_shows_train_and_eval_scalars(finished_run):
         server.wait(timeout=10)
 
 
+@pytest.mark.slow  # Trains for seconds (2-3.5 CPU-s in the last profile): the full suite runs it.
 def test_profiler_window_and_hooks_cost_nothing_in_the_compiled_step(mirrored, tmp_path):
     x, y = make_arrays(32)
     tracing_counts = []

@@ -60,6 +60,7 @@ def scripted_trainer(strategy, model_dir, values, hooks, learning_rate=0.5, chec
     )
 
 
+@pytest.mark.slow  # Trains for seconds (2-3.5 CPU-s in the last profile): the full suite runs it.
 def test_early_stopping_stops_at_the_expected_step_and_stays_stopped(mirrored, tmp_path):
     # Evaluations at steps 2, 4, 6, 8, 10: best 0.8 at step 4, then three without improvement.
     values = [1.0, 0.8, 0.9, 0.85, 0.95, 0.1]
@@ -140,6 +141,7 @@ def learning_rate(trainer):
     return float(tf.convert_to_tensor(trainer.optimizer.learning_rate))
 
 
+@pytest.mark.slow  # Trains for seconds (2-3.5 CPU-s in the last profile): the full suite runs it.
 def test_plateau_reduces_the_rate_and_a_restart_keeps_rate_and_patience(mirrored, tmp_path):
     plateau = dict(patience=2, factor=0.5, mode="min")
     trainer = scripted_trainer(mirrored, tmp_path, [1.0], [ReduceLROnPlateau("score", **plateau)])

@@ -142,6 +142,7 @@ def test_a_step_fn_and_an_eval_step_fn_with_tensor_control_flow_run(default):
     assert custom.evaluate()["num_examples"] == BATCH
 
 
+@pytest.mark.slow  # Trains for seconds (2-3.5 CPU-s in the last profile): the full suite runs it.
 def test_the_engines_step_code_is_traced_as_written_and_only_its_loops_are_converted(mirrored, monkeypatch):
     """What AutoGraph converts while a Trainer (train, evaluate, predict, with gradient
     accumulation) is traced on two replicas: the compiled loops, and nothing else of the engine."""

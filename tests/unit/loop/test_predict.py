@@ -35,6 +35,7 @@ def trained_on_two_replicas(mirrored):
 
 
 @pytest.mark.parametrize("num_examples", [37, 1, 8])  # a partial batch split 3/2, one example, one full batch
+@pytest.mark.slow  # Trains for seconds (2-3.5 CPU-s in the last profile): the full suite runs it.
 def test_predict_equals_keras_predict_in_order_over_two_replicas(trained_on_two_replicas, num_examples):
     trainer, model = trained_on_two_replicas
     x, y = make_arrays(num_examples, seed=9)

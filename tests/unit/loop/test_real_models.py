@@ -239,6 +239,7 @@ def test_a_partial_last_batch_counts_the_examples_it_holds_in_examples_per_secon
     assert partial["examples_per_second"] == pytest.approx(3 * partial["steps_per_second"], rel=1e-6)
 
 
+@pytest.mark.slow  # Trains for seconds (2-3.5 CPU-s in the last profile): the full suite runs it.
 def test_xla_with_masked_outputs_counts_the_tokens_outside_the_compiled_pass(mirrored):
     """The token count's all-reduce cannot run inside XLA: under jit_compile it is taken before
     the compiled pass, and the update equals the one without XLA."""

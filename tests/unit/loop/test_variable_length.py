@@ -67,6 +67,7 @@ def assert_bitwise(left, right):
     ],
     ids=["standard", "accumulate", "clip", "skip"],
 )
+@pytest.mark.slow  # Trains for seconds (2-3.5 CPU-s in the last profile): the full suite runs it.
 def test_padded_batch_trains_in_the_default_loop_as_one_step_per_call(mirrored, default, options):
     assert DEFAULT_STEPS_PER_LOOP > 1
     data = variable_length(64).repeat()
@@ -169,6 +170,7 @@ def test_variable_length_evaluation_on_two_replicas_counts_every_example_as_kera
     assert logs["sparse_categorical_accuracy"] == pytest.approx(expected["sparse_categorical_accuracy"])
 
 
+@pytest.mark.slow  # Trains for seconds (2-3.5 CPU-s in the last profile): the full suite runs it.
 def test_a_partial_last_batch_of_an_embedding_model_trains_in_a_call_of_its_own(mirrored, caplog):
     caplog.set_level("INFO", logger="engine")
     ids, labels = id_sequences(60, vocab=VOCAB, length=6, classes=CLASSES)  # 7 batches of 8, then 4.
