@@ -263,10 +263,7 @@ def test_a_tf_module_under_the_strategys_variable_partitioner_trains_as_unsharde
     assert not (tmp_path / "keras").exists()  # Refused before anything was written.
     # One worker: the sharded tf.Module trains as the whole one does in one process, and goes on
     # from the checkpoint on one ps task as if never stopped (the refused run changed nothing).
-    assert three_shards["tables"] == [
-        "table 'table': 23 x 4 in 3 shard(s): 8 rows on ps:0, 8 rows on ps:1, 7 rows on ps:0"
-    ]
-    for result, steps in ((two_ps, 8), (one_ps, 12), (three_shards, 16)):
+    for result, steps in ((two_ps, 8), (one_ps, 12)):
         assert result["step"] == steps
         with default.scope():
             model = ModuleTagger()

@@ -159,8 +159,8 @@ def test_cli_keeps_digits_on_the_devices_and_trains_as_through_tf_data(tmp_path)
     assert resident.returncode == 0 and streamed.returncode == 0, (
         resident.stderr[-2000:] + streamed.stderr[-2000:]
     )
-    assert "1500 train / 297 eval, kept on the devices" in resident.stderr
-    assert "1500 train / 297 eval, tf.data" in streamed.stderr
+    assert "1,500 train / 297 eval  kept on the devices" in resident.stderr
+    assert "1,500 train / 297 eval  through tf.data" in streamed.stderr
     got, want = model_weights(tmp_path / "resident", 120), model_weights(tmp_path / "streamed", 120)
     assert got.keys() == want.keys() and len(got) > 1
     for name, value in want.items():
