@@ -40,7 +40,7 @@ def main(argv: list[str]) -> int:
     from engine.cli.process.lean_imports import optional_libraries_hidden
     from engine.native_logs import import_tensorflow_quietly
 
-    with optional_libraries_hidden():  # Keras's scikit-learn, IPython, matplotlib; TensorBoard's boto3.
+    with optional_libraries_hidden():  # Keras's scikit-learn, pandas...; TensorBoard's boto3 (lean_imports).
         import_tensorflow_quietly()  # The first import of TensorFlow (the flags do not import it).
         from engine.cli.run.job import run  # TensorBoard's hparams summaries among its imports.
     from engine.cli.config.config_files import as_yaml, printed_settings, run_from_flags

@@ -1,18 +1,20 @@
 """TensorFlow imported for the command line without the optional libraries Keras pulls in.
 
 Importing Keras 3 imports scikit-learn (for `keras.wrappers`), IPython (a notebook
-file editor in `keras.saving`) and matplotlib.pyplot (`keras.visualization`)
-whenever they are installed: a quarter of the CPU that TensorFlow and Keras take
-to import, in every `engine.main`, `engine.server` and task of a cluster
-(benchmarks/RESULTS.md, "Figures behind the code's choices"). Likewise
+file editor in `keras.saving`), matplotlib.pyplot (`keras.visualization`) and pandas
+(its array adapters, which `fit` uses and the engine does not: it converts pandas
+itself), and TensorFlow's own legacy Keras imports scipy.sparse, whenever they are
+installed: a third of the CPU that TensorFlow and Keras take to import, in every
+`engine.main`, `engine.server` and task of a cluster (benchmarks/RESULTS.md,
+"Figures behind the code's choices"). Likewise
 TensorBoard's hparams summaries import its stand-in for TensorFlow, which
 registers S3 and fsspec file systems through boto3 and fsspec where installed,
 for writers that never use it while TensorFlow is there.
 The command line uses none of those features, so its first import of TensorFlow
 and of the run's modules happens with these hidden (Keras and TensorBoard then
 define those features without them). They stay importable afterwards: a
-benchmark loads matplotlib, `--dataset=tfds:NAME` what tensorflow-datasets
-needs. The library (`import engine`) never hides anything: research code keeps
+benchmark loads matplotlib, `--dataset=PATH.csv` pandas, `--dataset=tfds:NAME` what
+tensorflow-datasets needs. The library (`import engine`) never hides anything: research code keeps
 every Keras feature.
 """
 
@@ -23,7 +25,7 @@ import importlib.abc
 import sys
 from collections.abc import Iterator
 
-HIDDEN_WHILE_KERAS_STARTS = ("sklearn", "IPython", "matplotlib")
+HIDDEN_WHILE_KERAS_STARTS = ("sklearn", "IPython", "matplotlib", "pandas", "scipy")
 HIDDEN_WHILE_TENSORBOARD_STARTS = ("boto3", "botocore", "fsspec")
 HIDDEN = HIDDEN_WHILE_KERAS_STARTS + HIDDEN_WHILE_TENSORBOARD_STARTS
 
