@@ -64,26 +64,10 @@ def assert_bitwise_equal(a: dict, b: dict) -> None:
 
 @pytest.mark.process
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize(
-    "strategy", [["--strategy=mirrored", "--cpu_devices=2"]], ids=["mirrored"]
-)  # The default strategy's: the clean stop that starts the kill -9 test below.
-def test_interrupted_run_resumes_bitwise_equal(tmp_path, strategy):
-    whole, halves = tmp_path / "whole", tmp_path / "halves"
-    # The uninterrupted run and the first half are independent processes: at once.
-    uninterrupted = in_background(run_main, *strategy, *RESUME_FLAGS, "--train_steps=40", f"--model_dir={whole}")
-    assert run_main(*strategy, *RESUME_FLAGS, "--train_steps=20", f"--model_dir={halves}").returncode == 0
-    assert uninterrupted.result().returncode == 0
-    resumed = run_main(*strategy, *RESUME_FLAGS, "--train_steps=40", f"--model_dir={halves}")
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "steps=20->40" in resumed.stderr
-    assert_bitwise_equal(final_state(whole), final_state(halves))
-
-
-@pytest.mark.process
-@pytest.mark.timeout(900)
 def test_kill_9_at_random_moments_then_resume_bitwise_equal(tmp_path):
     """A run that ends at --train_steps=23 (the default strategy), continued with more steps, killed
-    twice at random moments and finished: bitwise the uninterrupted run of all the steps."""
+    twice at random moments and finished: bitwise the uninterrupted run of all the steps. (The same
+    clean stop under MirroredStrategy: the two_headed case of the real models' test below.)"""
     # 1,200 steps run for some 2.5 s past the first checkpoint (~470 steps/s on 2 quiet cores); the
     # two kills come 0-1 s after a checkpoint (seeded: 0.97 s, then 0.44 s, near steps 500 and 730),
     # so each lands in the middle of training, never in the import or after the end. A checkpoint
@@ -316,17 +300,19 @@ def padded_tags(path: Path) -> None:
 @pytest.mark.process
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize(
-    "model, data",
+    "model, data, stop_at",
     [
-        ("dropout_cnn", ["--dataset=digits"]),
-        ("gru_tagger", ["--dataset=TAGS", "--loss=sparse_categorical_crossentropy"]),
-        ("two_headed", ["--dataset=digits"]),
+        ("dropout_cnn", ["--dataset=digits"], None),
+        ("gru_tagger", ["--dataset=TAGS", "--loss=sparse_categorical_crossentropy"], None),
+        ("two_headed", ["--dataset=digits"], 25),
     ],
 )
-def test_real_models_from_the_command_line_resume_bitwise_after_kill_9(tmp_path, model, data):
+def test_real_models_from_the_command_line_resume_bitwise_after_kill_9(tmp_path, model, data, stop_at):
     """A Dropout CNN, a masked GRU tagger and a model of two heads (issue 28), each the user's
     --model on two replicas, killed with SIGKILL after a checkpoint and run again: the end is
-    bitwise the uninterrupted run's, random state and optimizer slots included."""
+    bitwise the uninterrupted run's, random state and optimizer slots included. With `stop_at`,
+    the run first ends at --train_steps=stop_at and is continued with more steps (a clean stop
+    under MirroredStrategy; the default strategy's is in the kill -9 test above)."""
     (tmp_path / "real_models.py").write_text(REAL_MODELS)
     padded_tags(tmp_path / "tags.npz")
     env = {"PYTHONPATH": f"{tmp_path}{os.pathsep}{REPO}"}  # The user's module beside this checkout.
@@ -345,9 +331,15 @@ def test_real_models_from_the_command_line_resume_bitwise_after_kill_9(tmp_path,
     ]
     whole, killed = tmp_path / "whole", tmp_path / "killed"
     uninterrupted = in_background(run_main, *flags, f"--model_dir={whole}", env=env, timeout=400)
+    if stop_at is not None:  # Its last loop cut short: 25 is no multiple of 10.
+        stopped = run_main(*flags, f"--train_steps={stop_at}", f"--model_dir={killed}", env=env, timeout=400)
+        assert stopped.returncode == 0, stopped.stderr[-3000:]
+        assert latest_step(killed) == stop_at
     process = popen_main(*flags, f"--model_dir={killed}", env=env)
     try:
-        wait_for_checkpoint(killed, process)
+        if stop_at is not None:
+            read_stderr_until(process, f"steps={stop_at}->200", timeout=240)
+        wait_for_checkpoint(killed, process, beyond=stop_at or -1)
         assert process.poll() is None, "the run ended before the kill"
     finally:
         stop(process)  # SIGKILL: no handler runs
@@ -355,7 +347,7 @@ def test_real_models_from_the_command_line_resume_bitwise_after_kill_9(tmp_path,
     assert finished.returncode == 0, finished.stderr[-3000:]
     assert uninterrupted.result().returncode == 0
     resumed_from = int(re.search(r"steps=(\d+)->200", finished.stderr).group(1))
-    assert 0 < resumed_from < 200, resumed_from
+    assert (stop_at or 0) < resumed_from < 200, resumed_from
     state = final_state(killed)
     assert any("random_state" in name for name in state)  # The dropout masks' seeds were saved.
     assert_bitwise_equal(final_state(whole), state)
