@@ -302,13 +302,18 @@ def _final_state(model_dir: Path) -> dict[str, np.ndarray]:
     }
 
 
-def _write_under_way(checkpoints: Path, beyond: int) -> bool:
-    """Whether a write of a checkpoint past step `beyond` has begun (its `_temp` directory, or
-    its files before the state file names them)."""
+def _write_under_way(checkpoints: Path, beyond: int, since_ns: int) -> bool:
+    """Whether a write of a checkpoint past step `beyond` has begun since `since_ns` (its `_temp`
+    directory, or its files before the state file names them). Not what an earlier kill left
+    there: seen at once, those made the next run's kill land in its start-up."""
     for path in checkpoints.glob("ckpt-*"):
         match = re.match(r"ckpt-(\d+)", path.name)
         if match and int(match.group(1)) > beyond:
-            return True
+            try:
+                if path.stat().st_mtime_ns >= since_ns:
+                    return True
+            except FileNotFoundError:  # Removed as an orphan, or renamed, meanwhile.
+                continue
     return False
 
 
@@ -325,12 +330,17 @@ def test_kill_9_during_background_writes_then_resume_bitwise_equal(tmp_path):
     uninterrupted = run_main(*flags, f"--model_dir={whole}", cwd=project, timeout=400)
     assert uninterrupted.returncode == 0, uninterrupted.stderr[-3000:]
     rng = random.Random(22)
+    # One kill in each third of the 0-250 ms after a write begins (a random moment inside it, the
+    # thirds in a random order): the three cover the whole window, which holds every phase of the
+    # write (copy, files, merge, state file).
+    windows = rng.sample(range(3), 3)
     deadline = time.monotonic() + 480
     kills = 0
-    for _ in range(10):
+    for window in windows:
         if time.monotonic() > deadline:
             break
         resumed_from = _latest(killed)
+        started_ns = time.time_ns()
         process = subprocess.Popen(
             [sys.executable, "-m", "engine.main", *flags, f"--model_dir={killed}"],
             cwd=project,
@@ -341,11 +351,11 @@ def test_kill_9_during_background_writes_then_resume_bitwise_equal(tmp_path):
         )
         try:
             waited = time.monotonic() + 120
-            while not _write_under_way(killed / "checkpoints", resumed_from):
+            while not _write_under_way(killed / "checkpoints", resumed_from, started_ns):
                 assert process.poll() is None, process.communicate(timeout=30)[1][-3000:]
                 assert time.monotonic() < waited, "no checkpoint write began in 120 s"
                 time.sleep(0.002)
-            time.sleep(rng.uniform(0.0, 0.25))  # Anywhere in the write: copy, files, merge, state file.
+            time.sleep(rng.uniform(window * 0.25 / 3, (window + 1) * 0.25 / 3))  # Its third of the write.
             if process.poll() is not None:
                 break  # The run finished first: nothing left to kill.
         finally:
