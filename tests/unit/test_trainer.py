@@ -4,6 +4,8 @@ loss arithmetic, exact evaluation, one trace, resume at the saved step.
 Covers: engine/loop/compiled.py, engine/loop/runners.py.
 """
 
+import functools
+
 import keras
 import numpy as np
 import pytest
@@ -33,6 +35,18 @@ def train_weights(strategy, data, *, batch=16, steps=12, l2=0.0, **trainer_kwarg
     return trainer.model.get_weights()
 
 
+@functools.cache
+def plain_weights(strategy_name: str, l2: float = 0.0) -> tuple[np.ndarray, ...]:
+    """`train_weights` of `strategy_name` on the global batches of `make_arrays(64)`, without
+    options: the reference several tests compare with, trained once per process (read-only)."""
+    x, y = make_arrays(64)
+    strategy = engine.build_strategy(strategy_name, cpu_devices=2)
+    weights = train_weights(strategy, global_batches(x, y, 16), l2=l2)
+    for weight in weights:
+        weight.flags.writeable = False
+    return tuple(weights)
+
+
 # The fast tier trains the per-replica function form in the eval test below; here the global dataset.
 PER_REPLICA_FN_SLOW = pytest.param("per_replica_fn", marks=pytest.mark.slow)
 
@@ -41,9 +55,9 @@ PER_REPLICA_FN_SLOW = pytest.param("per_replica_fn", marks=pytest.mark.slow)
 def test_two_replicas_train_to_the_same_weights_as_one_device(default, mirrored, input_form):
     x, y = make_arrays(64)
     data = global_batches(x, y, 16) if input_form == "global_dataset" else per_replica_batches(x, y, 16)
-    single = train_weights(default, global_batches(x, y, 16))
+    single = plain_weights("default")
     assert mirrored.num_replicas_in_sync == 2
-    two = train_weights(mirrored, data)
+    two = plain_weights("mirrored") if input_form == "global_dataset" else train_weights(mirrored, data)
     for a, b in zip(single, two, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
     assert not np.allclose(single[0], make_model(default)[0].get_weights()[0])  # It did train.
@@ -63,19 +77,19 @@ def test_regularized_two_replicas_equal_one_device_whole_batch(default, mirrored
     """With l2 > 0 the regularization loss is divided by the replicas and by
     the micro-batches: 2 replicas (accumulating or not) match 1 device."""
     x, y = make_arrays(64)
-    single = train_weights(default, global_batches(x, y, 16), l2=0.05)
+    single = plain_weights("default", l2=0.05)
     two = train_weights(
         mirrored, global_batches(x, y, 16), l2=0.05, step=engine.StepOptions(grad_accum_steps=grad_accum_steps)
     )
     for a, b in zip(single, two, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
-    unregularized = train_weights(default, global_batches(x, y, 16))
+    unregularized = plain_weights("default")
     assert not np.allclose(single[0], unregularized[0], rtol=1e-3, atol=1e-4)  # l2 did change the weights
 
 
 def test_gradient_accumulation_equals_the_whole_batch(mirrored):
     x, y = make_arrays(64)
-    whole = train_weights(mirrored, global_batches(x, y, 16))
+    whole = plain_weights("mirrored")
     accumulated = train_weights(mirrored, global_batches(x, y, 16), step=engine.StepOptions(grad_accum_steps=4))
     for a, b in zip(whole, accumulated, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
@@ -206,7 +220,7 @@ def test_batch_not_divisible_by_replicas_is_refused(mirrored):
 
 def test_xla_step_trains_to_the_same_weights(mirrored):
     x, y = make_arrays(64)
-    plain = train_weights(mirrored, global_batches(x, y, 16))
+    plain = plain_weights("mirrored")
     compiled = train_weights(mirrored, global_batches(x, y, 16), step=engine.StepOptions(jit_compile=True))
     for a, b in zip(plain, compiled, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)

@@ -7,6 +7,8 @@ the same run without an interruption.
 Covers: engine/data.py.
 """
 
+import functools
+
 import keras
 import numpy as np
 import pytest
@@ -132,31 +134,42 @@ class KerasAroundModule(keras.Model):
         return self.inner(x, training=training)
 
 
+def train_eight_steps(strategy, model, optimizer) -> None:
+    x, y = make_arrays(64)
+    make_trainer(
+        strategy,
+        model=model,
+        optimizer=optimizer,
+        train_data=tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(GLOBAL_BATCH, drop_remainder=True),
+        global_batch_size=GLOBAL_BATCH,
+        cadence=engine.Cadence(steps_per_loop=4),
+    ).train(8)
+
+
+@functools.cache
+def l2_model_alone() -> tuple[np.ndarray, ...]:
+    """The L2 model's weights after `train_eight_steps` on two replicas, not wrapped: the
+    reference of every wrapping, trained once per process (read-only)."""
+    strategy = engine.build_strategy("mirrored", cpu_devices=2)
+    direct, optimizer = make_model(strategy, l2=0.5)
+    train_eight_steps(strategy, direct, optimizer)
+    weights = direct.get_weights()
+    for weight in weights:
+        weight.flags.writeable = False
+    return tuple(weights)
+
+
 @pytest.mark.parametrize("wrap", ["module", pytest.param("keras_around_module", marks=pytest.mark.slow)])
 def test_regularizers_behind_a_tf_module_train_as_the_model_alone(mirrored, wrap):
-    x, y = make_arrays(64)
-    data = tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(GLOBAL_BATCH, drop_remainder=True)
-
-    def run(model, optimizer):
-        make_trainer(
-            mirrored,
-            model=model,
-            optimizer=optimizer,
-            train_data=data,
-            global_batch_size=GLOBAL_BATCH,
-            cadence=engine.Cadence(steps_per_loop=4),
-        ).train(8)
-
-    direct, direct_optimizer = make_model(mirrored, l2=0.5)
-    run(direct, direct_optimizer)
+    direct = l2_model_alone()
     inner, optimizer = make_model(mirrored, l2=0.5)
     with mirrored.scope():
         wrapped = Holder(inner) if wrap == "module" else KerasAroundModule(inner)
     assert len(regularization_losses(wrapped)) == 1
-    run(wrapped, optimizer)
-    for a, b in zip(direct.get_weights(), inner.get_weights(), strict=True):
+    train_eight_steps(mirrored, wrapped, optimizer)
+    for a, b in zip(direct, inner.get_weights(), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
-    assert not np.allclose(direct.get_weights()[0], make_model(mirrored, l2=0.5)[0].get_weights()[0])
+    assert not np.allclose(direct[0], make_model(mirrored, l2=0.5)[0].get_weights()[0])
 
 
 def test_a_shared_layer_counts_its_penalty_once():
@@ -304,6 +317,20 @@ def test_duplicate_metric_names_are_refused(mirrored):
 # ------------------------------------------------------- partial batches
 
 
+@functools.cache
+def fit_of_finite_data(examples: int) -> tuple[np.ndarray, ...]:
+    """The weights of one epoch of Keras fit on `examples` in batches of 32, on one device: the
+    reference of every loop length, fitted once per process (read-only)."""
+    x, y = make_arrays(examples, seed=4)
+    reference, _ = make_model(engine.build_strategy("default"))
+    reference.compile(optimizer=keras.optimizers.SGD(0.5), loss=keras.losses.SparseCategoricalCrossentropy(True))
+    reference.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(32), epochs=1, verbose=0)
+    weights = reference.get_weights()
+    for weight in weights:
+        weight.flags.writeable = False
+    return tuple(weights)
+
+
 @pytest.mark.parametrize(
     "examples, steps_per_loop",
     [  # 193: the last batch holds 1, one replica none. The fast tier: a loop length that cuts the last loop.
@@ -315,10 +342,6 @@ def test_duplicate_metric_names_are_refused(mirrored):
 def test_a_partial_last_batch_trains_as_fit_for_any_loop_length(mirrored, tmp_path, examples, steps_per_loop):
     x, y = make_arrays(examples, seed=4)
     finite = tf.data.Dataset.from_tensor_slices((x, y)).batch(32)  # 6 batches of 32 and one of 8 (or 1).
-    reference, _ = make_model(engine.build_strategy("default"))
-    reference.compile(optimizer=keras.optimizers.SGD(0.5), loss=keras.losses.SparseCategoricalCrossentropy(True))
-    reference.fit(finite, epochs=1, verbose=0)
-
     model, optimizer = make_model(mirrored)
     trainer = make_trainer(
         mirrored,
@@ -333,7 +356,7 @@ def test_a_partial_last_batch_trains_as_fit_for_any_loop_length(mirrored, tmp_pa
         trainer.train(100)
     assert trainer.step == 7 == int(optimizer.iterations.numpy())
     assert trainer.checkpoint_manager.latest_checkpoint.endswith("ckpt-7")
-    for a, b in zip(model.get_weights(), reference.get_weights(), strict=True):
+    for a, b in zip(model.get_weights(), fit_of_finite_data(examples), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
