@@ -142,12 +142,23 @@ class TrainRunner:
             self._iterator = iter(distribute_train_data(self.strategy, self.data, start_step=at))
         check = CHECK_NONE if not fresh else (CHECK_EXACT if at == 0 else CHECK_NOT_LARGER)
         try:
+            result = self._checked_call(num_steps, check, start_step)
+        except BaseException:
+            # Where a call that raised left the stream is unknown: the next call makes an iterator
+            # at its own position. This one is freed on the release thread once the traceback's
+            # frames let go of it too (`engine.loop.iterator_release`).
+            self.release_iterator()
+            raise
+        self._iterator_position = at + result.steps_run
+        return result
+
+    def _checked_call(self, num_steps: int, check: int, start_step: int) -> LoopResult:
+        try:
             result = self._call(self._iterator, num_steps, check)
         except BatchSizeMismatch as mismatch:  # Found while tracing: nothing ran.
             raise UserError(self._batch_size_message(mismatch.size, start_step)) from None
         if result.first_batch_size >= 0:  # Found by the loop, which then ran no step.
             raise UserError(self._batch_size_message(result.first_batch_size, start_step))
-        self._iterator_position = at + result.steps_run
         return result
 
     def release_iterator(self) -> None:

@@ -2,6 +2,7 @@
 the loop's thread (freeing a MultiDeviceIterator read to its end can block its thread for seconds,
 now and then forever): each on a thread of its own, the exit's wait bounded."""
 
+import gc
 import logging
 import re
 import threading
@@ -106,8 +107,60 @@ def test_a_trainer_dropped_without_close_frees_its_training_iterator_off_the_loo
     assert freed(freed_on, 2) == ["engine-iterator-release"] * 2
 
 
+def test_the_iterator_of_a_call_that_raised_is_freed_on_the_release_thread_and_the_next_call_makes_another(
+    default, training_iterators_freed_on, monkeypatch
+):
+    """Where a raising call left the stream is unknown; its traceback's frames hold the iterator
+    after the Trainer lets go of it, and the release thread frees it once they let go too."""
+    freed_on = training_iterators_freed_on
+    monkeypatch.setattr(iterator_release, "_HANDOVER_WAIT_S", 0.05)  # Nothing gives up on it after this.
+    trainer = make_trainer(default, cadence=Cadence(steps_per_loop=2))
+    real = runners.TrainRunner._call
+
+    def fails_once(self, iterator, *args):
+        monkeypatch.setattr(runners.TrainRunner, "_call", real)
+        raise tf.errors.UnavailableError(None, None, "the source went away")
+
+    monkeypatch.setattr(runners.TrainRunner, "_call", fails_once)
+    with pytest.raises(tf.errors.UnavailableError) as raised:
+        trainer.train(2)
+    time.sleep(0.2)
+    assert freed_on == []  # The traceback still holds it.
+    del raised
+    assert freed(freed_on, 1) == ["engine-iterator-release"]
+    assert trainer.train(2)["loss"] > 0 and trainer.step == 2  # From a new iterator at step 0.
+    trainer.close()
+    assert freed(freed_on, 2) == ["engine-iterator-release"] * 2
+
+
 class AnIterator:
     """Any object the loop lets go of."""
+
+
+def test_an_iterator_a_reference_cycle_still_holds_is_freed_on_the_release_thread_not_by_the_collector(
+    monkeypatch,
+):
+    """MirroredStrategy keeps a raising call's exception in a cycle with its traceback, whose
+    frames hold the iterator: only the collector frees that cycle, on whichever thread it runs
+    (a replica thread tracing: a 24 s stall in the suite). The release thread holds on until it
+    holds the only reference, however long the cycle lives."""
+    monkeypatch.setattr(iterator_release, "_HANDOVER_WAIT_S", 0.05)
+    freed_on: list[str] = []
+    iterator = AnIterator()
+    weakref.finalize(iterator, lambda: freed_on.append(threading.current_thread().name))
+    cycle: dict = {"iterator": iterator}
+    cycle["itself"] = cycle
+    iterator_release.release_in_background([iterator])
+    del iterator, cycle
+    time.sleep(0.2)
+    assert freed_on == []
+    # On this thread: it frees the cycle, and the release thread the iterator. The young
+    # generations hold it (a full collection costs a suite worker ~1 CPU-s), unless a collection
+    # meanwhile moved it to the oldest.
+    gc.collect(1)
+    if not freed(freed_on, 1, timeout_s=2.0):
+        gc.collect()
+    assert freed(freed_on, 1) == ["engine-iterator-release"]
 
 
 class HeldInItsDestructor:
