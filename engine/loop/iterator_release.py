@@ -66,10 +66,7 @@ def wait_until_all_freed(timeout_s: float | None = None) -> bool:
     """Waits at most `timeout_s` (`EXIT_WAIT_S`) for every iterator handed over to be freed;
     False (and one warning line) where some destructor has not returned by then. One that
     something else still holds after `_HANDOVER_WAIT_S` is not this module's to wait for."""
-    timeout_s = EXIT_WAIT_S if timeout_s is None else timeout_s
-    deadline = time.monotonic() + timeout_s
-    _wait_for_handovers(min(deadline, time.monotonic() + _HANDOVER_WAIT_S))
-    return _wait_for_destructors(deadline, timeout_s)
+    return _wait(EXIT_WAIT_S if timeout_s is None else timeout_s, exiting=False)
 
 
 def do_not_wait_at_exit() -> None:
@@ -81,12 +78,17 @@ def do_not_wait_at_exit() -> None:
 def _wait_at_exit() -> None:
     """The exit handler: what is handed over a moment before the exit is freed (waited for at
     most `EXIT_WAIT_S`); a thread still waiting after that frees nothing more."""
+    _wait(EXIT_WAIT_S, exiting=True)
+
+
+def _wait(timeout_s: float, *, exiting: bool) -> bool:
     global _exiting
-    deadline = time.monotonic() + EXIT_WAIT_S
+    deadline = time.monotonic() + timeout_s
     _wait_for_handovers(min(deadline, time.monotonic() + _HANDOVER_WAIT_S))
-    with _lock:
-        _exiting = True
-    _wait_for_destructors(deadline, EXIT_WAIT_S)
+    if exiting:
+        with _lock:
+            _exiting = True
+    return _wait_for_destructors(deadline, timeout_s)
 
 
 atexit.register(_wait_at_exit)  # Returns at once where nothing is being freed.
