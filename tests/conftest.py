@@ -59,6 +59,9 @@ def pytest_configure(config: pytest.Config) -> None:
 
     cpu = tf.config.list_physical_devices("CPU")[0]
     tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * TEST_CPU_DEVICES)
+    # TensorFlow's and Keras's modules live as long as the worker: frozen, they are no longer
+    # traversed by each full collection of the worker's garbage (the tests' models and graphs).
+    gc.freeze()
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

@@ -31,6 +31,7 @@ Covers: engine/loop/steps.py, engine/loop/replica_state.py.
 from __future__ import annotations
 
 import functools
+import gc
 import subprocess
 import sys
 
@@ -39,7 +40,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from helpers import REPO, make_trainer, python_env
+from helpers import COMMAND_START, REPO, make_trainer, python_env
 
 import engine
 
@@ -156,6 +157,15 @@ def keras_reference(name: str, replicas: int) -> keras.Model:
     return model
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _cached_runs_frozen_after_the_module():
+    """The cached runs hold every form's models and traced graphs (over a million objects) for the
+    rest of the worker: frozen after the module, they are no longer walked by each of its later
+    full collections. (Freeing them costs more: the worker ends without finalization.)"""
+    yield
+    gc.freeze()
+
+
 def params(*, accumulating: bool = False):
     """Every form on one and two replicas. The fast tier keeps training, evaluation and
     prediction on one replica; two replicas, accumulation and the forms marked slow (a
@@ -232,6 +242,15 @@ def test_accumulating_two_micro_batches_equals_one_batch(name, replicas):
     assert_close(logs["loss"], whole_logs["loss"], "loss")
 
 
+# conformance_forms.py's `main`, in a process that starts as the engine's commands do.
+RESUME = f"""
+import sys
+sys.path.insert(0, {str(REPO / "tests")!r})
+import conformance_forms
+conformance_forms.main(sys.argv[1:])
+"""
+
+
 @pytest.mark.slow
 @pytest.mark.process
 def test_a_run_resumed_in_a_new_process_ends_bitwise_where_the_uninterrupted_run_ends(tmp_path):
@@ -240,7 +259,7 @@ def test_a_run_resumed_in_a_new_process_ends_bitwise_where_the_uninterrupted_run
     in a new one, against the uninterrupted run with the same loops (in this process)."""
     forms.train_half(str(tmp_path), strategy_of(2))
     done = subprocess.run(
-        [sys.executable, str(REPO / "tests" / "conformance_forms.py"), "resume", str(tmp_path)],
+        [sys.executable, "-c", COMMAND_START + RESUME, "resume", str(tmp_path)],
         env=python_env(),
         capture_output=True,
         text=True,
