@@ -23,7 +23,16 @@ import time
 
 import numpy as np
 import pytest
-from helpers import SMALL, free_ports, in_background, latest_step, model_weights, python_env, run_main
+from helpers import (
+    COMMAND_START,
+    SMALL,
+    free_ports,
+    in_background,
+    latest_step,
+    model_weights,
+    python_env,
+    run_main,
+)
 from virtual_hosts import VirtualHosts
 
 from engine.errors import PEER_LOST_EXIT
@@ -151,7 +160,7 @@ def test_two_hosts_keep_a_stranger_out_and_end_a_round_on_a_frozen_worker_or_a_c
     with VirtualHosts(2) as hosts:
         [first] = start_nodes(launch, hosts, launcher_flags, flags, nodes=[0])
         stranger = subprocess.run(
-            hosts.python(1, "-c", STRANGER, hosts.addresses[0], str(RENDEZVOUS_PORT)),
+            hosts.python(1, "-c", COMMAND_START + STRANGER, hosts.addresses[0], str(RENDEZVOUS_PORT)),
             env=python_env(),
             capture_output=True,
             text=True,

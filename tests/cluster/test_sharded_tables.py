@@ -17,7 +17,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from helpers import REPO, id_sequences, make_trainer, ps_servers, python_env
+from helpers import COMMAND_START, REPO, id_sequences, make_trainer, ps_servers, python_env
 
 import engine
 
@@ -166,7 +166,7 @@ def run_coordinator(
 ) -> subprocess.CompletedProcess:
     arguments = [json.dumps(hosts), str(model_dir), json.dumps(num_shards), str(steps), *more]
     return subprocess.run(
-        [sys.executable, "-c", program, *arguments],
+        [sys.executable, "-c", COMMAND_START + program, *arguments],
         cwd=REPO,
         env=python_env(),
         capture_output=True,

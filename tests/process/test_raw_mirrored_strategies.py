@@ -14,7 +14,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import REPO, python_env
+from helpers import COMMAND_START, REPO, python_env
 
 SCRIPT = """
 import json, sys
@@ -63,7 +63,12 @@ print(json.dumps(gaps))
 @pytest.mark.slow
 def test_raw_mirrored_strategies_beside_fit_and_build_strategy_each_train_as_one_replica():
     result = subprocess.run(
-        [sys.executable, "-c", SCRIPT], cwd=REPO, env=python_env(), capture_output=True, text=True, timeout=300
+        [sys.executable, "-c", COMMAND_START + SCRIPT],
+        cwd=REPO,
+        env=python_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     gaps = json.loads(result.stdout.strip().splitlines()[-1])

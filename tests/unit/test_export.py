@@ -7,7 +7,7 @@ import sys
 import numpy as np
 import pytest
 import tensorflow as tf
-from helpers import NUM_FEATURES, REPO, make_arrays, make_model, make_trainer, run_main
+from helpers import COMMAND_START, NUM_FEATURES, REPO, make_arrays, make_model, make_trainer, run_main
 
 import engine
 from engine.errors import UserError
@@ -95,7 +95,7 @@ make_trainer(strategy, model=model, optimizer=optimizer, train_data=data, batch=
 @pytest.mark.slow
 def test_check_numerics_stops_the_run_at_the_first_nan(tmp_path):
     result = subprocess.run(
-        [sys.executable, "-c", NAN_SCRIPT],
+        [sys.executable, "-c", COMMAND_START + NAN_SCRIPT],
         cwd=tmp_path,
         capture_output=True,
         text=True,

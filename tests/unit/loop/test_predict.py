@@ -147,13 +147,13 @@ def test_predict_under_parameter_server_runs_on_the_coordinator_in_order(tmp_pat
     import subprocess
     import sys
 
-    from helpers import REPO, ps_servers, python_env
+    from helpers import COMMAND_START, REPO, ps_servers, python_env
 
     # One process per task, as a user runs it (an in-process cluster shares one process's
     # thread pools with the coordinator and is not how the engine runs).
     with ps_servers(num_workers=2, num_ps=1) as hosts:
         result = subprocess.run(
-            [sys.executable, "-c", PS_SCRIPT, json.dumps(hosts)],
+            [sys.executable, "-c", COMMAND_START + PS_SCRIPT, json.dumps(hosts)],
             cwd=REPO,
             env=python_env(),
             capture_output=True,
