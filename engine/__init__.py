@@ -24,7 +24,9 @@ from engine.errors import DataExhaustedError, NonFiniteLossError, UserError
 
 
 def _started_as_engine_command() -> bool:
-    """Whether this process is `python -m engine.<module>` (the CLI, the launcher, a server)."""
+    """Whether this process is `python -m engine.<module>` (the CLI, the launcher, a server), or
+    `python -m benchmarks.<module>`, which measures the engine as its commands run it
+    (benchmarks/__init__.py)."""
     argv = list(getattr(sys, "orig_argv", []))
     for index, arg in enumerate(argv):
         module = (
@@ -35,7 +37,7 @@ def _started_as_engine_command() -> bool:
             else None
         )
         if module is not None:
-            return module.startswith("engine.")
+            return module.startswith(("engine.", "benchmarks."))
     return False
 
 
