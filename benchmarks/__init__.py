@@ -7,19 +7,25 @@ minimal hand-written compiled loop, on the same model, data and strategy.
 - `python -m benchmarks.csv_read`: reading a CSV table, numpy's reader against Python's.
 - `fresh_process`: what the last two share (a measurement in a process of its own, the JSON out).
 
-A benchmark script (`python -m benchmarks.<module>`) starts as the engine's commands do
-(engine/command_start.py): TensorFlow and Keras imported here, first, without the optional
-libraries Keras reaches for (engine/cli/process/lean_imports.py; they stay importable: the sweep
-draws with matplotlib afterwards), and its C++ start-up lines held back. Figures of the start-up
-itself come from fresh processes that import as their subject does (`first_step`,
-`start_up_imports`). Code that imports a benchmark module (the tests) is left as it is.
+A benchmark script (`python -m benchmarks.<module>`) starts as the engine's commands do: `engine`
+tunes the process (engine/command_start.py) and imports no TensorFlow; a script that measures in
+its own process calls `import_tensorflow_as_the_commands_do` before it touches TensorFlow, which
+imports TensorFlow and Keras without the optional libraries Keras reaches for
+(engine/cli/process/lean_imports.py; they stay importable: the sweep draws with matplotlib
+afterwards) and holds back TensorFlow's C++ start-up lines. A script that only starts others
+(the sweep's parent, `first_step`, `stragglers`) imports no TensorFlow at all. Figures of a
+start-up come from fresh processes that import as their subject does (`first_step`,
+`start_up_imports`).
 """
 
 import sys
 
-import engine  # noqa: F401  (Imports TensorFlow in full, unless this process is a benchmark script.)
 
-if "tensorflow" not in sys.modules:  # A benchmark script: `engine` started it as a command.
+def import_tensorflow_as_the_commands_do() -> None:
+    """TensorFlow and Keras imported as `engine.main` imports them; nothing where imported already
+    (code that imports a benchmark module, such as the tests, keeps its own import)."""
+    if "tensorflow" in sys.modules:
+        return
     from engine.cli.process.lean_imports import optional_libraries_hidden
     from engine.native_logs import import_tensorflow_quietly
 

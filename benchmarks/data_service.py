@@ -29,6 +29,8 @@ import sys
 import time
 from typing import Any
 
+from benchmarks import import_tensorflow_as_the_commands_do
+
 TRAIN_CORE, INPUT_CORE = 0, 1
 BATCH = 64
 WORKLOADS = ("input_bound", "compute_bound")
@@ -160,6 +162,7 @@ def main() -> None:
     parser.add_argument("--service", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
+        import_tensorflow_as_the_commands_do()
         print(json.dumps(child(args.child, args.service, args.warmup_steps, args.steps)))
         return
     servers, address = _start_service()

@@ -24,6 +24,8 @@ from dataclasses import asdict, replace
 
 from absl import app, flags
 
+from benchmarks import import_tensorflow_as_the_commands_do
+
 FLAGS = flags.FLAGS
 flags.DEFINE_string(
     "out_dir",
@@ -254,6 +256,7 @@ def write_plot(records, path: str) -> bool:
 def main(argv) -> None:
     del argv
     if FLAGS.worker:
+        import_tensorflow_as_the_commands_do()
         run_worker(FLAGS.worker)
         return
     from benchmarks.throughput import BenchConfig

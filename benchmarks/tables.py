@@ -32,6 +32,8 @@ from typing import Any
 import numpy as np
 from absl import app, flags
 
+from benchmarks import import_tensorflow_as_the_commands_do
+
 FLAGS = flags.FLAGS
 HELD_OUT = 0.2
 SPLIT_SEED = 50
@@ -222,6 +224,7 @@ def compare(name: str, extra: list[str]) -> dict[str, Any]:
 
 def main(argv: list[str]) -> None:
     del argv
+    import_tensorflow_as_the_commands_do()
     results = []
     for name in FLAGS.tables or list(TABLES):
         try:

@@ -75,6 +75,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from absl import app, flags  # noqa: E402
 
+from benchmarks import import_tensorflow_as_the_commands_do  # noqa: E402
 from engine.cli.config.settings import PRECISION_POLICIES  # noqa: E402  (pure Python: no TensorFlow yet)
 from engine.options import Cadence, StepOptions  # noqa: E402  (pure Python too)
 
@@ -965,6 +966,7 @@ def main(argv) -> None:
         check_config(config)  # Fail on a typo before minutes of set-up.
     except ValueError as error:
         raise app.UsageError(str(error)) from None
+    import_tensorflow_as_the_commands_do()
     if config.cpu_devices > 1:
         # Before anything touches a TF device: logical CPUs cannot be added later.
         from engine import configure_cpu_devices
