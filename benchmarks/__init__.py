@@ -9,26 +9,10 @@ minimal hand-written compiled loop, on the same model, data and strategy.
 
 A benchmark script (`python -m benchmarks.<module>`) starts as the engine's commands do: `engine`
 tunes the process (engine/command_start.py) and imports no TensorFlow; a script that measures in
-its own process calls `import_tensorflow_as_the_commands_do` before it touches TensorFlow, which
-imports TensorFlow and Keras without the optional libraries Keras reaches for
-(engine/cli/process/lean_imports.py; they stay importable: the sweep draws with matplotlib
-afterwards) and holds back TensorFlow's C++ start-up lines. A script that only starts others
-(the sweep's parent, `first_step`, `stragglers`) imports no TensorFlow at all. Figures of a
-start-up come from fresh processes that import as their subject does (`first_step`,
-`start_up_imports`).
+its own process calls `import_tensorflow_lean` (engine/cli/process/lean_imports.py) before it
+touches TensorFlow: TensorFlow and Keras without the optional libraries Keras reaches for (they
+stay importable: the sweep draws with matplotlib afterwards), TensorFlow's C++ start-up lines
+held back. A script that only starts others (the sweep's parent, `first_step`, `stragglers`)
+imports no TensorFlow at all. Figures of a start-up come from fresh processes that import as
+their subject does (`first_step`, `start_up_imports`).
 """
-
-import sys
-
-
-def import_tensorflow_as_the_commands_do() -> None:
-    """TensorFlow and Keras imported as `engine.main` imports them; nothing where imported already
-    (code that imports a benchmark module, such as the tests, keeps its own import)."""
-    if "tensorflow" in sys.modules:
-        return
-    from engine.cli.process.lean_imports import optional_libraries_hidden
-    from engine.native_logs import import_tensorflow_quietly
-
-    with optional_libraries_hidden():
-        import_tensorflow_quietly()
-        import keras  # noqa: F401

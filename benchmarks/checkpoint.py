@@ -37,7 +37,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from absl import app, flags  # noqa: E402
 
-from benchmarks import import_tensorflow_as_the_commands_do  # noqa: E402
+from engine.cli.process.lean_imports import import_tensorflow_lean  # noqa: E402
 
 FLAGS = flags.FLAGS
 LEARNING_RATE = 1e-3
@@ -288,7 +288,7 @@ def main(argv) -> None:
         check_config(config)
     except ValueError as error:
         raise app.UsageError(str(error)) from None
-    import_tensorflow_as_the_commands_do()
+    import_tensorflow_lean()
     payload = run_benchmark(config)
     print(format_table(payload), flush=True)
     if FLAGS.json:

@@ -47,7 +47,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks import import_tensorflow_as_the_commands_do
+from engine.cli.process.lean_imports import import_tensorflow_lean
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -297,7 +297,7 @@ def _as_engine_main() -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    import_tensorflow_as_the_commands_do()
+    import_tensorflow_lean()
     _as_engine_main()
     result = compare(args)
     print(format_table(result["runs"], result["summary"]))

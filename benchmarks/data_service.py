@@ -29,7 +29,7 @@ import sys
 import time
 from typing import Any
 
-from benchmarks import import_tensorflow_as_the_commands_do
+from engine.cli.process.lean_imports import import_tensorflow_lean
 
 TRAIN_CORE, INPUT_CORE = 0, 1
 BATCH = 64
@@ -162,7 +162,7 @@ def main() -> None:
     parser.add_argument("--service", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        import_tensorflow_as_the_commands_do()
+        import_tensorflow_lean()
         print(json.dumps(child(args.child, args.service, args.warmup_steps, args.steps)))
         return
     servers, address = _start_service()

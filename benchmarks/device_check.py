@@ -38,7 +38,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from absl import app, flags  # noqa: E402
 
-from benchmarks import import_tensorflow_as_the_commands_do  # noqa: E402
+from engine.cli.process.lean_imports import import_tensorflow_lean  # noqa: E402
 
 flags.DEFINE_boolean("tiny", False, "The mlp on the CPU in tiny windows: the same JSON in seconds.")
 flags.DEFINE_string("json", None, "Also write the JSON to this path.")
@@ -260,7 +260,7 @@ def _replace(config: Any, **changes: Any) -> Any:
 
 def main(argv: list[str]) -> None:
     del argv
-    import_tensorflow_as_the_commands_do()
+    import_tensorflow_lean()
     tiny = FLAGS.tiny or os.environ.get(TINY_ENV) == "1"
     if tiny:  # Two logical CPUs for the mirrored part, before anything touches a device.
         from engine import configure_cpu_devices

@@ -24,7 +24,7 @@ from dataclasses import asdict, replace
 
 from absl import app, flags
 
-from benchmarks import import_tensorflow_as_the_commands_do
+from engine.cli.process.lean_imports import import_tensorflow_lean
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string(
@@ -256,7 +256,7 @@ def write_plot(records, path: str) -> bool:
 def main(argv) -> None:
     del argv
     if FLAGS.worker:
-        import_tensorflow_as_the_commands_do()
+        import_tensorflow_lean()
         run_worker(FLAGS.worker)
         return
     from benchmarks.throughput import BenchConfig

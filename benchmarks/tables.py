@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 from absl import app, flags
 
-from benchmarks import import_tensorflow_as_the_commands_do
+from engine.cli.process.lean_imports import import_tensorflow_lean
 
 FLAGS = flags.FLAGS
 HELD_OUT = 0.2
@@ -224,7 +224,7 @@ def compare(name: str, extra: list[str]) -> dict[str, Any]:
 
 def main(argv: list[str]) -> None:
     del argv
-    import_tensorflow_as_the_commands_do()
+    import_tensorflow_lean()
     results = []
     for name in FLAGS.tables or list(TABLES):
         try:

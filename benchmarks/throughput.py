@@ -75,8 +75,8 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from absl import app, flags  # noqa: E402
 
-from benchmarks import import_tensorflow_as_the_commands_do  # noqa: E402
 from engine.cli.config.settings import PRECISION_POLICIES  # noqa: E402  (pure Python: no TensorFlow yet)
+from engine.cli.process.lean_imports import import_tensorflow_lean  # noqa: E402
 from engine.options import Cadence, StepOptions  # noqa: E402  (pure Python too)
 
 RUNNER_KINDS = ("engine", "fit", "raw", "tfdata")
@@ -966,7 +966,7 @@ def main(argv) -> None:
         check_config(config)  # Fail on a typo before minutes of set-up.
     except ValueError as error:
         raise app.UsageError(str(error)) from None
-    import_tensorflow_as_the_commands_do()
+    import_tensorflow_lean()
     if config.cpu_devices > 1:
         # Before anything touches a TF device: logical CPUs cannot be added later.
         from engine import configure_cpu_devices

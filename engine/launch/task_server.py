@@ -42,11 +42,9 @@ def serve(wait: Callable[[], None] | None = None) -> None:
             f"engine.server runs worker or ps tasks, not {cluster.task_type!r}; "
             "the chief runs `python -m engine.main --strategy=parameter_server`"
         )
-    from engine.cli.process.lean_imports import optional_libraries_hidden
-    from engine.native_logs import import_tensorflow_quietly
+    from engine.cli.process.lean_imports import import_tensorflow_lean
 
-    with optional_libraries_hidden():  # As engine.main: Keras's optional libraries unimported.
-        import_tensorflow_quietly()  # TF's C++ start-up lines held back, as in engine.main.
+    import_tensorflow_lean()  # As engine.main: Keras's optional libraries unimported, C++ lines held back.
     import tensorflow as tf
 
     port = int(cluster.address.rpartition(":")[2])

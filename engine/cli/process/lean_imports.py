@@ -46,3 +46,18 @@ def optional_libraries_hidden() -> Iterator[None]:
         yield
     finally:
         sys.meta_path.remove(finder)
+
+
+def import_tensorflow_lean() -> None:
+    """A command's first import of TensorFlow and Keras (`engine.server`, the data service, a
+    benchmark script): the optional libraries hidden meanwhile, TensorFlow's C++ start-up lines
+    held back (`engine.native_logs`). Nothing where TensorFlow is imported already, so that code
+    that imported it itself (research code, the tests) keeps every Keras feature. (`engine.main`
+    also imports its job's modules in the window: `engine.cli.main_command`.)"""
+    if "tensorflow" in sys.modules:
+        return
+    from engine.native_logs import import_tensorflow_quietly
+
+    with optional_libraries_hidden():
+        import_tensorflow_quietly()
+        import keras  # noqa: F401
