@@ -9,7 +9,7 @@ minimal hand-written compiled loop, on the same model, data and strategy.
 
 A benchmark script (`python -m benchmarks.<module>`) starts as the engine's commands do: `engine`
 tunes the process (engine/command_start.py) and imports no TensorFlow; a script that measures in
-its own process calls `import_tensorflow_lean` (engine/cli/process/lean_imports.py) before it
+its own process calls `import_tensorflow_lean` (engine/lean_imports.py) before it
 touches TensorFlow: TensorFlow and Keras without the optional libraries Keras reaches for (they
 stay importable: the sweep draws with matplotlib afterwards), TensorFlow's C++ start-up lines
 held back. A script that only starts others (the sweep's parent, `first_step`, `stragglers`)

@@ -37,7 +37,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from absl import app, flags  # noqa: E402
 
-from engine.cli.process.lean_imports import import_tensorflow_lean  # noqa: E402
+from engine.lean_imports import import_tensorflow_lean  # noqa: E402
 
 FLAGS = flags.FLAGS
 LEARNING_RATE = 1e-3

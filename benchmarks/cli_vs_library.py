@@ -47,7 +47,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from engine.cli.process.lean_imports import import_tensorflow_lean
+from engine.lean_imports import import_tensorflow_lean
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 

@@ -29,7 +29,7 @@ import sys
 import time
 from typing import Any
 
-from engine.cli.process.lean_imports import import_tensorflow_lean
+from engine.lean_imports import import_tensorflow_lean
 
 TRAIN_CORE, INPUT_CORE = 0, 1
 BATCH = 64

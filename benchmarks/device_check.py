@@ -38,7 +38,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from absl import app, flags  # noqa: E402
 
-from engine.cli.process.lean_imports import import_tensorflow_lean  # noqa: E402
+from engine.lean_imports import import_tensorflow_lean  # noqa: E402
 
 flags.DEFINE_boolean("tiny", False, "The mlp on the CPU in tiny windows: the same JSON in seconds.")
 flags.DEFINE_string("json", None, "Also write the JSON to this path.")

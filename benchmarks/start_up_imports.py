@@ -1,6 +1,6 @@
 r"""What the command line's lean start-up saves: the CPU a fresh process spends importing
 TensorFlow and Keras with every optional library they reach for, against the same import
-with the engine's hidden list (engine/cli/process/lean_imports.py), as every `engine.main`,
+with the engine's hidden list (engine/lean_imports.py), as every `engine.main`,
 `engine.server` and data-service process does.
 
     python -m benchmarks.start_up_imports --repeats=5 --json=benchmarks/out/start_up_imports.json
@@ -25,7 +25,7 @@ FLAGS = flags.FLAGS
 _PROGRAM = """
 import importlib.util, json, os, resource, sys
 # By its path: `import engine` would import TensorFlow (the library's own start) before the test.
-path = os.path.join(os.environ["PYTHONPATH"], "engine", "cli", "process", "lean_imports.py")
+path = os.path.join(os.environ["PYTHONPATH"], "engine", "lean_imports.py")
 spec = importlib.util.spec_from_file_location("lean_imports", path)
 lean_imports = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(lean_imports)

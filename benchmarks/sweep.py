@@ -24,7 +24,7 @@ from dataclasses import asdict, replace
 
 from absl import app, flags
 
-from engine.cli.process.lean_imports import import_tensorflow_lean
+from engine.lean_imports import import_tensorflow_lean
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string(

@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 from absl import app, flags
 
-from engine.cli.process.lean_imports import import_tensorflow_lean
+from engine.lean_imports import import_tensorflow_lean
 
 FLAGS = flags.FLAGS
 HELD_OUT = 0.2

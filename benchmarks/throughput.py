@@ -76,7 +76,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 from absl import app, flags  # noqa: E402
 
 from engine.cli.config.settings import PRECISION_POLICIES  # noqa: E402  (pure Python: no TensorFlow yet)
-from engine.cli.process.lean_imports import import_tensorflow_lean  # noqa: E402
+from engine.lean_imports import import_tensorflow_lean  # noqa: E402
 from engine.options import Cadence, StepOptions  # noqa: E402  (pure Python too)
 
 RUNNER_KINDS = ("engine", "fit", "raw", "tfdata")

@@ -27,7 +27,7 @@ from typing import Any
 
 from engine.cluster import security_warning
 from engine.errors import PEER_LOST_EXIT, USER_ERROR_EXIT, PeerLostError, UserError, one_line
-from engine.native_logs import import_tensorflow_quietly
+from engine.lean_imports import import_tensorflow_lean
 
 PROGRAM = "engine.data_service"
 READY = "serving at"  # In the one line each server prints once it serves (engine.launch waits for it).
@@ -70,7 +70,7 @@ class DispatcherUnreachable(PeerLostError):
 
 def start_dispatcher(port: int) -> Any:
     """A tf.data service dispatcher on `port` (0: one the OS picks), serving."""
-    import_tensorflow_quietly()  # Its C++ start-up lines held back, as engine.main holds them.
+    import_tensorflow_lean()  # As engine.main: Keras's optional libraries unimported, C++ lines held back.
     import tensorflow as tf
 
     config = tf.data.experimental.service.DispatcherConfig(port=port, protocol="grpc")
@@ -88,7 +88,7 @@ def start_worker(dispatcher_address: str, port: int, host: str, timeout: float) 
     The dispatcher is reached first within `timeout` seconds (DispatcherUnreachable after):
     TensorFlow's worker retries its registration without end."""
     wait_for_dispatcher(dispatcher_address, timeout, what="--dispatcher_address")  # Before TF's seconds.
-    import_tensorflow_quietly()  # Its C++ start-up lines held back, as engine.main holds them.
+    import_tensorflow_lean()  # As engine.main: Keras's optional libraries unimported, C++ lines held back.
     import tensorflow as tf
 
     port = port or free_port()  # Chosen here, so that its READY line can name it.

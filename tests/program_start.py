@@ -5,7 +5,7 @@ coordinator, a resume, a stranger at a rendezvous. It starts as the engine's com
 optional library Keras reaches for (scikit-learn, pandas, scipy, IPython, matplotlib), about
 2 CPU-s more, and with the interpreter's last full collection over all of it at the exit, about
 0.7 more (benchmarks/RESULTS.md: `benchmarks.start_up_imports`). The engine's commands skip
-both (engine/command_start.py, engine/cli/process/lean_imports.py); these programs do the same,
+both (engine/command_start.py, engine/lean_imports.py); these programs do the same,
 loading those two modules by their paths, since importing them through `engine` would import
 TensorFlow first.
 
@@ -33,6 +33,6 @@ def _load(relative_path: str) -> ModuleType:
 
 
 _load("engine/command_start.py").tune_for_start_up()
-with _load("engine/cli/process/lean_imports.py").optional_libraries_hidden():
+with _load("engine/lean_imports.py").optional_libraries_hidden():
     import keras  # noqa: F401
     import tensorflow  # noqa: F401

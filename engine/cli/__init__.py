@@ -7,7 +7,7 @@
 - `run/`: one run from its `RunConfig` (`job`, `assembly`, `run_task`, `evaluator`,
   `predictor`, `hooks_from_flags`, `run_record`, `inputs_record`, `summary`,
   `model_summary`, `hparams`);
-- `process/`: what a command sets up around a run (`preemption`, `lean_imports`,
+- `process/`: what a command sets up around a run (`preemption`,
   `environment`, `console`, `own_packages`, `host_memory`).
 
 The launcher (`python -m engine.launch`, and the task `python -m engine.server` runs) is a

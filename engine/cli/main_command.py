@@ -37,7 +37,7 @@ def main(argv: list[str]) -> int:
     started_at = _process_started or time.time()
     if len(argv) > 1:
         raise UserError(f"unexpected arguments {argv[1:]}; every setting is a --flag")
-    from engine.cli.process.lean_imports import optional_libraries_hidden
+    from engine.lean_imports import optional_libraries_hidden
     from engine.native_logs import import_tensorflow_quietly
 
     with optional_libraries_hidden():  # Keras's scikit-learn, pandas...; TensorBoard's boto3 (lean_imports).

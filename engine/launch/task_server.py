@@ -42,7 +42,7 @@ def serve(wait: Callable[[], None] | None = None) -> None:
             f"engine.server runs worker or ps tasks, not {cluster.task_type!r}; "
             "the chief runs `python -m engine.main --strategy=parameter_server`"
         )
-    from engine.cli.process.lean_imports import import_tensorflow_lean
+    from engine.lean_imports import import_tensorflow_lean
 
     import_tensorflow_lean()  # As engine.main: Keras's optional libraries unimported, C++ lines held back.
     import tensorflow as tf

@@ -2,7 +2,7 @@
 holds none of TensorFlow's C++ start-up lines unless TF_CPP_MIN_LOG_LEVEL asks for them, and
 the launcher checks engine.main's flags without importing TensorFlow. Real processes.
 
-Covers: engine/cli/process/lean_imports.py, engine/native_logs.py.
+Covers: engine/lean_imports.py, engine/native_logs.py.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from helpers import NATIVE_START_UP_LINES
 
-from engine.cli.process.lean_imports import HIDDEN
+from engine.lean_imports import HIDDEN
 from engine.native_logs import kept_lines
 
 REPO = Path(__file__).resolve().parents[2]  # The repository, above tests/process.
@@ -69,7 +69,7 @@ def test_help_lists_the_flags_quickly_and_exits_0(command, flag):
 def test_a_run_prints_no_native_start_up_lines_unless_asked_and_imports_no_optional_library(tmp_path):
     """One run answers both: no C++ start-up line reaches its output, and scikit-learn, IPython,
     matplotlib, pandas and scipy, which cost each engine.main about 1.6 s of CPU at the imports of
-    Keras and TensorFlow (engine.cli.process.lean_imports), and boto3 and fsspec, 0.3 s more at
+    Keras and TensorFlow (engine.lean_imports), and boto3 and fsspec, 0.3 s more at
     TensorBoard's, are never loaded by a run that needs none of them, not even for the default data
     (scikit-learn's digits, read from its file: input/digits.py). Loaded means in `sys.modules` when the process
     exits (a sitecustomize reports it): import times cannot tell a hidden package that was tried

@@ -1,7 +1,6 @@
 """The command line's process: what a command sets up around a run, before and beside it.
 
 - `preemption`: SIGTERM/SIGINT/SIGHUP, watched before TensorFlow starts its threads;
-- `lean_imports`: TensorFlow imported without the optional libraries Keras pulls in;
 - `environment`: seeds, determinism, precision;
 - `console`: the form of the log lines and which tasks of a cluster print them;
 - `own_packages`: the engine's `models`/`input` beside a user's modules of those names;
