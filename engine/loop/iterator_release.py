@@ -22,15 +22,19 @@ let go after a fixed wait left the destructor to the collector there: a test sta
 At the process's exit the interpreter waits for those threads (an exit handler), at most
 `EXIT_WAIT_S`: Python ends a daemon thread still inside TensorFlow at finalization by
 unwinding it, which can abort the process, and a finished run must not wait forever
-either. What is still held then is named in one warning line. An iterator something else
-still holds at the exit (a traceback kept to the end) is left to the interpreter, which
-frees what is left at its finalization. `engine.main`, which ends without the
-interpreter's finalization, does not wait at all.
+either. What is still held then is named in one warning line. An iterator not yet being
+freed at the exit (one a Trainer never closed still holds, one a traceback kept to the end
+holds) is never freed (`leave_unfreed`): the interpreter's finalization would free it on
+its one thread, waiting for that autotuning thread again, iterator after iterator (a
+research script with a few Trainers took half a minute to end), and the process is ending:
+the system takes its memory back. `engine.main`, which ends without the interpreter's
+finalization, does not wait at all.
 """
 
 from __future__ import annotations
 
 import atexit
+import ctypes
 import sys
 import threading
 import time
@@ -50,7 +54,6 @@ _lock = threading.Lock()
 _waiting: set[threading.Thread] = set()  # Handed an iterator that something else still holds.
 _freeing: set[threading.Thread] = set()  # Dropping the only reference: TensorFlow's destructor runs.
 _exiting = False  # Set by the exit handler: a thread left waiting frees nothing after it.
-_left_at_exit: list[Any] = []  # Iterators still held elsewhere at the exit: the interpreter's to free.
 
 
 def release_in_background(holder: list[Any]) -> None:
@@ -60,6 +63,12 @@ def release_in_background(holder: list[Any]) -> None:
     with _lock:
         _waiting.add(thread)
     thread.start()
+
+
+def leave_unfreed(holder: list[Any]) -> None:
+    """Takes the only reference to an iterator, `holder`'s one item, at the process's exit, and
+    never frees it: one more reference, which the interpreter's finalization does not drop."""
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(holder.pop()))
 
 
 def wait_until_all_freed(timeout_s: float | None = None) -> bool:
@@ -134,7 +143,7 @@ def _free(holder: list[Any]) -> None:
             if _exiting or sole:
                 _waiting.discard(thread)
                 if _exiting:
-                    _left_at_exit.append(item)
+                    leave_unfreed([item])
                     return
                 _freeing.add(thread)
                 break

@@ -11,7 +11,9 @@ alone: it never trains. The parameter-server forms of both live in
 
 from __future__ import annotations
 
+import atexit
 import sys
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -41,7 +43,7 @@ from engine.loop.compiled import (
     make_resident_train_loop,
     make_train_loop,
 )
-from engine.loop.iterator_release import release_in_background
+from engine.loop.iterator_release import leave_unfreed, release_in_background
 from engine.loop.steps import EvalStep, ReplicaStep, inference_outputs, make_eval_step
 from engine.losses import EvalLoss, Objective
 from engine.metric_values import metric_logs
@@ -90,6 +92,7 @@ class TrainRunner:
         self._iterator_position = -1  # The stream position of the iterator's next batch.
         self._replica_tensors: Any = None  # ResidentData's copies on the replicas, made at the first call.
         self.loop = self._make_loop(global_step)
+        _LIVE_TRAIN_RUNNERS.add(self)
 
     def _make_loop(self, global_step: tf.Variable | None):
         if isinstance(self.data, ResidentData):
@@ -167,6 +170,13 @@ class TrainRunner:
         if self._iterator is not None:
             iterators, self._iterator = [self._iterator], None
             release_in_background(iterators)
+
+    def leave_iterator_unfreed(self) -> None:
+        """At the process's exit: lets go of the training iterator without freeing it
+        (`iterator_release.leave_unfreed`); the next call would make another."""
+        if self._iterator is not None:
+            iterators, self._iterator = [self._iterator], None
+            leave_unfreed(iterators)
 
     def __del__(self, _finalizing: Callable[[], bool] = sys.is_finalizing) -> None:
         # A Trainer dropped without close() (a research loop making one per trial, a test)
@@ -419,3 +429,17 @@ def _output_shape(model: Any) -> tuple[int | None, ...] | None:
     except (AttributeError, ValueError):
         pass
     return None
+
+
+_LIVE_TRAIN_RUNNERS: weakref.WeakSet[TrainRunner] = weakref.WeakSet()
+
+
+def _leave_training_iterators_at_exit() -> None:
+    """The exit handler: the training iterators that Trainers still hold (a research script's
+    Trainers, never closed) are left unfreed (`iterator_release.leave_unfreed`), not freed one
+    by one by the interpreter's finalization."""
+    for runner in list(_LIVE_TRAIN_RUNNERS):
+        runner.leave_iterator_unfreed()
+
+
+atexit.register(_leave_training_iterators_at_exit)  # After iterator_release's: it runs first.
