@@ -25,10 +25,9 @@ unwinding it, which can abort the process, and a finished run must not wait fore
 either. What is still held then is named in one warning line. An iterator not yet being
 freed at the exit (one a Trainer never closed still holds, one a traceback kept to the end
 holds) is never freed (`leave_unfreed`): the interpreter's finalization would free it on
-its one thread, waiting for that autotuning thread again, iterator after iterator (a
-research script with a few Trainers took half a minute to end), and the process is ending:
-the system takes its memory back. `engine.main`, which ends without the interpreter's
-finalization, does not wait at all.
+its one thread, waiting for that autotuning thread again, iterator after iterator, and the
+process is ending: the system takes its memory back. `engine.main`, which ends without the
+interpreter's finalization, does not wait at all.
 """
 
 from __future__ import annotations
