@@ -1,6 +1,7 @@
 """What a user sees: `--help` lists the engine's flags at once and exits 0, a run's output
 holds none of TensorFlow's C++ start-up lines unless TF_CPP_MIN_LOG_LEVEL asks for them, and
-the launcher checks engine.main's flags without importing TensorFlow. Real processes.
+the launcher checks engine.main's flags without importing TensorFlow; a run and a data service
+process import none of Keras's optional libraries. Real processes.
 
 Covers: engine/lean_imports.py, engine/native_logs.py.
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -129,6 +131,59 @@ def _report():
 
 atexit.register(_report)
 """
+
+
+# The same report where a process ends by os._exit (past its exit handlers), as the servers do.
+MODULES_AT_OS_EXIT_REPORTER = (
+    MODULES_AT_EXIT_REPORTER
+    + """
+import os
+
+_exit = os._exit
+
+
+def _report_then_exit(status):
+    _report()
+    _exit(status)
+
+
+os._exit = _report_then_exit
+"""
+)
+
+
+@pytest.mark.process
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_data_service_process_imports_no_optional_library(tmp_path):
+    """`python -m engine.data_service` imports TensorFlow as engine.main does: a dispatcher that
+    served and was stopped never loaded scikit-learn, pandas, scipy, IPython or matplotlib."""
+    from helpers import read_until
+
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(MODULES_AT_OS_EXIT_REPORTER)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "engine.data_service", "--dispatcher", "--port=0"],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": f"{site}{os.pathsep}{REPO}"},
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        read_until(process.stderr, "dispatcher serving at", timeout=90, process=process)
+        process.send_signal(signal.SIGTERM)
+        _, stderr = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(timeout=30)
+    assert process.returncode == 128 + signal.SIGTERM, stderr[-3000:]
+    reports = [line.split(" ", 1)[1] for line in stderr.splitlines() if line.startswith("MODULES_AT_EXIT ")]
+    assert len(reports) == 1, stderr[-3000:]
+    modules = set(reports[0].split())
+    assert {"tensorflow", "keras.src.wrappers"} <= modules  # Keras imported: its wrappers tried scikit-learn.
+    assert sorted(name for name in modules if name.split(".")[0] in HIDDEN) == []
 
 
 def test_only_native_log_lines_are_held_back():
