@@ -10,16 +10,23 @@ import time
 import pytest
 from helpers import REPO, python_env
 
-HELD = """
+# An object whose destructor never returns, as tf.data's iterator's now and then.
+HELD_IN_ITS_DESTRUCTOR = """
 import threading
-from engine.loop import iterator_release
+
 
 class HeldInItsDestructor:
-    def __del__(self):
-        threading.Event().wait(600)
+    def __del__(self, _wait=threading.Event().wait):  # Bound here: the finalization clears globals.
+        _wait(600)
+"""
+HELD = (
+    HELD_IN_ITS_DESTRUCTOR
+    + """
+from engine.loop import iterator_release
 
 iterator_release.release_in_background([HeldInItsDestructor()])
 """
+)
 
 
 def run(program: str) -> tuple[subprocess.CompletedProcess, float]:
@@ -48,9 +55,10 @@ def test_engine_mains_exit_does_not_wait_for_a_destructor():
 
 # A research script's Trainer, never closed, whose training iterator's destructor never returns
 # (as tf.data's waits for its autotuning thread, up to a minute, now and then forever).
-NEVER_CLOSED = """
+NEVER_CLOSED = (
+    HELD_IN_ITS_DESTRUCTOR
+    + """
 import sys
-import threading
 
 sys.path.insert(0, {tests!r})
 from helpers import make_trainer
@@ -58,11 +66,6 @@ from helpers import make_trainer
 from engine.loop import runners
 
 distribute = runners.distribute_train_data
-
-
-class HeldInItsDestructor:
-    def __del__(self, _wait=threading.Event().wait):  # Bound here: the finalization clears globals.
-        _wait(600)
 
 
 class SlowToFree:
@@ -81,6 +84,7 @@ runners.distribute_train_data = lambda strategy, data, start_step: SlowToFree(
 trainer = make_trainer()
 print("trained", trainer.train(2)["loss"] > 0)
 """
+)
 
 
 @pytest.mark.process
